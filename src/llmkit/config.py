@@ -1,0 +1,556 @@
+"""Model configuration: one `ModelConfig` dataclass composed of small, validated sub-configs.
+
+    ModelConfig
+    ├── attention: AttentionConfig      kind gqa | mla | dsa
+    │   ├── mla: MLAConfig              (DeepSeek-V2/V3 latent attention)
+    │   └── indexer: IndexerConfig      (DeepSeek-V3.2 lightning indexer, kind dsa)
+    ├── ffn: FFNConfig                  dense feed-forward: mlp | swiglu
+    ├── moe: MoEConfig | None           mixture of experts (replaces ffn after `first_dense_layers`)
+    ├── position: PositionConfig        sinusoidal | learned | rope | none
+    │   └── scaling: RopeScaling        linear | ntk | dynamic | yarn | llama3
+    ├── norm: NormConfig                layernorm | rmsnorm, pre | post
+    └── encoder: EncoderConfig | None   set for an encoder-decoder model
+
+Every config is frozen and validated on construction. An invalid value raises `ConfigError` naming the field, the
+value and what would be valid, e.g. ``attention.n_heads=12 is not divisible by attention.n_kv_heads=5 (valid
+n_kv_heads: 1, 2, 3, 4, 6, 12)``. Configs round-trip through JSON with `to_json` / `from_json`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+
+from llmkit.errors import ConfigError
+
+AttentionKind = Literal["gqa", "mla", "dsa"]
+PositionKind = Literal["sinusoidal", "learned", "rope", "none"]
+Layout = Literal["half", "interleaved"]
+RopeScalingKind = Literal["linear", "ntk", "dynamic", "yarn", "llama3"]
+NormKind = Literal["layernorm", "rmsnorm"]
+NormPlacement = Literal["pre", "post"]
+Activation = Literal["relu", "gelu", "gelu_tanh", "silu"]
+FFNKind = Literal["mlp", "swiglu"]
+ScoreFunc = Literal["softmax", "sigmoid"]
+InitKind = Literal["normal", "xavier"]
+
+C = TypeVar("C", bound="_Config")
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    """Whether `value` fits the annotation `tp` (the small subset of typing used by these configs)."""
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return any(_type_ok(value, arg) for arg in get_args(tp))
+    if origin is Literal:
+        return value in get_args(tp)
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(tp, type):
+        return isinstance(value, tp)
+    return True
+
+
+def _describe(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in get_args(tp))
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if tp is type(None):
+        return "None"
+    return getattr(tp, "__name__", str(tp))
+
+
+class _Config:
+    """Shared machinery: type checks, validation hook, dict/JSON conversion."""
+
+    path: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        hints = get_type_hints(type(self))
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            tp = hints[f.name]
+            if not _type_ok(value, tp):
+                raise ConfigError(f"{self._name(f.name)}={value!r} has the wrong type: expected {_describe(tp)}")
+            # store floats as floats so that JSON round-trips exactly
+            if tp is float and isinstance(value, int):
+                object.__setattr__(self, f.name, float(value))
+        self.validate()
+
+    def _name(self, field_name: str) -> str:
+        return f"{self.path}.{field_name}" if self.path else field_name
+
+    def fail(self, field_name: str, message: str) -> typing.NoReturn:
+        raise ConfigError(f"{self._name(field_name)}={getattr(self, field_name)!r} {message}")
+
+    def require(self, condition: bool, field_name: str, message: str) -> None:
+        if not condition:
+            self.fail(field_name, message)
+
+    def validate(self) -> None:
+        """Field constraints; subclasses override."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls: type[C], data: dict[str, Any]) -> C:
+        if not isinstance(data, dict):
+            raise ConfigError(f"{cls.path or cls.__name__}: expected a mapping, got {type(data).__name__}")
+        hints = get_type_hints(cls)
+        names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            where = cls.path or "config"
+            raise ConfigError(f"unknown field(s) {unknown} in {where}; valid fields: {', '.join(names)}")
+        kwargs: dict[str, Any] = {}
+        for name, value in data.items():
+            sub = _config_class(hints[name])
+            kwargs[name] = sub.from_dict(value) if sub is not None and isinstance(value, dict) else value
+        try:
+            return cls(**kwargs)
+        except TypeError as e:  # a required field is missing
+            raise ConfigError(f"{cls.path or cls.__name__}: {e}") from None
+
+
+def _config_class(tp: Any) -> type[_Config] | None:
+    """The _Config subclass inside an annotation like `MLAConfig | None`, if any."""
+    candidates = get_args(tp) if get_origin(tp) in (Union, types.UnionType) else (tp,)
+    for c in candidates:
+        if isinstance(c, type) and issubclass(c, _Config):
+            return c
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# positions
+
+
+@dataclass(frozen=True)
+class RopeScaling(_Config):
+    """Context extension for RoPE. Each kind rescales the rotary frequencies:
+
+    - linear (position interpolation, Chen et al. 2023): every frequency / factor.
+    - ntk (NTK-aware, bloc97 2023): base theta * factor ** (d / (d - 2)).
+    - dynamic (dynamic NTK): ntk with the factor grown from the current length, only past the original length.
+    - yarn (Peng et al. 2023): per-frequency blend of interpolation and extrapolation, plus an attention scale
+      0.1 * ln(factor) + 1 applied to q and k.
+    - llama3 (Meta 2024): low frequencies / factor, high frequencies kept, a smooth ramp in between.
+    """
+
+    path: ClassVar[str] = "position.scaling"
+    kind: RopeScalingKind
+    factor: float
+    original_max_seq_len: int | None = None
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
+    # llama3
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+
+    def validate(self) -> None:
+        self.require(self.factor > 0, "factor", "must be > 0 (1.0 means no scaling)")
+        if self.kind in ("dynamic", "yarn", "llama3"):
+            self.require(
+                self.original_max_seq_len is not None,
+                "original_max_seq_len",
+                f"is required for kind={self.kind!r} (the context length the model was trained with)",
+            )
+        if self.original_max_seq_len is not None:
+            self.require(self.original_max_seq_len >= 1, "original_max_seq_len", "must be >= 1")
+        if self.kind == "yarn":
+            self.require(self.beta_fast > self.beta_slow, "beta_fast", f"must be > beta_slow={self.beta_slow}")
+        if self.kind == "llama3":
+            self.require(
+                self.high_freq_factor > self.low_freq_factor,
+                "high_freq_factor",
+                f"must be > low_freq_factor={self.low_freq_factor}",
+            )
+
+
+@dataclass(frozen=True)
+class PositionConfig(_Config):
+    """How token positions enter the model.
+
+    kind: sinusoidal (fixed, added to embeddings, Vaswani et al. 2017), learned (added), rope (rotary, applied to q
+    and k), none. layout: for rope, which dimensions form a rotated pair ("half": i and i + d/2 as in HF Llama;
+    "interleaved": 2i and 2i+1 as in the RoPE paper and DeepSeek); for sinusoidal, where sin and cos go
+    ("interleaved": sin at 2i, cos at 2i+1 as in the paper; "half": sin then cos, as tensor2tensor and Marian).
+    """
+
+    path: ClassVar[str] = "position"
+    kind: PositionKind = "rope"
+    max_seq_len: int = 2048
+    theta: float = 10000.0
+    layout: Layout = "half"
+    rope_fraction: float = 1.0
+    scaling: RopeScaling | None = None
+
+    def validate(self) -> None:
+        self.require(self.max_seq_len >= 1, "max_seq_len", "must be >= 1")
+        self.require(self.theta > 1.0, "theta", "must be > 1 (the RoPE / sinusoid base, usually 10000)")
+        self.require(0.0 < self.rope_fraction <= 1.0, "rope_fraction", "must be in (0, 1]")
+        if self.scaling is not None:
+            self.require(self.kind == "rope", "kind", "does not use position.scaling; scaling needs kind='rope'")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# attention
+
+
+@dataclass(frozen=True)
+class MLAConfig(_Config):
+    """Multi-head latent attention (DeepSeek-V2 §2.1): keys and values are rebuilt from a shared latent of
+    `kv_lora_rank` dims; a decoupled `qk_rope_head_dim` part carries RoPE with one key shared by all heads."""
+
+    path: ClassVar[str] = "attention.mla"
+    kv_lora_rank: int = 512
+    q_lora_rank: int | None = 1536
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+
+    def validate(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+            self.require(getattr(self, name) >= 1, name, "must be >= 1")
+        self.require(
+            self.qk_rope_head_dim >= 2 and self.qk_rope_head_dim % 2 == 0,
+            "qk_rope_head_dim",
+            "must be even and >= 2 (RoPE rotates pairs of dimensions)",
+        )
+        if self.q_lora_rank is not None:
+            self.require(self.q_lora_rank >= 1, "q_lora_rank", "must be >= 1, or None for a direct projection")
+
+
+@dataclass(frozen=True)
+class IndexerConfig(_Config):
+    """DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2): `n_heads` small heads score every key; each
+    query attends only to its `topk` best keys."""
+
+    path: ClassVar[str] = "attention.indexer"
+    n_heads: int = 64
+    head_dim: int = 128
+    topk: int = 2048
+
+    def validate(self) -> None:
+        self.require(self.n_heads >= 1, "n_heads", "must be >= 1")
+        self.require(self.head_dim >= 2, "head_dim", "must be >= 2")
+        self.require(self.topk >= 1, "topk", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class AttentionConfig(_Config):
+    """Self-attention. kind gqa covers MHA (n_kv_heads == n_heads) and MQA (n_kv_heads == 1); mla needs `mla`;
+    dsa (MLA + lightning indexer + top-k sparse attention) needs `mla` and `indexer`."""
+
+    path: ClassVar[str] = "attention"
+    kind: AttentionKind = "gqa"
+    n_heads: int = 8
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    qkv_bias: bool = False
+    out_bias: bool = False
+    dropout: float = 0.0
+    mla: MLAConfig | None = None
+    indexer: IndexerConfig | None = None
+
+    def validate(self) -> None:
+        self.require(self.n_heads >= 1, "n_heads", "must be >= 1")
+        self.require(0.0 <= self.dropout < 1.0, "dropout", "must be in [0, 1)")
+        if self.kind == "gqa":
+            self.require(self.mla is None, "mla", "is only used with attention.kind='mla' or 'dsa'")
+            self.require(self.indexer is None, "indexer", "is only used with attention.kind='dsa'")
+            if self.n_kv_heads is not None:
+                self.require(self.n_kv_heads >= 1, "n_kv_heads", "must be >= 1")
+                if self.n_heads % self.n_kv_heads != 0:
+                    raise ConfigError(
+                        f"attention.n_heads={self.n_heads} is not divisible by attention.n_kv_heads="
+                        f"{self.n_kv_heads} (valid n_kv_heads: {_divisors(self.n_heads)})"
+                    )
+            if self.head_dim is not None:
+                self.require(self.head_dim >= 1, "head_dim", "must be >= 1")
+        else:
+            self.require(self.mla is not None, "mla", f"is required for attention.kind={self.kind!r}")
+            self.require(
+                self.n_kv_heads is None,
+                "n_kv_heads",
+                "is not used by latent attention (every head reads the shared latent); leave it None",
+            )
+            self.require(
+                self.head_dim is None,
+                "head_dim",
+                "is not used by latent attention (set mla.qk_nope_head_dim / qk_rope_head_dim / v_head_dim)",
+            )
+            if self.kind == "dsa":
+                self.require(self.indexer is not None, "indexer", "is required for attention.kind='dsa'")
+                assert self.mla is not None and self.indexer is not None
+                if self.indexer.head_dim < self.mla.qk_rope_head_dim:
+                    raise ConfigError(
+                        f"attention.indexer.head_dim={self.indexer.head_dim} must be >= "
+                        f"attention.mla.qk_rope_head_dim={self.mla.qk_rope_head_dim} (the indexer rotates its "
+                        "first qk_rope_head_dim dimensions)"
+                    )
+            else:
+                self.require(self.indexer is None, "indexer", "is only used with attention.kind='dsa'")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# feed-forward and mixture of experts
+
+
+@dataclass(frozen=True)
+class FFNConfig(_Config):
+    """Dense position-wise feed-forward: mlp = act(x W1) W2 (paper: ReLU); swiglu = (silu(x W1) * x W3) W2."""
+
+    path: ClassVar[str] = "ffn"
+    kind: FFNKind = "swiglu"
+    hidden_dim: int | None = None
+    activation: Activation = "silu"
+    bias: bool = False
+
+    def validate(self) -> None:
+        if self.hidden_dim is not None:
+            self.require(self.hidden_dim >= 1, "hidden_dim", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class MoEConfig(_Config):
+    """Mixture of experts. Switch: top_k=1, softmax, norm_topk=False. GShard / Mixtral: top_k=2, softmax,
+    norm_topk=True. DeepSeek-V3: sigmoid scores, n_groups / topk_groups, score_bias (aux-loss-free balancing),
+    routed_scale, shared experts. Layers before `first_dense_layers` keep the dense `ffn`."""
+
+    path: ClassVar[str] = "moe"
+    n_experts: int = 8
+    top_k: int = 2
+    expert_hidden_dim: int = 1024
+    expert_kind: FFNKind = "swiglu"
+    activation: Activation = "silu"
+    n_shared_experts: int = 0
+    score_func: ScoreFunc = "softmax"
+    n_groups: int = 1
+    topk_groups: int = 1
+    norm_topk: bool = True
+    routed_scale: float = 1.0
+    score_bias: bool = False
+    capacity_factor: float | None = None
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    first_dense_layers: int = 0
+
+    def validate(self) -> None:
+        self.require(self.n_experts >= 1, "n_experts", "must be >= 1")
+        self.require(1 <= self.top_k <= self.n_experts, "top_k", f"must be between 1 and n_experts={self.n_experts}")
+        self.require(self.expert_hidden_dim >= 1, "expert_hidden_dim", "must be >= 1")
+        self.require(self.n_shared_experts >= 0, "n_shared_experts", "must be >= 0")
+        if self.n_groups < 1 or self.n_experts % self.n_groups != 0:
+            raise ConfigError(
+                f"moe.n_groups={self.n_groups} must divide moe.n_experts={self.n_experts} "
+                f"(valid n_groups: {_divisors(self.n_experts)})"
+            )
+        self.require(
+            1 <= self.topk_groups <= self.n_groups,
+            "topk_groups",
+            f"must be between 1 and n_groups={self.n_groups}",
+        )
+        reachable = self.topk_groups * (self.n_experts // self.n_groups)
+        self.require(
+            self.top_k <= reachable,
+            "top_k",
+            f"exceeds the {reachable} experts in the topk_groups={self.topk_groups} selected groups",
+        )
+        self.require(self.routed_scale > 0, "routed_scale", "must be > 0")
+        if self.capacity_factor is not None:
+            self.require(self.capacity_factor > 0, "capacity_factor", "must be > 0, or None for no capacity limit")
+        self.require(self.aux_loss_coef >= 0, "aux_loss_coef", "must be >= 0")
+        self.require(self.z_loss_coef >= 0, "z_loss_coef", "must be >= 0")
+        self.require(self.first_dense_layers >= 0, "first_dense_layers", "must be >= 0")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# norms, encoder, model
+
+
+@dataclass(frozen=True)
+class NormConfig(_Config):
+    """kind: layernorm | rmsnorm. placement: pre (x + f(norm(x)), GPT-2/LLaMA) or post (norm(x + f(x)), the
+    original Transformer). bias: LayerNorm's additive bias."""
+
+    path: ClassVar[str] = "norm"
+    kind: NormKind = "rmsnorm"
+    placement: NormPlacement = "pre"
+    eps: float = 1e-5
+    bias: bool = True
+
+    def validate(self) -> None:
+        self.require(self.eps > 0, "eps", "must be > 0")
+
+
+@dataclass(frozen=True)
+class EncoderConfig(_Config):
+    """The encoder of an encoder-decoder model. vocab_size None: source and target share one vocabulary and one
+    embedding matrix (the paper's shared BPE vocabulary)."""
+
+    path: ClassVar[str] = "encoder"
+    n_layers: int = 6
+    vocab_size: int | None = None
+
+    def validate(self) -> None:
+        self.require(self.n_layers >= 1, "n_layers", "must be >= 1")
+        if self.vocab_size is not None:
+            self.require(self.vocab_size >= 1, "vocab_size", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class ModelConfig(_Config):
+    """A whole model. Decoder-only when `encoder` is None, encoder-decoder otherwise (`n_layers` is then the
+    number of decoder layers). `head_dim`, `n_kv_heads` and `ffn.hidden_dim` left as None are resolved on
+    construction, so the stored config is always explicit."""
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    ffn: FFNConfig = field(default_factory=FFNConfig)
+    position: PositionConfig = field(default_factory=PositionConfig)
+    norm: NormConfig = field(default_factory=NormConfig)
+    moe: MoEConfig | None = None
+    encoder: EncoderConfig | None = None
+    tie_embeddings: bool = False
+    scale_embeddings: bool = False
+    head_bias: bool = False
+    dropout: float = 0.0
+    mtp_depth: int = 0
+    init: InitKind = "normal"
+    init_std: float = 0.02
+
+    def validate(self) -> None:
+        self.require(self.vocab_size >= 1, "vocab_size", "must be >= 1")
+        self.require(self.d_model >= 1, "d_model", "must be >= 1")
+        self.require(self.n_layers >= 1, "n_layers", "must be >= 1")
+        self.require(0.0 <= self.dropout < 1.0, "dropout", "must be in [0, 1)")
+        self.require(self.mtp_depth >= 0, "mtp_depth", "must be >= 0")
+        self.require(self.init_std > 0, "init_std", "must be > 0")
+        self._resolve_attention()
+        self._resolve_ffn()
+        if self.moe is not None and self.moe.first_dense_layers > self.n_layers:
+            raise ConfigError(f"moe.first_dense_layers={self.moe.first_dense_layers} exceeds n_layers={self.n_layers}")
+        if self.encoder is not None:
+            if self.attention.kind != "gqa":
+                raise ConfigError(
+                    f"attention.kind={self.attention.kind!r} is not supported in an encoder-decoder model "
+                    "(cross-attention is defined for kind='gqa')"
+                )
+            self.require(self.mtp_depth == 0, "mtp_depth", "is only supported for decoder-only models")
+        if self.attention.kind != "gqa" and self.position.kind != "rope":
+            raise ConfigError(
+                f"position.kind={self.position.kind!r} cannot be used with attention.kind="
+                f"{self.attention.kind!r}: latent attention carries positions in its decoupled RoPE dims, "
+                "so position.kind must be 'rope'"
+            )
+        if self.position.kind == "rope":
+            rope = self.rope_dim
+            if rope < 2 or rope % 2 != 0:
+                raise ConfigError(
+                    f"position.rope_fraction={self.position.rope_fraction} of head_dim={self.head_dim} gives "
+                    f"{rope} rotary dims; RoPE needs an even number >= 2"
+                )
+
+    def _resolve_attention(self) -> None:
+        a = self.attention
+        if a.kind != "gqa":
+            return
+        head_dim = a.head_dim
+        if head_dim is None:
+            if self.d_model % a.n_heads != 0:
+                raise ConfigError(
+                    f"d_model={self.d_model} is not divisible by attention.n_heads={a.n_heads}; set "
+                    f"attention.head_dim explicitly or choose n_heads among {_divisors(self.d_model)}"
+                )
+            head_dim = self.d_model // a.n_heads
+        n_kv = a.n_kv_heads if a.n_kv_heads is not None else a.n_heads
+        if (head_dim, n_kv) != (a.head_dim, a.n_kv_heads):
+            object.__setattr__(self, "attention", dataclasses.replace(a, head_dim=head_dim, n_kv_heads=n_kv))
+
+    def _resolve_ffn(self) -> None:
+        f = self.ffn
+        if f.hidden_dim is not None:
+            return
+        # mlp: 4d. swiglu: LLaMA's rule, 2/3 of 4d (an MLP's parameter count with three matrices), rounded up to 256
+        hidden = 4 * self.d_model if f.kind == "mlp" else 256 * math.ceil(int(8 * self.d_model / 3) / 256)
+        object.__setattr__(self, "ffn", dataclasses.replace(f, hidden_dim=hidden))
+
+    # ---- derived quantities used by the layers (one place, so no layer re-derives them differently)
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self.encoder is not None
+
+    @property
+    def head_dim(self) -> int:
+        """Query/key head dimension (for MLA: nope + rope dims)."""
+        a = self.attention
+        if a.kind == "gqa":
+            assert a.head_dim is not None
+            return a.head_dim
+        assert a.mla is not None
+        return a.mla.qk_nope_head_dim + a.mla.qk_rope_head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """Number of rotated dimensions per head (0 without RoPE)."""
+        if self.position.kind != "rope":
+            return 0
+        a = self.attention
+        if a.kind != "gqa":
+            assert a.mla is not None
+            return a.mla.qk_rope_head_dim
+        return int(self.head_dim * self.position.rope_fraction)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer >= self.moe.first_dense_layers
+
+    # ---- serialisation
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2)
+        if path is not None:
+            Path(path).write_text(text + "\n")
+        return text
+
+    @classmethod
+    def from_json(cls, source: str | Path) -> ModelConfig:
+        """Read a config from a JSON file path or a JSON string."""
+        text = str(source)
+        if not text.lstrip().startswith("{"):
+            p = Path(source)
+            if not p.is_file():
+                raise ConfigError(f"config file {str(p)!r} does not exist")
+            text = p.read_text()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config is not valid JSON: {e}") from None
+        return cls.from_dict(data)

@@ -1,0 +1,47 @@
+"""Attention variants, each a class with the same forward signature, chosen by `attention.kind`."""
+
+from __future__ import annotations
+
+from llmkit.config import ModelConfig
+from llmkit.layers.attention.base import AttentionInputs, SelfAttention
+from llmkit.layers.attention.cache import KVCache, LatentCache, SparseLatentCache
+from llmkit.layers.attention.core import attend, attend_selected
+from llmkit.layers.attention.cross import CrossAttention, CrossCache
+from llmkit.layers.attention.gqa import GroupedQueryAttention
+from llmkit.layers.attention.mask import AttentionMask, causal_tril, padding_mask
+from llmkit.layers.attention.mla import MultiHeadLatentAttention, Selection
+from llmkit.layers.attention.sparse import DeepSeekSparseAttention, LightningIndexer
+
+ATTENTION: dict[str, type[GroupedQueryAttention] | type[MultiHeadLatentAttention]] = {
+    "gqa": GroupedQueryAttention,
+    "mla": MultiHeadLatentAttention,
+    "dsa": DeepSeekSparseAttention,
+}
+
+
+def build_attention(cfg: ModelConfig) -> SelfAttention:
+    """The self-attention layer named by `cfg.attention.kind`."""
+    return ATTENTION[cfg.attention.kind].from_config(cfg)
+
+
+__all__ = [
+    "ATTENTION",
+    "AttentionInputs",
+    "AttentionMask",
+    "CrossAttention",
+    "CrossCache",
+    "DeepSeekSparseAttention",
+    "GroupedQueryAttention",
+    "KVCache",
+    "LatentCache",
+    "LightningIndexer",
+    "MultiHeadLatentAttention",
+    "Selection",
+    "SelfAttention",
+    "SparseLatentCache",
+    "attend",
+    "attend_selected",
+    "build_attention",
+    "causal_tril",
+    "padding_mask",
+]

@@ -1,0 +1,97 @@
+"""Scaled dot-product attention (Vaswani et al. 2017, eq. 1), dense and over selected keys.
+
+    Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V
+
+The 1/sqrt(d_k) keeps the logits' variance near 1 when q and k have unit-variance entries, so the softmax does not
+saturate. Two dense paths compute the same thing:
+- PyTorch's fused SDPA (flash / memory-efficient kernels), used by default;
+- an explicit path that also returns the attention weights, for inspection and plots.
+
+Shapes: B batch, H query heads, K key/value heads (H % K == 0; group G = H / K), T queries, S keys, n selected keys
+per query, D query/key dim, Dv value dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from llmkit.layers.attention.mask import AttentionMask
+
+_SDPA_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
+def _softmax_rows(scores: Tensor, allowed: Tensor | None) -> Tensor:
+    """Softmax over the last dim in fp32; rows with no allowed key give zeros instead of NaN."""
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    weights = torch.softmax(scores.float(), dim=-1)
+    if allowed is not None:
+        weights = weights.masked_fill(~allowed.any(dim=-1, keepdim=True), 0.0)
+    return weights
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: AttentionMask | None,
+    scale: float,
+    dropout_p: float = 0.0,
+    need_weights: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """q (B, H, T, D), k (B, K, S, D), v (B, K, S, Dv) -> out (B, H, T, Dv), weights (B, H, T, S) or None."""
+    B, H, T, _ = q.shape
+    K, S = k.shape[1], k.shape[2]
+    mask = mask or AttentionMask()
+    if not need_weights:
+        attn_mask, is_causal = mask.for_sdpa(T, S, q.device)
+        if H != K and not _SDPA_GQA:  # torch < 2.5: expand the shared heads
+            k, v = k.repeat_interleave(H // K, dim=1), v.repeat_interleave(H // K, dim=1)
+        extra = {"enable_gqa": True} if H != K and _SDPA_GQA else {}
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **extra
+        )
+        return out, None
+    # explicit path: group the H query heads by the K kv heads they share, (B, K, G, T, D)
+    qg = q.view(B, K, H // K, T, -1)
+    scores = (qg @ k.unsqueeze(2).transpose(-1, -2)) * scale  # (B, K, G, T, S)
+    allowed = mask.dense(T, S, q.device)
+    weights = _softmax_rows(scores, None if allowed is None else allowed.unsqueeze(2))  # (B, K, G, T, S)
+    dropped = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
+    out = dropped.to(v.dtype) @ v.unsqueeze(2)  # (B, K, G, T, Dv)
+    return out.reshape(B, H, T, -1), weights.reshape(B, H, T, S)
+
+
+def gather_keys(x: Tensor, index: Tensor) -> Tensor:
+    """Per query, gather its selected key slots. x (B, K, S, D), index (B, T, n) -> (B, K, T, n, D)."""
+    B, K, _, D = x.shape
+    _, T, n = index.shape
+    flat = index.reshape(B, 1, T * n, 1).expand(B, K, T * n, D)
+    return x.gather(2, flat).view(B, K, T, n, D)
+
+
+def attend_selected(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    index: Tensor,
+    valid: Tensor,
+    scale: float,
+    dropout_p: float = 0.0,
+) -> tuple[Tensor, Tensor]:
+    """Attention of each query over its own n selected keys only (gathered, not masked out of all S).
+
+    q (B, H, T, D), k (B, K, S, D), v (B, K, S, Dv), index (B, T, n) long key slots, valid (B, T, n) bool
+    -> out (B, H, T, Dv), weights (B, H, T, n) over the selected keys.
+    """
+    B, H, T, _ = q.shape
+    K = k.shape[1]
+    k_sel, v_sel = gather_keys(k, index), gather_keys(v, index)  # (B, K, T, n, D), (B, K, T, n, Dv)
+    qg = q.view(B, K, H // K, T, -1)  # (B, K, G, T, D)
+    scores = torch.einsum("bkgtd,bktnd->bkgtn", qg, k_sel) * scale  # (B, K, G, T, n)
+    weights = _softmax_rows(scores, valid[:, None, None])
+    dropped = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
+    out = torch.einsum("bkgtn,bktnd->bkgtd", dropped.to(v.dtype), v_sel)  # (B, K, G, T, Dv)
+    return out.reshape(B, H, T, -1), weights.reshape(B, H, T, -1)

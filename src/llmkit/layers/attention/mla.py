@@ -1,0 +1,222 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2 §2.1, used by DeepSeek-V3).
+
+Keys and values are not projected from x per head; x is first compressed to one small latent c (kv_lora_rank dims,
+RMS-normalised), and every head's key and value are linear functions of it:
+
+    c_t = norm(x_t W_dkv)                       (B, T, r)      the only thing to cache ...
+    k_t^h = [c_t W_uk^h , R_t x_t W_kr]         (nope | rope)  ... plus one rope key shared by all heads
+    v_t^h = c_t W_uv^h
+    q_t^h = [c'_t W_uq^h , R_t c'_t W_qr^h]     c'_t = norm(x_t W_dq): queries are low-rank too
+
+RoPE is position dependent, so it cannot sit inside W_uk (R_(t-s) would land between W_uq and W_uk). Hence the
+decoupled rope dims: a few extra dims per head that carry RoPE, with a key shared across heads.
+
+Two mathematically equal paths:
+- explicit (training): rebuild per-head k, v from c and run ordinary attention;
+- absorbed (inference): since q^h . k^h_nope = (q^h W_uk^h^T) . c, fold W_uk into the query and W_uv into the output,
+  and attend directly over the cached latents. This is MQA with one key of r + d_rope dims (576 at V3 sizes):
+        q_lat^h = q_nope^h W_uk^h^T          (B, H, T, r)
+        o^h     = softmax(q_lat^h . c + q_pe^h . k_pe) c  W_uv^h
+
+Shapes: B batch, T new tokens, S key slots, C model dim, H heads, r kv_lora_rank, dn nope dims, dr rope dims, dv value
+dims, n selected keys (sparse attention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from llmkit.config import Layout, MLAConfig, ModelConfig
+from llmkit.layers.attention.base import AttentionInputs, SelfAttention
+from llmkit.layers.attention.cache import LatentCache
+from llmkit.layers.attention.core import attend, attend_selected
+from llmkit.layers.norm import RMSNorm
+from llmkit.layers.rope import apply_rope, yarn_mscale
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The keys each query attends to in sparse attention: index (B, T, n) key slots, valid (B, T, n) bool."""
+
+    index: Tensor
+    valid: Tensor
+
+
+def mla_softmax_scale(cfg: ModelConfig) -> float:
+    """1/sqrt(dn + dr), times YaRN's mscale^2 when RoPE is YaRN-scaled with mscale_all_dim (DeepSeek-V3): the rope
+    dims are a small part of each head, so the temperature correction goes on the whole score."""
+    scale = cfg.head_dim**-0.5
+    s = cfg.position.scaling
+    if s is not None and s.kind == "yarn" and s.mscale_all_dim:
+        scale *= yarn_mscale(s.factor, s.mscale_all_dim) ** 2
+    return scale
+
+
+class MultiHeadLatentAttention(SelfAttention):
+    """MLA. x (B, T, C) -> (B, T, C). `absorb`: None picks the absorbed path when decoding with a cache and the
+    explicit path otherwise; True / False force one."""
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        mla: MLAConfig,
+        softmax_scale: float | None = None,
+        dropout: float = 0.0,
+        rope_layout: Layout = "interleaved",
+        qkv_bias: bool = False,
+        out_bias: bool = False,
+        norm_eps: float = 1e-6,
+    ) -> None:
+        super().__init__()
+        self.n_heads, self.dropout, self.rope_layout = n_heads, dropout, rope_layout
+        self.r, self.dn, self.dr, self.dv = (
+            mla.kv_lora_rank,
+            mla.qk_nope_head_dim,
+            mla.qk_rope_head_dim,
+            mla.v_head_dim,
+        )
+        self.q_lora_rank = mla.q_lora_rank
+        self.scale = softmax_scale if softmax_scale is not None else (self.dn + self.dr) ** -0.5
+        self.absorb: bool | None = None
+        qk = n_heads * (self.dn + self.dr)
+        if mla.q_lora_rank is not None:  # low-rank query path: C -> q_lora -> norm -> H * (dn + dr)
+            self.wq_a = nn.Linear(d_model, mla.q_lora_rank, bias=qkv_bias)
+            self.q_norm = RMSNorm(mla.q_lora_rank, norm_eps)
+            self.wq_b = nn.Linear(mla.q_lora_rank, qk, bias=False)
+        else:  # DeepSeek-V2-Lite: queries projected directly
+            self.wq = nn.Linear(d_model, qk, bias=False)
+        self.wkv_a = nn.Linear(d_model, self.r + self.dr, bias=qkv_bias)  # latent c and the shared rope key
+        self.kv_norm = RMSNorm(self.r, norm_eps)
+        self.wkv_b = nn.Linear(self.r, n_heads * (self.dn + self.dv), bias=False)  # W_uk and W_uv, stacked per head
+        self.wo = nn.Linear(n_heads * self.dv, d_model, bias=out_bias)
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> MultiHeadLatentAttention:
+        a = cfg.attention
+        assert a.mla is not None
+        return cls(
+            cfg.d_model,
+            a.n_heads,
+            a.mla,
+            mla_softmax_scale(cfg),
+            a.dropout,
+            cfg.position.layout,
+            a.qkv_bias,
+            a.out_bias,
+            cfg.norm.eps,
+        )
+
+    # ---- projections
+
+    def project_queries(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        """x (B, T, C) -> q (B, T, H, dn + dr) and the normalised query latent (B, T, q_lora) or None."""
+        B, T, _ = x.shape
+        if self.q_lora_rank is not None:
+            q_latent = self.q_norm(self.wq_a(x))
+            q = self.wq_b(q_latent)
+        else:
+            q_latent, q = None, self.wq(x)
+        return q.view(B, T, self.n_heads, self.dn + self.dr), q_latent
+
+    def project_latent(self, x: Tensor, inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
+        """x (B, T, C) -> normalised latent c_kv (B, T, r) and rotated shared rope key k_pe (B, T, dr)."""
+        c_kv, k_pe = self.wkv_a(x).split([self.r, self.dr], dim=-1)
+        c_kv = self.kv_norm(c_kv)
+        if inputs.rope is not None:
+            k_pe = apply_rope(k_pe.unsqueeze(2), inputs.rope, self.rope_layout).squeeze(2)  # one head, shared
+        return c_kv, k_pe
+
+    # ---- forward
+
+    def forward(self, x: Tensor, inputs: AttentionInputs, cache: LatentCache | None = None) -> Tensor:
+        q, q_latent = self.project_queries(x)
+        q_nope, q_pe = q.split([self.dn, self.dr], dim=-1)  # (B, T, H, dn), (B, T, H, dr)
+        if inputs.rope is not None:
+            q_pe = apply_rope(q_pe, inputs.rope, self.rope_layout)
+        c_kv, k_pe = self.project_latent(x, inputs)
+        if cache is not None:
+            c_kv, k_pe = cache.update(inputs.cache_start, c_kv, k_pe)  # (B, S, r), (B, S, dr)
+        selection = self.select(x, q_latent, inputs, cache, c_kv.shape[1])
+        absorbed = self.absorb if self.absorb is not None else cache is not None
+        attend_fn = self.attend_absorbed if absorbed else self.attend_explicit
+        out = attend_fn(q_nope, q_pe, c_kv, k_pe, inputs, selection)  # (B, T, H * dv)
+        return self.wo(out)
+
+    def select(
+        self, x: Tensor, q_latent: Tensor | None, inputs: AttentionInputs, cache: LatentCache | None, S: int
+    ) -> Selection | None:
+        """Which keys each query attends to: None = all allowed keys (dense MLA). Sparse attention overrides."""
+        return None
+
+    def _run(self, q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs, selection: Selection | None) -> Tensor:
+        """Attention (dense or over the selection); keeps (B, H, T, S) weights when asked."""
+        dropout = self.dropout if self.training else 0.0
+        if selection is None:
+            out, weights = attend(q, k, v, inputs.mask, self.scale, dropout, need_weights=self.keep_weights)
+            self.last_weights = weights
+            return out
+        out, sel_weights = attend_selected(q, k, v, selection.index, selection.valid, self.scale, dropout)
+        self.last_weights = None
+        if self.keep_weights:  # scatter the weights over the selected keys back to all S keys
+            B, H, T, _ = sel_weights.shape
+            dense = sel_weights.new_zeros(B, H, T, k.shape[2])
+            self.last_weights = dense.scatter(-1, selection.index.unsqueeze(1).expand(B, H, T, -1), sel_weights)
+        return out
+
+    def attend_explicit(
+        self,
+        q_nope: Tensor,
+        q_pe: Tensor,
+        c_kv: Tensor,
+        k_pe: Tensor,
+        inputs: AttentionInputs,
+        selection: Selection | None,
+    ) -> Tensor:
+        """Rebuild per-head keys and values from the latent, then attend. -> (B, T, H * dv)."""
+        B, T, H, _ = q_nope.shape
+        S = c_kv.shape[1]
+        kv = self.wkv_b(c_kv).view(B, S, H, self.dn + self.dv)
+        k_nope, v = kv.split([self.dn, self.dv], dim=-1)  # (B, S, H, dn), (B, S, H, dv)
+        k = torch.cat((k_nope, k_pe.unsqueeze(2).expand(B, S, H, self.dr)), dim=-1)  # (B, S, H, dn + dr)
+        q = torch.cat((q_nope, q_pe), dim=-1)  # (B, T, H, dn + dr)
+        out = self._run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), inputs, selection)
+        return out.transpose(1, 2).reshape(B, T, H * self.dv)
+
+    def attend_absorbed(
+        self,
+        q_nope: Tensor,
+        q_pe: Tensor,
+        c_kv: Tensor,
+        k_pe: Tensor,
+        inputs: AttentionInputs,
+        selection: Selection | None,
+    ) -> Tensor:
+        """Attend over the latents with W_uk folded into the queries and W_uv into the output. -> (B, T, H * dv)."""
+        B, T, H, _ = q_nope.shape
+        w = self.wkv_b.weight.view(H, self.dn + self.dv, self.r)
+        w_uk, w_uv = w[:, : self.dn], w[:, self.dn :]  # (H, dn, r), (H, dv, r)
+        q_lat = torch.einsum("bthd,hdr->bhtr", q_nope, w_uk)  # (B, H, T, r)
+        q = torch.cat((q_lat, q_pe.transpose(1, 2)), dim=-1)  # (B, H, T, r + dr)
+        k = torch.cat((c_kv, k_pe), dim=-1).unsqueeze(1)  # (B, 1, S, r + dr): one key head, as in MQA
+        v = c_kv.unsqueeze(1)  # (B, 1, S, r)
+        out_lat = self._run(q, k, v, inputs, selection)  # (B, H, T, r)
+        out = torch.einsum("bhtr,hvr->bthv", out_lat, w_uv)  # (B, T, H, dv)
+        return out.reshape(B, T, H * self.dv)
+
+    def new_cache(
+        self, batch: int, max_len: int, device: torch.device | None = None, dtype: torch.dtype | None = None
+    ) -> LatentCache:
+        return LatentCache(batch, max_len, self.r, self.dr, device, dtype)
+
+    def cache_elements_per_token(self) -> int:
+        return self.r + self.dr
+
+    def extra_repr(self) -> str:
+        return (
+            f"n_heads={self.n_heads}, kv_lora_rank={self.r}, q_lora_rank={self.q_lora_rank}, dn={self.dn}, "
+            f"dr={self.dr}, dv={self.dv}"
+        )

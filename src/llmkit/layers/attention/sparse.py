@@ -1,0 +1,120 @@
+"""DeepSeek Sparse Attention (DSA, DeepSeek-V3.2): MLA in which each query attends only to its top-k keys.
+
+A lightning indexer scores every (query t, key s) pair cheaply with a few small heads and a ReLU:
+
+    I(t, s) = sum_j  w(t, j) * ReLU(q(t, j) . k(s))          j over indexer heads; one key per token, shared
+
+then each query keeps its `topk` highest-scoring allowed keys, and the main attention runs over those keys only. The
+selected keys are gathered (B, T, topk, ...), never masked out of all S, so the attention cost grows with topk, not
+with S. With topk >= S every key is selected and DSA is exactly MLA.
+
+The indexer rotates the first qk_rope_head_dim dims of its queries and keys with RoPE in the half layout (unlike the
+interleaved layout of V3's main attention). Its key is LayerNorm-ed; its head weights w(t, j) come from x.
+
+Shapes: B batch, T new tokens, S key slots, C model dim, J indexer heads, Di indexer head dim, n = topk.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from llmkit.config import ModelConfig
+from llmkit.layers.attention.base import AttentionInputs
+from llmkit.layers.attention.cache import LatentCache, SparseLatentCache
+from llmkit.layers.attention.gqa import rotate_prefix
+from llmkit.layers.attention.mla import MultiHeadLatentAttention, Selection, mla_softmax_scale
+
+
+class LightningIndexer(nn.Module):
+    """Index scores I(t, s). x (B, T, C), query input (B, T, Cq) -> (B, T, S) fp32 over every key slot."""
+
+    def __init__(self, d_model: int, q_in_dim: int, n_heads: int, head_dim: int, rope_dim: int) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.rope_dim = n_heads, head_dim, rope_dim
+        self.wq = nn.Linear(q_in_dim, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(d_model, head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(head_dim, eps=1e-6)
+        self.w_heads = nn.Linear(d_model, n_heads, bias=False)
+
+    def keys(self, x: Tensor, inputs: AttentionInputs) -> Tensor:
+        """x (B, T, C) -> rotated, normalised indexer keys (B, T, Di)."""
+        k = self.k_norm(self.wk(x)).unsqueeze(2)  # (B, T, 1, Di)
+        if inputs.rope is not None:
+            k = rotate_prefix(k, inputs.rope, self.rope_dim, "half")
+        return k.squeeze(2)
+
+    def forward(
+        self, x: Tensor, q_in: Tensor, inputs: AttentionInputs, cache: SparseLatentCache | None = None
+    ) -> Tensor:
+        B, T, _ = x.shape
+        q = self.wq(q_in).view(B, T, self.n_heads, self.head_dim)  # (B, T, J, Di)
+        if inputs.rope is not None:
+            q = rotate_prefix(q, inputs.rope, self.rope_dim, "half")
+        k = self.keys(x, inputs)  # (B, T, Di)
+        if cache is not None:
+            k = cache.update_index(inputs.cache_start, k)  # (B, S, Di)
+        w = self.w_heads(x).float() * self.n_heads**-0.5  # (B, T, J)
+        scores = F.relu(torch.einsum("btjd,bsd->btjs", q.float(), k.float())) * self.head_dim**-0.5  # (B, T, J, S)
+        return torch.einsum("btjs,btj->bts", scores, w)  # (B, T, S)
+
+
+class DeepSeekSparseAttention(MultiHeadLatentAttention):
+    """MLA whose queries each attend to the `topk` keys chosen by a lightning indexer. x (B, T, C) -> (B, T, C).
+
+    After each call `last_index_scores` (B, T, S) holds the indexer's scores (the trainer's indexer loss reads them)
+    and `last_selection` the chosen keys (None when every key was kept)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        a = cfg.attention
+        assert a.mla is not None and a.indexer is not None
+        super().__init__(
+            cfg.d_model,
+            a.n_heads,
+            a.mla,
+            mla_softmax_scale(cfg),
+            a.dropout,
+            cfg.position.layout,
+            a.qkv_bias,
+            a.out_bias,
+            cfg.norm.eps,
+        )
+        q_in = a.mla.q_lora_rank if a.mla.q_lora_rank is not None else cfg.d_model
+        self.topk = a.indexer.topk
+        self.indexer = LightningIndexer(cfg.d_model, q_in, a.indexer.n_heads, a.indexer.head_dim, self.dr)
+        self.last_index_scores: Tensor | None = None
+        self.last_selection: Selection | None = None
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> DeepSeekSparseAttention:
+        return cls(cfg)
+
+    def select(
+        self, x: Tensor, q_latent: Tensor | None, inputs: AttentionInputs, cache: LatentCache | None, S: int
+    ) -> Selection | None:
+        assert cache is None or isinstance(cache, SparseLatentCache)
+        scores = self.indexer(x, q_latent if q_latent is not None else x, inputs, cache)  # (B, T, S)
+        self.last_index_scores = scores
+        self.last_selection = None
+        if self.topk >= S:  # every key is selected: dense attention is the same computation
+            return None
+        B, T, _ = scores.shape
+        allowed = inputs.mask.dense(T, S, x.device)
+        if allowed is not None:
+            allowed = allowed[:, 0].expand(B, T, S)  # (B, T, S)
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        # a stable sort, not topk: ReLU makes exact ties (often at 0) common, and they must be broken the same way
+        # whatever the shape of the call (full pass or cached decoding): the earlier key wins
+        index = scores.sort(dim=-1, descending=True, stable=True).indices[..., : self.topk]  # (B, T, n)
+        valid = allowed.gather(-1, index) if allowed is not None else torch.ones_like(index, dtype=torch.bool)
+        self.last_selection = Selection(index, valid)
+        return self.last_selection
+
+    def new_cache(
+        self, batch: int, max_len: int, device: torch.device | None = None, dtype: torch.dtype | None = None
+    ) -> SparseLatentCache:
+        return SparseLatentCache(batch, max_len, self.r, self.dr, self.indexer.head_dim, device, dtype)
+
+    def cache_elements_per_token(self) -> int:
+        return self.r + self.dr + self.indexer.head_dim

@@ -1,0 +1,218 @@
+"""Mixture of experts: many feed-forward "experts", of which a router picks a few per token.
+
+    x ──► router ──► scores s (E) ──► top-k experts, gate weights g
+     │                                    │
+     ├──► expert e1 ──► * g1 ─┐           │     y = sum_i g_i FFN_ei(x)  (+ shared experts, always on)
+     └──► expert e2 ──► * g2 ─┴──► + ──►  y
+
+Variants, all by configuration:
+- Switch Transformer (Fedus et al. 2021): top-1, softmax, gate = the chosen expert's probability.
+- GShard (Lepikhin et al. 2020) / Mixtral: top-2, softmax, the two gates renormalised to sum to 1.
+- DeepSeek-V3: sigmoid scores; experts split into groups and only the `topk_groups` best groups (ranked by the sum of
+  each group's two best scores) are eligible; a per-expert score-correction bias that changes which experts are
+  chosen but not their gates (auxiliary-loss-free balancing); gates renormalised and multiplied by `routed_scale`;
+  shared experts that every token uses.
+- capacity factor (Switch / GShard): each expert takes at most ceil(capacity_factor * N * k / E) assignments; first
+  choices are served before second choices, then in token order; the rest are dropped (the residual path carries
+  those tokens through unchanged).
+
+Dispatch groups tokens by expert: sort the N*k assignments by expert, gather the tokens (index_select), run each
+expert once on its contiguous slice (empty experts are skipped), and scatter-add the weighted outputs back
+(index_add). No Python loop over tokens.
+
+Shapes: N tokens (B*T flattened), C model dim, E experts, k experts per token, I expert hidden dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from llmkit.config import Activation, FFNKind, MoEConfig
+from llmkit.layers.mlp import ACTIVATIONS, build_ffn
+
+
+@dataclass(frozen=True)
+class Routing:
+    """A router's decision for N tokens."""
+
+    weights: Tensor  # (N, k) gate weights, in the order of `experts`
+    experts: Tensor  # (N, k) long, the chosen experts
+    probs: Tensor  # (N, E) fp32 scores normalised to sum to 1 per token (for the balance loss)
+    logits: Tensor  # (N, E) fp32 raw router logits (for the z-loss)
+
+
+@dataclass(frozen=True)
+class MoEStats:
+    """What one MoE forward call measured: losses the trainer adds, and the load per expert."""
+
+    aux_loss: Tensor  # scalar, Switch load-balancing loss E * sum_i f_i P_i
+    z_loss: Tensor  # scalar, router z-loss mean(logsumexp(logits)^2)
+    counts: Tensor  # (E,) float, assignments per expert chosen by the router (before capacity dropping)
+    dropped: float  # fraction of assignments dropped by the capacity limit
+
+
+def switch_aux_loss(probs: Tensor, experts: Tensor, n_experts: int) -> Tensor:
+    """Switch Transformer load-balancing loss (Fedus et al. 2021, eq. 4): E * sum_i f_i * P_i.
+
+    f_i = (assignments to expert i) / N, the fraction of tokens dispatched to it (summing to k over experts for
+    top-k); P_i = mean router probability of expert i. Minimised (value k) by uniform routing. probs (N, E),
+    experts (N, k)."""
+    N = probs.shape[0]
+    f = torch.bincount(experts.reshape(-1), minlength=n_experts).float() / N  # (E,)
+    return n_experts * torch.sum(f * probs.mean(dim=0))
+
+
+def router_z_loss(logits: Tensor) -> Tensor:
+    """ST-MoE router z-loss (Zoph et al. 2022, eq. 5): mean over tokens of logsumexp(logits)^2, which keeps router
+    logits small and the softmax numerically stable. logits (N, E)."""
+    return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+
+
+class Router(nn.Module):
+    """Scores the E experts for each token and chooses k. x (N, C) -> Routing."""
+
+    def __init__(self, dim: int, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.n_experts, dim))
+        self.score_bias: Tensor | None
+        if cfg.score_bias:  # DeepSeek-V3's e_score_correction_bias: updated by update_router_bias, not by SGD
+            self.register_buffer("score_bias", torch.zeros(cfg.n_experts))
+        else:
+            self.score_bias = None
+
+    def forward(self, x: Tensor) -> Routing:
+        cfg = self.cfg
+        logits = F.linear(x.float(), self.weight.float())  # (N, E), routing in fp32
+        scores = logits.softmax(dim=-1) if cfg.score_func == "softmax" else logits.sigmoid()
+        choice = scores if self.score_bias is None else scores + self.score_bias  # bias: selection only
+        if cfg.n_groups > 1:  # keep only the topk_groups best groups of experts
+            N = choice.shape[0]
+            grouped = choice.view(N, cfg.n_groups, -1)  # (N, G, E/G)
+            top = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)  # (N, G)
+            keep = torch.zeros_like(top, dtype=torch.bool).scatter(1, top.topk(cfg.topk_groups, dim=-1).indices, True)
+            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(N, -1)
+        experts = choice.topk(cfg.top_k, dim=-1).indices  # (N, k)
+        weights = scores.gather(-1, experts)  # gates from the unbiased scores
+        if cfg.norm_topk:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights * cfg.routed_scale
+        probs = scores if cfg.score_func == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
+        return Routing(weights, experts, probs, logits)
+
+
+class GroupedExperts(nn.Module):
+    """E feed-forward experts stored as stacked weights w1, w3 (E, I, C) and w2 (E, C, I).
+
+    forward(x (M, C) sorted by expert, counts per expert) -> (M, C): each expert runs once on its slice."""
+
+    def __init__(self, n_experts: int, dim: int, hidden: int, kind: FFNKind, activation: Activation) -> None:
+        super().__init__()
+        self.kind, self.activation = kind, activation
+        self.act = ACTIVATIONS[activation]
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w3: nn.Parameter | None = nn.Parameter(torch.empty(n_experts, hidden, dim)) if kind == "swiglu" else None
+
+    def expert(self, e: int, x: Tensor) -> Tensor:
+        """Expert e on its tokens x (n, C) -> (n, C)."""
+        h = self.act(F.linear(x, self.w1[e]))
+        if self.w3 is not None:
+            h = h * F.linear(x, self.w3[e])
+        return F.linear(h, self.w2[e])
+
+    def forward(self, x: Tensor, counts: list[int]) -> Tensor:
+        outputs, start = [], 0
+        for e, n in enumerate(counts):
+            if n:  # skip experts that received no token
+                outputs.append(self.expert(e, x[start : start + n]))
+            start += n
+        return torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[-1])
+
+    def extra_repr(self) -> str:
+        E, I, C = self.w1.shape
+        return f"n_experts={E}, dim={C}, hidden={I}, kind={self.kind}, activation={self.activation}"
+
+
+class MoE(nn.Module):
+    """Mixture-of-experts feed-forward layer. x (B, T, C) -> (B, T, C).
+
+    After each call `last_stats` holds the MoEStats; in training mode the router's load per expert also accumulates
+    in `load` until `update_router_bias` consumes it."""
+
+    def __init__(self, dim: int, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.router = Router(dim, cfg)
+        self.experts = GroupedExperts(cfg.n_experts, dim, cfg.expert_hidden_dim, cfg.expert_kind, cfg.activation)
+        self.shared: nn.Module | None = (
+            build_ffn(cfg.expert_kind, dim, cfg.expert_hidden_dim * cfg.n_shared_experts, cfg.activation, False)
+            if cfg.n_shared_experts
+            else None
+        )
+        self.load: Tensor  # (E,) router assignments per expert since the last bias update
+        self.register_buffer("load", torch.zeros(cfg.n_experts), persistent=False)
+        self.last_stats: MoEStats | None = None
+
+    def capacity(self, n_tokens: int) -> int | None:
+        """Assignments each expert may take, or None without a capacity factor."""
+        f = self.cfg.capacity_factor
+        return None if f is None else math.ceil(f * n_tokens * self.cfg.top_k / self.cfg.n_experts)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        xf = x.reshape(-1, shape[-1])  # (N, C)
+        N, E, k = xf.shape[0], self.cfg.n_experts, self.cfg.top_k
+        routing = self.router(xf)
+        # the N*k assignments, rank-major: all first choices, then all second choices, ...
+        flat_expert = routing.experts.t().reshape(-1)  # (k*N,)
+        flat_token = torch.arange(N, device=x.device).repeat(k)  # (k*N,)
+        flat_weight = routing.weights.t().reshape(-1)  # (k*N,)
+        order = torch.argsort(flat_expert, stable=True)  # expert-major; first choices before second, then token
+        counts = torch.bincount(flat_expert, minlength=E)  # (E,)
+        kept = counts
+        capacity = self.capacity(N)
+        if capacity is not None:
+            sorted_expert = flat_expert[order]
+            queue_start = torch.cumsum(counts, 0) - counts  # (E,) first sorted slot of each expert
+            position = torch.arange(order.numel(), device=x.device) - queue_start[sorted_expert]
+            order = order[position < capacity]  # drop assignments beyond each expert's capacity
+            kept = counts.clamp(max=capacity)
+        tokens = flat_token[order]
+        y_sorted = self.experts(xf.index_select(0, tokens), kept.tolist())  # (M, C) grouped by expert
+        y_sorted = y_sorted * flat_weight[order].unsqueeze(-1).to(y_sorted.dtype)
+        y = torch.zeros_like(xf).index_add_(0, tokens, y_sorted)  # scatter-add back to the tokens
+        if self.shared is not None:
+            y = y + self.shared(xf)
+        self._record(routing, counts, int(kept.sum()) if capacity is not None else N * k, N * k)
+        return y.view(shape)
+
+    def _record(self, routing: Routing, counts: Tensor, n_kept: int, n_assigned: int) -> None:
+        counts_f = counts.detach().float()
+        if self.training:
+            self.load += counts_f
+        self.last_stats = MoEStats(
+            aux_loss=switch_aux_loss(routing.probs, routing.experts, self.cfg.n_experts),
+            z_loss=router_z_loss(routing.logits),
+            counts=counts_f,
+            dropped=1.0 - n_kept / max(n_assigned, 1),
+        )
+
+
+@torch.no_grad()
+def update_router_bias(model: nn.Module, rate: float = 1e-3) -> None:
+    """Auxiliary-loss-free load balancing (DeepSeek-V3 §2.1.2), called by the trainer after each optimizer step.
+
+    For every MoE layer with a score bias: b_i += rate * sign(mean load - load_i), using the load accumulated since
+    the last call; overloaded experts become less likely to be chosen, underloaded ones more. Gates are unchanged."""
+    for module in model.modules():
+        if isinstance(module, MoE) and module.router.score_bias is not None:
+            load = module.load
+            if load.sum() > 0:
+                module.router.score_bias += rate * torch.sign(load.mean() - load)
+            load.zero_()

@@ -1,0 +1,39 @@
+"""Multi-token prediction modules (DeepSeek-V3 §2.2).
+
+Besides the next token, the model learns to predict tokens further ahead with D sequential modules. Module k
+(k = 1..D) at position i combines the previous depth's representation of token i with the embedding of token i + k
+and predicts token i + k + 1:
+
+    h'_i^k = M_k [ norm(Emb(t_(i+k))) ; norm(h_i^(k-1)) ]        M_k: (2C -> C) projection
+    h_i^k  = Block_k(h'_(1..T-k)^k)                              a causal Transformer block of its own
+    P^k    = Head(norm(h_i^k))                                   embedding and output head shared with the model
+
+The sequential chain keeps the causal order of predictions. At inference the modules can be dropped, or used to
+draft tokens for self-speculative decoding. Shapes: h (B, T, C), emb (B, T, C) -> (B, T, C).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from llmkit.config import ModelConfig
+from llmkit.layers.attention import AttentionInputs
+from llmkit.layers.block import TransformerBlock
+from llmkit.layers.norm import build_norm
+
+
+class MTPModule(nn.Module):
+    """One prediction depth. h_prev (B, T, C), emb of the tokens k ahead (B, T, C) -> h (B, T, C), before the norm."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.emb_norm = build_norm(cfg.norm, cfg.d_model)
+        self.h_norm = build_norm(cfg.norm, cfg.d_model)
+        self.proj = nn.Linear(2 * cfg.d_model, cfg.d_model, bias=False)
+        self.block = TransformerBlock(cfg, layer)
+        self.norm = build_norm(cfg.norm, cfg.d_model)  # applied before the shared output head
+
+    def forward(self, h_prev: Tensor, emb: Tensor, inputs: AttentionInputs) -> Tensor:
+        x = self.proj(torch.cat((self.emb_norm(emb), self.h_norm(h_prev)), dim=-1))  # (B, T, C)
+        return self.block(x, inputs)

@@ -1,0 +1,370 @@
+"""Named presets for real models, each citing its source, with the published parameter counts, and a `-tiny`
+sibling of each (same mechanisms, a few layers, small widths) for tests and demos.
+
+    >>> from llmkit import get_preset, build_model
+    >>> cfg = get_preset("llama2-7b")
+    >>> model = build_model(cfg, device="meta")       # 6.7B parameters, no memory
+
+Parameter conventions (see `llmkit.analysis`): `params_total` counts the main model (DeepSeek's multi-token
+prediction module, used only in training and speculative decoding, is reported apart as `params_mtp`, as DeepSeek
+does); `params_active` is the total minus the routed experts a token does not use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass
+
+from llmkit.config import (
+    AttentionConfig,
+    EncoderConfig,
+    FFNConfig,
+    IndexerConfig,
+    MLAConfig,
+    ModelConfig,
+    MoEConfig,
+    NormConfig,
+    PositionConfig,
+    RopeScaling,
+)
+from llmkit.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Published:
+    """A published parameter count. exact: the count of the released checkpoint (must match to the parameter);
+    otherwise a rounded figure from a paper or announcement, matched within `rel_tol`. `convention` says what the
+    source counted when it differs from llmkit's default."""
+
+    value: float
+    exact: bool = False
+    rel_tol: float = 0.005
+    convention: str = ""
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    config: ModelConfig
+    source: str
+    params_total: Published | None = None
+    params_active: Published | None = None
+    notes: str = ""
+
+
+def _transformer(d: int, heads: int, ff: int, dropout: float) -> ModelConfig:
+    # Vaswani et al. 2017 §3 and Table 3: N = 6 encoder and decoder layers, post-norm, ReLU FFN, sinusoidal
+    # positions, embeddings * sqrt(d_model) shared by source, target and the pre-softmax projection (§3.4), and a
+    # shared source-target BPE vocabulary of about 37000 tokens (§5.1, WMT 2014 EN-DE).
+    return ModelConfig(
+        vocab_size=37000,
+        d_model=d,
+        n_layers=6,
+        encoder=EncoderConfig(n_layers=6),
+        attention=AttentionConfig(n_heads=heads, qkv_bias=True, out_bias=True),
+        ffn=FFNConfig(kind="mlp", hidden_dim=ff, activation="relu", bias=True),
+        position=PositionConfig(kind="sinusoidal", max_seq_len=1024, layout="interleaved"),
+        norm=NormConfig(kind="layernorm", placement="post", eps=1e-5),
+        tie_embeddings=True,
+        scale_embeddings=True,
+        dropout=dropout,
+        init="xavier",
+    )
+
+
+def _gpt(d: int, layers: int, heads: int, ctx: int) -> ModelConfig:
+    # GPT-2 / GPT-3: pre-norm LayerNorm blocks, learned positions, GELU MLP of 4d, biases everywhere, tied head.
+    return ModelConfig(
+        vocab_size=50257,
+        d_model=d,
+        n_layers=layers,
+        attention=AttentionConfig(n_heads=heads, qkv_bias=True, out_bias=True, dropout=0.1),
+        ffn=FFNConfig(kind="mlp", hidden_dim=4 * d, activation="gelu_tanh", bias=True),
+        position=PositionConfig(kind="learned", max_seq_len=ctx),
+        norm=NormConfig(kind="layernorm", placement="pre", eps=1e-5),
+        tie_embeddings=True,
+        dropout=0.1,
+    )
+
+
+def _llama(d: int, layers: int, heads: int, kv_heads: int, ff: int, vocab: int = 32000) -> ModelConfig:
+    # LLaMA-2: pre-norm RMSNorm, RoPE (HF checkpoints use the half layout), GQA, SwiGLU, untied head.
+    return ModelConfig(
+        vocab_size=vocab,
+        d_model=d,
+        n_layers=layers,
+        attention=AttentionConfig(n_heads=heads, n_kv_heads=kv_heads),
+        ffn=FFNConfig(kind="swiglu", hidden_dim=ff),
+        position=PositionConfig(kind="rope", max_seq_len=4096, theta=10000.0, layout="half"),
+        norm=NormConfig(kind="rmsnorm", eps=1e-5),
+    )
+
+
+def _mixtral() -> ModelConfig:
+    return dataclasses.replace(
+        _llama(4096, 32, 32, 8, 14336),
+        position=PositionConfig(kind="rope", max_seq_len=32768, theta=1e6, layout="half"),
+        moe=MoEConfig(
+            n_experts=8,
+            top_k=2,
+            expert_hidden_dim=14336,
+            score_func="softmax",
+            norm_topk=True,
+            aux_loss_coef=0.02,
+        ),
+    )
+
+
+_DEEPSEEK_YARN = RopeScaling(kind="yarn", factor=40.0, original_max_seq_len=4096, beta_fast=32.0, beta_slow=1.0)
+
+
+def _deepseek_v2_lite() -> ModelConfig:
+    return ModelConfig(
+        vocab_size=102400,
+        d_model=2048,
+        n_layers=27,
+        attention=AttentionConfig(
+            kind="mla",
+            n_heads=16,
+            mla=MLAConfig(
+                kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128
+            ),
+        ),
+        ffn=FFNConfig(kind="swiglu", hidden_dim=10944),
+        moe=MoEConfig(
+            n_experts=64,
+            top_k=6,
+            expert_hidden_dim=1408,
+            n_shared_experts=2,
+            score_func="softmax",
+            norm_topk=False,
+            routed_scale=1.0,
+            first_dense_layers=1,
+            aux_loss_coef=0.001,
+        ),
+        position=PositionConfig(
+            kind="rope",
+            max_seq_len=163840,
+            theta=10000.0,
+            layout="interleaved",
+            scaling=dataclasses.replace(_DEEPSEEK_YARN, mscale=0.707, mscale_all_dim=0.707),
+        ),
+        norm=NormConfig(kind="rmsnorm", eps=1e-6),
+    )
+
+
+def _deepseek_v3() -> ModelConfig:
+    return ModelConfig(
+        vocab_size=129280,
+        d_model=7168,
+        n_layers=61,
+        attention=AttentionConfig(
+            kind="mla",
+            n_heads=128,
+            mla=MLAConfig(
+                kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128
+            ),
+        ),
+        ffn=FFNConfig(kind="swiglu", hidden_dim=18432),
+        moe=MoEConfig(
+            n_experts=256,
+            top_k=8,
+            expert_hidden_dim=2048,
+            n_shared_experts=1,
+            score_func="sigmoid",
+            n_groups=8,
+            topk_groups=4,
+            norm_topk=True,
+            routed_scale=2.5,
+            score_bias=True,
+            first_dense_layers=3,
+            aux_loss_coef=0.0001,
+        ),
+        position=PositionConfig(
+            kind="rope",
+            max_seq_len=163840,
+            theta=10000.0,
+            layout="interleaved",
+            scaling=dataclasses.replace(_DEEPSEEK_YARN, mscale=1.0, mscale_all_dim=1.0),
+        ),
+        norm=NormConfig(kind="rmsnorm", eps=1e-6),
+        mtp_depth=1,
+    )
+
+
+def _deepseek_v32() -> ModelConfig:
+    v3 = _deepseek_v3()
+    attention = dataclasses.replace(
+        v3.attention, kind="dsa", indexer=IndexerConfig(n_heads=64, head_dim=128, topk=2048)
+    )
+    return dataclasses.replace(v3, attention=attention)
+
+
+# ---- tiny siblings: the same mechanisms at toy sizes (vocab 256, d_model 64, 2-3 layers, context 256)
+
+
+def _tiny(cfg: ModelConfig) -> ModelConfig:
+    a, p = cfg.attention, cfg.position
+    tiny_attention: AttentionConfig
+    if a.kind == "gqa":
+        assert a.n_kv_heads is not None
+        ratio = a.n_heads // a.n_kv_heads  # keep MHA as MHA and GQA as GQA
+        heads = 8 if ratio >= 2 else 4
+        kv = max(1, heads // ratio)
+        tiny_attention = dataclasses.replace(a, n_heads=heads, n_kv_heads=kv, head_dim=None)
+    else:
+        assert a.mla is not None
+        mla = MLAConfig(
+            kv_lora_rank=32,
+            q_lora_rank=None if a.mla.q_lora_rank is None else 48,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+        )
+        indexer = None if a.indexer is None else IndexerConfig(n_heads=4, head_dim=16, topk=8)
+        tiny_attention = dataclasses.replace(a, n_heads=4, mla=mla, indexer=indexer)
+    scaling = p.scaling
+    if scaling is not None and scaling.original_max_seq_len is not None:
+        scaling = dataclasses.replace(scaling, factor=4.0, original_max_seq_len=64)
+    moe = cfg.moe
+    if moe is not None:
+        grouped = moe.n_groups > 1
+        moe = dataclasses.replace(
+            moe,
+            n_experts=16 if grouped else 8,
+            top_k=min(moe.top_k, 4 if grouped else 2),
+            expert_hidden_dim=32,
+            n_groups=4 if grouped else 1,
+            topk_groups=2 if grouped else 1,
+            first_dense_layers=min(moe.first_dense_layers, 1),
+        )
+    encoder = None if cfg.encoder is None else EncoderConfig(n_layers=2)
+    return dataclasses.replace(
+        cfg,
+        vocab_size=256,
+        d_model=64,
+        n_layers=3 if moe is not None and moe.first_dense_layers else 2,
+        attention=tiny_attention,
+        ffn=dataclasses.replace(cfg.ffn, hidden_dim=128 if cfg.ffn.kind == "mlp" else 96),
+        position=dataclasses.replace(p, max_seq_len=256, scaling=scaling),
+        moe=moe,
+        encoder=encoder,
+    )
+
+
+_PAPER = "Vaswani et al. 2017, Attention Is All You Need, Table 3"
+_TRANSFORMER_NOTE = (
+    "Table 3's 65M (base) and 213M (big) cannot both follow from its own hyperparameters with one vocabulary: "
+    "with the stated ~37000 shared tokens they give 63.1M and 214.2M (no vocabulary size gives both), so these "
+    "figures are checked within 3.5% and 1%."
+)
+
+_BASE: list[Preset] = [
+    Preset(
+        "transformer-base",
+        _transformer(512, 8, 2048, 0.1),
+        _PAPER + " (base), §3.4, §5.1",
+        Published(65e6, rel_tol=0.035),
+        notes=_TRANSFORMER_NOTE,
+    ),
+    Preset(
+        "transformer-big",
+        _transformer(1024, 16, 4096, 0.3),
+        _PAPER + " (big), §3.4, §5.1",
+        Published(213e6, rel_tol=0.01),
+        notes=_TRANSFORMER_NOTE,
+    ),
+    Preset(
+        "gpt2",
+        _gpt(768, 12, 12, 1024),
+        "openai-community/gpt2 config.json (Radford et al. 2019)",
+        Published(124_439_808, exact=True),
+    ),
+    Preset(
+        "gpt2-medium",
+        _gpt(1024, 24, 16, 1024),
+        "openai-community/gpt2-medium config.json (Radford et al. 2019)",
+        Published(354_823_168, exact=True),
+        notes="The GPT-2 paper's table says 345M; the released checkpoint has 354,823,168 parameters.",
+    ),
+    Preset(
+        "gpt3-175b",
+        _gpt(12288, 96, 96, 2048),
+        "Brown et al. 2020, Language Models are Few-Shot Learners, Table 2.1",
+        Published(175.0e9),
+        notes="GPT-3 alternates dense and locally banded sparse attention layers; that changes no parameter, and "
+        "llmkit uses dense attention in every layer.",
+    ),
+    Preset(
+        "llama2-7b",
+        _llama(4096, 32, 32, 32, 11008),
+        "meta-llama/Llama-2-7b-hf config.json (Touvron et al. 2023)",
+        Published(6_738_415_616, exact=True),
+    ),
+    Preset(
+        "llama2-70b",
+        _llama(8192, 80, 64, 8, 28672),
+        "meta-llama/Llama-2-70b-hf config.json (Touvron et al. 2023)",
+        Published(68_976_648_192, exact=True),
+    ),
+    Preset(
+        "mixtral-8x7b",
+        _mixtral(),
+        "mistralai/Mixtral-8x7B-v0.1 config.json; 46.7B / 12.9B from Mistral's "
+        "announcement 'Mixtral of experts' (2023)",
+        Published(46.7e9),
+        Published(12.9e9),
+    ),
+    Preset(
+        "deepseek-v2-lite",
+        _deepseek_v2_lite(),
+        "deepseek-ai/DeepSeek-V2-Lite config.json; 15.7B / 2.4B from the "
+        "DeepSeek-V2 paper (DeepSeek-AI 2024), Appendix B",
+        Published(15.7e9),
+        Published(2.4e9, rel_tol=0.025, convention="activated parameters without the input embedding table"),
+        notes="DeepSeek counts activated parameters without the input embedding (a lookup): 2.451B, which the "
+        "paper states as 2.4B.",
+    ),
+    Preset(
+        "deepseek-v3",
+        _deepseek_v3(),
+        "deepseek-ai/DeepSeek-V3 config.json; 671B / 37B from the DeepSeek-V3 Technical Report (DeepSeek-AI 2024)",
+        Published(671e9),
+        Published(37e9, rel_tol=0.015, convention="activated parameters without the input embedding table"),
+        notes="Main model without the MTP module, as DeepSeek counts it; activated parameters without the input "
+        "embedding give 36.6B, stated as 37B.",
+    ),
+    Preset(
+        "deepseek-v3.2",
+        _deepseek_v32(),
+        "deepseek-ai/DeepSeek-V3.2-Exp config.json (index_n_heads 64, "
+        "index_head_dim 128, index_topk 2048); 685B from its model card (main model, MTP module and the copy of "
+        "the embedding and head the checkpoint stores for it)",
+        Published(685e9, convention="checkpoint: main model + MTP module + the MTP copy of embedding and head"),
+    ),
+]
+
+PRESETS: dict[str, Preset] = {}
+for _p in _BASE:
+    PRESETS[_p.name] = _p
+    PRESETS[_p.name + "-tiny"] = Preset(
+        _p.name + "-tiny", _tiny(_p.config), f"toy-sized sibling of {_p.name}: same mechanisms, tiny widths"
+    )
+
+
+def list_presets() -> list[str]:
+    return list(PRESETS)
+
+
+def get_preset_info(name: str) -> Preset:
+    if name not in PRESETS:
+        close = difflib.get_close_matches(name, PRESETS, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ConfigError(f"unknown preset {name!r}{hint} Known presets: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def get_preset(name: str) -> ModelConfig:
+    """The ModelConfig of a named preset (see `list_presets()`)."""
+    return get_preset_info(name).config

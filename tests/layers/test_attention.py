@@ -1,0 +1,166 @@
+import pytest
+import torch
+from torch import nn
+
+from llmkit.errors import InputError
+from llmkit.layers.attention import (
+    AttentionInputs,
+    AttentionMask,
+    CrossAttention,
+    CrossCache,
+    GroupedQueryAttention,
+    attend,
+    causal_tril,
+    padding_mask,
+)
+from llmkit.layers.rope import RotaryEmbedding
+
+C, H, D = 32, 4, 8
+
+
+def gqa(n_kv: int, **kw) -> GroupedQueryAttention:
+    return GroupedQueryAttention(C, H, n_kv, D, **kw).eval()
+
+
+def causal(T: int) -> AttentionInputs:
+    return AttentionInputs(mask=AttentionMask(causal=True))
+
+
+def test_causal_tril_aligns_queries_with_the_last_keys():
+    m = causal_tril(2, 4)
+    assert m.tolist() == [[True, True, True, False], [True, True, True, True]]
+
+
+@pytest.mark.parametrize("n_kv", [1, 2, 4])
+@pytest.mark.parametrize(
+    "mask",
+    [
+        None,
+        AttentionMask(causal=True),
+        padding_mask(torch.tensor([[True, True, True, False, False], [True] * 5])),
+        padding_mask(torch.tensor([[False, False, True, True, True], [True] * 5]), causal=True),
+    ],
+)
+def test_sdpa_and_explicit_paths_agree(n_kv, mask):
+    q = torch.randn(2, H, 5, D)
+    k, v = torch.randn(2, n_kv, 5, D), torch.randn(2, n_kv, 5, D)
+    fast, none = attend(q, k, v, mask, D**-0.5)
+    slow, w = attend(q, k, v, mask, D**-0.5, need_weights=True)
+    assert none is None and w is not None
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+    rows = w.sum(-1)
+    fully_masked = rows == 0
+    torch.testing.assert_close(rows[~fully_masked], torch.ones_like(rows[~fully_masked]))
+    if mask is not None:
+        dense = mask.dense(5, 5, q.device)
+        assert dense is not None
+        assert (w.masked_select(~dense.expand_as(w)) == 0).all()
+
+
+def test_causal_mask_with_fewer_queries_than_keys():
+    q, k, v = torch.randn(1, H, 2, D), torch.randn(1, H, 6, D), torch.randn(1, H, 6, D)
+    fast, _ = attend(q, k, v, AttentionMask(causal=True), D**-0.5)
+    _, w = attend(q, k, v, AttentionMask(causal=True), D**-0.5, need_weights=True)
+    assert w is not None and (w[..., 0, 5] == 0).all() and (w[..., 1, 5] > 0).all()
+    ref, _ = attend(q, k, v, AttentionMask(allowed=causal_tril(2, 6)[None, None]), D**-0.5)
+    torch.testing.assert_close(fast, ref)
+
+
+def test_mha_equals_torch_multihead_attention():
+    attn = gqa(H, qkv_bias=True, out_bias=True)
+    ref = nn.MultiheadAttention(C, H, bias=True, batch_first=True).eval()
+    with torch.no_grad():
+        ref.in_proj_weight.copy_(torch.cat([attn.wq.weight, attn.wk.weight, attn.wv.weight]))
+        ref.in_proj_bias.copy_(torch.cat([attn.wq.bias, attn.wk.bias, attn.wv.bias]))
+        ref.out_proj.weight.copy_(attn.wo.weight)
+        ref.out_proj.bias.copy_(attn.wo.bias)
+    x = torch.randn(2, 7, C)
+    future = torch.triu(torch.ones(7, 7, dtype=torch.bool), 1)  # nn.MultiheadAttention: True = not allowed
+    expected, _ = ref(x, x, x, attn_mask=future, need_weights=False)
+    torch.testing.assert_close(attn(x, causal(7)), expected, rtol=1e-5, atol=1e-5)
+
+
+def naive_attention(x, wq, wks, wvs, wo, n_heads):
+    """Per-head loop: head h uses key/value projection wks[h], wvs[h] (the same matrices for shared heads)."""
+    T = x.shape[1]
+    outs = []
+    allowed = torch.tril(torch.ones(T, T, dtype=torch.bool))
+    for h in range(n_heads):
+        q = x @ wq[h * D : (h + 1) * D].T
+        k, v = x @ wks[h].T, x @ wvs[h].T
+        s = (q @ k.transpose(-1, -2)) / D**0.5
+        outs.append(torch.softmax(s.masked_fill(~allowed, float("-inf")), -1) @ v)
+    return torch.cat(outs, -1) @ wo.T
+
+
+@pytest.mark.parametrize("n_kv", [1, 2, 4])
+def test_gqa_equals_per_head_reference(n_kv):
+    # n_kv == H: plain MHA (every head its own k, v); n_kv == 1: MQA (one k, v shared by all heads)
+    attn = gqa(n_kv)
+    group = H // n_kv
+    wk = [attn.wk.weight[(h // group) * D : (h // group + 1) * D] for h in range(H)]
+    wv = [attn.wv.weight[(h // group) * D : (h // group + 1) * D] for h in range(H)]
+    x = torch.randn(2, 6, C)
+    ref = naive_attention(x, attn.wq.weight, wk, wv, attn.wo.weight, H)
+    torch.testing.assert_close(attn(x, causal(6)), ref, rtol=1e-5, atol=1e-5)
+    assert attn.cache_elements_per_token() == 2 * n_kv * D
+
+
+def test_causal_output_ignores_future_tokens():
+    attn = gqa(2, rope_dim=D)
+    rope = RotaryEmbedding(D, 10000.0, 64)
+    x = torch.randn(1, 8, C)
+    y = x.clone()
+    y[:, 5:] = torch.randn(1, 3, C)
+    inputs = AttentionInputs(mask=AttentionMask(causal=True), rope=rope(torch.arange(8)))
+    torch.testing.assert_close(attn(x, inputs)[:, :5], attn(y, inputs)[:, :5])
+
+
+@pytest.mark.parametrize("n_kv", [1, 4])
+def test_cached_decoding_equals_full_attention(n_kv):
+    attn = gqa(n_kv, rope_dim=D)
+    rope = RotaryEmbedding(D, 10000.0, 64)
+    x = torch.randn(2, 9, C)
+    full = attn(x, AttentionInputs(mask=AttentionMask(causal=True), rope=rope(torch.arange(9))))
+    cache = attn.new_cache(2, 16)
+    outs = [attn(x[:, :4], AttentionInputs(AttentionMask(causal=True), rope(torch.arange(4)), 0), cache)]
+    for t in range(4, 9):
+        outs.append(
+            attn(
+                x[:, t : t + 1],
+                AttentionInputs(AttentionMask(causal=True), rope(torch.tensor([t])), t),
+                cache,
+            )
+        )
+    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-5, atol=1e-5)
+    assert cache.nbytes == 2 * 2 * n_kv * 16 * D * 4
+
+
+def test_cache_overflow_is_a_clear_error():
+    attn = gqa(2)
+    cache = attn.new_cache(1, 4)
+    with pytest.raises(InputError, match="the cache holds max_len=4 tokens"):
+        attn(torch.randn(1, 5, C), causal(5), cache)
+
+
+def test_keep_weights_records_attention_weights():
+    attn = gqa(2)
+    attn.keep_weights = True
+    attn(torch.randn(1, 5, C), causal(5))
+    assert attn.last_weights is not None and attn.last_weights.shape == (1, H, 5, 5)
+    assert (attn.last_weights.triu(1) == 0).all()
+
+
+def test_cross_attention_ignores_padded_memory_and_caches_it():
+    cross = CrossAttention(C, H, H, D).eval()
+    x, memory = torch.randn(2, 3, C), torch.randn(2, 5, C)
+    valid = torch.tensor([[True, True, True, False, False], [True] * 5])
+    mask = AttentionMask(allowed=valid[:, None, None, :])
+    out = cross(x, memory, mask)
+    changed = memory.clone()
+    changed[0, 3:] = 100.0
+    torch.testing.assert_close(cross(x, changed, mask), out)
+    cache = CrossCache()
+    first = cross(x, memory, mask, cache)
+    assert cache.k is not None and cache.k.shape == (2, H, 5, D)
+    torch.testing.assert_close(cross(x, torch.zeros_like(memory), mask, cache), first)  # keys come from the cache

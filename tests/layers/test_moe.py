@@ -1,0 +1,192 @@
+import math
+
+import pytest
+import torch
+
+from llmkit import MoEConfig
+from llmkit.layers.mlp import MLP, SwiGLU
+from llmkit.layers.moe import MoE, Router, router_z_loss, switch_aux_loss, update_router_bias
+
+C = 16
+
+
+def moe(**kw) -> MoE:
+    cfg = MoEConfig(**{"n_experts": 4, "top_k": 2, "expert_hidden_dim": 24, **kw})
+    m = MoE(C, cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.3)
+    return m
+
+
+def naive_moe(m: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Token by token: route, then sum the gated outputs of the chosen experts (and the shared experts)."""
+    xf = x.reshape(-1, C)
+    r = m.router(xf)
+    out = torch.zeros_like(xf)
+    for t in range(xf.shape[0]):
+        for j in range(m.cfg.top_k):
+            e = int(r.experts[t, j])
+            out[t] += r.weights[t, j] * m.experts.expert(e, xf[t : t + 1])[0]
+    if m.shared is not None:
+        out = out + m.shared(xf)
+    return out.view_as(x)
+
+
+def test_one_expert_top1_equals_its_mlp():
+    m = moe(n_experts=1, top_k=1)
+    mlp = SwiGLU(C, 24)
+    with torch.no_grad():
+        mlp.w1.weight.copy_(m.experts.w1[0])
+        mlp.w3.weight.copy_(m.experts.w3[0])
+        mlp.w2.weight.copy_(m.experts.w2[0])
+    x = torch.randn(2, 5, C)
+    torch.testing.assert_close(m(x), mlp(x))
+
+
+def test_switch_relu_experts_top1():
+    m = moe(n_experts=1, top_k=1, expert_kind="mlp", activation="relu", norm_topk=False)
+    mlp = MLP(C, 24, "relu", bias=False)
+    with torch.no_grad():
+        mlp.w1.weight.copy_(m.experts.w1[0])
+        mlp.w2.weight.copy_(m.experts.w2[0])
+    x = torch.randn(3, C)
+    torch.testing.assert_close(m(x), mlp(x))
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(top_k=1, norm_topk=False),  # Switch
+        dict(top_k=2),  # GShard / Mixtral
+        dict(
+            n_experts=8,
+            top_k=3,
+            score_func="sigmoid",
+            n_groups=4,
+            topk_groups=2,
+            score_bias=True,
+            routed_scale=2.5,
+            n_shared_experts=1,
+        ),  # DeepSeek-V3
+        dict(n_experts=8, top_k=3, n_shared_experts=2, norm_topk=False),  # DeepSeek-V2
+    ],
+)
+def test_grouped_dispatch_equals_per_token_reference(kw):
+    m = moe(**kw)
+    if m.router.score_bias is not None:
+        m.router.score_bias.normal_(0, 0.1)
+    x = torch.randn(3, 7, C)
+    torch.testing.assert_close(m(x), naive_moe(m, x), rtol=1e-5, atol=1e-6)
+
+
+def test_router_variants():
+    x = torch.randn(50, C)
+    # softmax top-2, renormalised gates (Mixtral): gates sum to 1 and follow the probabilities' order
+    r = moe(top_k=2).router(x)
+    torch.testing.assert_close(r.weights.sum(-1), torch.ones(50))
+    # Switch: the gate is the chosen expert's probability
+    m1 = moe(top_k=1, norm_topk=False)
+    r1 = m1.router(x)
+    torch.testing.assert_close(r1.weights[:, 0], r1.probs.max(-1).values)
+    # grouped: chosen experts come from the topk_groups best groups (ranked by the sum of their top-2 scores)
+    mg = moe(n_experts=8, top_k=2, score_func="sigmoid", n_groups=4, topk_groups=1)
+    rg = mg.router(x)
+    groups = rg.experts // 2
+    assert (groups[:, 0] == groups[:, 1]).all()  # one eligible group: both experts come from it
+    scores = torch.sigmoid(rg.logits).view(50, 4, 2)
+    torch.testing.assert_close(groups[:, 0], scores.topk(2, -1).values.sum(-1).argmax(-1))
+
+
+def test_score_bias_changes_selection_but_not_gates():
+    m = moe(n_experts=4, top_k=1, score_func="sigmoid", score_bias=True, norm_topk=False)
+    x = torch.randn(40, C)
+    before = m.router(x)
+    m.router.score_bias[0] = 10.0  # expert 0 now always wins the selection
+    after = m.router(x)
+    assert (after.experts[:, 0] == 0).all()
+    torch.testing.assert_close(after.weights[:, 0], torch.sigmoid(after.logits[:, 0]))  # gate: the unbiased score
+    assert not torch.equal(before.experts, after.experts)
+
+
+def test_aux_loss_equals_switch_formula_on_a_hand_computed_case():
+    # 4 tokens, 2 experts, top-1: tokens 0, 1, 2 go to expert 0, token 3 to expert 1
+    probs = torch.tensor([[0.9, 0.1], [0.8, 0.2], [0.6, 0.4], [0.3, 0.7]])
+    experts = torch.tensor([[0], [0], [0], [1]])
+    # f = (3/4, 1/4); P = (0.65, 0.35); loss = N * sum f_i P_i = 2 * (0.4875 + 0.0875) = 1.15
+    assert switch_aux_loss(probs, experts, 2).item() == pytest.approx(1.15)
+    # uniform routing gives the minimum, k
+    uniform = torch.full((4, 2), 0.5)
+    assert switch_aux_loss(uniform, torch.tensor([[0], [1], [0], [1]]), 2).item() == pytest.approx(1.0)
+
+
+def test_z_loss_hand_computed():
+    logits = torch.tensor([[0.0, 0.0], [math.log(3.0), 0.0]])
+    # logsumexp: log 2 and log 4
+    assert router_z_loss(logits).item() == pytest.approx((math.log(2) ** 2 + math.log(4) ** 2) / 2)
+
+
+def test_capacity_drops_assignments_beyond_each_experts_capacity():
+    m = moe(n_experts=2, top_k=1, norm_topk=False, capacity_factor=1.0)
+    with torch.no_grad():
+        m.router.weight.zero_()
+        m.router.weight[0, 0] = 10.0  # every token with x[0] > 0 prefers expert 0
+    x = torch.randn(8, C)
+    x[:, 0] = 1.0  # all 8 tokens choose expert 0; capacity = ceil(1.0 * 8 * 1 / 2) = 4
+    assert m.capacity(8) == 4
+    y = m(x)
+    no_cap = moe(n_experts=2, top_k=1, norm_topk=False)
+    no_cap.load_state_dict(m.state_dict())
+    ref = no_cap(x)
+    torch.testing.assert_close(y[:4], ref[:4])  # the first 4 tokens (in order) are served
+    assert (y[4:] == 0).all()  # the rest are dropped: the residual carries them
+    assert m.last_stats is not None and m.last_stats.dropped == pytest.approx(0.5)
+
+
+def test_capacity_serves_first_choices_before_second_choices():
+    m = moe(n_experts=2, top_k=2, capacity_factor=0.5)  # capacity = ceil(0.5 * 4 * 2 / 2) = 2
+    with torch.no_grad():
+        m.router.weight.zero_()
+        m.router.weight[0, 0] = 5.0
+    x = torch.randn(4, C)
+    x[:, 0] = torch.tensor([1.0, -1.0, 1.0, -1.0])  # tokens 0, 2 prefer expert 0; tokens 1, 3 prefer expert 1
+    m(x)
+    r = m.router(x)
+    assert r.experts[:, 0].tolist() == [0, 1, 0, 1]
+    # each expert gets its two first choices; every second choice is dropped
+    assert m.last_stats is not None and m.last_stats.dropped == pytest.approx(0.5)
+    y = m(x)
+    for t in range(4):
+        e = int(r.experts[t, 0])
+        expected = r.weights[t, 0] * m.experts.expert(e, x[t : t + 1])[0]
+        torch.testing.assert_close(y[t], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_aux_loss_free_bias_update_lowers_overloaded_experts():
+    m = moe(n_experts=4, top_k=1, score_func="sigmoid", score_bias=True, norm_topk=False)
+    with torch.no_grad():
+        m.router.weight.zero_()
+        m.router.weight[0, 0] = 5.0
+    x = torch.randn(64, C)
+    x[:, 0] = 1.0  # all tokens choose expert 0
+    m.train()
+    m(x)
+    assert m.load.tolist() == [64.0, 0.0, 0.0, 0.0]
+    update_router_bias(m, rate=0.01)
+    assert m.router.score_bias is not None
+    torch.testing.assert_close(m.router.score_bias, torch.tensor([-0.01, 0.01, 0.01, 0.01]))
+    assert m.load.sum() == 0  # consumed
+
+
+def test_empty_experts_are_skipped_and_gradients_flow():
+    m = moe(n_experts=8, top_k=1)
+    x = torch.randn(2, C, requires_grad=True)
+    m(x).sum().backward()
+    assert x.grad is not None and m.router.weight.grad is not None
+    assert m.last_stats is not None and int((m.last_stats.counts > 0).sum()) <= 2
+
+
+def test_router_runs_in_fp32_for_bf16_inputs():
+    r = Router(C, MoEConfig(n_experts=4, top_k=2)).bfloat16()
+    out = r(torch.randn(3, C).bfloat16())
+    assert out.logits.dtype == torch.float32 and out.probs.dtype == torch.float32

@@ -1,0 +1,49 @@
+import torch
+import torch.nn.functional as F
+
+from llmkit.config import NormConfig
+from llmkit.layers.norm import LayerNorm, RMSNorm, build_norm
+from llmkit.layers.residual import PostNorm, PreNorm, build_residual
+
+
+def test_rmsnorm_formula():
+    x = torch.randn(3, 5, 16)
+    n = RMSNorm(16, eps=1e-6)
+    with torch.no_grad():
+        n.weight.copy_(torch.randn(16))
+    ref = x / torch.sqrt((x**2).mean(-1, keepdim=True) + 1e-6) * n.weight
+    torch.testing.assert_close(n(x), ref)
+
+
+def test_rmsnorm_computes_in_fp32_for_bf16_inputs():
+    x = torch.randn(4, 64) * 100
+    out = RMSNorm(64).bfloat16()(x.bfloat16())
+    assert out.dtype == torch.bfloat16
+    ref = RMSNorm(64)(x.bfloat16().float())
+    torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
+
+
+def test_layernorm_normalises_each_token_over_its_features():
+    x = torch.randn(2, 3, 8) * 5 + 3
+    y = LayerNorm(8)(x)
+    torch.testing.assert_close(y.mean(-1), torch.zeros(2, 3), atol=1e-5, rtol=0)
+    torch.testing.assert_close(y, F.layer_norm(x, (8,), eps=1e-5))
+    assert LayerNorm(8, bias=False).bias is None
+
+
+def test_build_norm_picks_the_kind():
+    assert isinstance(build_norm(NormConfig(kind="rmsnorm"), 4), RMSNorm)
+    assert isinstance(build_norm(NormConfig(kind="layernorm"), 4), LayerNorm)
+
+
+def test_pre_and_post_norm_wiring():
+    x = torch.randn(2, 3, 8)
+
+    def f(h):
+        return 2 * h + 1
+
+    pre = build_residual(NormConfig(kind="layernorm", placement="pre"), 8, 0.0)
+    post = build_residual(NormConfig(kind="layernorm", placement="post"), 8, 0.0)
+    assert isinstance(pre, PreNorm) and isinstance(post, PostNorm)
+    torch.testing.assert_close(pre(x, f), x + f(pre.norm(x)))  # x + Sublayer(norm(x))
+    torch.testing.assert_close(post(x, f), post.norm(x + f(x)))  # LayerNorm(x + Sublayer(x))

@@ -1,0 +1,159 @@
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmkit import InputError, build_model, get_preset
+from llmkit.models import DecoderLM, shift_right
+from llmkit.presets import PRESETS
+
+DECODERS = [n for n in PRESETS if n.endswith("-tiny") and PRESETS[n].config.encoder is None]
+
+
+def model_for(name: str) -> DecoderLM:
+    cfg = get_preset(name)
+    if cfg.moe is not None:  # route every token: capacity limits would couple tokens across the batch
+        cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, capacity_factor=None))
+    m = build_model(cfg)
+    assert isinstance(m, DecoderLM)
+    return m.eval()
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_logits_at_t_do_not_depend_on_later_tokens(name):
+    m = model_for(name)
+    x = torch.randint(0, 256, (2, 20))
+    y = x.clone()
+    y[:, 12:] = torch.randint(0, 256, (2, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(m(x)[:, :12], m(y)[:, :12])
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_cached_decoding_equals_full_forward_with_left_padded_prompts(name):
+    m = model_for(name)
+    lengths = [7, 4]
+    T, gen = 7, 9
+    prompts = torch.randint(0, 256, (2, T))
+    valid = torch.zeros(2, T, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        valid[b, T - n :] = True  # left padding
+    cont = torch.randint(0, 256, (2, gen))
+    with torch.no_grad():
+        cache = m.new_cache(2, T + gen)
+        steps = [m(prompts, padding_mask=valid, cache=cache)[:, -1:]]
+        for t in range(gen - 1):
+            steps.append(m(cont[:, t : t + 1], cache=cache))
+        cached = torch.cat(steps, 1)  # (2, gen, V): predictions after the prompt and after each new token
+        for b, n in enumerate(lengths):
+            seq = torch.cat([prompts[b : b + 1, T - n :], cont[b : b + 1, : gen - 1]], 1)
+            full = m(seq)[:, n - 1 :]
+            torch.testing.assert_close(cached[b : b + 1], full, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama2-7b-tiny", "gpt2-tiny", "deepseek-v3-tiny"])
+def test_left_padding_does_not_change_real_positions(name):
+    m = model_for(name)
+    seq = torch.randint(0, 256, (1, 6))
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), seq], 1)
+    valid = torch.tensor([[False] * 3 + [True] * 6])
+    with torch.no_grad():
+        torch.testing.assert_close(m(padded, padding_mask=valid)[:, 3:], m(seq), rtol=1e-5, atol=1e-5)
+
+
+def test_loss_is_teacher_forcing_with_a_start_token():
+    m = model_for("llama2-7b-tiny")
+    targets = torch.randint(2, 256, (2, 10))
+    inputs = shift_right(targets, 1)
+    assert inputs[:, 0].tolist() == [1, 1] and torch.equal(inputs[:, 1:], targets[:, :-1])
+    out = m.loss(targets, start_id=1)
+    ref = F.cross_entropy(m(inputs).flatten(0, 1), targets.flatten())
+    torch.testing.assert_close(out.ce, ref)
+    torch.testing.assert_close(m.loss(targets, inputs=inputs).ce, ref)
+    assert out.n_tokens == 20
+
+
+def test_padded_targets_do_not_count():
+    m = model_for("llama2-7b-tiny")
+    targets = torch.randint(2, 256, (2, 10))
+    valid = torch.ones(2, 10, dtype=torch.bool)
+    valid[0, 6:] = False  # right padding
+    out = m.loss(targets, start_id=1, padding_mask=valid)
+    alone = m.loss(targets[:1, :6], start_id=1)
+    second = m.loss(targets[1:], start_id=1)
+    torch.testing.assert_close(out.ce, (alone.ce * 6 + second.ce * 10) / 16)
+    assert out.n_tokens == 16
+
+
+def test_moe_losses_and_mtp_enter_the_total():
+    m = model_for("deepseek-v3-tiny").train()
+    out = m.loss(torch.randint(0, 256, (2, 12)), start_id=1, mtp_weight=0.5)
+    assert out.mtp > 0 and out.aux > 0
+    torch.testing.assert_close(out.total, out.ce + out.aux + 0.5 * out.mtp)
+
+
+def test_mtp_prediction_at_depth_k_sees_tokens_up_to_i_plus_k_only():
+    m = model_for("deepseek-v3-tiny")
+    captured = {}
+    handle = m.mtp[0].register_forward_hook(lambda mod, args, out: captured.__setitem__("h", out))
+    targets = torch.randint(0, 256, (1, 12))
+    changed = targets.clone()
+    changed[0, 8] = (changed[0, 8] + 1) % 256  # inputs[9] changes
+    with torch.no_grad():
+        m.loss(targets, start_id=1)
+        h1 = captured["h"]
+        m.loss(changed, start_id=1)
+        h2 = captured["h"]
+    handle.remove()
+    # depth 1 at position i uses the embedding of inputs[i + 1]: positions i <= 7 are unaffected by inputs[9]
+    torch.testing.assert_close(h1[:, :8], h2[:, :8])
+    assert not torch.allclose(h1[:, 8], h2[:, 8])
+
+
+def test_tied_head_shares_the_embedding_and_bf16_runs():
+    m = build_model(get_preset("gpt2-tiny"), dtype=torch.bfloat16)
+    assert isinstance(m, DecoderLM) and m.head is None
+    out = m(torch.randint(0, 256, (1, 5)))
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize(
+    ("call", "fragment"),
+    [
+        (lambda m: m(torch.tensor([[1, 300]])), "tokens contains id 300, outside the vocabulary [0, 256)"),
+        (lambda m: m(torch.tensor([[1, -2]])), "tokens contains id -2"),
+        (lambda m: m(torch.tensor([1, 2])), "tokens must have shape (batch, seq_len), got (2,)"),
+        (
+            lambda m: m(torch.tensor([[1.0, 2.0]])),
+            "tokens must hold integer token ids, got dtype torch.float32",
+        ),
+        (lambda m: m([[1, 2]]), "tokens must be a torch.Tensor"),
+        (lambda m: m(torch.zeros(1, 0, dtype=torch.long)), "tokens is empty"),
+        (
+            lambda m: m(torch.tensor([[1, 2]]), padding_mask=torch.ones(1, 3)),
+            "padding_mask must be a (batch, seq_len)",
+        ),
+        (
+            lambda m: m(torch.zeros(1, 300, dtype=torch.long)),
+            "position 299 is beyond the model's context: position.max_seq_len=256",
+        ),
+        (lambda m: m(torch.tensor([[1]]), positions=torch.tensor([[1, 2, 3]])), "positions must have shape"),
+        (
+            lambda m: m(torch.zeros(1, 5, dtype=torch.long), cache=m.new_cache(1, 4)),
+            "the cache holds max_len=4 tokens",
+        ),
+        (
+            lambda m: m(torch.zeros(2, 5, dtype=torch.long), cache=m.new_cache(1, 8)),
+            "the cache was made for batch 1",
+        ),
+        (lambda m: m.loss(torch.tensor([[1, 2]]), start_id=999), "start_id=999 is outside the vocabulary"),
+        (lambda m: m.loss(torch.tensor([[1, 2]])), "give exactly one of start_id"),
+        (lambda m: m.new_cache(0, 4), "new_cache needs batch >= 1"),
+    ],
+)
+def test_bad_inputs_raise_clear_errors(call, fragment):
+    m = model_for("llama2-7b-tiny")
+    with pytest.raises(InputError) as e:
+        call(m)
+    assert fragment in str(e.value)

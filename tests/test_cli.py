@@ -1,0 +1,84 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from llmkit import analyze, get_preset
+from llmkit.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_inspect_json_has_the_documented_keys(capsys):
+    code, out, _ = run(capsys, "inspect", "deepseek-v3", "--json", "--seq-len", "4096")
+    assert code == 0
+    data = json.loads(out)
+    for key in ("params_total", "params_active", "kv_cache_bytes_per_token", "flops_per_token"):
+        assert key in data
+    ref = analyze(get_preset("deepseek-v3"), "deepseek-v3", 4096, "bf16")
+    assert data["params_total"] == ref.params_total == 671_026_419_200
+    assert data["kv_cache_elements_per_token_per_layer"] == 576
+    assert data["kv_cache_bytes"] == 4096 * data["kv_cache_bytes_per_token"]
+
+
+def test_inspect_text_and_dtype(capsys):
+    code, out, _ = run(capsys, "inspect", "llama2-7b", "--dtype", "fp32")
+    assert code == 0
+    assert "6,738,415,616" in out and "weights (fp32)" in out and "attention" in out
+
+
+def test_inspect_compare_side_by_side(capsys):
+    code, out, _ = run(capsys, "inspect", "--compare", "llama2-7b,llama2-70b,deepseek-v3")
+    assert code == 0
+    header = out.splitlines()[0]
+    assert "llama2-7b" in header and "llama2-70b" in header and "deepseek-v3" in header
+    code, out, _ = run(capsys, "inspect", "--compare", "gpt2,mixtral-8x7b", "--json")
+    assert [r["name"] for r in json.loads(out)] == ["gpt2", "mixtral-8x7b"]
+
+
+def test_inspect_reads_a_config_file(capsys, tmp_path):
+    path = tmp_path / "mine.json"
+    get_preset("gpt2-tiny").to_json(path)
+    code, out, _ = run(capsys, "inspect", str(path), "--json")
+    assert code == 0 and json.loads(out)["name"] == "mine"
+
+
+def test_presets_lists_every_preset(capsys):
+    code, out, _ = run(capsys, "presets", "--json")
+    names = [r["name"] for r in json.loads(out)]
+    assert code == 0 and "deepseek-v3.2" in names and "transformer-base-tiny" in names
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["inspect", "llama-9000"], "unknown preset 'llama-9000'"),
+        (["inspect"], "give a preset or config file"),
+        (["inspect", "gpt2", "--seq-len", "0"], "seq_len=0 must be >= 1"),
+        (["inspect", "missing.json"], "config file 'missing.json' does not exist"),
+    ],
+)
+def test_errors_are_reported_without_a_traceback(capsys, argv, fragment):
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and fragment in err and "Traceback" not in err
+
+
+def test_bad_flag_values_are_rejected_by_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        main(["inspect", "gpt2", "--dtype", "int4"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_module_entry_point():
+    out = subprocess.run(
+        [sys.executable, "-m", "llmkit", "inspect", "gpt2", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert json.loads(out)["params_total"] == 124_439_808
