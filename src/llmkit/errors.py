@@ -17,3 +17,14 @@ class ConfigError(LLMKitError, ValueError):
 
 class InputError(LLMKitError, ValueError):
     """A tensor or argument passed to a model or layer is invalid (names the argument, its shape or value)."""
+
+
+def check_features(x: object, dim: int, name: str, ndim: int | None = 3) -> None:
+    """Raise InputError unless x is a tensor whose last dim is `dim` and, when `ndim` is given, has that many dims
+    ((B, T, C) for a sequence layer); ndim None accepts any leading dims."""
+    shape = getattr(x, "shape", None)
+    if shape is None:
+        raise InputError(f"{name} expects a torch.Tensor, got {type(x).__name__}")
+    if (ndim is not None and len(shape) != ndim) or len(shape) == 0 or shape[-1] != dim:
+        expected = f"(batch, seq_len, {dim})" if ndim == 3 else f"(..., {dim})"
+        raise InputError(f"{name} expects input of shape {expected}, got {tuple(shape)}")

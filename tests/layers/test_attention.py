@@ -164,3 +164,17 @@ def test_cross_attention_ignores_padded_memory_and_caches_it():
     first = cross(x, memory, mask, cache)
     assert cache.k is not None and cache.k.shape == (2, H, 5, D)
     torch.testing.assert_close(cross(x, torch.zeros_like(memory), mask, cache), first)  # keys come from the cache
+
+
+def test_layers_reject_wrong_widths_with_clear_errors():
+    from llmkit import MoEConfig
+    from llmkit.layers.moe import MoE
+
+    with pytest.raises(
+        InputError, match=r"GroupedQueryAttention expects input of shape \(batch, seq_len, 32\), got \(2, 5, 16\)"
+    ):
+        gqa(2)(torch.randn(2, 5, 16), causal(5))
+    with pytest.raises(InputError, match="CrossAttention memory expects input of shape"):
+        CrossAttention(C, H, H, D)(torch.randn(1, 2, C), torch.randn(1, 3, 8), None)
+    with pytest.raises(InputError, match=r"MoE expects input of shape \(\.\.\., 8\), got \(2, 3, 5\)"):
+        MoE(8, MoEConfig(n_experts=2, top_k=1, expert_hidden_dim=4))(torch.randn(2, 3, 5))

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llmkit.config import Activation, FFNKind, MoEConfig
+from llmkit.errors import check_features
 from llmkit.layers.mlp import ACTIVATIONS, build_ffn
 
 
@@ -165,6 +166,7 @@ class MoE(nn.Module):
         return None if f is None else math.ceil(f * n_tokens * self.cfg.top_k / self.cfg.n_experts)
 
     def forward(self, x: Tensor) -> Tensor:
+        check_features(x, self.router.weight.shape[1], "MoE", ndim=None)
         shape = x.shape
         xf = x.reshape(-1, shape[-1])  # (N, C)
         N, E, k = xf.shape[0], self.cfg.n_experts, self.cfg.top_k

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from llmkit.config import ModelConfig
+from llmkit.errors import check_features
 from llmkit.layers.attention.core import attend
 from llmkit.layers.attention.mask import AttentionMask
 
@@ -68,6 +69,8 @@ class CrossAttention(nn.Module):
     def forward(
         self, x: Tensor, memory: Tensor, memory_mask: AttentionMask | None, cache: CrossCache | None = None
     ) -> Tensor:
+        check_features(x, self.wq.in_features, "CrossAttention")
+        check_features(memory, self.wk.in_features, "CrossAttention memory")
         B, T, _ = x.shape
         if cache is not None and cache.k is not None and cache.v is not None:
             k, v = cache.k, cache.v

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from llmkit.config import Layout, ModelConfig
+from llmkit.errors import check_features
 from llmkit.layers.attention.base import AttentionInputs, SelfAttention
 from llmkit.layers.attention.cache import KVCache
 from llmkit.layers.attention.core import attend
@@ -70,6 +71,7 @@ class GroupedQueryAttention(SelfAttention):
         )
 
     def forward(self, x: Tensor, inputs: AttentionInputs, cache: KVCache | None = None) -> Tensor:
+        check_features(x, self.wq.in_features, "GroupedQueryAttention")
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, D)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, K, D)

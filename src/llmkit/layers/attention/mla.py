@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from llmkit.config import Layout, MLAConfig, ModelConfig
+from llmkit.errors import check_features
 from llmkit.layers.attention.base import AttentionInputs, SelfAttention
 from llmkit.layers.attention.cache import LatentCache
 from llmkit.layers.attention.core import attend, attend_selected
@@ -133,6 +134,7 @@ class MultiHeadLatentAttention(SelfAttention):
     # ---- forward
 
     def forward(self, x: Tensor, inputs: AttentionInputs, cache: LatentCache | None = None) -> Tensor:
+        check_features(x, self.wkv_a.in_features, type(self).__name__)
         q, q_latent = self.project_queries(x)
         q_nope, q_pe = q.split([self.dn, self.dr], dim=-1)  # (B, T, H, dn), (B, T, H, dr)
         if inputs.rope is not None:
