@@ -61,11 +61,20 @@ def test_presets_lists_every_preset(capsys):
         (["inspect"], "give a preset or config file"),
         (["inspect", "gpt2", "--seq-len", "0"], "seq_len=0 must be >= 1"),
         (["inspect", "missing.json"], "config file 'missing.json' does not exist"),
+        (["inspect", "--compare", ","], "--compare ',' names no model"),
+        (["inspect", "--compare", "gpt2", "--seq-len", "0"], "seq_len=0 must be >= 1"),
     ],
 )
 def test_errors_are_reported_without_a_traceback(capsys, argv, fragment):
     code, _, err = run(capsys, *argv)
     assert code == 2 and fragment in err and "Traceback" not in err
+
+
+def test_binary_config_file_is_a_clear_error(capsys, tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    code, _, err = run(capsys, "inspect", str(path))
+    assert code == 2 and "is not UTF-8 text" in err
 
 
 def test_bad_flag_values_are_rejected_by_the_parser(capsys):

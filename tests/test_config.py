@@ -87,6 +87,13 @@ def test_gqa_divisibility_message_names_fields_value_and_valid_choices():
         ),
         (lambda: dict(position=PositionConfig(rope_fraction=0.01)), "RoPE needs an even number >= 2"),
         (
+            lambda: dict(
+                position=PositionConfig(rope_fraction=0.125, scaling=RopeScaling(kind="ntk", factor=2.0)),
+                attention=AttentionConfig(n_heads=4),
+            ),
+            "position.scaling.kind='ntk' needs at least 4 rotary dims",
+        ),
+        (
             lambda: dict(attention=AttentionConfig(kind="gqa", n_heads=4, n_kv_heads=0)),
             "attention.n_kv_heads=0 must be >= 1",
         ),

@@ -29,6 +29,7 @@ def test_preset_builds_on_meta_with_its_published_parameter_count(name):
     model = build_model(preset.config, device="meta")
     assert all(p.device.type == "meta" for p in model.parameters())
     report = analyze(preset.config, name)
+    assert sum(t.numel() for t in model.state_dict().values()) == report.params_total + report.params_mtp
     assert count_parameters(model) == report.params_total + report.params_mtp
     total = report.params_total
     pub = preset.params_total

@@ -101,7 +101,10 @@ def inspect(
         specs = [s.strip() for s in compare.split(",") if s.strip()]
         if model is not None:
             specs.insert(0, model)
-        reports = [analyze(cfg, name, seq_len or 4096, dtype) for name, cfg in map(_load_config, specs)]
+        if not specs:
+            raise LLMKitError(f"--compare {compare!r} names no model; give comma-separated presets or config files")
+        length = 4096 if seq_len is None else seq_len
+        reports = [analyze(cfg, name, length, dtype) for name, cfg in map(_load_config, specs)]
         print(json.dumps([r.to_dict() for r in reports], indent=2) if json_ else format_compare(reports))
         return 0
     assert model is not None

@@ -38,6 +38,7 @@ NormPlacement = Literal["pre", "post"]
 Activation = Literal["relu", "gelu", "gelu_tanh", "silu"]
 FFNKind = Literal["mlp", "swiglu"]
 ScoreFunc = Literal["softmax", "sigmoid"]
+BalanceLoss = Literal["switch", "sequence"]
 InitKind = Literal["normal", "xavier"]
 
 C = TypeVar("C", bound="_Config")
@@ -264,7 +265,8 @@ class IndexerConfig(_Config):
 @dataclass(frozen=True)
 class AttentionConfig(_Config):
     """Self-attention. kind gqa covers MHA (n_kv_heads == n_heads) and MQA (n_kv_heads == 1); mla needs `mla`;
-    dsa (MLA + lightning indexer + top-k sparse attention) needs `mla` and `indexer`."""
+    dsa (MLA + lightning indexer + top-k sparse attention) needs `mla` and `indexer`. sliding_window (gqa): each
+    query sees only the `sliding_window` most recent tokens (Mistral-7B-v0.1)."""
 
     path: ClassVar[str] = "attention"
     kind: AttentionKind = "gqa"
@@ -274,12 +276,16 @@ class AttentionConfig(_Config):
     qkv_bias: bool = False
     out_bias: bool = False
     dropout: float = 0.0
+    sliding_window: int | None = None
     mla: MLAConfig | None = None
     indexer: IndexerConfig | None = None
 
     def validate(self) -> None:
         self.require(self.n_heads >= 1, "n_heads", "must be >= 1")
         self.require(0.0 <= self.dropout < 1.0, "dropout", "must be in [0, 1)")
+        if self.sliding_window is not None:
+            self.require(self.sliding_window >= 1, "sliding_window", "must be >= 1, or None for full attention")
+            self.require(self.kind == "gqa", "sliding_window", "is only supported with attention.kind='gqa'")
         if self.kind == "gqa":
             self.require(self.mla is None, "mla", "is only used with attention.kind='mla' or 'dsa'")
             self.require(self.indexer is None, "indexer", "is only used with attention.kind='dsa'")
@@ -340,7 +346,10 @@ class FFNConfig(_Config):
 class MoEConfig(_Config):
     """Mixture of experts. Switch: top_k=1, softmax, norm_topk=False. GShard / Mixtral: top_k=2, softmax,
     norm_topk=True. DeepSeek-V3: sigmoid scores, n_groups / topk_groups, score_bias (aux-loss-free balancing),
-    routed_scale, shared experts. Layers before `first_dense_layers` keep the dense `ffn`."""
+    routed_scale, shared experts. Layers before `first_dense_layers` keep the dense `ffn`.
+
+    aux_loss_kind: "switch" (Switch / GShard / Mixtral: E * sum_i f_i P_i over the whole batch) or "sequence"
+    (DeepSeek-V2/V3: the same per sequence with f_i normalised by k, averaged over sequences)."""
 
     path: ClassVar[str] = "moe"
     n_experts: int = 8
@@ -356,6 +365,7 @@ class MoEConfig(_Config):
     routed_scale: float = 1.0
     score_bias: bool = False
     capacity_factor: float | None = None
+    aux_loss_kind: BalanceLoss = "switch"
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
     first_dense_layers: int = 0
@@ -477,6 +487,12 @@ class ModelConfig(_Config):
                     f"position.rope_fraction={self.position.rope_fraction} of head_dim={self.head_dim} gives "
                     f"{rope} rotary dims; RoPE needs an even number >= 2"
                 )
+            s = self.position.scaling
+            if s is not None and s.kind in ("ntk", "dynamic") and rope < 4:
+                raise ConfigError(
+                    f"position.scaling.kind={s.kind!r} needs at least 4 rotary dims (it stretches the base by "
+                    f"factor ** (d / (d - 2))), the model has {rope}"
+                )
 
     def _resolve_attention(self) -> None:
         a = self.attention
@@ -548,7 +564,10 @@ class ModelConfig(_Config):
             p = Path(source)
             if not p.is_file():
                 raise ConfigError(f"config file {str(p)!r} does not exist")
-            text = p.read_text()
+            try:
+                text = p.read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"config file {str(p)!r} is not UTF-8 text: {e}") from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:

@@ -141,6 +141,7 @@ def _deepseek_v2_lite() -> ModelConfig:
             norm_topk=False,
             routed_scale=1.0,
             first_dense_layers=1,
+            aux_loss_kind="sequence",
             aux_loss_coef=0.001,
         ),
         position=PositionConfig(
@@ -179,6 +180,7 @@ def _deepseek_v3() -> ModelConfig:
             routed_scale=2.5,
             score_bias=True,
             first_dense_layers=3,
+            aux_loss_kind="sequence",
             aux_loss_coef=0.0001,
         ),
         position=PositionConfig(

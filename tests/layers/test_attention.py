@@ -178,3 +178,22 @@ def test_layers_reject_wrong_widths_with_clear_errors():
         CrossAttention(C, H, H, D)(torch.randn(1, 2, C), torch.randn(1, 3, 8), None)
     with pytest.raises(InputError, match=r"MoE expects input of shape \(\.\.\., 8\), got \(2, 3, 5\)"):
         MoE(8, MoEConfig(n_experts=2, top_k=1, expert_hidden_dim=4))(torch.randn(2, 3, 5))
+
+
+def test_sliding_window_sees_only_the_most_recent_keys():
+    attn = gqa(2, rope_dim=D, sliding_window=3)
+    rope = RotaryEmbedding(D, 10000.0, 64)
+    x = torch.randn(2, 8, C)
+    out = attn(x, AttentionInputs(AttentionMask(causal=True), rope(torch.arange(8))))
+    band = torch.tril(torch.ones(8, 8, dtype=torch.bool)) & ~torch.tril(torch.ones(8, 8, dtype=torch.bool), -3)
+    attn.sliding_window = None
+    ref = attn(x, AttentionInputs(AttentionMask(allowed=band[None, None]), rope(torch.arange(8))))
+    torch.testing.assert_close(out, ref)
+    attn.sliding_window = 3
+    cache = attn.new_cache(2, 8)  # cached decoding applies the same window
+    steps = [attn(x[:, :4], AttentionInputs(AttentionMask(causal=True), rope(torch.arange(4)), 0), cache)]
+    for t in range(4, 8):
+        steps.append(
+            attn(x[:, t : t + 1], AttentionInputs(AttentionMask(causal=True), rope(torch.tensor([t])), t), cache)
+        )
+    torch.testing.assert_close(torch.cat(steps, 1), out, rtol=1e-5, atol=1e-5)

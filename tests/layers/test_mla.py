@@ -92,6 +92,21 @@ def test_weights_agree_between_paths():
     torch.testing.assert_close(m.last_weights, explicit, rtol=1e-5, atol=1e-6)
 
 
+def test_softmax_scale_includes_yarn_mscale_squared():
+    import dataclasses
+    import math
+
+    from llmkit.layers.attention.mla import mla_softmax_scale
+
+    cfg = get_preset("deepseek-v3")  # yarn factor 40, mscale_all_dim 1.0
+    mscale = 0.1 * 1.0 * math.log(40) + 1.0
+    assert mla_softmax_scale(cfg) == pytest.approx(192**-0.5 * mscale**2)
+    plain = dataclasses.replace(cfg, position=dataclasses.replace(cfg.position, scaling=None))
+    assert mla_softmax_scale(plain) == pytest.approx(192**-0.5)
+    lite = get_preset("deepseek-v2-lite")  # mscale_all_dim 0.707
+    assert mla_softmax_scale(lite) == pytest.approx(192**-0.5 * (0.1 * 0.707 * math.log(40) + 1.0) ** 2)
+
+
 def test_deepseek_v3_caches_576_elements_per_token_per_layer():
     model = build_model(get_preset("deepseek-v3"), device="meta")
     attn = model.blocks[0].attn

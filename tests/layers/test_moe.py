@@ -190,3 +190,49 @@ def test_router_runs_in_fp32_for_bf16_inputs():
     r = Router(C, MoEConfig(n_experts=4, top_k=2)).bfloat16()
     out = r(torch.randn(3, C).bfloat16())
     assert out.logits.dtype == torch.float32 and out.probs.dtype == torch.float32
+
+
+def test_sequence_aux_loss_hand_computed():
+    from llmkit.layers.moe import sequence_aux_loss
+
+    # one sequence of 2 tokens, 2 experts, top-1: both tokens pick expert 0
+    probs = torch.tensor([[[0.75, 0.25], [0.25, 0.75]]])
+    experts = torch.tensor([[[0], [0]]])
+    # f = E / (k T) * counts = 2 / 2 * (2, 0) = (2, 0); P = (0.5, 0.5); loss = 1.0
+    assert sequence_aux_loss(probs, experts, 2).item() == pytest.approx(1.0)
+    balanced = torch.tensor([[[0], [1]]])
+    assert sequence_aux_loss(probs, balanced, 2).item() == pytest.approx(1.0 * 0.5 + 1.0 * 0.5)
+    skewed = torch.tensor([[[0.9, 0.1], [0.9, 0.1]]])
+    assert sequence_aux_loss(skewed, experts, 2).item() == pytest.approx(2 * 0.9)
+
+
+def test_sequence_balance_is_per_sequence():
+    m = moe(top_k=2, aux_loss_kind="sequence")
+    x = torch.randn(3, 5, C)
+    m(x)
+    r = m.router(x.reshape(-1, C))
+    from llmkit.layers.moe import sequence_aux_loss
+
+    assert m.last_stats is not None
+    expected = sequence_aux_loss(r.probs.view(3, 5, 4), r.experts.view(3, 5, 2), 4)
+    torch.testing.assert_close(m.last_stats.aux_loss, expected)
+
+
+def test_router_state_stays_fp32_in_a_bf16_model():
+    m = moe(n_experts=4, top_k=1, score_func="sigmoid", score_bias=True).bfloat16()
+    assert m.router.weight.dtype == torch.bfloat16
+    assert m.router.score_bias is not None and m.router.score_bias.dtype == torch.float32
+    assert m.load.dtype == torch.float32
+    m.router.score_bias.fill_(0.5)
+    m.train()
+    for _ in range(3):
+        m(torch.randn(200, C).bfloat16())  # 600 tokens: a bf16 counter would stall at 256
+    assert m.load.sum().item() == 600
+    update_router_bias(m, rate=1e-3)
+    assert (m.router.score_bias != 0.5).all()  # a 1e-3 step on 0.5 is lost in bf16
+
+
+def test_standalone_layers_are_initialised():
+    m = MoE(C, MoEConfig(n_experts=4, top_k=2, expert_hidden_dim=8))
+    out = m(torch.randn(2, 3, C))
+    assert torch.isfinite(out).all() and out.abs().max() < 10

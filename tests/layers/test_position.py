@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from llmkit import ConfigError
-from llmkit.layers.position import LearnedPositions, SinusoidalPositions
+from llmkit.layers.position import SinusoidalPositions
 
 
 def paper_pe(pos: int, i: int, d: int) -> float:
@@ -46,8 +46,3 @@ def test_sinusoidal_extends_beyond_any_training_length():
 def test_odd_width_is_rejected():
     with pytest.raises(ConfigError, match="d_model=7 must be even"):
         SinusoidalPositions(7)
-
-
-def test_learned_positions_are_a_table():
-    lp = LearnedPositions(10, 4)
-    torch.testing.assert_close(lp(torch.tensor([[3]]))[0, 0], lp.table.weight[3])

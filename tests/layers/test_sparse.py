@@ -2,18 +2,20 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from llmkit import AttentionConfig, IndexerConfig, MLAConfig, ModelConfig, PositionConfig
+from llmkit import AttentionConfig, ConfigError, IndexerConfig, MLAConfig, ModelConfig, PositionConfig
 from llmkit.layers.attention import (
     AttentionInputs,
     AttentionMask,
     DeepSeekSparseAttention,
     MultiHeadLatentAttention,
+    Selection,
     attend,
     attend_selected,
     padding_mask,
 )
-from llmkit.layers.rope import RotaryEmbedding
+from llmkit.layers.rope import RotaryEmbedding, apply_rope
 
 MLA = MLAConfig(kv_lora_rank=24, q_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
 
@@ -46,6 +48,24 @@ def test_topk_at_least_length_equals_dense_mla():
     x = torch.randn(2, 10, 48)
     mask = padding_mask(torch.tensor([[False] * 2 + [True] * 8, [True] * 10]), causal=True)
     torch.testing.assert_close(dsa(x, inputs(10, mask=mask)), mla(x, inputs(10, mask=mask)))
+
+
+@pytest.mark.parametrize("absorb", [False, True])
+def test_gather_path_selecting_every_allowed_key_equals_dense(absorb):
+    # the shortcut above skips the gather when topk >= S; here the gather path itself runs over all causal keys
+    dsa = make(topk=16)
+    x = torch.randn(2, 9, 48)
+    inp = inputs(9)
+    q, _ = dsa.project_queries(x)
+    q_nope, q_pe = q.split([dsa.dn, dsa.dr], dim=-1)
+    q_pe = apply_rope(q_pe, inp.rope, "interleaved")
+    c_kv, k_pe = dsa.project_latent(x, inp)
+    index = torch.arange(9).expand(2, 9, 9)
+    selection = Selection(index, torch.tril(torch.ones(9, 9, dtype=torch.bool)).expand(2, 9, 9))
+    attend_path = dsa.attend_absorbed if absorb else dsa.attend_explicit
+    dense = attend_path(q_nope, q_pe, c_kv, k_pe, inp, None)
+    gathered = attend_path(q_nope, q_pe, c_kv, k_pe, inp, selection)
+    torch.testing.assert_close(gathered, dense, rtol=1e-5, atol=1e-5)
 
 
 def test_gathered_attention_equals_dense_attention_masked_to_the_selection():
@@ -86,8 +106,9 @@ def test_indexer_scores_match_their_formula():
     scores = idx(x, q_in, inp)
     q = idx.wq(q_in).view(1, 5, 3, 8)
     q = torch.cat([dsa_rope(q[..., :4], inp), q[..., 4:]], -1)
-    k = idx.keys(x, inp)
-    w = idx.w_heads(x) * 3**-0.5
+    k = F.layer_norm(x @ idx.wk.weight.T, (8,), idx.k_norm.weight, idx.k_norm.bias, eps=1e-6)
+    k = torch.cat([dsa_rope(k[:, :, None, :4], inp)[:, :, 0], k[..., 4:]], -1)  # rope on the first 4 dims
+    w = (x @ idx.w_heads.weight.T) * 3**-0.5
     for t in range(5):
         for s in range(5):
             ref = sum(w[0, t, j] * torch.relu(q[0, t, j] @ k[0, s]) * 8**-0.5 for j in range(3))
@@ -95,8 +116,6 @@ def test_indexer_scores_match_their_formula():
 
 
 def dsa_rope(x, inp):
-    from llmkit.layers.rope import apply_rope
-
     return apply_rope(x, inp.rope, "half")  # the indexer's rope uses the half layout
 
 
@@ -117,5 +136,5 @@ def test_sparse_paths_agree_and_cached_decoding_equals_full(absorb):
 
 
 def test_dsa_config_requires_an_indexer():
-    with pytest.raises(Exception, match="indexer=None is required"):
+    with pytest.raises(ConfigError, match="indexer=None is required"):
         dataclasses.replace(cfg(4), attention=dataclasses.replace(cfg(4).attention, indexer=None))

@@ -86,6 +86,46 @@ def test_padded_targets_do_not_count():
     assert out.n_tokens == 16
 
 
+def test_left_padded_targets_give_the_unpadded_loss():
+    m = model_for("deepseek-v3-tiny")  # includes the MTP loss, which must skip predictions made at pads
+    targets = torch.randint(2, 256, (1, 8))
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), targets], 1)
+    valid = torch.tensor([[False] * 3 + [True] * 8])
+    with torch.no_grad():
+        a = m.loss(targets, start_id=1)
+        b = m.loss(padded, start_id=1, padding_mask=valid)
+    torch.testing.assert_close(b.ce, a.ce, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b.mtp, a.mtp, rtol=1e-5, atol=1e-5)
+    assert a.n_tokens == b.n_tokens == 8
+
+
+def test_integer_padding_masks_are_accepted():
+    m = model_for("llama2-7b-tiny")
+    tokens = torch.randint(0, 256, (1, 4))
+    torch.testing.assert_close(m(tokens, padding_mask=torch.ones(1, 4, dtype=torch.long)), m(tokens))
+
+
+def test_explicit_inputs_with_ignored_targets():
+    m = model_for("llama2-7b-tiny")
+    inputs = torch.randint(0, 256, (1, 6))
+    targets = torch.cat([torch.full((1, 3), -100), torch.randint(0, 256, (1, 3))], 1)  # e.g. a prompt not to learn
+    out = m.loss(targets, inputs=inputs)
+    ref = F.cross_entropy(m(inputs)[0, 3:], targets[0, 3:])
+    torch.testing.assert_close(out.ce, ref)
+    assert out.n_tokens == 3
+
+
+def test_repeated_training_steps_with_moe_and_mtp():
+    m = model_for("deepseek-v3-tiny").train()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    for _ in range(3):  # stale MoE statistics from an earlier step would break the second backward
+        opt.zero_grad()
+        out = m.loss(torch.randint(0, 256, (2, 10)), start_id=1)
+        out.total.backward()
+        opt.step()
+    assert torch.isfinite(out.total)
+
+
 def test_moe_losses_and_mtp_enter_the_total():
     m = model_for("deepseek-v3-tiny").train()
     out = m.loss(torch.randint(0, 256, (2, 12)), start_id=1, mtp_weight=0.5)
@@ -107,6 +147,7 @@ def test_mtp_prediction_at_depth_k_sees_tokens_up_to_i_plus_k_only():
         h2 = captured["h"]
     handle.remove()
     # depth 1 at position i uses the embedding of inputs[i + 1]: positions i <= 7 are unaffected by inputs[9]
+    assert h1.shape == (1, 11, 64)
     torch.testing.assert_close(h1[:, :8], h2[:, :8])
     assert not torch.allclose(h1[:, 8], h2[:, 8])
 
@@ -149,7 +190,15 @@ def test_tied_head_shares_the_embedding_and_bf16_runs():
         ),
         (lambda m: m.loss(torch.tensor([[1, 2]]), start_id=999), "start_id=999 is outside the vocabulary"),
         (lambda m: m.loss(torch.tensor([[1, 2]])), "give exactly one of start_id"),
-        (lambda m: m.new_cache(0, 4), "new_cache needs batch >= 1"),
+        (lambda m: m.new_cache(0, 4), "new_cache needs batch to be an int >= 1, got 0"),
+        (lambda m: m.new_cache(1, 4.0), "new_cache needs max_len to be an int >= 1, got 4.0"),
+        (lambda m: m.new_cache(1, 4, dtype=torch.bfloat16), "cache dtype torch.bfloat16 differs from the model's"),
+        (lambda m: m(torch.tensor([[1, 2]]), positions=torch.tensor([-1, 0])), "positions must be >= 0, got -1"),
+        (lambda m: m(torch.tensor([[1, 2]]), positions=torch.tensor([0.0, 1.0])), "positions must be integers"),
+        (lambda m: m(torch.tensor([[1, 2]]), padding_mask=torch.ones(1, 2)), "must be bool (True = real token) or 0/1"),
+        (lambda m: m(torch.tensor([[1, 2]]), padding_mask=torch.tensor([[1, 2]])), "must hold only 0 and 1"),
+        (lambda m: m.loss(torch.tensor([[1, -100]]), start_id=1), "targets contain ignore_index=-100"),
+        (lambda m: m.loss(torch.tensor([[1, 2]]), start_id=1, label_smoothing=1.5), "label_smoothing=1.5 must be"),
     ],
 )
 def test_bad_inputs_raise_clear_errors(call, fragment):

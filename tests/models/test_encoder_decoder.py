@@ -136,6 +136,33 @@ def test_loss_uses_teacher_forcing():
     torch.testing.assert_close(out.total, ref)
 
 
+def test_padded_targets_give_the_unpadded_loss():
+    m = paper_tiny()
+    src, tgt = torch.randint(2, 256, (1, 6)), torch.randint(2, 256, (1, 5))
+    plain = m.loss(src, tgt, start_id=1)
+    right = m.loss(
+        src,
+        torch.cat([tgt, torch.zeros(1, 2, dtype=torch.long)], 1),
+        start_id=1,
+        target_mask=torch.tensor([[True] * 5 + [False] * 2]),
+    )
+    left = m.loss(
+        src,
+        torch.cat([torch.zeros(1, 2, dtype=torch.long), tgt], 1),
+        start_id=1,
+        target_mask=torch.tensor([[False] * 2 + [True] * 5]),
+    )
+    torch.testing.assert_close(right.ce, plain.ce, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(left.ce, plain.ce, rtol=1e-5, atol=1e-5)
+
+
+def test_cache_batch_mismatch_is_a_clear_error():
+    m = paper_tiny()
+    memory = m.encode(torch.randint(0, 256, (2, 4)))
+    with pytest.raises(InputError, match="the cache was made for batch 1, target has batch 2"):
+        m.decode(torch.randint(0, 256, (2, 1)), memory, cache=m.new_cache(1, 4))
+
+
 def test_separate_source_vocabulary():
     cfg = dataclasses.replace(get_preset("transformer-base-tiny"), encoder=EncoderConfig(n_layers=1, vocab_size=50))
     m = build_model(cfg)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -51,10 +52,22 @@ class Routing:
 class MoEStats:
     """What one MoE forward call measured: losses the trainer adds, and the load per expert."""
 
-    aux_loss: Tensor  # scalar, Switch load-balancing loss E * sum_i f_i P_i
+    aux_loss: Tensor  # scalar, load-balancing loss (Switch or sequence-wise, per aux_loss_kind)
     z_loss: Tensor  # scalar, router z-loss mean(logsumexp(logits)^2)
     counts: Tensor  # (E,) float, assignments per expert chosen by the router (before capacity dropping)
     dropped: float  # fraction of assignments dropped by the capacity limit
+
+
+def sequence_aux_loss(probs: Tensor, experts: Tensor, n_experts: int) -> Tensor:
+    """DeepSeek-V2/V3 sequence-wise balance loss: per sequence, sum_i f_i P_i with f_i = E / (k T) * (assignments
+    to expert i) and P_i = mean router probability of expert i; averaged over sequences. Minimised (value 1) by
+    uniform routing within every sequence. probs (B, T, E), experts (B, T, k)."""
+    B, T, k = experts.shape
+    counts = torch.zeros(B, n_experts, device=probs.device).scatter_add_(
+        1, experts.reshape(B, T * k), torch.ones(B, T * k, device=probs.device)
+    )  # (B, E)
+    f = counts * n_experts / (k * T)
+    return (f * probs.mean(dim=1)).sum(dim=1).mean()
 
 
 def switch_aux_loss(probs: Tensor, experts: Tensor, n_experts: int) -> Tensor:
@@ -74,8 +87,26 @@ def router_z_loss(logits: Tensor) -> Tensor:
     return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
 
 
-class Router(nn.Module):
+class FP32Buffers(nn.Module):
+    """Keeps the buffers named in `fp32_buffers` in fp32 when the module is cast (model.to(torch.bfloat16)): a
+    router bias nudged by 1e-3 steps, or a count of tokens, would stall in bf16."""
+
+    fp32_buffers: tuple[str, ...] = ()
+
+    def _apply(self, fn: Any, recurse: bool = True) -> FP32Buffers:
+        kept = {n: b for n in self.fp32_buffers if (b := self._buffers.get(n)) is not None}
+        super()._apply(fn, recurse)
+        for name, old in kept.items():
+            new = self._buffers[name]
+            if new is not None and new.dtype != torch.float32:
+                self._buffers[name] = new.float() if old.is_meta else old.to(new.device, torch.float32)
+        return self
+
+
+class Router(FP32Buffers):
     """Scores the E experts for each token and chooses k. x (N, C) -> Routing."""
+
+    fp32_buffers = ("score_bias",)
 
     def __init__(self, dim: int, cfg: MoEConfig) -> None:
         super().__init__()
@@ -86,6 +117,10 @@ class Router(nn.Module):
             self.register_buffer("score_bias", torch.zeros(cfg.n_experts))
         else:
             self.score_bias = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, 0.0, self.weight.shape[1] ** -0.5)
 
     def forward(self, x: Tensor) -> Routing:
         cfg = self.cfg
@@ -119,6 +154,14 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w3: nn.Parameter | None = nn.Parameter(torch.empty(n_experts, hidden, dim)) if kind == "swiglu" else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Each expert initialised like nn.Linear: uniform within 1/sqrt(fan_in)."""
+        for w in (self.w1, self.w2, self.w3):
+            if w is not None:
+                bound = w.shape[2] ** -0.5
+                nn.init.uniform_(w, -bound, bound)
 
     def expert(self, e: int, x: Tensor) -> Tensor:
         """Expert e on its tokens x (n, C) -> (n, C)."""
@@ -140,8 +183,8 @@ class GroupedExperts(nn.Module):
         return f"n_experts={E}, dim={C}, hidden={I}, kind={self.kind}, activation={self.activation}"
 
 
-class MoE(nn.Module):
-    """Mixture-of-experts feed-forward layer. x (B, T, C) -> (B, T, C).
+class MoE(FP32Buffers):
+    """Mixture-of-experts feed-forward layer. x (B, T, C) or (N, C) -> same shape.
 
     After each call `last_stats` holds the MoEStats; in training mode the router's load per expert also accumulates
     in `load` until `update_router_bias` consumes it."""
@@ -156,9 +199,11 @@ class MoE(nn.Module):
             if cfg.n_shared_experts
             else None
         )
-        self.load: Tensor  # (E,) router assignments per expert since the last bias update
+        self.load: Tensor  # (E,) router assignments per expert since the last bias update, fp32
         self.register_buffer("load", torch.zeros(cfg.n_experts), persistent=False)
         self.last_stats: MoEStats | None = None
+
+    fp32_buffers = ("load",)
 
     def capacity(self, n_tokens: int) -> int | None:
         """Assignments each expert may take, or None without a capacity factor."""
@@ -191,15 +236,22 @@ class MoE(nn.Module):
         y = torch.zeros_like(xf).index_add_(0, tokens, y_sorted)  # scatter-add back to the tokens
         if self.shared is not None:
             y = y + self.shared(xf)
-        self._record(routing, counts, int(kept.sum()) if capacity is not None else N * k, N * k)
+        batch = shape[0] if len(shape) == 3 else 1
+        self._record(routing, counts, int(kept.sum()) if capacity is not None else N * k, N * k, batch)
         return y.view(shape)
 
-    def _record(self, routing: Routing, counts: Tensor, n_kept: int, n_assigned: int) -> None:
+    def _record(self, routing: Routing, counts: Tensor, n_kept: int, n_assigned: int, batch: int) -> None:
         counts_f = counts.detach().float()
         if self.training:
             self.load += counts_f
+        E, k = self.cfg.n_experts, self.cfg.top_k
+        if self.cfg.aux_loss_kind == "sequence":
+            probs, experts = routing.probs.view(batch, -1, E), routing.experts.view(batch, -1, k)
+            aux = sequence_aux_loss(probs, experts, E)
+        else:
+            aux = switch_aux_loss(routing.probs, routing.experts, E)
         self.last_stats = MoEStats(
-            aux_loss=switch_aux_loss(routing.probs, routing.experts, self.cfg.n_experts),
+            aux_loss=aux,
             z_loss=router_z_loss(routing.logits),
             counts=counts_f,
             dropped=1.0 - n_kept / max(n_assigned, 1),

@@ -5,8 +5,11 @@ Besides the next token, the model learns to predict tokens further ahead with D 
 and predicts token i + k + 1:
 
     h'_i^k = M_k [ norm(Emb(t_(i+k))) ; norm(h_i^(k-1)) ]        M_k: (2C -> C) projection
-    h_i^k  = Block_k(h'_(1..T-k)^k)                              a causal Transformer block of its own
-    P^k    = Head(norm(h_i^k))                                   embedding and output head shared with the model
+    h_i^k  = norm(Block_k(h'_(1..T-k)^k))                        a causal Transformer block of its own
+    P^k    = Head(h_i^k)                                         embedding and output head shared with the model
+
+h^0 is the main model's final (normed) hidden state, and each depth passes its normed output to the next, as the
+DeepSeek-V3 implementations in vLLM and Megatron-Core do.
 
 The sequential chain keeps the causal order of predictions. At inference the modules can be dropped, or used to
 draft tokens for self-speculative decoding. Shapes: h (B, T, C), emb (B, T, C) -> (B, T, C).
@@ -24,7 +27,7 @@ from llmkit.layers.norm import build_norm
 
 
 class MTPModule(nn.Module):
-    """One prediction depth. h_prev (B, T, C), emb of the tokens k ahead (B, T, C) -> h (B, T, C), before the norm."""
+    """One prediction depth. h_prev (B, T, C), emb of the tokens k ahead (B, T, C) -> normed h (B, T, C)."""
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -32,8 +35,8 @@ class MTPModule(nn.Module):
         self.h_norm = build_norm(cfg.norm, cfg.d_model)
         self.proj = nn.Linear(2 * cfg.d_model, cfg.d_model, bias=False)
         self.block = TransformerBlock(cfg, layer)
-        self.norm = build_norm(cfg.norm, cfg.d_model)  # applied before the shared output head
+        self.norm = build_norm(cfg.norm, cfg.d_model)  # before the shared output head and the next depth
 
     def forward(self, h_prev: Tensor, emb: Tensor, inputs: AttentionInputs) -> Tensor:
         x = self.proj(torch.cat((self.emb_norm(emb), self.h_norm(h_prev)), dim=-1))  # (B, T, C)
-        return self.block(x, inputs)
+        return self.norm(self.block(x, inputs))

@@ -53,6 +53,8 @@ def rope_frequencies(
     """
     if dim < 2 or dim % 2:
         raise ConfigError(f"rotary dim={dim} must be even and >= 2")
+    if scaling is not None and scaling.kind in ("ntk", "dynamic") and dim < 4:
+        raise ConfigError(f"{scaling.kind} RoPE scaling needs at least 4 rotary dims, got {dim}")
     if scaling is None:
         return _base_inv_freq(dim, theta), 1.0
     s = scaling

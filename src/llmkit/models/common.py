@@ -36,7 +36,7 @@ def check_tokens(tokens: Any, vocab_size: int, name: str = "tokens") -> None:
 
 
 def check_mask(mask: Tensor | None, tokens: Tensor, name: str = "padding_mask") -> Tensor | None:
-    """Validate a (B, T) padding mask (True = real token) against tokens; returns it as bool."""
+    """Validate a (B, T) padding mask (True or 1 = real token) shaped like tokens; returns it as bool."""
     if mask is None:
         return None
     if not isinstance(mask, Tensor) or tuple(mask.shape) != tuple(tokens.shape):
@@ -44,6 +44,12 @@ def check_mask(mask: Tensor | None, tokens: Tensor, name: str = "padding_mask") 
         raise InputError(
             f"{name} must be a (batch, seq_len) tensor shaped like the tokens {tuple(tokens.shape)}, got {shape}"
         )
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.dtype.is_floating_point or mask.is_complex():
+        raise InputError(f"{name} must be bool (True = real token) or 0/1 integers, got dtype {mask.dtype}")
+    if bool(((mask != 0) & (mask != 1)).any()):
+        raise InputError(f"{name} must hold only 0 and 1 (1 = real token)")
     return mask.bool()
 
 
@@ -52,14 +58,41 @@ def positions_from_mask(valid: Tensor) -> Tensor:
     return (valid.long().cumsum(dim=1) - 1).clamp(min=0)
 
 
-def shift_right(tokens: Tensor, start_id: int) -> Tensor:
+def shift_right(tokens: Tensor, start_id: int, valid: Tensor | None = None) -> Tensor:
     """Teacher forcing inputs: prepend the start token and drop the last token. (B, T) -> (B, T).
 
     targets  I    love you  </s>
     inputs   <s>  I    love you        the model predicts targets[t] from inputs[: t + 1]
-    """
-    start = torch.full_like(tokens[:, :1], start_id)
-    return torch.cat((start, tokens[:, :-1]), dim=1)
+
+    With `valid` (B, T) (True = real target), the start token goes to each row's first real slot, so left-padded rows
+    read  pad pad <s> I love  for targets  pad pad I love you."""
+    shifted = torch.cat((torch.full_like(tokens[:, :1], start_id), tokens[:, :-1]), dim=1)
+    if valid is None:
+        return shifted
+    first = valid & ~torch.cat((torch.zeros_like(valid[:, :1]), valid[:, :-1]), dim=1)  # first real slot
+    return torch.where(first, torch.full_like(tokens, start_id), shifted)
+
+
+def teacher_forcing(
+    targets: Tensor, start_id: int, valid: Tensor | None, ignore_index: int, vocab_size: int
+) -> tuple[Tensor, Tensor]:
+    """(inputs, labels) for teacher forcing: inputs are the targets shifted right behind `start_id`; labels are the
+    targets with padding replaced by `ignore_index`. The inputs' padding is `valid` itself."""
+    if not 0 <= start_id < vocab_size:
+        raise InputError(f"start_id={start_id} is outside the vocabulary [0, {vocab_size})")
+    if bool((targets == ignore_index).any()):
+        raise InputError(
+            f"targets contain ignore_index={ignore_index}: with start_id the inputs are built from the targets, so "
+            "every target must be a token id. Mark padding with padding_mask, or pass the inputs explicitly"
+        )
+    check_tokens(targets, vocab_size, "targets")
+    labels = targets if valid is None else targets.masked_fill(~valid, ignore_index)
+    return shift_right(targets, start_id, valid), labels
+
+
+def check_label_smoothing(label_smoothing: float) -> None:
+    if not 0.0 <= label_smoothing < 1.0:
+        raise InputError(f"label_smoothing={label_smoothing} must be in [0, 1)")
 
 
 @dataclass(frozen=True)
@@ -81,6 +114,13 @@ def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int, label_smoo
         ignore_index=ignore_index,
         label_smoothing=label_smoothing,
     )
+
+
+def reset_moe_stats(model: nn.Module) -> None:
+    """Forget the MoE layers' statistics, so that `moe_aux_loss` sees only the forward calls that follow."""
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.last_stats = None
 
 
 def moe_aux_loss(model: nn.Module, cfg: ModelConfig, like: Tensor) -> Tensor:
@@ -126,9 +166,29 @@ def build_rope(cfg: ModelConfig) -> RotaryEmbedding | None:
 
 
 def check_positions(positions: Tensor, cfg: ModelConfig) -> None:
+    """Positions must be non-negative integers, and below max_seq_len where a table is indexed."""
+    if positions.dtype.is_floating_point or positions.dtype == torch.bool or positions.is_complex():
+        raise InputError(f"positions must be integers, got dtype {positions.dtype}")
+    lo, hi = int(positions.min()), int(positions.max())
+    if lo < 0:
+        raise InputError(f"positions must be >= 0, got {lo}")
     limit = cfg.position.max_seq_len
-    if cfg.position.kind in ("learned", "rope") and int(positions.max()) >= limit:
-        raise InputError(f"position {int(positions.max())} is beyond the model's context: position.max_seq_len={limit}")
+    if cfg.position.kind in ("learned", "rope") and hi >= limit:
+        raise InputError(f"position {hi} is beyond the model's context: position.max_seq_len={limit}")
+
+
+def check_cache_args(model: nn.Module, batch: object, max_len: object, dtype: torch.dtype | None) -> torch.dtype:
+    """Validate new_cache arguments; returns the cache dtype (the model's unless given, and it must match)."""
+    for name, value in (("batch", batch), ("max_len", max_len)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise InputError(f"new_cache needs {name} to be an int >= 1, got {value!r}")
+    model_dtype = next(model.parameters()).dtype
+    if dtype is not None and dtype != model_dtype:
+        raise InputError(
+            f"cache dtype {dtype} differs from the model's {model_dtype}; attention needs both in one dtype "
+            "(convert the model with .to(dtype) instead)"
+        )
+    return model_dtype
 
 
 @torch.no_grad()

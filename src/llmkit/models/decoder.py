@@ -3,7 +3,7 @@
     tokens ─► embedding (+ learned / sinusoidal positions) ─► N x TransformerBlock ─► final norm ─► head ─► logits
                                                                      │                  (pre-norm only)
                               RoPE tables (rotary positions) ────────┘
-    with mtp_depth > 0:   hidden ─► MTP module 1 ─► MTP module 2 ─► ...   (each: shared embedding and head)
+    with mtp_depth > 0:   normed hidden ─► MTP module 1 ─► MTP module 2 ─► ...   (each: shared embedding, head)
 
 Every block is causal: position t sees tokens 0..t only, which is what lets training score all T next-token
 predictions of a sequence in one parallel pass (teacher forcing), while generation proceeds token by token with a
@@ -31,6 +31,8 @@ from llmkit.models.common import (
     LossOutput,
     SequenceState,
     build_rope,
+    check_cache_args,
+    check_label_smoothing,
     check_mask,
     check_positions,
     check_tokens,
@@ -38,7 +40,8 @@ from llmkit.models.common import (
     init_weights,
     moe_aux_loss,
     positions_from_mask,
-    shift_right,
+    reset_moe_stats,
+    teacher_forcing,
 )
 
 
@@ -154,11 +157,8 @@ class DecoderLM(nn.Module):
     ) -> DecoderCache:
         """A preallocated cache for `batch` sequences of up to `max_len` tokens, on the model's device and dtype
         unless given."""
-        if batch < 1 or max_len < 1:
-            raise InputError(f"new_cache needs batch >= 1 and max_len >= 1, got batch={batch}, max_len={max_len}")
-        ref = self.embed.weight
-        device = torch.device(device) if device is not None else ref.device
-        dtype = dtype or ref.dtype
+        dtype = check_cache_args(self, batch, max_len, dtype)
+        device = torch.device(device) if device is not None else self.embed.weight.device
         layers: list[object] = [
             cast(TransformerBlock, b).attn.new_cache(batch, max_len, device, dtype) for b in self.blocks
         ]
@@ -180,34 +180,38 @@ class DecoderLM(nn.Module):
         """Teacher-forcing loss. targets (B, T): the tokens to predict.
 
         Give `start_id` to build the inputs by shifting the targets right behind a start token (the seeds'
-        convention: inputs "<s> I love", targets "I love you"), or the `inputs` (B, T) directly. padding_mask (B, T)
-        marks real target tokens; pads and targets equal to `ignore_index` do not count. The total adds the MoE
-        losses (weighted by moe.aux_loss_coef / z_loss_coef) and mtp_weight times the MTP loss."""
-        check_tokens(targets.masked_fill(targets == ignore_index, 0), self.cfg.vocab_size, "targets")
-        valid = check_mask(padding_mask, targets)
+        convention: inputs "<s> I love", targets "I love you"), or give the `inputs` (B, T) directly (then targets
+        equal to `ignore_index` do not count). padding_mask (B, T) marks real tokens; pads do not count. The total
+        adds the MoE losses (weighted by moe.aux_loss_coef / z_loss_coef) and mtp_weight times the MTP loss."""
+        check_label_smoothing(label_smoothing)
         if (start_id is None) == (inputs is None):
             raise InputError("give exactly one of start_id (teacher forcing by shifting right) or inputs")
-        if inputs is None:
-            assert start_id is not None
-            if not 0 <= start_id < self.cfg.vocab_size:
-                raise InputError(f"start_id={start_id} is outside the vocabulary [0, {self.cfg.vocab_size})")
-            inputs = shift_right(targets, start_id)
-            input_valid = None if valid is None else shift_right(valid, True)
+        if not isinstance(targets, Tensor):
+            raise InputError(f"targets must be a torch.Tensor of token ids, got {type(targets).__name__}")
+        valid = check_mask(padding_mask, targets)
+        if start_id is not None:
+            inputs, labels = teacher_forcing(targets, start_id, valid, ignore_index, self.cfg.vocab_size)
         else:
-            if inputs.shape != targets.shape:
-                raise InputError(f"inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} differ in shape")
-            input_valid = valid
-        labels = targets if valid is None else targets.masked_fill(~valid, ignore_index)
-        h, _ = self.forward_hidden(inputs, padding_mask=input_valid)
-        ce = cross_entropy(self.logits(self.norm(h)), labels, ignore_index, label_smoothing)
-        aux = moe_aux_loss(self, self.cfg, ce)
-        mtp = self._mtp_loss(h, inputs, labels, input_valid, ignore_index) if len(self.mtp) else ce.new_zeros(())
+            assert inputs is not None
+            if not isinstance(inputs, Tensor) or inputs.shape != targets.shape:
+                shape = tuple(inputs.shape) if isinstance(inputs, Tensor) else type(inputs).__name__
+                raise InputError(f"inputs {shape} and targets {tuple(targets.shape)} must have the same shape")
+            check_tokens(targets.masked_fill(targets == ignore_index, 0), self.cfg.vocab_size, "targets")
+            labels = targets if valid is None else targets.masked_fill(~valid, ignore_index)
+        reset_moe_stats(self)
+        h, _ = self.forward_hidden(inputs, padding_mask=valid)
+        h = self.norm(h)
+        ce = cross_entropy(self.logits(h), labels, ignore_index, label_smoothing)
+        mtp = self._mtp_loss(h, inputs, labels, valid, ignore_index) if len(self.mtp) else ce.new_zeros(())
+        aux = moe_aux_loss(self, self.cfg, ce)  # after the MTP modules, whose MoE layers count too
         total = ce + aux + (mtp_weight * mtp if len(self.mtp) else 0.0)
         return LossOutput(total=total, ce=ce, aux=aux, mtp=mtp, n_tokens=int((labels != ignore_index).sum()))
 
     def _mtp_loss(self, h: Tensor, inputs: Tensor, labels: Tensor, valid: Tensor | None, ignore_index: int) -> Tensor:
-        """Mean over depths k of the cross-entropy of MTP module k, which at position i sees the embedding of
-        inputs[i + k] and predicts labels[i + k] (with inputs = labels shifted right: the token k + 1 ahead)."""
+        """Mean over depths k of the cross-entropy of MTP module k. h (B, T, C) is the main model's final (normed)
+        hidden state; module k at position i sees depth k-1's state and the embedding of inputs[i + k], and predicts
+        labels[i + k] (with inputs = labels shifted right: the token k + 1 ahead). Predictions made at padded
+        positions do not count."""
         T = inputs.shape[1]
         positions = torch.arange(T, device=inputs.device).unsqueeze(0) if valid is None else positions_from_mask(valid)
         losses = []
@@ -218,6 +222,7 @@ class DecoderLM(nn.Module):
             mask = AttentionMask(causal=True) if valid is None else make_padding_mask(valid[:, :n], causal=True)
             rope = self.rope(positions[:, :n]) if self.rope is not None else None
             emb = self.inputs(self.embed, inputs[:, k:], positions[:, k:])  # (B, n, C): tokens i + k
-            h = module(h[:, :n], emb, AttentionInputs(mask=mask, rope=rope))
-            losses.append(cross_entropy(self.logits(module.norm(h)), labels[:, k:], ignore_index))
+            h = module(h[:, :n], emb, AttentionInputs(mask=mask, rope=rope))  # (B, n, C), normed
+            target = labels[:, k:] if valid is None else labels[:, k:].masked_fill(~valid[:, :n], ignore_index)
+            losses.append(cross_entropy(self.logits(h), target, ignore_index))
         return torch.stack(losses).mean() if losses else h.new_zeros((), dtype=torch.float32)

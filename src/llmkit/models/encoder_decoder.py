@@ -33,6 +33,8 @@ from llmkit.models.common import (
     LossOutput,
     SequenceState,
     build_rope,
+    check_cache_args,
+    check_label_smoothing,
     check_mask,
     check_positions,
     check_tokens,
@@ -40,7 +42,8 @@ from llmkit.models.common import (
     init_weights,
     moe_aux_loss,
     positions_from_mask,
-    shift_right,
+    reset_moe_stats,
+    teacher_forcing,
 )
 
 
@@ -150,6 +153,10 @@ class EncoderDecoder(nn.Module):
         T = target.shape[1]
         start = 0
         if cache is not None:
+            if cache.state.valid.shape[0] != target.shape[0]:
+                raise InputError(
+                    f"the cache was made for batch {cache.state.valid.shape[0]}, target has batch {target.shape[0]}"
+                )
             start, positions, mask = cache.state.advance(T, valid)
         else:
             mask = AttentionMask(causal=True) if valid is None else make_padding_mask(valid, causal=True)
@@ -188,11 +195,8 @@ class EncoderDecoder(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> EncoderDecoderCache:
         """A preallocated decoder cache for `batch` targets of up to `max_len` tokens."""
-        if batch < 1 or max_len < 1:
-            raise InputError(f"new_cache needs batch >= 1 and max_len >= 1, got batch={batch}, max_len={max_len}")
-        ref = self.embed.weight
-        device = torch.device(device) if device is not None else ref.device
-        dtype = dtype or ref.dtype
+        dtype = check_cache_args(self, batch, max_len, dtype)
+        device = torch.device(device) if device is not None else self.embed.weight.device
         layers: list[object] = [
             cast(CrossAttentionBlock, b).attn.new_cache(batch, max_len, device, dtype) for b in self.decoder
         ]
@@ -215,16 +219,14 @@ class EncoderDecoder(nn.Module):
     ) -> LossOutput:
         """Teacher forcing: the decoder reads the targets shifted right behind `start_id` and predicts every target
         token in parallel. target_mask (B, T) marks real target tokens; pads do not count."""
-        check_tokens(targets, self.cfg.vocab_size, "targets")
-        if not 0 <= start_id < self.cfg.vocab_size:
-            raise InputError(f"start_id={start_id} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        check_label_smoothing(label_smoothing)
+        if not isinstance(targets, Tensor):
+            raise InputError(f"targets must be a torch.Tensor of token ids, got {type(targets).__name__}")
         valid = check_mask(target_mask, targets, "target_mask")
-        inputs = shift_right(targets, start_id)
-        input_valid = None if valid is None else shift_right(valid, True)
-        labels = targets if valid is None else targets.masked_fill(~valid, ignore_index)
-        logits = self.forward(source, inputs, source_mask=source_mask, target_mask=input_valid)
+        inputs, labels = teacher_forcing(targets, start_id, valid, ignore_index, self.cfg.vocab_size)
+        reset_moe_stats(self)
+        logits = self.forward(source, inputs, source_mask=source_mask, target_mask=valid)
         ce = cross_entropy(logits, labels, ignore_index, label_smoothing)
         aux = moe_aux_loss(self, self.cfg, ce)
-        return LossOutput(
-            total=ce + aux, ce=ce, aux=aux, mtp=ce.new_zeros(()), n_tokens=int((labels != ignore_index).sum())
-        )
+        zero = ce.new_zeros(())
+        return LossOutput(total=ce + aux, ce=ce, aux=aux, mtp=zero, n_tokens=int((labels != ignore_index).sum()))

@@ -45,8 +45,10 @@ class GroupedQueryAttention(SelfAttention):
         dropout: float = 0.0,
         rope_dim: int = 0,
         rope_layout: Layout = "half",
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
+        self.sliding_window = sliding_window
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.rope_dim, self.rope_layout, self.dropout = rope_dim, rope_layout, dropout
         self.wq = nn.Linear(d_model, n_heads * head_dim, bias=qkv_bias)
@@ -68,6 +70,7 @@ class GroupedQueryAttention(SelfAttention):
             a.dropout,
             cfg.rope_dim,
             cfg.position.layout,
+            a.sliding_window,
         )
 
     def forward(self, x: Tensor, inputs: AttentionInputs, cache: KVCache | None = None) -> Tensor:
@@ -86,7 +89,7 @@ class GroupedQueryAttention(SelfAttention):
             q,
             k,
             v,
-            inputs.mask,
+            inputs.mask.with_window(self.sliding_window),
             scale=self.head_dim**-0.5,
             dropout_p=self.dropout if self.training else 0.0,
             need_weights=self.keep_weights,

@@ -7,7 +7,8 @@
     q2   1  1  1  0
     q3   1  1  1  1
 
-The new queries are always the last T of the S key slots, so "causal" needs no offset argument. A mask is kept
+The new queries are always the last T of the S key slots, so "causal" needs no offset argument. A sliding window
+(Mistral) further limits query t to the `window` most recent keys: slot(q) - slot(k) < window. A mask is kept
 symbolic (`causal=True`, no tensor) as long as possible so that SDPA can take its fused causal path.
 """
 
@@ -28,10 +29,15 @@ def causal_tril(T: int, S: int, device: torch.device | None = None) -> Tensor:
 @dataclass(frozen=True)
 class AttentionMask:
     """allowed: (B | 1, 1, T | 1, S) bool, True where attention is allowed; None allows every key.
-    causal: additionally restrict query t to keys up to its own slot."""
+    causal: additionally restrict query t to keys up to its own slot.
+    window: additionally restrict query t to the `window` most recent slots (itself included)."""
 
     allowed: Tensor | None = None
     causal: bool = False
+    window: int | None = None
+
+    def with_window(self, window: int | None) -> AttentionMask:
+        return self if window is None else AttentionMask(self.allowed, self.causal, window)
 
     def dense(self, T: int, S: int, device: torch.device) -> Tensor | None:
         """The mask as a (B | 1, 1, T, S) bool tensor, or None when every key is allowed."""
@@ -39,10 +45,16 @@ class AttentionMask:
         if self.causal:
             tril = causal_tril(T, S, device)[None, None]  # (1, 1, T, S)
             mask = tril if mask is None else mask & tril
+        if self.window is not None:
+            q_slot = torch.arange(S - T, S, device=device).unsqueeze(1)  # (T, 1)
+            band = (q_slot - torch.arange(S, device=device).unsqueeze(0) < self.window)[None, None]  # (1, 1, T, S)
+            mask = band if mask is None else mask & band
         return mask
 
     def for_sdpa(self, T: int, S: int, device: torch.device) -> tuple[Tensor | None, bool]:
         """(attn_mask, is_causal) for F.scaled_dot_product_attention."""
+        if self.window is not None and self.window < S:  # the window cuts off some keys
+            return self.dense(T, S, device), False
         if self.allowed is None:
             if self.causal and T == S:
                 return None, True  # the fused causal kernel
