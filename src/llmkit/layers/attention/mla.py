@@ -25,6 +25,7 @@ dims, n selected keys (sparse attention).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -95,21 +96,20 @@ class MultiHeadLatentAttention(SelfAttention):
         self.wkv_b = nn.Linear(self.r, n_heads * (self.dn + self.dv), bias=False)  # W_uk and W_uv, stacked per head
         self.wo = nn.Linear(n_heads * self.dv, d_model, bias=out_bias)
 
-    @classmethod
-    def from_config(cls, cfg: ModelConfig) -> MultiHeadLatentAttention:
+    @staticmethod
+    def config_args(cfg: ModelConfig) -> dict[str, Any]:
+        """Constructor arguments from a model config (shared with sparse attention, which extends MLA)."""
         a = cfg.attention
         assert a.mla is not None
-        return cls(
-            cfg.d_model,
-            a.n_heads,
-            a.mla,
-            mla_softmax_scale(cfg),
-            a.dropout,
-            cfg.position.layout,
-            a.qkv_bias,
-            a.out_bias,
-            cfg.norm.eps,
-        )
+        return dict(
+            d_model=cfg.d_model, n_heads=a.n_heads, mla=a.mla, softmax_scale=mla_softmax_scale(cfg),
+            dropout=a.dropout, rope_layout=cfg.position.layout, qkv_bias=a.qkv_bias, out_bias=a.out_bias,
+            norm_eps=cfg.norm.eps,
+        )  # fmt: skip
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> MultiHeadLatentAttention:
+        return cls(**cls.config_args(cfg))
 
     # ---- projections
 

@@ -24,7 +24,7 @@ from llmkit.config import ModelConfig
 from llmkit.layers.attention.base import AttentionInputs
 from llmkit.layers.attention.cache import LatentCache, SparseLatentCache
 from llmkit.layers.attention.gqa import rotate_prefix
-from llmkit.layers.attention.mla import MultiHeadLatentAttention, Selection, mla_softmax_scale
+from llmkit.layers.attention.mla import MultiHeadLatentAttention, Selection
 
 
 class LightningIndexer(nn.Module):
@@ -69,17 +69,7 @@ class DeepSeekSparseAttention(MultiHeadLatentAttention):
     def __init__(self, cfg: ModelConfig) -> None:
         a = cfg.attention
         assert a.mla is not None and a.indexer is not None
-        super().__init__(
-            cfg.d_model,
-            a.n_heads,
-            a.mla,
-            mla_softmax_scale(cfg),
-            a.dropout,
-            cfg.position.layout,
-            a.qkv_bias,
-            a.out_bias,
-            cfg.norm.eps,
-        )
+        super().__init__(**MultiHeadLatentAttention.config_args(cfg))
         q_in = a.mla.q_lora_rank if a.mla.q_lora_rank is not None else cfg.d_model
         self.topk = a.indexer.topk
         self.indexer = LightningIndexer(cfg.d_model, q_in, a.indexer.n_heads, a.indexer.head_dim, self.dr)
