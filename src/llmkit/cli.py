@@ -114,6 +114,81 @@ def inspect(
     return 0
 
 
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _dtype(name: str | None) -> Any:
+    import torch
+
+    return getattr(torch, _DTYPES[name]) if name else None
+
+
+@command
+def convert(
+    source: str,
+    target: str,
+    *,
+    to: Literal["hf", "llmkit"] | None = None,
+    dtype: Literal["fp32", "bf16", "fp16"] | None = None,
+    model_type: str | None = None,
+) -> int:
+    """Convert a checkpoint between Hugging Face, GGUF and llmkit formats.
+
+    source: a Hugging Face directory, a .gguf file, or an llmkit checkpoint directory.
+    target: the directory to write.
+    to: output format (default: llmkit for Hugging Face and GGUF sources, hf for llmkit sources).
+    dtype: cast the floating-point weights (default: keep the source's; GGUF is dequantized to fp32).
+    model_type: the Hugging Face model_type to write (default: the source's, or the one the architecture matches).
+    """
+    from llmkit.analysis import human
+    from llmkit.interop.checkpoint import load_model, save_llmkit
+    from llmkit.interop.hf import save_hf
+
+    loaded = load_model(source, dtype=_dtype(dtype))
+    fmt = to or ("hf" if loaded.source == "llmkit" else "llmkit")
+    source_dir = Path(source) if Path(source).is_dir() else None
+    if fmt == "hf":
+        out = save_hf(
+            loaded.model,
+            target,
+            model_type=model_type or loaded.hf_model_type,
+            hf_config=loaded.hf_config,
+            generation_config=loaded.generation_config,
+            tokenizer_dir=source_dir,
+        )
+        if source_dir is None and loaded.tokenizer is not None:
+            loaded.tokenizer.save(out)
+    else:
+        out = save_llmkit(
+            loaded.model,
+            target,
+            tokenizer=loaded.tokenizer,
+            tokenizer_dir=source_dir,
+            hf_model_type=model_type or loaded.hf_model_type,
+            hf_config=loaded.hf_config,
+            generation_config=loaded.generation_config,
+        )
+    n = sum(p.numel() for p in loaded.model.parameters())
+    print(f"{loaded.source} {source} -> {fmt} {out} ({human(n)} parameters)")
+    return 0
+
+
+@command
+def compare(path: str, *, json_: bool = False, prompt: str | None = None) -> int:
+    """Run one input through transformers and llmkit and report where they differ, layer by layer.
+
+    path: a Hugging Face checkpoint directory or a .gguf file.
+    json_: print one JSON object (with logits_max_abs_diff and top1_agreement).
+    prompt: the text to run (default: a fixed English sentence).
+    """
+    from llmkit.interop.compare import compare as run_compare
+    from llmkit.interop.compare import format_compare_report
+
+    report = run_compare(path, prompt)
+    print(json.dumps(report, indent=2) if json_ else format_compare_report(report))
+    return 0
+
+
 # ---- signature -> argparse
 
 

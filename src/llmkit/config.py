@@ -548,6 +548,24 @@ class ModelConfig(_Config):
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer >= self.moe.first_dense_layers
 
+    def architecture(self) -> ModelConfig:
+        """This config with the training-only settings (dropout, initialisation, loss coefficients) reset, so that two
+        configs compare equal exactly when they compute the same function from the same weights."""
+        moe, ffn = self.moe, self.ffn
+        if moe is not None:
+            moe = dataclasses.replace(moe, aux_loss_coef=0.0, z_loss_coef=0.0, aux_loss_kind="switch")
+            if moe.first_dense_layers == 0:  # every layer is MoE: the dense ffn settings are unused
+                ffn = FFNConfig(moe.expert_kind, moe.expert_hidden_dim, moe.activation, False)
+        return dataclasses.replace(
+            self,
+            dropout=0.0,
+            attention=dataclasses.replace(self.attention, dropout=0.0),
+            ffn=ffn,
+            moe=moe,
+            init="normal",
+            init_std=0.02,
+        )
+
     # ---- serialisation
 
     def to_json(self, path: str | Path | None = None) -> str:

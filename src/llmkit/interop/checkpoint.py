@@ -1,0 +1,153 @@
+"""llmkit's own checkpoint format, and `load_model`, which opens any supported source.
+
+    DIR/llmkit.json          {"format": "llmkit", "version": 1, "config": ModelConfig, "hf": {...} | null, ...}
+    DIR/model.safetensors    weights under llmkit's own names (sharded with an index when large)
+    DIR/tokenizer.json ...   the tokenizer, when there is one
+
+The "hf" entry keeps the Hugging Face model_type and config.json a model came from, so that converting back writes
+the same config (token ids, and fields llmkit does not model, survive the round trip).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmkit.config import ModelConfig
+from llmkit.errors import ConfigError
+from llmkit.interop.keymap import IDENTITY, Concrete
+from llmkit.interop.safetensors_io import CheckpointError, open_tensors, save_tensors
+from llmkit.interop.weights import build_with_weights, expected_shapes
+from llmkit.models import DecoderLM, EncoderDecoder
+from llmkit.tokenizer import Tokenizer
+
+FORMAT_FILE = "llmkit.json"
+VERSION = 1
+
+
+@dataclass
+class Loaded:
+    """A model and what came with it, from a Hugging Face directory, a GGUF file or an llmkit checkpoint."""
+
+    model: DecoderLM | EncoderDecoder
+    tokenizer: Tokenizer | None
+    source: str  # "hf", "gguf" or "llmkit"
+    path: Path
+    hf_model_type: str | None = None
+    hf_config: dict[str, Any] | None = None
+    generation_config: dict[str, Any] = field(default_factory=dict)
+
+
+def detect_format(path: str | os.PathLike[str]) -> str:
+    """'gguf', 'llmkit' or 'hf' for a checkpoint path; CheckpointError if it is none of them."""
+    p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        return "gguf"
+    if p.is_dir() and (p / FORMAT_FILE).is_file():
+        return "llmkit"
+    if p.is_dir() and (p / "config.json").is_file():
+        return "hf"
+    if not p.exists():
+        raise CheckpointError(f"{p} does not exist")
+    raise CheckpointError(
+        f"{p} is not a checkpoint: expected a .gguf file, a directory with {FORMAT_FILE} (llmkit) or one with "
+        "config.json (Hugging Face)"
+    )
+
+
+def save_llmkit(
+    model: DecoderLM | EncoderDecoder,
+    directory: str | os.PathLike[str],
+    *,
+    tokenizer: Tokenizer | None = None,
+    tokenizer_dir: str | os.PathLike[str] | None = None,
+    hf_model_type: str | None = None,
+    hf_config: dict[str, Any] | None = None,
+    generation_config: dict[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 5 * 1024**3,
+) -> Path:
+    """Write `model` in llmkit's format, with its tokenizer (an object, or the files of `tokenizer_dir`)."""
+    d = Path(directory)
+    state = model.state_dict()
+    if dtype is not None:
+        state = {
+            k: v.to(dtype) if v.is_floating_point() and not k.endswith("score_bias") else v for k, v in state.items()
+        }
+    save_tensors(state, d, max_shard_bytes)
+    meta = {
+        "format": "llmkit",
+        "version": VERSION,
+        "config": model.cfg.to_dict(),
+        "hf": {"model_type": hf_model_type, "config": hf_config} if hf_model_type else None,
+        "generation_config": generation_config or {},
+    }
+    if tokenizer_dir is not None:
+        from llmkit.interop.hf import copy_tokenizer_files
+
+        copy_tokenizer_files(tokenizer_dir, d)
+    elif tokenizer is not None:
+        tokenizer.save(d)
+    tmp = d / (FORMAT_FILE + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=2) + "\n")
+    tmp.replace(d / FORMAT_FILE)
+    return d
+
+
+def load_llmkit(
+    directory: str | os.PathLike[str], *, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+) -> Loaded:
+    d = Path(directory)
+    try:
+        meta = json.loads((d / FORMAT_FILE).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{d} has no {FORMAT_FILE}: not an llmkit checkpoint") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{d / FORMAT_FILE} is not valid JSON: {e}") from None
+    if meta.get("format") != "llmkit" or meta.get("version") != VERSION:
+        raise CheckpointError(f"{d / FORMAT_FILE} is not an llmkit checkpoint of version {VERSION}")
+    try:
+        cfg = ModelConfig.from_dict(meta["config"])
+    except KeyError:
+        raise CheckpointError(f"{d / FORMAT_FILE} has no config") from None
+    except ConfigError as e:
+        raise CheckpointError(f"{d / FORMAT_FILE} holds an invalid config: {e}") from None
+    tensors = open_tensors(d)
+    concrete = [Concrete((n,), (n,), IDENTITY) for n in expected_shapes(cfg)]
+    model = build_with_weights(
+        cfg, concrete, tensors.__getitem__, tensors.shapes, lambda n: False, dtype, device, str(d)
+    )
+    hf = meta.get("hf") or {}
+    return Loaded(
+        model,
+        Tokenizer.from_dir(d),
+        "llmkit",
+        d,
+        hf.get("model_type"),
+        hf.get("config"),
+        meta.get("generation_config") or {},
+    )
+
+
+def load_model(
+    path: str | os.PathLike[str], *, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+) -> Loaded:
+    """Load any supported checkpoint: a Hugging Face directory, a GGUF file, or an llmkit checkpoint."""
+    kind = detect_format(path)
+    if kind == "llmkit":
+        return load_llmkit(path, dtype=dtype, device=device)
+    if kind == "gguf":
+        from llmkit.interop.gguf import load_gguf
+
+        return load_gguf(path, dtype=dtype, device=device)
+    from llmkit.interop.hf import load_hf
+
+    ck = load_hf(path, dtype=dtype, device=device)
+    return Loaded(
+        ck.model, Tokenizer.from_dir(path), "hf", Path(path), ck.model_type, ck.hf_config, ck.generation_config
+    )

@@ -1,0 +1,225 @@
+"""Hugging Face checkpoints in and out: `load_hf(directory)` and `save_hf(model, directory)`.
+
+A checkpoint directory holds config.json, model.safetensors (or shards listed in model.safetensors.index.json),
+and usually generation_config.json and tokenizer files. The config's model_type picks a family (llama, mistral,
+qwen2, mixtral, gpt2, deepseek_v3, deepseek_v32, marian); the family maps config.json to a ModelConfig and gives the
+key map between the checkpoint's tensor names and llmkit's. Loading checks every name and shape against the config
+before reading a byte, then reads tensors lazily, one rule at a time, straight into the requested dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from llmkit.config import ModelConfig
+from llmkit.errors import ConfigError
+from llmkit.interop.hf.base import Family
+from llmkit.interop.hf.deepseek import DeepSeekFamily
+from llmkit.interop.hf.gpt2 import GPT2Family
+from llmkit.interop.hf.llama import LlamaFamily
+from llmkit.interop.hf.marian import MarianFamily
+from llmkit.interop.hf.mixtral import MixtralFamily
+from llmkit.interop.keymap import check_against, convert_to_ours, convert_to_theirs, expand
+from llmkit.interop.safetensors_io import CheckpointError, open_tensors, save_tensors
+from llmkit.interop.weights import build_with_weights
+from llmkit.models import DecoderLM, EncoderDecoder
+
+FAMILIES: list[Family] = [LlamaFamily(), MixtralFamily(), GPT2Family(), DeepSeekFamily(), MarianFamily()]
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "source.spm",
+    "target.spm",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def supported_model_types() -> list[str]:
+    return [mt for f in FAMILIES for mt in f.model_types]
+
+
+def family_for(model_type: str | None) -> Family:
+    """The family that reads `model_type`, or a ConfigError listing what is supported."""
+    if not model_type:
+        raise ConfigError(f"config.json has no model_type; supported: {', '.join(supported_model_types())}")
+    for f in FAMILIES:
+        if model_type in f.model_types:
+            return f
+    raise ConfigError(f"model_type {model_type!r} is not supported; supported: {', '.join(supported_model_types())}")
+
+
+def infer_model_type(cfg: ModelConfig) -> str:
+    """The Hugging Face model_type that describes the same architecture as `cfg`."""
+    for f in FAMILIES:
+        mt = f.model_type_for(cfg)
+        if mt is not None:
+            return mt
+    raise ConfigError(
+        "this model has no Hugging Face equivalent among "
+        f"{', '.join(supported_model_types())} (its configuration mixes parts no single family has)"
+    )
+
+
+def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{Path(directory)} has no config.json: not a Hugging Face checkpoint directory")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} does not hold a JSON object")
+    return data
+
+
+def config_from_hf(hf: dict[str, Any], names: Collection[str] = ()) -> ModelConfig:
+    return family_for(hf.get("model_type")).config_from_hf(hf, names)
+
+
+def state_dict_from_hf(
+    hf_state: Mapping[str, Tensor], hf_config: dict[str, Any], dtype: torch.dtype | None = None
+) -> dict[str, Tensor]:
+    """llmkit's state dict from a Hugging Face one (disk or in-memory layout), checked against the config."""
+    family = family_for(hf_config.get("model_type"))
+    cfg = family.config_from_hf(hf_config, hf_state.keys())
+    concrete = expand(family.rules(cfg, hf_state.keys()), cfg)
+    shapes = {n: tuple(t.shape) for n, t in hf_state.items()}
+    from llmkit.interop.weights import expected_shapes
+
+    check_against(concrete, expected_shapes(cfg), shapes, lambda n: family.ignored(n, cfg), "the state dict")
+    return dict(convert_to_ours(concrete, hf_state.__getitem__, dtype))
+
+
+def state_dict_to_hf(state: Mapping[str, Tensor], cfg: ModelConfig, model_type: str | None = None) -> dict[str, Tensor]:
+    """A Hugging Face state dict (disk layout: one tensor per expert) from llmkit's."""
+    mt = model_type or infer_model_type(cfg)
+    family = family_for(mt)
+    return convert_to_theirs(expand(family.rules(cfg, ()), cfg), state)
+
+
+@dataclass
+class HFCheckpoint:
+    """A model loaded from a Hugging Face directory, with what came along with it."""
+
+    model: DecoderLM | EncoderDecoder
+    model_type: str
+    hf_config: dict[str, Any]
+    directory: Path
+    generation_config: dict[str, Any] = field(default_factory=dict)
+
+
+def load_hf(
+    directory: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> HFCheckpoint:
+    """Load a Hugging Face checkpoint directory into llmkit. dtype None keeps the checkpoint's floating dtype."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise CheckpointError(f"{d} is not a directory")
+    hf = read_config(d)
+    family = family_for(hf.get("model_type"))
+    tensors = open_tensors(d)
+    cfg = family.config_from_hf(hf, tensors.shapes.keys())
+    concrete = expand(family.rules(cfg, tensors.shapes.keys()), cfg)
+    model = build_with_weights(
+        cfg, concrete, tensors.__getitem__, tensors.shapes, lambda n: family.ignored(n, cfg), dtype, device, str(d)
+    )
+    gen_path = d / "generation_config.json"
+    generation = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    return HFCheckpoint(model, str(hf["model_type"]), hf, d, generation)
+
+
+def save_hf(
+    model: DecoderLM | EncoderDecoder,
+    directory: str | os.PathLike[str],
+    *,
+    model_type: str | None = None,
+    hf_config: dict[str, Any] | None = None,
+    generation_config: dict[str, Any] | None = None,
+    tokenizer_dir: str | os.PathLike[str] | None = None,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 5 * 1024**3,
+) -> Path:
+    """Write `model` as a Hugging Face checkpoint directory that `from_pretrained` loads.
+
+    hf_config: the config.json the model came from, if any; its extra fields (token ids, ...) are kept.
+    tokenizer_dir: a directory whose tokenizer files are copied along."""
+    cfg = model.cfg
+    mt = model_type or (hf_config or {}).get("model_type") or infer_model_type(cfg)
+    family = family_for(mt)
+    if family.model_type_for(cfg) is None or mt not in family.model_types:
+        raise ConfigError(f"this model cannot be written as model_type {mt!r}: {_why(family, cfg, mt)}")
+    state = model.state_dict()
+    if dtype is not None:
+        state = {k: (v.to(dtype) if v.is_floating_point() and _cast(k) else v) for k, v in state.items()}
+    hf_state = convert_to_theirs(expand(family.rules(cfg, ()), cfg), state)
+    d = Path(directory)
+    save_tensors(hf_state, d, max_shard_bytes)
+    config = {**(hf_config or {}), **family.config_to_hf(cfg, mt)}
+    weight_dtype = next(v.dtype for k, v in state.items() if v.is_floating_point())
+    config["dtype"] = config["torch_dtype"] = str(weight_dtype).removeprefix("torch.")
+    (d / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if generation_config:
+        (d / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
+    if tokenizer_dir is not None:
+        copy_tokenizer_files(tokenizer_dir, d)
+    return d
+
+
+def _cast(name: str) -> bool:
+    return not name.endswith("score_bias")  # the router's correction bias stays fp32
+
+
+def _why(family: Family, cfg: ModelConfig, mt: str) -> str:
+    try:
+        family.config_to_hf(cfg, mt)
+    except ConfigError as e:
+        return str(e)
+    return "its config does not round-trip through config.json"
+
+
+def copy_tokenizer_files(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> list[str]:
+    """Copy the tokenizer files present in `source` to `target`; returns their names."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        src = Path(source) / name
+        if src.is_file() and src.resolve() != (Path(target) / name).resolve():
+            shutil.copyfile(src, Path(target) / name)
+            copied.append(name)
+    return copied
+
+
+__all__ = [
+    "FAMILIES",
+    "HFCheckpoint",
+    "config_from_hf",
+    "copy_tokenizer_files",
+    "family_for",
+    "infer_model_type",
+    "load_hf",
+    "read_config",
+    "save_hf",
+    "state_dict_from_hf",
+    "state_dict_to_hf",
+    "supported_model_types",
+]

@@ -1,0 +1,164 @@
+"""Reading and writing safetensors checkpoints: one file or shards with an index, read lazily.
+
+`open_tensors` returns a `LazyTensors` mapping: names and shapes come from the file headers, and a tensor is read
+(memory-mapped) only when asked for, so loading a model never holds a second full copy of the weights. A file whose
+data is shorter than its header promises is reported as truncated before anything is read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from llmkit.errors import LLMKitError
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+class CheckpointError(LLMKitError, ValueError):
+    """A checkpoint file is missing, truncated or corrupt."""
+
+
+def check_file(path: Path) -> None:
+    """Raise CheckpointError unless `path` is a complete safetensors file (header parses, data fully present)."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path} is truncated: {size} bytes, too short for a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise CheckpointError(f"{path} is truncated: its header claims {n} bytes but the file has {size}")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path} is not a valid safetensors file: bad header ({e})") from None
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        raise CheckpointError(
+            f"{path} is truncated: its tensors need {8 + n + end} bytes but the file has {size} "
+            "(an interrupted download or copy?)"
+        )
+
+
+class LazyTensors(Mapping[str, Tensor]):
+    """Tensors of one or more safetensors files, read on access. `shapes` needs no reading."""
+
+    def __init__(self, files: dict[str, Path]) -> None:
+        self._file_of = files  # tensor name -> file
+        self._handles: dict[Path, Any] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for path in sorted(set(files.values())):
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    if files.get(name) == path:
+                        self.shapes[name] = tuple(f.get_slice(name).get_shape())
+
+    def _handle(self, path: Path) -> Any:
+        if path not in self._handles:
+            self._handles[path] = safe_open(str(path), framework="pt")
+        return self._handles[path]
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name not in self._file_of:
+            raise KeyError(name)
+        return self._handle(self._file_of[name]).get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._file_of)
+
+    def __len__(self) -> int:
+        return len(self._file_of)
+
+
+def open_tensors(directory: str | os.PathLike[str]) -> LazyTensors:
+    """The weights of a checkpoint directory: model.safetensors, or the shards listed in its index."""
+    d = Path(directory)
+    index, single = d / INDEX, d / SINGLE
+    files: dict[str, Path] = {}
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from None
+        for name, shard in weight_map.items():
+            files[name] = d / shard
+        for shard in sorted(set(files.values())):
+            if not shard.is_file():
+                raise CheckpointError(f"{index} lists {shard.name}, which is missing")
+    elif single.is_file():
+        check_file(single)
+        with safe_open(str(single), framework="pt") as f:
+            files = dict.fromkeys(f.keys(), single)
+    else:
+        raise CheckpointError(f"{d} has neither {SINGLE} nor {INDEX}")
+    for path in sorted(set(files.values())):
+        check_file(path)
+    return LazyTensors(files)
+
+
+def save_tensors(
+    tensors: Mapping[str, Tensor],
+    directory: str | os.PathLike[str],
+    max_shard_bytes: int = 5 * 1024**3,
+    metadata: dict[str, str] | None = None,
+) -> list[Path]:
+    """Write tensors as model.safetensors, or as shards plus model.safetensors.index.json when they exceed
+    `max_shard_bytes`. Files are written under a temporary name and renamed, so an interrupted save never leaves a
+    file that looks complete. Returns the written files."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    meta = {"format": "pt", **(metadata or {})}
+    shards: list[dict[str, Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.detach().contiguous().cpu()
+        size += nbytes
+    stale = [d / SINGLE, d / INDEX, *d.glob("model-*-of-*.safetensors")]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    written = []
+    if len(shards) == 1:
+        names = [SINGLE]
+    else:
+        names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    for shard, fname in zip(shards, names, strict=True):
+        tmp = d / (fname + ".tmp")
+        save_file(_unshare(shard), str(tmp), metadata=meta)
+        tmp.replace(d / fname)
+        written.append(d / fname)
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {n: fname for shard, fname in zip(shards, names, strict=True) for n in shard},
+        }
+        (d / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        written.append(d / INDEX)
+    return written
+
+
+def _unshare(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """safetensors refuses tensors that share memory; give each its own storage."""
+    seen: set[int] = set()
+    out = {}
+    for name, t in tensors.items():
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen and t.numel():
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        out[name] = t
+    return out

@@ -1,0 +1,171 @@
+"""Text <-> token ids: a thin wrapper around a Hugging Face `tokenizers.Tokenizer` (the Rust BPE implementation),
+carrying the special token ids and chat template a checkpoint brings.
+
+Sources: a checkpoint directory (tokenizer.json + tokenizer_config.json), or a GGUF file's tokenizer metadata
+(byte-level BPE vocabularies: GPT-2 style, as SmolLM2, Llama-3 and Qwen2 use). Saved as tokenizer.json +
+tokenizer_config.json, which transformers' AutoTokenizer also reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as Backend
+
+from llmkit.errors import ConfigError, InputError
+
+# how GGUF files name the pre-tokenizer split of their vocabulary -> the split regex (published with the models)
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+GGUF_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT}
+
+
+@cache
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table used by byte-level BPE vocabularies."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+class Tokenizer:
+    """Encodes text to ids and back. bos_id / eos_id / pad_id may be None; add_bos prepends bos on encode."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        bos_id: int | None = None,
+        eos_id: int | None = None,
+        pad_id: int | None = None,
+        add_bos: bool = False,
+        chat_template: str | None = None,
+    ) -> None:
+        self.backend = backend
+        self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
+        self.add_bos = add_bos
+        self.chat_template = chat_template
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.backend.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        if not isinstance(text, str):
+            raise InputError(f"encode expects a str, got {type(text).__name__}")
+        ids = list(self.backend.encode(text, add_special_tokens=False).ids)
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
+        return str(self.backend.decode(list(ids), skip_special_tokens=skip_special))
+
+    def token_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    # ---- files
+
+    def save(self, directory: str | os.PathLike[str]) -> None:
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        self.backend.save(str(d / "tokenizer.json"))
+        config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": self.add_bos}
+        for key, ident in (("bos_token", self.bos_id), ("eos_token", self.eos_id), ("pad_token", self.pad_id)):
+            if ident is not None:
+                config[key] = self.backend.id_to_token(ident)
+        if self.chat_template:
+            config["chat_template"] = self.chat_template
+        (d / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+    @classmethod
+    def from_dir(cls, directory: str | os.PathLike[str]) -> Tokenizer | None:
+        """The tokenizer of a checkpoint directory, or None when it has no tokenizer.json."""
+        d = Path(directory)
+        if not (d / "tokenizer.json").is_file():
+            return None
+        backend = Backend.from_file(str(d / "tokenizer.json"))
+        config: dict[str, Any] = {}
+        if (d / "tokenizer_config.json").is_file():
+            config = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
+
+        def ident(key: str) -> int | None:
+            token = config.get(key)
+            if isinstance(token, dict):
+                token = token.get("content")
+            return backend.token_to_id(token) if isinstance(token, str) else None
+
+        template = config.get("chat_template")
+        if template is None and (d / "chat_template.jinja").is_file():
+            template = (d / "chat_template.jinja").read_text(encoding="utf-8")
+        return cls(
+            backend,
+            bos_id=ident("bos_token"),
+            eos_id=ident("eos_token"),
+            pad_id=ident("pad_token"),
+            add_bos=bool(config.get("add_bos_token", False)),
+            chat_template=template if isinstance(template, str) else None,
+        )
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
+        """Build from GGUF `tokenizer.ggml.*` metadata (byte-level BPE: tokenizer.ggml.model == 'gpt2')."""
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ConfigError(
+                f"GGUF tokenizer model {kind!r} is not supported; llmkit reads byte-level BPE vocabularies ('gpt2')"
+            )
+        tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+        types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+        alphabet = set(byte_alphabet().values())
+        table = byte_alphabet()
+
+        def spell(token: str) -> str:  # some files write tokens in plain UTF-8 rather than the byte alphabet
+            return token if set(token) <= alphabet else "".join(table[b] for b in token.encode("utf-8"))
+
+        vocab = {spell(t): i for i, t in enumerate(tokens)}
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+        backend = Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+        split = GGUF_SPLITS.get(str(meta.get("tokenizer.ggml.pre")))
+        if split is not None:
+            backend.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(False, use_regex=False),
+                ]
+            )
+        else:
+            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        control = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types, strict=False) if k == 3]
+        user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types, strict=False) if k == 4]
+        backend.add_special_tokens([t for t in control if set(t.content) <= alphabet])
+        backend.add_tokens(user)
+
+        def ident(key: str) -> int | None:
+            v = meta.get(key)
+            return int(v) if v is not None else None
+
+        return cls(
+            backend,
+            bos_id=ident("tokenizer.ggml.bos_token_id"),
+            eos_id=ident("tokenizer.ggml.eos_token_id"),
+            pad_id=ident("tokenizer.ggml.padding_token_id"),
+            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            chat_template=meta.get("tokenizer.chat_template"),
+        )

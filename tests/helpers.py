@@ -1,0 +1,16 @@
+"""Helpers shared by test modules."""
+
+from tokenizers import Tokenizer as Backend
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from llmkit.tokenizer import Tokenizer
+
+
+def tiny_tokenizer() -> Tokenizer:
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    backend.train_from_iterator(["to be or not to be, that is the question"] * 20, trainer)
+    return Tokenizer(backend, bos_id=0, eos_id=1, add_bos=True, chat_template="{{ messages }}")

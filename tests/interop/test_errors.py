@@ -1,0 +1,127 @@
+"""Each way a checkpoint can be wrong gives a message that names what is wrong."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from llmkit.errors import ConfigError, LLMKitError
+from llmkit.interop.hf import load_hf
+from llmkit.interop.keymap import MappingError
+from llmkit.interop.safetensors_io import CheckpointError
+
+from .hf_models import build_hf
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_hf("llama", tmp_path_factory.mktemp("err"))
+
+
+def copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def edit_config(d: Path, **changes) -> None:
+    cfg = json.loads((d / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def edit_weights(d: Path, drop: str | None = None, add: dict | None = None) -> None:
+    sd = load_file(str(d / "model.safetensors"))
+    if drop:
+        sd.pop(drop)
+    sd.update(add or {})
+    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_missing_config(tmp_path, llama):
+    d = copy(llama, tmp_path / "c")
+    (d / "config.json").unlink()
+    with pytest.raises(CheckpointError, match=r"has no config.json"):
+        load_hf(d)
+
+
+def test_missing_model_type(tmp_path, llama):
+    d = copy(llama, tmp_path / "c")
+    edit_config(d, model_type=None)
+    with pytest.raises(ConfigError, match=r"config.json has no model_type; supported: llama, mistral, qwen2"):
+        load_hf(d)
+
+
+def test_unknown_model_type(tmp_path, llama):
+    d = copy(llama, tmp_path / "c")
+    edit_config(d, model_type="falcon")
+    with pytest.raises(ConfigError, match=r"model_type 'falcon' is not supported; supported: llama"):
+        load_hf(d)
+
+
+def test_missing_tensor_is_named(tmp_path, llama):
+    d = copy(llama, tmp_path / "c")
+    edit_weights(d, drop="model.layers.1.mlp.up_proj.weight")
+    with pytest.raises(MappingError, match=r"missing tensors: model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_hf(d)
+
+
+def test_unexpected_tensor_is_named(tmp_path, llama):
+    d = copy(llama, tmp_path / "c")
+    edit_weights(d, add={"model.layers.0.mlp.extra.weight": torch.zeros(2, 2)})
+    with pytest.raises(MappingError, match=r"unexpected tensors: model\.layers\.0\.mlp\.extra\.weight"):
+        load_hf(d)
+
+
+def test_shape_mismatch_names_the_tensor_and_both_shapes(tmp_path, llama):
+    d = copy(llama, tmp_path / "c")
+    edit_config(d, intermediate_size=72)
+    with pytest.raises(MappingError) as e:
+        load_hf(d)
+    assert "model.layers.0.mlp.gate_proj.weight has shape [80, 64] but the config implies [72, 64]" in str(e.value)
+
+
+def test_truncated_file(tmp_path, llama):
+    d = copy(llama, tmp_path / "c")
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) - 1000])
+    with pytest.raises(CheckpointError, match=r"is truncated: its tensors need .* bytes but the file has"):
+        load_hf(d)
+    (d / "model.safetensors").write_bytes(data[:5])
+    with pytest.raises(CheckpointError, match=r"too short for a safetensors header"):
+        load_hf(d)
+
+
+def test_no_weights_and_missing_shard(tmp_path, llama):
+    d = copy(llama, tmp_path / "c")
+    (d / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"has neither model.safetensors nor model.safetensors.index.json"):
+        load_hf(d)
+    (d / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors"}})
+    )
+    with pytest.raises(CheckpointError, match=r"lists model-00001-of-00002.safetensors, which is missing"):
+        load_hf(d)
+
+
+def test_unsupported_options_are_refused(tmp_path, llama):
+    d = copy(llama, tmp_path / "c")
+    edit_config(d, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0}, rope_scaling=None)
+    with pytest.raises(ConfigError, match=r"rope type 'longrope' is not supported"):
+        load_hf(d)
+    edit_config(d, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, hidden_act="quick_gelu")
+    with pytest.raises(ConfigError, match=r"hidden_act='quick_gelu' is not supported"):
+        load_hf(d)
+
+
+def test_not_a_directory(tmp_path):
+    with pytest.raises(LLMKitError, match=r"is not a directory"):
+        load_hf(tmp_path / "nothing")

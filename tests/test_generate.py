@@ -1,0 +1,71 @@
+import pytest
+import torch
+
+from llmkit import InputError, build_model, get_preset
+from llmkit.generate import filter_logits, generate, next_token, pad_prompts
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(get_preset("llama2-7b-tiny")).eval()
+
+
+def test_greedy_equals_argmax_of_full_forward(model):
+    prompt = [3, 14, 15, 92, 65]
+    out = generate(model, [prompt], max_new_tokens=8)
+    seq = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(8):
+            seq = torch.cat([seq, model(seq)[:, -1].argmax(-1, keepdim=True)], 1)
+    assert out.tokens.tolist() == seq.tolist()
+    assert out.new_tokens[0] == seq[0, 5:].tolist()
+
+
+def test_prompts_of_different_lengths_are_left_padded(model):
+    tokens, mask = pad_prompts([[1, 2, 3], [4]])
+    assert tokens.tolist() == [[1, 2, 3], [0, 0, 4]] and mask.tolist() == [[True] * 3, [False, False, True]]
+    batched = generate(model, [[1, 2, 3], [4]], max_new_tokens=5)
+    assert batched.new_tokens[1] == generate(model, [[4]], max_new_tokens=5).new_tokens[0]
+
+
+def test_eos_stops_each_row(model):
+    first = generate(model, [[7, 8, 9]], max_new_tokens=6).new_tokens[0]
+    eos = first[2]
+    out = generate(model, [[7, 8, 9]], max_new_tokens=6, eos_id=eos)
+    assert out.new_tokens[0] == first[: first.index(eos) + 1]
+
+
+def test_sampling_is_reproducible_with_a_seed(model):
+    a = generate(model, [[1, 2]], max_new_tokens=10, temperature=1.0, seed=3).tokens
+    b = generate(model, [[1, 2]], max_new_tokens=10, temperature=1.0, seed=3).tokens
+    c = generate(model, [[1, 2]], max_new_tokens=10, temperature=1.0, seed=4).tokens
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_top_k_and_top_p_filters():
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    assert torch.isfinite(filter_logits(logits, top_k=2)).tolist() == [[True, True, False, False, False]]
+    # top-p 0.8: 0.5 + 0.2 = 0.7 < 0.8, so the third token is still needed; the rest are cut
+    assert torch.isfinite(filter_logits(logits, top_p=0.8)).tolist() == [[True, True, True, False, False]]
+    assert torch.isfinite(filter_logits(logits, top_p=0.5)).tolist() == [[True, False, False, False, False]]
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([next_token(logits, 1.0, top_k=2, generator=g) for _ in range(200)])
+    assert set(draws.flatten().tolist()) == {0, 1}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        (dict(prompts=[[]], max_new_tokens=3), "a prompt is empty"),
+        (dict(prompts=[[1]], max_new_tokens=-1), "max_new_tokens=-1 must be an int >= 0"),
+        (dict(prompts=[[1]], max_new_tokens=3, temperature=-1.0), "temperature=-1.0 must be >= 0"),
+        (dict(prompts=[[1]], max_new_tokens=3, top_k=0), "top_k=0 must be >= 1"),
+        (dict(prompts=[[1]], max_new_tokens=3, top_p=1.5), "top_p=1.5 must be in (0, 1]"),
+        (dict(prompts=[[1] * 250], max_new_tokens=10), "exceeds the model's context position.max_seq_len=256"),
+        (dict(prompts=[[999]], max_new_tokens=1), "contains id 999, outside the vocabulary"),
+    ],
+)
+def test_bad_arguments(model, kwargs, fragment):
+    with pytest.raises(InputError) as e:
+        generate(model, **kwargs)
+    assert fragment in str(e.value)
