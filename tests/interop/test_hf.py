@@ -172,3 +172,20 @@ def test_sharded_checkpoints_load(checkpoints, tmp_path):
         torch.testing.assert_close(
             hf_logits(reference(out), tokens, mask), hf_logits(reference(checkpoints["mixtral"]), tokens, mask)
         )
+
+
+def test_deepseek_mtp_layer_round_trips_and_transformers_skips_it(tmp_path):
+    from llmkit import build_model, get_preset
+
+    model = build_model(get_preset("deepseek-v3-tiny")).eval()  # one MTP module, stored as layer n_layers
+    out = save_hf(model, tmp_path / "ds")
+    assert read_config(out)["num_nextn_predict_layers"] == 1
+    disk = load_file(str(out / "model.safetensors"))
+    assert "model.layers.3.eh_proj.weight" in disk and "model.layers.3.mlp.experts.0.gate_proj.weight" in disk
+    back = load_hf(out).model
+    assert back.cfg.mtp_depth == 1
+    for (k, a), (_, b) in zip(back.state_dict().items(), model.state_dict().items(), strict=True):
+        assert torch.equal(a, b), k
+    tokens = torch.randint(0, 256, (1, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(reference(out)(tokens).logits, model(tokens))

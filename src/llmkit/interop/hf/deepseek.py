@@ -48,8 +48,11 @@ from llmkit.interop.keymap import Rule
 
 
 def _mtp_present(hf: dict[str, Any], names: Collection[str]) -> int:
-    """MTP depth whose weights the checkpoint holds (transformers drops them when it saves)."""
+    """MTP depth whose weights the checkpoint holds (transformers drops them when it saves); with no tensor names to
+    look at, the depth config.json states."""
     n, depth = int(hf.get("num_hidden_layers", 0)), int(hf.get("num_nextn_predict_layers") or 0)
+    if not names:
+        return depth
     return sum(1 for m in range(depth) if f"model.layers.{n + m}.eh_proj.weight" in names)
 
 
