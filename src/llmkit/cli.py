@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import inspect as pyinspect
 import json
+import os
 import sys
 import types
 import typing
@@ -189,6 +190,136 @@ def compare(path: str, *, json_: bool = False, prompt: str | None = None) -> int
     return 0
 
 
+@command
+def prepare(
+    source: str = "shakespeare",
+    *,
+    out: str = "runs/data/shakespeare",
+    vocab_size: int = 4096,
+    tokenizer: str | None = None,
+    val_fraction: float = 0.1,
+    text_field: str = "text",
+) -> int:
+    """Turn a corpus into a tokenizer and memory-mapped token shards with a train/validation split.
+
+    source: 'shakespeare' (the default corpus), a text file, a folder of text files, or a .jsonl file.
+    out: the folder to write (tokenizer.json, train_000.bin, val_000.bin, meta.json).
+    vocab_size: size of the byte-level BPE vocabulary to train.
+    tokenizer: reuse this tokenizer (a folder with tokenizer.json, e.g. a converted checkpoint) instead of training.
+    val_fraction: the share of every document, at its end, kept for validation.
+    text_field: the field holding the text in a .jsonl file.
+    """
+    from llmkit.data.prepare import prepare as run_prepare
+
+    meta = run_prepare(
+        source, out, vocab_size=vocab_size, tokenizer=tokenizer, val_fraction=val_fraction, text_field=text_field
+    )
+    s = meta["splits"]
+    print(
+        f"prepared {source} -> {out}: vocab {meta['vocab_size']}, train {s['train']['tokens']:,} tokens "
+        f"({s['train']['chars']:,} chars), val {s['val']['tokens']:,} tokens, "
+        f"{meta['chars_per_token']:.2f} chars/token, {meta['seconds']:.1f} s"
+    )
+    return 0
+
+
+@command
+def train(
+    config: str | None = None,
+    *,
+    set_: list[str] | None = None,
+    resume: bool = False,
+    parallel: Literal["none", "ddp", "fsdp"] | None = None,
+) -> int:
+    """Train a model on prepared data: progress bar, metrics, loss plot, checkpoints.
+
+    config: a YAML training config (sections model, data, optim, schedule, train, loss); defaults if omitted.
+    set_: override a config value, e.g. --set optim.lr=3e-4 --set model.n_layers=6 (repeatable).
+    resume: continue from the latest checkpoint in train.out, exactly where it stopped.
+    parallel: data parallelism under torchrun: ddp or fsdp (the same as --set train.parallel=...).
+    """
+    from llmkit.train.config import load_train_config
+    from llmkit.train.loop import train as run_train
+
+    overrides = list(set_ or [])
+    if parallel is not None:
+        overrides.append(f"train.parallel={parallel}")
+    cfg = load_train_config(config, overrides)
+    result = run_train(cfg, resume=resume)
+    if int(os.environ.get("RANK", "0")) == 0:
+        state = "interrupted; resume with --resume" if result.interrupted else "done"
+        bpc = f", val bits/char {result.val_bpc:.4f}" if result.val_bpc is not None else ""
+        loss = f", val loss {result.val_loss:.4f}" if result.val_loss is not None else ""
+        print(f"{state}: {result.steps} steps, {result.tokens:,} tokens in {result.seconds:.0f} s{loss}{bpc}")
+        if result.checkpoint is not None:
+            print(f"checkpoint: {result.checkpoint}")
+        print(f"loss plot: {Path(cfg.train.out) / 'loss.png'}")
+    return 0
+
+
+@command
+def generate(
+    checkpoint: str,
+    *,
+    prompt: str = "",
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    top_p: float | None = None,
+    seed: int | None = None,
+    samples: int = 1,
+) -> int:
+    """Generate text from a checkpoint: a training run folder (its latest checkpoint), an llmkit checkpoint, a
+    Hugging Face directory or a GGUF file.
+
+    checkpoint: the model to load.
+    prompt: the text to continue (empty: start from the beginning-of-text token).
+    max_new_tokens: how many tokens to generate.
+    temperature: 0 for greedy decoding; higher is more random.
+    top_k: sample among the k most likely tokens (0 or none for no limit).
+    top_p: sample among the most likely tokens whose probabilities add up to p.
+    seed: makes sampling repeatable.
+    samples: how many continuations to generate.
+    """
+    from llmkit.generate import generate as run_generate
+    from llmkit.interop.checkpoint import load_model
+    from llmkit.models import DecoderLM
+    from llmkit.train.checkpoint import latest_checkpoint
+
+    path = Path(checkpoint)
+    run_latest = latest_checkpoint(path) if path.is_dir() else None
+    loaded = load_model(run_latest or path)
+    tok = loaded.tokenizer
+    if tok is None:
+        raise LLMKitError(f"{path} has no tokenizer to turn the prompt into tokens")
+    ids = tok.encode(prompt) if prompt else []
+    if not ids:
+        start = tok.bos_id if tok.bos_id is not None else tok.eos_id
+        if start is None:
+            raise LLMKitError("the prompt is empty and the tokenizer has no beginning-of-text token to start from")
+        ids = [start]
+    model = loaded.model.eval()
+    if not isinstance(model, DecoderLM):
+        raise LLMKitError(f"{path} is an encoder-decoder model; `llmkit generate` continues decoder-only models")
+    eos = tok.eos_id if prompt else None
+    for i in range(samples):
+        out = run_generate(
+            model,
+            [ids],
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k or None,
+            top_p=top_p,
+            eos_id=eos,
+            seed=None if seed is None else seed + i,
+        )
+        text = tok.decode(out.tokens[0].tolist())
+        if samples > 1:
+            print(f"--- sample {i + 1}")
+        print(text)
+    return 0
+
+
 # ---- signature -> argparse
 
 
@@ -227,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
                 kwargs["choices"] = list(get_args(tp))
             elif tp in (int, float, str):
                 kwargs["type"] = tp
+            elif get_origin(tp) is list:  # a repeatable flag
+                kwargs["action"] = "append"
+                kwargs["type"] = get_args(tp)[0]
             if param.kind is param.POSITIONAL_OR_KEYWORD:
                 if param.default is not param.empty:
                     kwargs["nargs"] = "?"

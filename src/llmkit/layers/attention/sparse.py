@@ -16,6 +16,8 @@ Shapes: B batch, T new tokens, S key slots, C model dim, J indexer heads, Di ind
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -63,8 +65,14 @@ class LightningIndexer(nn.Module):
 class DeepSeekSparseAttention(MultiHeadLatentAttention):
     """MLA whose queries each attend to the `topk` keys chosen by a lightning indexer. x (B, T, C) -> (B, T, C).
 
-    After each call `last_index_scores` (B, T, S) holds the indexer's scores (the trainer's indexer loss reads them)
-    and `last_selection` the chosen keys (None when every key was kept)."""
+    After each call `last_index_scores` (B, T, S) holds the indexer's scores and `last_selection` the chosen keys
+    (None when every key was kept).
+
+    Training the indexer (DeepSeek-V3.2 §2.1): its inputs are detached, so it learns only from its own loss, the KL
+    divergence from the main attention's distribution (summed over heads, L1-normalised) to softmax(I). With
+    `indexer_training = "dense"` (the warm-up) attention stays dense and the KL covers every allowed key; with
+    "sparse" attention uses the selection and the KL covers the selected keys. The loss of the last call is in
+    `last_indexer_loss`."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         a = cfg.attention
@@ -75,20 +83,56 @@ class DeepSeekSparseAttention(MultiHeadLatentAttention):
         self.indexer = LightningIndexer(cfg.d_model, q_in, a.indexer.n_heads, a.indexer.head_dim, self.dr)
         self.last_index_scores: Tensor | None = None
         self.last_selection: Selection | None = None
+        self.indexer_training: Literal["off", "dense", "sparse"] = "off"
+        self.last_indexer_loss: Tensor | None = None
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> DeepSeekSparseAttention:
         return cls(cfg)
 
+    def forward(self, x: Tensor, inputs: AttentionInputs, cache: LatentCache | None = None) -> Tensor:
+        if self.indexer_training == "off" or not self.training:
+            self.last_indexer_loss = None
+            return super().forward(x, inputs, cache)
+        keep, self.keep_weights = self.keep_weights, True  # the KL needs the attention weights
+        try:
+            out = super().forward(x, inputs, cache)
+        finally:
+            self.keep_weights = keep
+        self.last_indexer_loss = self._indexer_kl(inputs, x.shape[1])
+        return out
+
+    def _indexer_kl(self, inputs: AttentionInputs, T: int) -> Tensor:
+        """KL(p || softmax(I)) over the keys attention used, averaged over queries. p (B, T, S) is the attention
+        distribution summed over heads and normalised; it is a target, so no gradient flows into it."""
+        assert self.last_weights is not None and self.last_index_scores is not None
+        weights = self.last_weights.detach().float()  # (B, H, T, S)
+        p = weights.sum(dim=1) / weights.shape[1]  # (B, T, S)
+        scores = self.last_index_scores  # (B, T, S)
+        B, _, S = scores.shape
+        if self.last_selection is not None:
+            support = torch.zeros(B, T, S, dtype=torch.bool, device=scores.device)
+            support.scatter_(-1, self.last_selection.index, self.last_selection.valid)
+        else:
+            dense = inputs.mask.dense(T, S, scores.device)
+            support = torch.ones_like(scores, dtype=torch.bool) if dense is None else dense[:, 0].expand(B, T, S)
+        log_q = torch.log_softmax(scores.masked_fill(~support, float("-inf")), dim=-1)
+        terms = torch.where(support, torch.xlogy(p, p) - p * log_q.masked_fill(~support, 0.0), 0.0)
+        rows = support.any(dim=-1)
+        return terms.sum(dim=-1)[rows].mean() if bool(rows.any()) else scores.new_zeros(())
+
     def select(
         self, x: Tensor, q_latent: Tensor | None, inputs: AttentionInputs, cache: LatentCache | None, S: int
     ) -> Selection | None:
         assert cache is None or isinstance(cache, SparseLatentCache)
-        scores = self.indexer(x, q_latent if q_latent is not None else x, inputs, cache)  # (B, T, S)
+        # the indexer's inputs are detached: its scores only choose keys (top-k passes no gradient), and it learns
+        # from its own loss, not from the language-model loss
+        q_in = (q_latent if q_latent is not None else x).detach()
+        scores = self.indexer(x.detach(), q_in, inputs, cache)  # (B, T, S)
         self.last_index_scores = scores
         self.last_selection = None
-        if self.topk >= S:  # every key is selected: dense attention is the same computation
-            return None
+        if self.topk >= S or (self.training and self.indexer_training == "dense"):
+            return None  # every key: dense attention (also the indexer's warm-up)
         B, T, _ = scores.shape
         allowed = inputs.mask.dense(T, S, x.device)
         if allowed is not None:

@@ -1,0 +1,1 @@
+"""Corpora and their preparation into token shards."""

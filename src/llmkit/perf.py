@@ -1,0 +1,42 @@
+"""Measuring this machine's limits, so that throughput can be reported as a fraction of them (MFU, bandwidth)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def matmul_flops(dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", n: int = 2048,
+                 seconds: float = 0.5) -> float:  # fmt: skip
+    """Sustained FLOP/s of an n x n matmul in `dtype` on `device` (2 n^3 FLOPs per product)."""
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(0)  # not the global RNG: measuring must not change a run
+    a = torch.randn(n, n, device=dev, generator=g).to(dtype)
+    b = torch.randn(n, n, device=dev, generator=g).to(dtype)
+    a @ b  # warm up
+    count, start = 0, time.perf_counter()
+    while True:
+        a @ b
+        count += 1
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return 2 * n**3 * count / elapsed
+
+
+def memory_bandwidth(device: torch.device | str = "cpu", mib: int = 512, seconds: float = 0.5) -> float:
+    """Sustained read bandwidth in bytes/s: summing a `mib` MiB fp32 tensor."""
+    dev = torch.device(device)
+    x = torch.ones(mib * 1024 * 1024 // 4, device=dev)
+    x.sum()
+    count, start = 0, time.perf_counter()
+    while True:
+        x.sum()
+        count += 1
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return x.numel() * 4 * count / elapsed

@@ -1,0 +1,189 @@
+"""Training checkpoints that survive anything: written atomically, the last K kept, resumed exactly.
+
+    OUT/checkpoints/step-000500/       an llmkit checkpoint (llmkit.json, model.safetensors, tokenizer) that
+                                       `llmkit generate` and `llmkit convert` read directly, plus
+        trainer_state.pt               optimizer, step, tokens seen, RNG states (torch, CUDA, Python, NumPy)
+        trainer_state.json             the same step and counters, readable
+    OUT/checkpoints/latest             the name of the newest complete checkpoint
+
+A checkpoint is written into a temporary folder and renamed into place only when complete, and `latest` is
+replaced atomically afterwards: a crash at any moment leaves the previous checkpoint as the latest, intact.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from llmkit.config import ModelConfig
+from llmkit.errors import LLMKitError
+from llmkit.interop.checkpoint import FORMAT_FILE, load_llmkit, save_llmkit
+from llmkit.interop.safetensors_io import CheckpointError
+from llmkit.models import DecoderLM, EncoderDecoder
+from llmkit.tokenizer import Tokenizer
+
+STATE = "trainer_state.pt"
+STATE_JSON = "trainer_state.json"
+LATEST = "latest"
+
+
+class ResumeError(LLMKitError, ValueError):
+    """A checkpoint cannot resume this run (another config, a damaged file, nothing to resume)."""
+
+
+@dataclass
+class TrainState:
+    step: int  # optimizer steps completed
+    tokens: int  # training tokens seen, all processes
+    elapsed: float  # training seconds so far
+    best_val_loss: float | None = None
+
+
+def _plain(x: Any) -> Any:
+    """NumPy arrays inside nested dicts -> tagged lists (so torch.load(weights_only=True) can read them back)."""
+    if isinstance(x, np.ndarray):
+        return {"__ndarray__": x.tolist(), "dtype": str(x.dtype)}
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    return x
+
+
+def _arrays(x: Any) -> Any:
+    if isinstance(x, dict) and "__ndarray__" in x:
+        return np.asarray(x["__ndarray__"], dtype=x["dtype"])
+    if isinstance(x, dict):
+        return {k: _arrays(v) for k, v in x.items()}
+    return x
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": _plain(np.random.get_state(legacy=False)),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(_tuples(state["python"]))
+    np.random.set_state(_arrays(state["numpy"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _tuples(x: Any) -> Any:
+    return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def checkpoint_dir(out: Path) -> Path:
+    return out / "checkpoints"
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    """The newest complete checkpoint of a run folder, or None."""
+    pointer = checkpoint_dir(out) / LATEST
+    if not pointer.is_file():
+        return None
+    path = checkpoint_dir(out) / pointer.read_text().strip()
+    return path if (path / STATE).is_file() and (path / FORMAT_FILE).is_file() else None
+
+
+def save(
+    out: Path,
+    model: DecoderLM | EncoderDecoder,
+    model_state: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any],
+    state: TrainState,
+    keep_last: int,
+    tokenizer: Tokenizer | None,
+    train_config: dict[str, Any],
+) -> Path:
+    """Write the checkpoint of `state.step` atomically and drop all but the newest `keep_last`."""
+    root = checkpoint_dir(out)
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"step-{state.step:06d}"
+    tmp = root / (name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    holder = _StateHolder(model, model_state)
+    save_llmkit(holder, tmp, tokenizer=tokenizer)  # type: ignore[arg-type]
+    torch.save(
+        {"optimizer": optimizer_state, "rng": rng_state(), "state": state.__dict__, "config": train_config},
+        tmp / STATE,
+    )
+    (tmp / STATE_JSON).write_text(json.dumps({**state.__dict__, "model": model.cfg.to_dict()}, indent=2) + "\n")
+    final = root / name
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.replace(final)
+    pointer = root / (LATEST + ".tmp")
+    pointer.write_text(name + "\n")
+    pointer.replace(root / LATEST)
+    complete = sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
+    for old in complete[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+class _StateHolder:
+    """What save_llmkit needs of a model (its config and state dict), for a state dict gathered from shards."""
+
+    def __init__(self, model: DecoderLM | EncoderDecoder, state: dict[str, torch.Tensor]) -> None:
+        self.cfg = model.cfg
+        self._state = state
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self._state
+
+
+@dataclass
+class Resumed:
+    model_state: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    rng: dict[str, Any]
+    state: TrainState
+    path: Path
+
+
+def load(path: Path, expected: ModelConfig) -> Resumed:
+    """Read a training checkpoint for a run whose model config is `expected`."""
+    try:
+        loaded = load_llmkit(path)
+    except CheckpointError as e:
+        raise ResumeError(f"cannot resume from {path}: {e}") from None
+    if loaded.model.cfg.architecture() != expected.architecture():
+        diff = _first_difference(loaded.model.cfg.to_dict(), expected.to_dict())
+        raise ResumeError(
+            f"cannot resume from {path}: it was trained with a different model config ({diff}); start a new run "
+            "(another train.out) or restore the original config"
+        )
+    try:
+        blob = torch.load(path / STATE, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ResumeError(f"cannot resume from {path}: {STATE} is damaged ({type(e).__name__}: {e})") from None
+    return Resumed(
+        {k: v for k, v in loaded.model.state_dict().items()},
+        blob["optimizer"],
+        blob["rng"],
+        TrainState(**blob["state"]),
+        path,
+    )
+
+
+def _first_difference(a: Any, b: Any, prefix: str = "") -> str:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            if a.get(k) != b.get(k):
+                return _first_difference(a.get(k), b.get(k), f"{prefix}{k}.")
+    return f"{prefix.rstrip('.')}: checkpoint {a!r}, config {b!r}"

@@ -1,0 +1,227 @@
+"""Training configuration: a YAML file plus command-line overrides (`--set optim.lr=3e-4`).
+
+    model:     a preset and/or ModelConfig fields (nested), e.g. {preset: llama2-7b-tiny, d_model: 256}
+    data:      the prepared data folder, sequence length, micro-batch size per process
+    optim:     AdamW settings and gradient clipping
+    schedule:  warmup + cosine | warmup-stable-decay | inverse-square-root ("noam") | constant
+    train:     steps (the schedule's length), halt_at (stop early, resumable), time_limit, precision,
+               accumulation, evaluation, checkpoints, compile, parallelism
+    loss:      MTP weight, MoE bias-update rate, sparse-attention indexer warm-up, label smoothing
+
+Every section is a validated dataclass; unknown keys and bad values are errors that name the key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import yaml
+
+from llmkit.config import ModelConfig, _Config
+from llmkit.errors import ConfigError
+
+DEFAULT_PRESET = "llama2-7b-tiny"
+Precision = Literal["fp32", "bf16", "fp16"]
+ScheduleKind = Literal["cosine", "wsd", "noam", "constant"]
+Parallel = Literal["none", "ddp", "fsdp"]
+
+
+@dataclass(frozen=True)
+class DataConfig(_Config):
+    path: ClassVar[str] = "data"
+    dir: str = "runs/data/shakespeare"
+    seq_len: int = 256
+    batch_size: int = 16
+
+    def validate(self) -> None:
+        self.require(self.seq_len >= 1, "seq_len", "must be >= 1")
+        self.require(self.batch_size >= 1, "batch_size", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class OptimConfig(_Config):
+    path: ClassVar[str] = "optim"
+    lr: float = 3e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+
+    def validate(self) -> None:
+        self.require(self.lr > 0, "lr", "must be > 0")
+        self.require(0 <= self.beta1 < 1, "beta1", "must be in [0, 1)")
+        self.require(0 <= self.beta2 < 1, "beta2", "must be in [0, 1)")
+        self.require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        self.require(self.grad_clip >= 0, "grad_clip", "must be >= 0 (0 disables clipping)")
+
+
+@dataclass(frozen=True)
+class ScheduleConfig(_Config):
+    """warmup_steps of linear warm-up, then: cosine to min_lr_ratio * lr; wsd: constant, then a linear decay over
+    the last decay_fraction of the steps; noam: lr * min(step^-0.5, step * warmup^-1.5) * warmup^0.5 (the paper's
+    schedule, peaking at lr); constant."""
+
+    path: ClassVar[str] = "schedule"
+    kind: ScheduleKind = "cosine"
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+    decay_fraction: float = 0.2
+
+    def validate(self) -> None:
+        self.require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        self.require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
+        self.require(0 < self.decay_fraction <= 1, "decay_fraction", "must be in (0, 1]")
+        if self.kind == "noam":
+            self.require(self.warmup_steps >= 1, "warmup_steps", "must be >= 1 for the noam schedule")
+
+
+@dataclass(frozen=True)
+class TrainSection(_Config):
+    path: ClassVar[str] = "train"
+    steps: int = 1000
+    halt_at: int | None = None
+    time_limit: float | None = None
+    grad_accum: int = 1
+    precision: Precision = "fp32"
+    compile: bool = False
+    activation_checkpointing: bool = False
+    parallel: Parallel = "none"
+    device: str = "auto"
+    seed: int = 1337
+    log_every: int = 10
+    eval_every: int = 200
+    eval_tokens: int = 65536
+    save_every: int = 500
+    keep_last: int = 3
+    out: str = "runs/train"
+    progress: bool = True
+
+    def validate(self) -> None:
+        self.require(self.steps >= 1, "steps", "must be >= 1")
+        if self.time_limit is not None:
+            self.require(self.time_limit > 0, "time_limit", "must be > 0 seconds, or None")
+        if self.halt_at is not None:
+            self.require(1 <= self.halt_at <= self.steps, "halt_at", f"must be between 1 and steps={self.steps}")
+        self.require(self.grad_accum >= 1, "grad_accum", "must be >= 1")
+        for name in ("log_every", "eval_every", "save_every", "keep_last", "eval_tokens"):
+            self.require(getattr(self, name) >= 1, name, "must be >= 1")
+
+
+@dataclass(frozen=True)
+class LossConfig(_Config):
+    path: ClassVar[str] = "loss"
+    label_smoothing: float = 0.0
+    mtp_weight: float = 0.3
+    moe_bias_update_rate: float = 1e-3
+    indexer_warmup_steps: int = 0
+    indexer_weight: float = 1.0
+
+    def validate(self) -> None:
+        self.require(0 <= self.label_smoothing < 1, "label_smoothing", "must be in [0, 1)")
+        self.require(self.mtp_weight >= 0, "mtp_weight", "must be >= 0")
+        self.require(self.moe_bias_update_rate >= 0, "moe_bias_update_rate", "must be >= 0")
+        self.require(self.indexer_warmup_steps >= 0, "indexer_warmup_steps", "must be >= 0")
+        self.require(self.indexer_weight >= 0, "indexer_weight", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class TrainConfig(_Config):
+    model: dict[str, Any] = field(default_factory=lambda: {"preset": DEFAULT_PRESET})
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainSection = field(default_factory=TrainSection)
+    loss: LossConfig = field(default_factory=LossConfig)
+
+    def to_yaml(self, path: str | os.PathLike[str] | None = None) -> str:
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    def model_config(self, vocab_size: int | None = None) -> ModelConfig:
+        """The ModelConfig: the preset's, with the other `model` keys merged in (nested); vocab_size defaults to the
+        data's, and max_seq_len grows to the training sequence length."""
+        from llmkit.presets import get_preset
+
+        spec = copy.deepcopy(self.model)
+        preset = spec.pop("preset", None)
+        if preset is None and not {"d_model", "n_layers"} <= set(spec):
+            raise ConfigError("model: give a preset (e.g. preset: llama2-7b-tiny) or at least d_model and n_layers")
+        base = get_preset(preset).to_dict() if preset else {}
+        merged = _merge(base, spec)
+        if vocab_size is not None and "vocab_size" not in spec:
+            merged["vocab_size"] = vocab_size
+        position = merged.setdefault("position", {})
+        position["max_seq_len"] = max(int(position.get("max_seq_len", 0) or 0), self.data.seq_len)
+        try:
+            return ModelConfig.from_dict(merged)
+        except ConfigError as e:
+            raise ConfigError(f"model: {e}") from None
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def apply_override(data: dict[str, Any], assignment: str) -> None:
+    """Apply 'a.b.c=value' to a nested dict; the value is parsed as YAML (numbers, booleans, lists, null)."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set {assignment!r}: expected KEY=VALUE, e.g. optim.lr=3e-4")
+    key, raw = assignment.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"--set {assignment!r}: empty key part")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {assignment!r}: cannot parse the value: {e}") from None
+    node = data
+    for p in parts[:-1]:
+        child = node.get(p)
+        if child is None:
+            child = node[p] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {assignment!r}: {p!r} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def load_train_config(path: str | os.PathLike[str] | None, overrides: list[str] | None = None) -> TrainConfig:
+    """A TrainConfig from a YAML file (or the defaults) with `--set` overrides applied."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"training config {str(p)!r} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p} is not valid YAML: {e}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{p} must hold a mapping of sections (model, data, optim, ...)")
+        data = loaded or {}
+    data.setdefault("model", {"preset": DEFAULT_PRESET})  # so that --set model.x=... refines the default model
+    for assignment in overrides or []:
+        apply_override(data, assignment)
+    # YAML numbers such as 3e-4 parse as strings in YAML 1.1: accept them for float fields
+    for section in ("optim", "schedule", "train", "loss"):
+        for k, v in list((data.get(section) or {}).items()):
+            if isinstance(v, str):
+                with contextlib.suppress(ValueError):
+                    data[section][k] = float(v) if any(c in v for c in ".eE") else int(v)
+    if "model" in data and not isinstance(data["model"], dict):
+        raise ConfigError("model: must be a mapping, e.g. {preset: llama2-7b-tiny}")
+    return TrainConfig.from_dict(data)

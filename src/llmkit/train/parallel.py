@@ -1,0 +1,161 @@
+"""Everything applied to a model from outside it: device, distributed data parallelism (DDP) or fully sharded data
+parallelism (FSDP2), activation checkpointing, torch.compile. The model code itself has no parallel code.
+
+Distributed runs start with torchrun, which sets RANK / WORLD_SIZE / MASTER_ADDR for every process:
+
+    torchrun --nproc_per_node 2 -m llmkit train run.yaml --parallel ddp            one machine, 2 processes
+    torchrun --nnodes 2 --node_rank 0 --master_addr HOST --master_port 29500 \\
+             --nproc_per_node 8 -m llmkit train run.yaml --parallel fsdp             the first of two machines
+
+The backend is gloo on CPU and NCCL on CUDA. Checkpoints hold full (unsharded) state, written by process 0, so a
+run saved under FSDP resumes in one process and the other way round.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from llmkit.errors import ConfigError
+from llmkit.layers.block import CrossAttentionBlock, TransformerBlock
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where this process runs: its rank among `world` processes and its device."""
+
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+
+def pick_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise ConfigError(f"train.device={spec!r} is not a device (auto, cpu, cuda, cuda:1, ...)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"train.device={spec!r} but CUDA is not available")
+    return device
+
+
+def setup(parallel: str, device_spec: str) -> Runtime:
+    """Start the process group when run under torchrun with --parallel ddp|fsdp."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if parallel == "none":
+        if world > 1:
+            raise ConfigError(f"started with {world} processes but train.parallel='none'; pass --parallel ddp|fsdp")
+        return Runtime(0, 1, 0, pick_device(device_spec))
+    if "RANK" not in os.environ:
+        raise ConfigError(f"--parallel {parallel} needs the process-group environment: start with torchrun")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = pick_device(device_spec)
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def teardown(rt: Runtime) -> None:
+    if rt.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, (TransformerBlock, CrossAttentionBlock))]
+
+
+def checkpoint_activations(model: nn.Module) -> None:
+    """Recompute each block's activations in the backward pass instead of storing them: memory for compute. The
+    blocks' forward methods are wrapped in place; parameter names do not change."""
+    from torch.utils.checkpoint import checkpoint
+
+    for block in blocks_of(model):
+        original = block.forward
+
+        @functools.wraps(original)
+        def forward(*args: Any, _f: Any = original, **kwargs: Any) -> Any:
+            return checkpoint(_f, *args, use_reentrant=False, **kwargs)
+
+        block.forward = forward
+
+
+def compile_blocks(model: nn.Module) -> None:
+    """torch.compile each block (the repeated unit), as torchtitan does: compile time stays small and the model keeps
+    its eager structure and names."""
+    for block in blocks_of(model):
+        block.compile()
+
+
+def wrap(model: nn.Module, parallel: str, rt: Runtime, find_unused: bool = False) -> nn.Module:
+    """The module the training loop calls: DDP around the model, or FSDP2 sharding of each block and the root."""
+    if not rt.distributed or parallel == "none":
+        return model
+    if parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [rt.device.index] if rt.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids, find_unused_parameters=find_unused)
+    from torch.distributed.fsdp import fully_shard
+
+    for block in blocks_of(model):
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Unsharded model and optimizer state (on CPU), keyed by parameter names, whatever the wrapping. Every process
+    must call this under FSDP; only process 0 needs the result."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    inner = _unwrapped(model)
+    model_state = get_model_state_dict(inner, options=opts)
+    optim_state = get_optimizer_state_dict(inner, optimizer, options=opts) if optimizer is not None else {}
+    return model_state, optim_state
+
+
+def load_full_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, model_state: dict[str, Any], optim_state: dict[str, Any]
+) -> None:
+    """Load unsharded state into a (possibly sharded) model and its optimizer."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    opts = StateDictOptions(full_state_dict=True)
+    inner = _unwrapped(model)
+    set_model_state_dict(inner, model_state, options=opts)
+    if optimizer is not None and optim_state:
+        set_optimizer_state_dict(inner, optimizer, optim_state, options=opts)
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The module inside DDP (FSDP2 shards in place, so there is nothing to unwrap)."""
+    inner = getattr(model, "module", model)
+    assert isinstance(inner, nn.Module)
+    return inner
+
+
+def all_reduce_sum(t: torch.Tensor, rt: Runtime) -> torch.Tensor:
+    if rt.distributed:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t

@@ -1,0 +1,182 @@
+"""The training loop: loss falls, resume is exact, checkpoints are atomic, bad input gives clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmkit.errors import InputError
+from llmkit.presets import PRESETS
+from llmkit.train import checkpoint as ckpt
+from llmkit.train.config import TrainConfig
+from llmkit.train.loop import TrainingError, train
+
+from .conftest import losses, tiny_config
+
+DECODER_TINY = [n for n, p in PRESETS.items() if n.endswith("-tiny") and p.config.encoder is None]
+
+
+def run(data_dir: Path, out: Path, resume: bool = False, **sections: dict):
+    return train(TrainConfig.from_dict(tiny_config(data_dir, out, **sections)), resume=resume)
+
+
+@pytest.mark.parametrize("name", DECODER_TINY)
+def test_loss_falls_on_a_tiny_run(tiny_data, tmp_path, name):
+    result = run(
+        tiny_data,
+        tmp_path / "r",
+        model={"preset": name},
+        train={"steps": 25, "eval_every": 25},
+        loss={"indexer_warmup_steps": 5},
+    )
+    values = losses(tmp_path / "r", "ce")  # cross-entropy: during the indexer warm-up the total is its KL only
+    assert len(values) == 25
+    assert sum(values[-5:]) / 5 < values[0] - 1.0, values
+    assert result.val_loss is not None and result.val_loss < values[0]
+    assert (tmp_path / "r" / "loss.png").is_file()
+
+
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "deepseek-v3-tiny"])
+def test_resume_is_bit_identical(tiny_data, tmp_path, preset):
+    # gpt2-tiny has dropout (RNG state); deepseek-v3-tiny has MoE with the router-bias update, and MTP
+    run(tiny_data, tmp_path / "a", model={"preset": preset}, train={"steps": 12})
+    run(tiny_data, tmp_path / "b", model={"preset": preset}, train={"steps": 12, "halt_at": 6})
+    assert len(losses(tmp_path / "b")) == 6
+    result = run(tiny_data, tmp_path / "b", resume=True, model={"preset": preset}, train={"steps": 12})
+    assert result.steps == 12
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")  # bit for bit
+
+
+def test_checkpoints_keep_the_last_k_and_load_as_models(tiny_data, tmp_path):
+    run(tiny_data, tmp_path / "r", train={"steps": 12, "save_every": 3, "keep_last": 2})
+    steps = sorted(p.name for p in (tmp_path / "r" / "checkpoints").glob("step-*"))
+    assert steps == ["step-000009", "step-000012"]
+    assert (tmp_path / "r" / "checkpoints" / "latest").read_text().strip() == "step-000012"
+    from llmkit.interop.checkpoint import load_model
+
+    loaded = load_model(tmp_path / "r" / "checkpoints" / "step-000012")
+    assert loaded.tokenizer is not None and loaded.model.cfg.vocab_size == 320
+
+
+def test_a_crash_while_saving_leaves_the_previous_checkpoint(tiny_data, tmp_path, monkeypatch):
+    run(tiny_data, tmp_path / "r", train={"steps": 12, "halt_at": 6})
+    real_save = torch.save
+
+    def failing_save(obj, path, *a, **k):
+        if str(path).endswith(ckpt.STATE):
+            raise OSError("disk full")
+        return real_save(obj, path, *a, **k)
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        run(tiny_data, tmp_path / "r", resume=True, train={"steps": 12, "save_every": 3})
+    monkeypatch.setattr(torch, "save", real_save)
+    latest = ckpt.latest_checkpoint(tmp_path / "r")
+    assert latest is not None and latest.name == "step-000006"  # the half-written step-000009 is not used
+    result = run(tiny_data, tmp_path / "r", resume=True, train={"steps": 12})
+    assert result.steps == 12
+
+
+def test_resume_errors(tiny_data, tmp_path):
+    with pytest.raises(ckpt.ResumeError, match="nothing to resume"):
+        run(tiny_data, tmp_path / "empty", resume=True)
+    run(tiny_data, tmp_path / "r", train={"steps": 6})
+    with pytest.raises(ckpt.ResumeError, match=r"different model config \(d_model: checkpoint 64, config 32\)"):
+        run(
+            tiny_data,
+            tmp_path / "r",
+            resume=True,
+            model={"preset": "llama2-7b-tiny", "d_model": 32},
+            train={"steps": 12},
+        )
+    state = ckpt.latest_checkpoint(tmp_path / "r") / ckpt.STATE
+    state.write_bytes(state.read_bytes()[:100])
+    with pytest.raises(ckpt.ResumeError, match=r"trainer_state\.pt is damaged"):
+        run(tiny_data, tmp_path / "r", resume=True, train={"steps": 12})
+
+
+def test_missing_data_folder(tmp_path):
+    with pytest.raises(InputError, match=r"does not exist: run `llmkit prepare` first"):
+        run(tmp_path / "nowhere", tmp_path / "r")
+
+
+def test_non_finite_loss_is_reported_with_its_step(tiny_data, tmp_path, monkeypatch):
+    from llmkit.models.decoder import DecoderLM
+
+    real = DecoderLM.forward_hidden
+    calls = {"n": 0}
+
+    def poisoned(self, *a, **k):
+        h, inputs = real(self, *a, **k)
+        calls["n"] += 1
+        return (h * float("nan") if calls["n"] == 4 else h), inputs
+
+    monkeypatch.setattr(DecoderLM, "forward_hidden", poisoned)
+    with pytest.raises(TrainingError, match="non-finite loss at step 4"):
+        run(tiny_data, tmp_path / "r", train={"steps": 12, "eval_every": 100, "save_every": 100})
+
+
+def test_metrics_and_tensorboard_files(tiny_data, tmp_path):
+    run(tiny_data, tmp_path / "r", train={"steps": 6, "eval_every": 3})
+    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "loss" in r]
+    assert {"lr", "tokens_per_s", "mfu", "grad_norm"} <= set(train_rows[0])
+    evals = [r for r in rows if "val_bpc" in r]
+    assert [r["step"] for r in evals] == [3, 6] and all(r["val_bpc"] > 0 for r in evals)
+    assert list((tmp_path / "r" / "tensorboard").glob("events.out.tfevents.*"))
+    assert (tmp_path / "r" / "config.yaml").is_file()
+
+
+def test_ctrl_c_saves_and_exits_cleanly(tiny_data, tmp_path):
+    cfg = tiny_config(tiny_data, tmp_path / "r", train={"steps": 100000, "save_every": 100000, "eval_every": 100000})
+    path = tmp_path / "run.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmkit", "train", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    metrics = tmp_path / "r" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+        assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "interrupted" in out and "resume with --resume" in out
+    latest = ckpt.latest_checkpoint(tmp_path / "r")
+    assert latest is not None
+    saved = json.loads((latest / ckpt.STATE_JSON).read_text())["step"]
+    assert saved == max(json.loads(line)["step"] for line in metrics.read_text().splitlines())
+
+
+def test_fp16_needs_cuda(tiny_data, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    with pytest.raises(TrainingError, match="fp16' needs CUDA"):
+        run(tiny_data, tmp_path / "r", train={"precision": "fp16"})
+
+
+def test_bf16_autocast_trains(tiny_data, tmp_path):
+    run(tiny_data, tmp_path / "r", train={"steps": 12, "precision": "bf16"})
+    values = losses(tmp_path / "r")
+    assert values[-1] < values[0] - 0.5
+
+
+def test_activation_checkpointing_gives_the_same_losses(tiny_data, tmp_path):
+    run(tiny_data, tmp_path / "a", train={"steps": 4})
+    run(tiny_data, tmp_path / "b", train={"steps": 4, "activation_checkpointing": True})
+    torch.testing.assert_close(torch.tensor(losses(tmp_path / "b")), torch.tensor(losses(tmp_path / "a")))
+
+
+def test_env_is_clean():
+    assert "RANK" not in os.environ  # the distributed tests run in subprocesses
