@@ -40,3 +40,32 @@ def memory_bandwidth(device: torch.device | str = "cpu", mib: int = 512, seconds
         elapsed = time.perf_counter() - start
         if elapsed >= seconds:
             return x.numel() * 4 * count / elapsed
+
+
+_TUNED = False
+
+
+def tune_allocator() -> bool:
+    """Keep freed memory in the process heap instead of returning it to the operating system (glibc only).
+
+    A training step allocates and frees the same large buffers every time (logits, gradients, weight casts under
+    autocast). By default glibc serves allocations over 32 MiB with fresh mmap'd pages and unmaps them when freed, so
+    every step pays page faults on hundreds of MB: measured here, half the time of a bf16 training step of a 125M
+    model. Disabling mmap'd chunks and heap trimming lets the buffers be reused. The cost: the process does not give
+    memory back before it exits. Returns whether the setting was applied."""
+    global _TUNED
+    if _TUNED:
+        return True
+    import ctypes
+    import ctypes.util
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_max = -1, -4  # from glibc's malloc.h
+    _TUNED = bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 1 << 40))
+    return _TUNED

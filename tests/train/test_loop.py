@@ -97,6 +97,8 @@ def test_resume_errors(tiny_data, tmp_path):
             model={"preset": "llama2-7b-tiny", "d_model": 32},
             train={"steps": 12},
         )
+    with pytest.raises(TrainingError, match="already holds a run with checkpoints: continue it with --resume"):
+        run(tiny_data, tmp_path / "r", train={"steps": 12})
     state = ckpt.latest_checkpoint(tmp_path / "r") / ckpt.STATE
     state.write_bytes(state.read_bytes()[:100])
     with pytest.raises(ckpt.ResumeError, match=r"trainer_state\.pt is damaged"):

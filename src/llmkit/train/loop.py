@@ -122,6 +122,9 @@ class Trainer:
         t = cfg.train
         if t.precision == "fp16" and not torch.cuda.is_available():
             raise TrainingError("train.precision='fp16' needs CUDA (its gradient scaling); use 'bf16' on CPU")
+        from llmkit.perf import tune_allocator
+
+        tune_allocator()  # reuse the large per-step buffers instead of faulting in fresh pages each step
         self.rt: Runtime = setup(t.parallel, t.device)
         self.out = Path(t.out)
         self.data = TokenData(cfg.data.dir)
@@ -140,6 +143,11 @@ class Trainer:
         self.model = model
         self.state = ckpt.TrainState(step=0, tokens=0, elapsed=0.0)
         resumed: ckpt.Resumed | None = None
+        if not resume and ckpt.latest_checkpoint(self.out) is not None:
+            raise TrainingError(
+                f"{self.out} already holds a run with checkpoints: continue it with --resume, or start a new run "
+                "elsewhere (--set train.out=...) or after removing that folder"
+            )
         if resume:
             path = ckpt.latest_checkpoint(self.out)
             if path is None:
@@ -166,8 +174,7 @@ class Trainer:
         self.lr_at = lr_multiplier(cfg.schedule, t.steps)
         self.scaler = torch.amp.GradScaler("cuda") if t.precision == "fp16" else None
         self.metrics = MetricsLog(self.out, enabled=self.rt.main)
-        if resumed is not None:
-            self.metrics.truncate(self.state.step)
+        self.metrics.truncate(self.state.step)  # a fresh run starts a fresh log; a resumed one drops what it redoes
         self.flops_per_token = 3 * analyze(self.model_cfg, seq_len=cfg.data.seq_len).flops_per_token
         self.peak_flops: float | None = None
         self.resumed_from = resumed.path if resumed else None
@@ -233,6 +240,10 @@ class Trainer:
             "val_ppl": math.exp(min(loss, 50.0)),
             "val_bpc": bits_per_char(loss, split.chars_per_token),
         }
+
+    def plot_title(self) -> str:
+        params = sum(p.numel() for p in self.model.parameters())
+        return f"{self.out.name}: {params / 1e6:.1f}M parameters, {self.state.tokens / 1e6:.2f}M tokens"
 
     def save(self) -> Path | None:
         model_state, optim_state = full_state(self.runner, self.optimizer)
@@ -328,7 +339,7 @@ class Trainer:
                 if step % t.eval_every == 0 or last:
                     last_eval = self.evaluate(full=last)
                     self.metrics.log({"step": step, "tokens": self.state.tokens, **last_eval})
-                    self.metrics.plot(f"{cfg.model.get('preset', 'model')} · {self.state.tokens / 1e6:.1f}M tokens")
+                    self.metrics.plot(self.plot_title())
                     if self.rt.main and t.progress:
                         bar.write(
                             f"step {step}: val loss {last_eval['val_loss']:.4f} bits/char {last_eval['val_bpc']:.4f}"
