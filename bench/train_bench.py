@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ["hf-fp32", "hf-bf16", "hf-bf16-alloc", "llmkit-fp32", "llmkit-bf16"]
 
 
-def model_config():  # noqa: ANN201
+def model_config():  # type: ignore[no-untyped-def]
     from llmkit import AttentionConfig, FFNConfig, ModelConfig, NormConfig, PositionConfig
 
     return ModelConfig(
@@ -50,11 +50,10 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict:
 
     from llmkit import build_model
     from llmkit.interop.hf import config_from_hf, save_hf
+    from llmkit.perf import tune_allocator
     from llmkit.train.config import OptimConfig
     from llmkit.train.data import TokenData, train_batch
     from llmkit.train.optim import build_optimizer
-
-    from llmkit.perf import tune_allocator
 
     lib, precision = variant.split("-")[:2]
     if lib == "llmkit" or variant.endswith("-alloc"):

@@ -263,7 +263,7 @@ class Trainer:
     # ---- the loop
 
     def run(self) -> Result:
-        cfg, t = self.cfg, self.cfg.train
+        t = self.cfg.train
         if self.rt.main:
             from llmkit.perf import matmul_flops
 
