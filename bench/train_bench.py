@@ -81,9 +81,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict:
 
     model.train()
     data = TokenData(args.data)
-    autocast = (
-        torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else torch.autocast("cpu", enabled=False)
-    )
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
     losses, times = [], []
     for step in range(args.steps):
         x, y = train_batch(data, args.seq_len, args.batch, seed=0, step=step, micro=0)
@@ -130,9 +128,26 @@ def main() -> None:
     flops_per_token = 3 * analyze(model_config(), seq_len=args.seq_len).flops_per_token
     results = {}
     for variant in VARIANTS:
-        cmd = [sys.executable, __file__, "--variant", variant, "--steps", str(args.steps), "--batch", str(args.batch),
-               "--seq-len", str(args.seq_len), "--lr", str(args.lr), "--data", args.data, "--tmp", args.tmp]  # fmt: skip
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        cmd = [
+            sys.executable,
+            __file__,
+            "--variant",
+            variant,
+            "--steps",
+            str(args.steps),
+            "--batch",
+            str(args.batch),
+            "--seq-len",
+            str(args.seq_len),
+            "--lr",
+            str(args.lr),
+            "--data",
+            args.data,
+            "--tmp",
+            args.tmp,
+        ]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
         results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
     base = results["hf-fp32"]["tokens_per_s"]
     reference = results["llmkit-fp32"]["losses"]
@@ -140,38 +155,54 @@ def main() -> None:
     for variant, r in results.items():
         precision = variant.split("-")[1]  # fp32 / bf16
         diff = [abs(a - b) for a, b in zip(r["losses"], reference, strict=True)]
-        rows.append({
-            "variant": variant,
-            "tokens_per_s": r["tokens_per_s"],
-            "vs_hf_fp32": r["tokens_per_s"] / base,
-            "mfu": r["tokens_per_s"] * flops_per_token / peak[precision],
-            "peak_rss_gib": r["peak_rss_gib"],
-            "loss_first": r["losses"][0],
-            "loss_last": r["losses"][-1],
-            "max_abs_loss_diff_vs_llmkit_fp32": max(diff),
-        })  # fmt: skip
+        rows.append(
+            {
+                "variant": variant,
+                "tokens_per_s": r["tokens_per_s"],
+                "vs_hf_fp32": r["tokens_per_s"] / base,
+                "mfu": r["tokens_per_s"] * flops_per_token / peak[precision],
+                "peak_rss_gib": r["peak_rss_gib"],
+                "loss_first": r["losses"][0],
+                "loss_last": r["losses"][-1],
+                "max_abs_loss_diff_vs_llmkit_fp32": max(diff),
+            }
+        )
     summary = {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
         "matmul_gflops": {k: v / 1e9 for k, v in peak.items()},
         "memory_read_gbs": bandwidth / 1e9,
-        "config": {"params": sum(p.numel() for p in __import__("llmkit").build_model(model_config(), device="meta")
-                                 .parameters()), "batch": args.batch, "seq_len": args.seq_len, "steps": args.steps},
+        "config": {
+            "params": sum(
+                p.numel() for p in __import__("llmkit").build_model(model_config(), device="meta").parameters()
+            ),
+            "batch": args.batch,
+            "seq_len": args.seq_len,
+            "steps": args.steps,
+        },
         "results": rows,
-    }  # fmt: skip
+    }
     if args.json:
         print(json.dumps(summary, indent=2))
         return
     print(f"machine: {summary['machine']}")
-    print(f"measured: fp32 matmul {peak['fp32'] / 1e9:.0f} GFLOP/s, bf16 matmul {peak['bf16'] / 1e9:.0f} GFLOP/s, "
-          f"memory read {bandwidth / 1e9:.1f} GB/s")  # fmt: skip
-    print(f"model: {summary['config']['params'] / 1e6:.1f}M parameters, batch {args.batch} x {args.seq_len}, "
-          f"{args.steps} steps (2 warm-up)")  # fmt: skip
-    print(f"{'variant':<12} {'tokens/s':>9} {'vs HF fp32':>10} {'MFU':>6} {'peak RSS':>9} {'loss 1st':>9} "
-          f"{'loss last':>9} {'max |loss - llmkit fp32|':>25}")  # fmt: skip
+    print(
+        f"measured: fp32 matmul {peak['fp32'] / 1e9:.0f} GFLOP/s, bf16 matmul {peak['bf16'] / 1e9:.0f} GFLOP/s, "
+        f"memory read {bandwidth / 1e9:.1f} GB/s"
+    )
+    print(
+        f"model: {summary['config']['params'] / 1e6:.1f}M parameters, batch {args.batch} x {args.seq_len}, "
+        f"{args.steps} steps (2 warm-up)"
+    )
+    print(
+        f"{'variant':<12} {'tokens/s':>9} {'vs HF fp32':>10} {'MFU':>6} {'peak RSS':>9} {'loss 1st':>9} "
+        f"{'loss last':>9} {'max |loss - llmkit fp32|':>25}"
+    )
     for r in rows:
-        print(f"{r['variant']:<12} {r['tokens_per_s']:>9.1f} {r['vs_hf_fp32']:>9.2f}x {100 * r['mfu']:>5.1f}% "
-              f"{r['peak_rss_gib']:>7.2f} G {r['loss_first']:>9.4f} {r['loss_last']:>9.4f} "
-              f"{r['max_abs_loss_diff_vs_llmkit_fp32']:>25.4f}")  # fmt: skip
+        print(
+            f"{r['variant']:<12} {r['tokens_per_s']:>9.1f} {r['vs_hf_fp32']:>9.2f}x {100 * r['mfu']:>5.1f}% "
+            f"{r['peak_rss_gib']:>7.2f} G {r['loss_first']:>9.4f} {r['loss_last']:>9.4f} "
+            f"{r['max_abs_loss_diff_vs_llmkit_fp32']:>25.4f}"
+        )
 
 
 if __name__ == "__main__":
