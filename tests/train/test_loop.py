@@ -182,3 +182,43 @@ def test_activation_checkpointing_gives_the_same_losses(tiny_data, tmp_path):
 
 def test_env_is_clean():
     assert "RANK" not in os.environ  # the distributed tests run in subprocesses
+
+
+def test_indexer_warmup_trains_only_the_indexer_and_its_loss_falls(tiny_data, tmp_path):
+    from llmkit.interop.checkpoint import load_model
+    from llmkit.train.checkpoint import latest_checkpoint
+
+    preset = {"preset": "deepseek-v3.2-tiny"}
+    run(tiny_data, tmp_path / "r", model=preset, train={"steps": 12, "halt_at": 1, "save_every": 1},
+        loss={"indexer_warmup_steps": 8})  # fmt: skip
+    before = load_model(latest_checkpoint(tmp_path / "r")).model.state_dict()
+    run(tiny_data, tmp_path / "r", resume=True, model=preset, train={"steps": 12, "halt_at": 8, "save_every": 1},
+        loss={"indexer_warmup_steps": 8, "moe_bias_update_rate": 0.0})  # fmt: skip
+    after = load_model(latest_checkpoint(tmp_path / "r")).model.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(".indexer." in k for k in changed), sorted(changed)[:5]
+    kl = losses(tmp_path / "r", "indexer")
+    assert kl[-1] < kl[0]
+
+
+@pytest.mark.parametrize("name", [n for n, p in PRESETS.items() if n.endswith("-tiny") and p.config.encoder])
+def test_encoder_decoder_tiny_presets_learn(name):
+    # the training loop's language-model task needs a decoder-only model; an encoder-decoder is checked here on a
+    # copy task with the same optimizer (translation training comes with the sequence-to-sequence task)
+    from llmkit import build_model, get_preset
+    from llmkit.train.config import OptimConfig
+    from llmkit.train.optim import build_optimizer
+
+    torch.manual_seed(0)
+    model = build_model(get_preset(name))
+    model.train()
+    opt = build_optimizer(model, OptimConfig(lr=3e-3, weight_decay=0.0))
+    first = last = 0.0
+    for step in range(40):
+        src = torch.randint(3, 40, (8, 10))
+        out = model.loss(src, src, start_id=1)
+        out.total.backward()
+        opt.step()
+        opt.zero_grad()
+        first, last = (out.ce.item() if step == 0 else first), out.ce.item()
+    assert last < first - 1.0

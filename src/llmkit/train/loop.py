@@ -277,6 +277,7 @@ class Trainer:
             disable=not (self.rt.main and t.progress),
             unit="step",
             dynamic_ncols=True,
+            mininterval=0.5,
         )
         self.model.train()
         window_tokens, window_start = 0, time.perf_counter()
