@@ -69,3 +69,59 @@ def test_bad_arguments(model, kwargs, fragment):
     with pytest.raises(InputError) as e:
         generate(model, **kwargs)
     assert fragment in str(e.value)
+
+
+def test_min_p_and_repetition_penalty():
+    from llmkit.generate.sampling import Sampling, distribution, penalize_repetition
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = filter_logits(logits, min_p=0.4)  # keep tokens with p >= 0.4 * 0.5 = 0.2
+    assert torch.isfinite(kept).tolist() == [[True, True, False, False]]
+    raw = torch.tensor([[2.0, -1.0, 3.0, 0.5]])
+    out = penalize_repetition(raw, torch.tensor([[0, 1, -1]]), 2.0)  # tokens 0 and 1 seen; -1 is padding
+    assert out.tolist() == [[1.0, -2.0, 3.0, 0.5]]
+    probs = distribution(raw, Sampling(temperature=1.0, top_k=2))
+    torch.testing.assert_close(probs.sum(), torch.tensor(1.0))
+    assert (probs[0, [1, 3]] == 0).all()
+
+
+def test_repetition_penalty_changes_greedy_output(model):
+    plain = generate(model, [[3, 4, 5]], max_new_tokens=20).new_tokens[0]
+    penalized = generate(model, [[3, 4, 5]], max_new_tokens=20, repetition_penalty=5.0).new_tokens[0]
+    assert len(set(penalized)) >= len(set(plain))
+    assert penalized != plain
+
+
+def test_stop_sequences_and_strings(model):
+    from helpers import tiny_tokenizer
+
+    full = generate(model, [[7, 8, 9]], max_new_tokens=12).new_tokens[0]
+    stop = full[4:6]
+    cut = generate(model, [[7, 8, 9]], max_new_tokens=12, stop_sequences=[stop]).new_tokens[0]
+    assert cut == full[: full.index(stop[0], 4) + 2] or cut[-2:] == stop
+    tok = tiny_tokenizer()
+    text = tok.decode(full)
+    needle = text[len(text) // 2 : len(text) // 2 + 2]
+    out = generate(model, [[7, 8, 9]], max_new_tokens=12, stop_strings=[needle], tokenizer=tok).new_tokens[0]
+    assert needle not in tok.decode(out) and text.startswith(tok.decode(out)[:1] if out else "")
+    with pytest.raises(InputError, match="stop_strings need a tokenizer"):
+        generate(model, [[1]], max_new_tokens=2, stop_strings=["x"])
+
+
+def test_stream_yields_what_generate_returns(model):
+    from llmkit.generate import stream
+
+    steps = list(stream(model, [[1, 2, 3], [4]], max_new_tokens=6))
+    assert len(steps) == 6 and all(len(s) == 2 for s in steps)
+    rows = [[s[b] for s in steps] for b in range(2)]
+    assert rows == generate(model, [[1, 2, 3], [4]], max_new_tokens=6).new_tokens
+
+
+@pytest.mark.slow
+def test_compiled_decoding_gives_the_same_tokens():
+    torch.manual_seed(0)
+    m = build_model(get_preset("llama2-7b-tiny")).eval()
+    prompts = [[3, 14, 15, 92], [65, 35]]
+    eager = generate(m, prompts, max_new_tokens=10)
+    compiled = generate(m, prompts, max_new_tokens=10, compiled=True)
+    assert compiled.new_tokens == eager.new_tokens

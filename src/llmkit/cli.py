@@ -257,6 +257,22 @@ def train(
     return 0
 
 
+def _load_for_generation(checkpoint: str, dtype: str | None) -> Any:
+    from llmkit.interop.checkpoint import load_model
+    from llmkit.models import DecoderLM
+    from llmkit.train.checkpoint import latest_checkpoint
+
+    path = Path(checkpoint)
+    run_latest = latest_checkpoint(path) if path.is_dir() else None
+    loaded = load_model(run_latest or path, dtype=_dtype(dtype))
+    if loaded.tokenizer is None:
+        raise LLMKitError(f"{path} has no tokenizer to turn text into tokens")
+    if not isinstance(loaded.model, DecoderLM):
+        raise LLMKitError(f"{path} is an encoder-decoder model; `llmkit generate` continues decoder-only models")
+    loaded.model.eval()
+    return loaded
+
+
 @command
 def generate(
     checkpoint: str,
@@ -266,57 +282,160 @@ def generate(
     temperature: float = 0.8,
     top_k: int | None = 50,
     top_p: float | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float = 1.0,
     seed: int | None = None,
     samples: int = 1,
+    stop: list[str] | None = None,
+    stream: bool = False,
+    beams: int = 1,
+    length_penalty: float = 1.0,
+    draft: str | None = None,
+    mtp: bool = False,
+    speculate: int = 4,
+    compile: bool = False,
+    dtype: Literal["fp32", "bf16", "fp16"] | None = None,
 ) -> int:
-    """Generate text from a checkpoint: a training run folder (its latest checkpoint), an llmkit checkpoint, a
-    Hugging Face directory or a GGUF file.
+    """Generate text from a training run folder (its latest checkpoint), an llmkit checkpoint, a Hugging Face
+    directory or a GGUF file.
 
     checkpoint: the model to load.
     prompt: the text to continue (empty: start from the beginning-of-text token).
-    max_new_tokens: how many tokens to generate.
+    max_new_tokens: how many tokens to generate at most.
     temperature: 0 for greedy decoding; higher is more random.
-    top_k: sample among the k most likely tokens (0 or none for no limit).
+    top_k: sample among the k most likely tokens (0 for no limit).
     top_p: sample among the most likely tokens whose probabilities add up to p.
+    min_p: sample among tokens at least min_p times as likely as the most likely one.
+    repetition_penalty: above 1 discourages tokens already in the text.
     seed: makes sampling repeatable.
-    samples: how many continuations to generate.
+    samples: how many continuations to generate (a batch).
+    stop: stop a continuation at this text (repeatable).
+    stream: print tokens as they are generated.
+    beams: beam search with this many beams (deterministic; ignores the sampling options).
+    length_penalty: beam search: length ** penalty divides a hypothesis' log-probability.
+    draft: speculative decoding with this smaller model (same tokenizer) drafting tokens.
+    mtp: speculative decoding drafting with the model's own multi-token-prediction module.
+    speculate: tokens the draft model proposes per round.
+    compile: decode through torch.compile (a one-time compilation, then faster steps).
+    dtype: load the weights in this precision (bf16 halves the memory read per token).
     """
+    from llmkit.generate import Sampling
     from llmkit.generate import generate as run_generate
-    from llmkit.interop.checkpoint import load_model
-    from llmkit.models import DecoderLM
-    from llmkit.train.checkpoint import latest_checkpoint
+    from llmkit.generate import stream as run_stream
+    from llmkit.generate.beam import beam_search
+    from llmkit.generate.speculative import speculative_generate
 
-    path = Path(checkpoint)
-    run_latest = latest_checkpoint(path) if path.is_dir() else None
-    loaded = load_model(run_latest or path)
-    tok = loaded.tokenizer
-    if tok is None:
-        raise LLMKitError(f"{path} has no tokenizer to turn the prompt into tokens")
+    loaded = _load_for_generation(checkpoint, dtype)
+    tok, model = loaded.tokenizer, loaded.model
     ids = tok.encode(prompt) if prompt else []
     if not ids:
         start = tok.bos_id if tok.bos_id is not None else tok.eos_id
         if start is None:
             raise LLMKitError("the prompt is empty and the tokenizer has no beginning-of-text token to start from")
         ids = [start]
-    model = loaded.model.eval()
-    if not isinstance(model, DecoderLM):
-        raise LLMKitError(f"{path} is an encoder-decoder model; `llmkit generate` continues decoder-only models")
     eos = tok.eos_id if prompt else None
-    for i in range(samples):
-        out = run_generate(
-            model,
-            [ids],
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k or None,
-            top_p=top_p,
-            eos_id=eos,
-            seed=None if seed is None else seed + i,
-        )
-        text = tok.decode(out.tokens[0].tolist())
-        if samples > 1:
-            print(f"--- sample {i + 1}")
-        print(text)
+    prompts = [ids] * samples
+    sampling = Sampling(temperature, top_k or None, top_p, min_p, repetition_penalty)
+    if beams > 1:
+        result = beam_search(model, prompts, num_beams=beams, max_new_tokens=max_new_tokens,
+                             length_penalty=length_penalty, eos_id=eos)  # fmt: skip
+        for i, row in enumerate(result.sequences):
+            _print_sample(i, samples, tok.decode(ids + row))
+        return 0
+    if draft is not None or mtp:
+        draft_model = _load_for_generation(draft, dtype).model if draft is not None else None
+        out = speculative_generate(model, prompts, draft=draft_model, max_new_tokens=max_new_tokens, k=speculate,
+                                   temperature=temperature, top_k=top_k or None, top_p=top_p, eos_id=eos, seed=seed,
+                                   compiled=compile)  # fmt: skip
+        for i, row in enumerate(out.new_tokens):
+            _print_sample(i, samples, tok.decode(ids + row))
+        print(f"[speculative: {out.accepted}/{out.drafted} drafted tokens accepted "
+              f"({100 * out.acceptance_rate:.0f}%), {out.target_passes} target passes]", file=sys.stderr)  # fmt: skip
+        return 0
+    if stream:
+        for i in range(samples):
+            printed = ""
+            new: list[int] = []
+            if samples > 1:
+                print(f"--- sample {i + 1}")
+            print(tok.decode(ids), end="", flush=True)
+            for step in run_stream(model, [ids], max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos,
+                                   stop_strings=stop or (), tokenizer=tok, seed=None if seed is None else seed + i,
+                                   compiled=compile):  # fmt: skip
+                if step[0] is None:
+                    break
+                new.append(step[0])
+                text = tok.decode(new)
+                print(text[len(printed) :], end="", flush=True)
+                printed = text
+            print()
+        return 0
+    out_gen = run_generate(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                           top_k=top_k or None, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+                           eos_id=eos, stop_strings=stop or (), tokenizer=tok, seed=seed, compiled=compile)  # fmt: skip
+    for i, row in enumerate(out_gen.new_tokens):
+        _print_sample(i, samples, tok.decode(ids + row))
+    return 0
+
+
+def _print_sample(i: int, n: int, text: str) -> None:
+    if n > 1:
+        print(f"--- sample {i + 1}")
+    print(text)
+
+
+@command
+def chat(
+    checkpoint: str,
+    *,
+    system: str | None = None,
+    max_new_tokens: int = 256,
+    temperature: float = 0.7,
+    top_p: float | None = 0.9,
+    seed: int | None = None,
+    dtype: Literal["fp32", "bf16", "fp16"] | None = None,
+) -> int:
+    """Chat with a model through its chat template (from its tokenizer files or GGUF metadata). One message per line
+    on standard input; the answers stream out. Ctrl-D ends the conversation.
+
+    checkpoint: a model with a chat template (e.g. SmolLM2-135M-Instruct).
+    system: an optional system message.
+    max_new_tokens: the longest answer.
+    temperature: 0 for greedy decoding.
+    top_p: sample among the most likely tokens whose probabilities add up to p.
+    seed: makes the answers repeatable.
+    dtype: load the weights in this precision.
+    """
+    from llmkit.generate import Sampling
+    from llmkit.generate import stream as run_stream
+    from llmkit.tokenizer import render_chat
+
+    loaded = _load_for_generation(checkpoint, dtype)
+    tok, model = loaded.tokenizer, loaded.model
+    if not tok.chat_template:
+        raise LLMKitError(f"{checkpoint} has no chat template; use `llmkit generate` for plain continuation")
+    messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    sampling = Sampling(temperature, None, top_p)
+    turn = 0
+    for line in sys.stdin:
+        text = line.rstrip("\n")
+        if not text.strip():
+            continue
+        messages.append({"role": "user", "content": text})
+        ids = tok.encode(render_chat(tok, messages), add_bos=False)
+        answer: list[int] = []
+        printed = ""
+        for step in run_stream(model, [ids], max_new_tokens=max_new_tokens, sampling=sampling, eos_id=tok.eos_id,
+                               seed=None if seed is None else seed + turn):  # fmt: skip
+            if step[0] is None or step[0] == tok.eos_id:
+                break
+            answer.append(step[0])
+            shown = tok.decode(answer)
+            print(shown[len(printed) :], end="", flush=True)
+            printed = shown
+        print(flush=True)
+        messages.append({"role": "assistant", "content": tok.decode(answer)})
+        turn += 1
     return 0
 
 

@@ -169,3 +169,23 @@ class Tokenizer:
             add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
             chat_template=meta.get("tokenizer.chat_template"),
         )
+
+
+def render_chat(tokenizer: Tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    """The prompt text for a conversation, from the tokenizer's Jinja chat template (rendered in a sandbox)."""
+    if not tokenizer.chat_template:
+        raise ConfigError("the tokenizer has no chat template")
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise InputError(f"chat template: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    token = tokenizer.backend.id_to_token
+    return env.from_string(tokenizer.chat_template).render(
+        messages=messages,
+        add_generation_prompt=add_generation_prompt,
+        bos_token=token(tokenizer.bos_id) if tokenizer.bos_id is not None else "",
+        eos_token=token(tokenizer.eos_id) if tokenizer.eos_id is not None else "",
+    )

@@ -53,6 +53,15 @@ def test_tokenizer_matches_transformers(ours, reference):
         assert ours.tokenizer.decode(ours.tokenizer.encode(text), skip_special=False) == text
 
 
+def test_chat_template_renders_as_transformers_renders_it(ours, reference):
+    from llmkit.tokenizer import render_chat
+
+    _, hf_tok = reference
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    expected = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert render_chat(ours.tokenizer, messages) == expected
+
+
 def test_logits_match_transformers(ours, reference):
     model, _ = reference
     ids = torch.tensor([ours.tokenizer.encode("Transformers read a whole sequence in parallel; RNNs do not.")])

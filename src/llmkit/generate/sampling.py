@@ -1,14 +1,19 @@
-"""Choosing the next token from logits: greedy, temperature, top-k and top-p (nucleus) sampling.
+"""Choosing the next token from logits.
 
-    greedy       argmax
-    temperature  softmax(logits / T): T < 1 sharpens, T > 1 flattens
-    top-k        keep the k most likely tokens
-    top-p        keep the smallest set of most likely tokens whose probability adds up to p
+    repetition penalty  divide the positive logits (multiply the negative ones) of tokens already in the sequence
+                        by the penalty (Keskar et al. 2019, CTRL)
+    temperature         softmax(logits / T): T < 1 sharpens, T > 1 flattens; T = 0 is greedy (argmax)
+    top-k               keep the k most likely tokens
+    top-p               keep the smallest set of most likely tokens whose probability adds up to p (nucleus)
+    min-p               keep tokens at least min_p times as likely as the most likely one
 
-Shapes: B rows, V vocabulary.
+`distribution` gives the final probabilities (speculative sampling needs them for both models); `next_token` draws
+from them. Shapes: B rows, V vocabulary.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -16,38 +21,84 @@ from torch import Tensor
 from llmkit.errors import InputError
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How to pick tokens. The default is greedy decoding."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise InputError(f"temperature={self.temperature} must be >= 0 (0 is greedy)")
+        if self.top_k is not None and self.top_k < 1:
+            raise InputError(f"top_k={self.top_k} must be >= 1, or None")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise InputError(f"top_p={self.top_p} must be in (0, 1], or None")
+        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
+            raise InputError(f"min_p={self.min_p} must be in [0, 1], or None")
+        if self.repetition_penalty <= 0:
+            raise InputError(f"repetition_penalty={self.repetition_penalty} must be > 0 (1 is none)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    if temperature < 0:
-        raise InputError(f"temperature={temperature} must be >= 0 (0 is greedy)")
-    if top_k is not None and top_k < 1:
-        raise InputError(f"top_k={top_k} must be >= 1, or None")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise InputError(f"top_p={top_p} must be in (0, 1], or None")
+    Sampling(temperature, top_k, top_p)
 
 
-def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
-    """Set the logits of tokens outside the top-k / top-p set to -inf. (B, V) -> (B, V)."""
+def penalize_repetition(logits: Tensor, history: Tensor | None, penalty: float) -> Tensor:
+    """logits (B, V); history (B, L) token ids already in each sequence (negative ids are ignored)."""
+    if penalty == 1.0 or history is None or history.numel() == 0:
+        return logits
+    V = logits.shape[-1]
+    index = torch.where(history >= 0, history, V)  # padding goes to a spare column, dropped below
+    seen = torch.zeros(logits.shape[0], V + 1, dtype=torch.bool, device=logits.device).scatter_(-1, index, True)
+    seen = seen[:, :V]
+    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+
+
+def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None,
+                  min_p: float | None = None) -> Tensor:  # fmt: skip
+    """Set the logits of tokens outside the top-k / top-p / min-p sets to -inf. (B, V) -> (B, V)."""
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop_sorted = cumulative - sorted_logits.softmax(dim=-1) >= top_p  # mass before this token already >= p
+        probs = sorted_logits.softmax(dim=-1)
+        drop_sorted = probs.cumsum(dim=-1) - probs >= top_p  # the mass before this token already reaches p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
+    if min_p is not None and min_p > 0.0:
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     return logits
+
+
+def distribution(logits: Tensor, s: Sampling, history: Tensor | None = None) -> Tensor:
+    """The probabilities a sampling rule draws from. logits (B, V) -> (B, V) fp32. Greedy: one-hot on the argmax."""
+    logits = penalize_repetition(logits.float(), history, s.repetition_penalty)
+    if s.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return filter_logits(logits / s.temperature, s.top_k, s.top_p, s.min_p).softmax(dim=-1)
 
 
 def next_token(
     logits: Tensor,
-    temperature: float = 0.0,
+    temperature: float | Sampling = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
     generator: torch.Generator | None = None,
+    history: Tensor | None = None,
 ) -> Tensor:
     """The next token of each row. logits (B, V) -> (B,) long."""
-    if temperature == 0.0:
-        return logits.argmax(dim=-1)
-    probs = filter_logits(logits.float() / temperature, top_k, top_p).softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    s = temperature if isinstance(temperature, Sampling) else Sampling(temperature, top_k, top_p)
+    if s.greedy:
+        return penalize_repetition(logits.float(), history, s.repetition_penalty).argmax(dim=-1)
+    return torch.multinomial(distribution(logits, s, history), 1, generator=generator).squeeze(-1)

@@ -17,6 +17,8 @@ draft tokens for self-speculative decoding. Shapes: h (B, T, C), emb (B, T, C) -
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
@@ -37,6 +39,6 @@ class MTPModule(nn.Module):
         self.block = TransformerBlock(cfg, layer)
         self.norm = build_norm(cfg.norm, cfg.d_model)  # before the shared output head and the next depth
 
-    def forward(self, h_prev: Tensor, emb: Tensor, inputs: AttentionInputs) -> Tensor:
+    def forward(self, h_prev: Tensor, emb: Tensor, inputs: AttentionInputs, cache: Any = None) -> Tensor:
         x = self.proj(torch.cat((self.emb_norm(emb), self.h_norm(h_prev)), dim=-1))  # (B, T, C)
-        return self.norm(self.block(x, inputs))
+        return self.norm(self.block(x, inputs, cache))

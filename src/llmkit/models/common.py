@@ -265,3 +265,20 @@ class SequenceState:
         keys = self.valid[:, : self.length]  # (B, S)
         mask = AttentionMask(allowed=keys[:, None, None, :], causal=True) if self.padded else AttentionMask(causal=True)
         return start, positions, mask
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep rows `index` (B',) in that order (beam search)."""
+        self.valid = self.valid.index_select(0, index)
+        self.next_position = self.next_position.index_select(0, index)
+
+    def discard(self, counts: Tensor) -> None:
+        """Forget the last counts[b] filled slots of each row b (rejected speculative tokens): they stop being
+        attended to and the row's next position moves back. Their slots stay used; new tokens go after them."""
+        n = int(counts.max()) if counts.numel() else 0
+        if n == 0:
+            return
+        span = torch.arange(self.length - n, self.length, device=self.valid.device)  # (n,)
+        drop = span.unsqueeze(0) >= (self.length - counts.to(self.valid.device)).unsqueeze(1)  # (B, n)
+        self.valid[:, self.length - n : self.length] &= ~drop
+        self.next_position = self.next_position - counts.to(self.next_position.device)
+        self.padded = True

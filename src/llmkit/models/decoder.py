@@ -61,6 +61,12 @@ class DecoderCache:
     def nbytes(self) -> int:
         return sum(int(getattr(c, "nbytes", 0)) for c in self.layers)
 
+    def reorder(self, index: Tensor) -> None:
+        """Keep batch rows `index` in that order, in every layer (beam search)."""
+        for c in self.layers:
+            c.reorder(index)  # type: ignore[attr-defined]
+        self.state.reorder(index)
+
 
 class DecoderLM(nn.Module):
     """Causal language model. tokens (B, T) -> logits (B, T, V)."""

@@ -64,6 +64,14 @@ class EncoderDecoderCache:
     def nbytes(self) -> int:
         return sum(int(getattr(c, "nbytes", 0)) for c in self.layers) + sum(c.nbytes for c in self.cross)
 
+    def reorder(self, index: Tensor) -> None:
+        """Keep batch rows `index` in that order, in every layer and cross-attention cache (beam search)."""
+        for c in self.layers:
+            c.reorder(index)  # type: ignore[attr-defined]
+        for x in self.cross:
+            x.reorder(index)
+        self.state.reorder(index)
+
 
 class EncoderDecoder(nn.Module):
     """Sequence-to-sequence Transformer. source (B, S), target inputs (B, T) -> logits (B, T, V)."""

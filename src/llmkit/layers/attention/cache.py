@@ -54,6 +54,10 @@ class KVCache:
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
+    def reorder(self, index: Tensor) -> None:
+        """Keep rows `index` (B',) of the batch, in that order (beam search)."""
+        self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+
 
 class LatentCache:
     """Multi-head latent attention: latent c_kv (B, S_max, r) and shared rope key k_pe (B, S_max, d_rope)."""
@@ -83,6 +87,9 @@ class LatentCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.c_kv, self.k_pe))
 
+    def reorder(self, index: Tensor) -> None:
+        self.c_kv, self.k_pe = self.c_kv.index_select(0, index), self.k_pe.index_select(0, index)
+
 
 class SparseLatentCache(LatentCache):
     """DeepSeek sparse attention: the MLA latent cache plus the lightning indexer's keys (B, S_max, d_index)."""
@@ -110,6 +117,10 @@ class SparseLatentCache(LatentCache):
     @property
     def nbytes(self) -> int:
         return super().nbytes + self.index_k.numel() * self.index_k.element_size()
+
+    def reorder(self, index: Tensor) -> None:
+        super().reorder(index)
+        self.index_k = self.index_k.index_select(0, index)
 
 
 LayerCache = KVCache | LatentCache

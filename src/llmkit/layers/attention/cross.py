@@ -30,6 +30,10 @@ class CrossCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v) if t is not None)
 
+    def reorder(self, index: Tensor) -> None:
+        if self.k is not None and self.v is not None:
+            self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+
 
 class CrossAttention(nn.Module):
     """Decoder queries x (B, T, C) attend to encoder memory (B, S, C) -> (B, T, C)."""

@@ -1,0 +1,117 @@
+"""Multi-head latent attention at long context: cache bytes per token and decode speed, llmkit against
+transformers' DeepseekV3 on the same small config and weights, one run.
+
+    .venv/bin/python bench/mla_bench.py [--context 4096] [--new 32]
+
+Both libraries cache the 576-style latent (kv_lora_rank + rope dims per layer and token; transformers 5.x does too).
+They differ in how a decoding step uses it: transformers rebuilds every cached token's per-head keys and values
+(kv_b_proj over the whole cache) at every step; llmkit folds W_uk into the query and W_uv into the output (the
+absorbed path) and attends over the latents directly, like MQA with one 576-dim key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from llmkit import ModelConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def config() -> ModelConfig:
+    from llmkit import AttentionConfig, MLAConfig, ModelConfig, PositionConfig
+    from llmkit.config import FFNConfig
+
+    return ModelConfig(
+        vocab_size=4096,
+        d_model=512,
+        n_layers=4,
+        attention=AttentionConfig(
+            kind="mla",
+            n_heads=16,
+            mla=MLAConfig(kv_lora_rank=256, q_lora_rank=384, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64),
+        ),
+        ffn=FFNConfig(kind="swiglu", hidden_dim=1024),
+        position=PositionConfig(kind="rope", max_seq_len=8192, layout="interleaved"),
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--new", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tmp", default=str(ROOT / "runs/bench"))
+    args = p.parse_args()
+    import transformers
+
+    from llmkit import analyze, build_model
+    from llmkit.generate import generate
+    from llmkit.interop.hf import save_hf
+
+    cfg = config()
+    torch.manual_seed(0)
+    ours = build_model(cfg).eval()
+    out = Path(args.tmp) / "mla-hf"
+    save_hf(ours, out)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    prompt = torch.randint(0, cfg.vocab_size, (1, args.context), generator=torch.Generator().manual_seed(0))
+
+    # cache bytes per token, measured on both sides
+    cache = ours.new_cache(1, args.context + args.new)
+    ours_per_token = cache.nbytes / (args.context + args.new)
+    with torch.no_grad():
+        past = theirs(prompt[:, :64], use_cache=True).past_key_values
+    hf_bytes = sum(
+        t.numel() * t.element_size() for layer in past.layers for t in (layer.keys, layer.values) if t is not None
+    )
+    hf_per_token = hf_bytes / 64
+    predicted = analyze(cfg, dtype="fp32").kv_cache_bytes_per_token
+
+    def run_ours() -> list[int]:
+        return generate(ours, prompt, max_new_tokens=args.new).new_tokens[0]
+
+    def run_theirs() -> list[int]:
+        with torch.no_grad():
+            g = theirs.generate(prompt, max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False,
+                                pad_token_id=0)  # fmt: skip
+        return g[0, args.context :].tolist()
+
+    times: dict[str, list[float]] = {"llmkit": [], "transformers": []}
+    outs = {}
+    for _ in range(args.repeats):
+        for name, fn in (("llmkit", run_ours), ("transformers", run_theirs)):
+            start = time.perf_counter()
+            outs[name] = fn()
+            times[name].append(time.perf_counter() - start)
+    # decode alone: time the prefill once and subtract it
+    with torch.no_grad():
+        start = time.perf_counter()
+        ours(prompt, cache=ours.new_cache(1, args.context + 1))
+        ours_prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        theirs(prompt, use_cache=True)
+        hf_prefill = time.perf_counter() - start
+    t_ours = statistics.median(times["llmkit"]) - ours_prefill
+    t_hf = statistics.median(times["transformers"]) - hf_prefill
+    print(f"MLA config: d_model 512, 16 heads, kv_lora_rank 256 + rope 32, 4 layers; context {args.context}, "
+          f"{args.new} new tokens, fp32, greedy; median of {args.repeats}")  # fmt: skip
+    print(f"cache bytes per token: llmkit {ours_per_token:,.0f} (llmkit inspect predicts {predicted:,}), "
+          f"transformers {hf_per_token:,.0f}")  # fmt: skip
+    print(f"decode tokens/s (prefill subtracted): llmkit {args.new / t_ours:.1f}, "
+          f"transformers {args.new / t_hf:.1f}, ratio {t_hf / t_ours:.2f}x; "
+          f"prefill s: llmkit {ours_prefill:.2f}, transformers {hf_prefill:.2f}")  # fmt: skip
+    print(f"same tokens: {outs['llmkit'] == outs['transformers']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+from __future__ import annotations
+
+import dataclasses
+import io
+import sys
+
+import pytest
+import torch
+from helpers import tiny_tokenizer
+
+from llmkit import build_model, get_preset
+from llmkit.cli import main
+from llmkit.interop.checkpoint import save_llmkit
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gen")
+    tok = tiny_tokenizer()
+    torch.manual_seed(0)
+    target = build_model(dataclasses.replace(get_preset("deepseek-v3-tiny"), vocab_size=320))
+    save_llmkit(target, root / "target", tokenizer=tok)
+    torch.manual_seed(1)
+    draft = build_model(dataclasses.replace(get_preset("llama2-7b-tiny"), vocab_size=320, n_layers=1))
+    save_llmkit(draft, root / "draft", tokenizer=tok)
+    return root
+
+
+def run(capsys, *argv) -> str:
+    assert main(list(argv)) == 0
+    return capsys.readouterr().out
+
+
+def test_greedy_streaming_beam_and_speculative_agree(checkpoints, capsys):
+    t = str(checkpoints / "target")
+    base = ["generate", t, "--prompt", "to be or", "--max-new-tokens", "12", "--temperature", "0"]
+    greedy = run(capsys, *base)
+    assert greedy.startswith("to be or")
+    assert run(capsys, *base, "--stream") == greedy
+    assert run(capsys, *base, "--beams", "1") == greedy
+    assert run(capsys, *base, "--draft", str(checkpoints / "draft")) == greedy
+    assert run(capsys, *base, "--mtp") == greedy
+    beams = run(capsys, *base, "--beams", "3")
+    assert beams.startswith("to be or")
+
+
+def test_sampling_options(checkpoints, capsys):
+    t = str(checkpoints / "target")
+    a = run(capsys, "generate", t, "--prompt", "that", "--max-new-tokens", "10", "--seed", "3", "--samples", "2",
+            "--min-p", "0.05", "--repetition-penalty", "1.3")  # fmt: skip
+    assert a.count("--- sample") == 2
+    b = run(capsys, "generate", t, "--prompt", "that", "--max-new-tokens", "10", "--seed", "3", "--samples", "2",
+            "--min-p", "0.05", "--repetition-penalty", "1.3")  # fmt: skip
+    assert a == b
+
+
+def test_chat_streams_answers_through_the_template(tmp_path, capsys, monkeypatch):
+    tok = tiny_tokenizer()
+    tok.chat_template = (
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant:"
+        "{% endif %}"
+    )
+    torch.manual_seed(0)
+    model = build_model(dataclasses.replace(get_preset("llama2-7b-tiny"), vocab_size=320))
+    save_llmkit(model, tmp_path / "chat", tokenizer=tok)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\nto be or not\n"))
+    out = run(capsys, "chat", str(tmp_path / "chat"), "--temperature", "0", "--max-new-tokens", "5")
+    assert len(out.splitlines()) == 2
+    tok.chat_template = None
+    save_llmkit(model, tmp_path / "plain", tokenizer=tok)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    assert main(["chat", str(tmp_path / "plain")]) == 2
+    assert "has no chat template" in capsys.readouterr().err

@@ -1,0 +1,104 @@
+"""Speculative decoding: greedy output is the target's; sampled output has the target's distribution."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from llmkit import InputError, build_model, get_preset
+from llmkit.generate import generate
+from llmkit.generate.speculative import _MTPDrafter, speculative_generate
+
+PROMPTS = [[5, 17, 33, 2, 41, 9], [60, 12, 7], [3]]
+
+
+def tiny(preset: str, seed: int, **changes):
+    torch.manual_seed(seed)
+    return build_model(dataclasses.replace(get_preset(preset), **changes)).eval()
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_speculation_equals_plain_greedy(k):
+    target = tiny("llama2-7b-tiny", 0)
+    weak = tiny("llama2-7b-tiny", 1, n_layers=1)
+    expected = generate(target, PROMPTS, max_new_tokens=25).new_tokens
+    out = speculative_generate(target, PROMPTS, draft=weak, max_new_tokens=25, k=k)
+    assert out.new_tokens == expected
+    same = speculative_generate(target, PROMPTS, draft=target, max_new_tokens=25, k=k)
+    assert same.new_tokens == expected
+    assert same.acceptance_rate == 1.0  # a draft equal to the target is always right
+    assert same.target_passes == -(-25 // (k + 1))  # k + 1 tokens per target pass
+
+
+def test_eos_stops_rows_independently():
+    target = tiny("llama2-7b-tiny", 0)
+    plain = generate(target, PROMPTS, max_new_tokens=25).new_tokens
+    eos = plain[0][3]
+    expected = generate(target, PROMPTS, max_new_tokens=25, eos_id=eos).new_tokens
+    out = speculative_generate(target, PROMPTS, draft=tiny("llama2-7b-tiny", 1, n_layers=1), max_new_tokens=25,
+                               k=3, eos_id=eos)  # fmt: skip
+    assert out.new_tokens == expected and out.new_tokens[0][-1] == eos
+
+
+def test_mtp_self_speculation_equals_plain_greedy():
+    model = tiny("deepseek-v3-tiny", 0)
+    expected = generate(model, PROMPTS, max_new_tokens=20).new_tokens
+    out = speculative_generate(model, PROMPTS, max_new_tokens=20)
+    assert out.new_tokens == expected
+
+
+def test_mtp_drafter_computes_the_training_path():
+    # drafting with the MTP module's own cache gives what the training-time MTP forward gives at every position
+    model = tiny("deepseek-v3-tiny", 0)
+    tokens = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        h, _ = model.forward_hidden(tokens)
+        h_norm = model.norm(h)
+        emb = model.inputs(model.embed, tokens[:, 1:], torch.arange(1, 12).unsqueeze(0))
+        from llmkit.layers.attention import AttentionInputs, AttentionMask
+
+        rope = model.rope(torch.arange(11).unsqueeze(0))
+        full = model.mtp[0](h_norm[:, :11], emb, AttentionInputs(AttentionMask(causal=True), rope))  # (2, 11, C)
+        drafter = _MTPDrafter(model, 2, 32)
+        drafter.feed(model, tokens[:, 1:6], h[:, :5], None)  # positions 0..4
+        step = drafter._run(model, tokens[:, 6:8], h[:, 5:7], None)  # positions 5, 6
+    torch.testing.assert_close(step, full[:, 5:7], rtol=1e-4, atol=1e-5)
+
+
+def test_speculative_sampling_reproduces_the_target_distribution():
+    """Chi-square goodness of fit, 7 degrees of freedom, significance 0.001: critical value 24.32."""
+    target = tiny("llama2-7b-tiny", 0, vocab_size=8)
+    draft = tiny("llama2-7b-tiny", 7, vocab_size=8, n_layers=1)
+    prompt = [1, 2, 3]
+    n = 4000
+    out = speculative_generate(target, [prompt] * n, draft=draft, max_new_tokens=2, k=3, temperature=1.0, seed=0)
+    first = torch.tensor([r[0] for r in out.new_tokens])
+    second = torch.tensor([r[1] for r in out.new_tokens])
+    with torch.no_grad():
+        p1 = target(torch.tensor([prompt]))[0, -1].softmax(-1)
+        cont = torch.tensor([[*prompt, t] for t in range(8)])
+        p2_given = target(cont)[:, -1].softmax(-1)  # (8, 8): p(t2 | t1)
+        p2 = p1 @ p2_given
+        q1 = draft(torch.tensor([prompt]))[0, -1].softmax(-1)
+
+    def chi2(samples: torch.Tensor, probs: torch.Tensor) -> float:
+        observed = torch.bincount(samples, minlength=8).double()
+        expected = probs.double() * len(samples)
+        return float(((observed - expected) ** 2 / expected).sum())
+
+    assert chi2(first, p1) < 24.32
+    assert chi2(second, p2) < 24.32
+    assert chi2(first, q1) > 24.32  # the test can tell the draft's distribution from the target's
+    assert 0 < out.acceptance_rate < 1
+
+
+def test_bad_arguments():
+    target = tiny("llama2-7b-tiny", 0)
+    with pytest.raises(InputError, match="no draft model given and the target has no MTP module"):
+        speculative_generate(target, PROMPTS, max_new_tokens=3)
+    with pytest.raises(InputError, match="the draft's vocabulary"):
+        speculative_generate(target, PROMPTS, draft=tiny("llama2-7b-tiny", 0, vocab_size=128), max_new_tokens=3)
+    with pytest.raises(InputError, match="k=0 must be an int >= 1"):
+        speculative_generate(target, PROMPTS, draft=target, max_new_tokens=3, k=0)
