@@ -58,8 +58,9 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
 
 
 class MultiHeadLatentAttention(SelfAttention):
-    """MLA. x (B, T, C) -> (B, T, C). `absorb`: None picks the absorbed path when decoding with a cache and the
-    explicit path otherwise; True / False force one."""
+    """MLA. x (B, T, C) -> (B, T, C). `absorb`: None picks, when there is a cache, whichever path costs fewer
+    multiply-adds (absorbed for decoding, explicit for a long prefill), and the explicit path without one (training);
+    True / False force one."""
 
     def __init__(
         self,
@@ -143,10 +144,23 @@ class MultiHeadLatentAttention(SelfAttention):
         if cache is not None:
             c_kv, k_pe = cache.update(inputs.cache_start, c_kv, k_pe)  # (B, S, r), (B, S, dr)
         selection = self.select(x, q_latent, inputs, cache, c_kv.shape[1])
-        absorbed = self.absorb if self.absorb is not None else cache is not None
+        absorbed = (
+            self.absorb
+            if self.absorb is not None
+            else cache is not None and self.absorb_cheaper(x.shape[1], c_kv.shape[1])
+        )
         attend_fn = self.attend_absorbed if absorbed else self.attend_explicit
         out = attend_fn(q_nope, q_pe, c_kv, k_pe, inputs, selection)  # (B, T, H * dv)
         return self.wo(out)
+
+    def absorb_cheaper(self, T: int, S: int) -> bool:
+        """Whether the absorbed path costs fewer multiply-adds than the explicit one for T queries over S keys.
+        Explicit pays to expand every key (S r (dn + dv) per head) and then attends with small heads; absorbed pays
+        per query (T r (dn + dv)) and attends with wide ones (2 r + dr). Decoding (T = 1) favours absorbed by
+        far; a long prefill (T = S) favours explicit."""
+        explicit = S * self.r * (self.dn + self.dv) + T * S * (self.dn + self.dr + self.dv)
+        absorbed = T * self.r * (self.dn + self.dv) + T * S * (2 * self.r + self.dr)
+        return absorbed < explicit
 
     def select(
         self, x: Tensor, q_latent: Tensor | None, inputs: AttentionInputs, cache: LatentCache | None, S: int
