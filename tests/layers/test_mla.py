@@ -117,7 +117,7 @@ def test_deepseek_v3_caches_576_elements_per_token_per_layer():
 def test_path_choice_follows_cost_decode_absorbed_long_prefill_explicit():
     m = MultiHeadLatentAttention(64, 4, MLAConfig(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
                                                   v_head_dim=16))  # fmt: skip
-    assert m.absorb_cheaper(1, 1)
+    assert m.absorb_cheaper(1, 64)
     assert m.absorb_cheaper(1, 4096)
     assert not m.absorb_cheaper(4096, 4096)
     assert not m.absorb_cheaper(512, 512)
