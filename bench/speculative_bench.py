@@ -1,0 +1,175 @@
+"""Speculative decoding on a trained model: plain greedy against a small draft model and against the target's own
+multi-token-prediction module, with the acceptance rates and speed-ups, and the check that every variant's greedy
+output is token for token the plain output.
+
+    .venv/bin/python bench/speculative_bench.py          # trains both models the first time (~7 minutes)
+
+The target is the demo model (configs/demo.yaml: LLaMA-style, 256 wide, 6 layers) with one MTP module added
+(mtp_depth 1, trained with weight 0.3); the draft is a 2-layer, 128-wide model of the same family on the same
+tokenizer. Both train on the prepared Shakespeare data and are kept under runs/bench/ (--retrain to redo).
+
+Then, for each prompt (a speaker's name, as in the plays), batch 1: generate --new tokens greedily with the target
+alone, with the draft proposing k tokens per round, and with the MTP module proposing one. A sampled run (temperature
+1) reports acceptance too: there, speculative sampling keeps the target's distribution exactly (tested in
+tests/test_speculative.py), not its tokens.
+
+transformers' assisted generation (`assistant_model=`) is the reference where it applies: the target and draft are
+exported to transformers' Llama format and timed in the same run. transformers has no counterpart for the MTP drafter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+DATA = ROOT / "runs/data/shakespeare"
+PROMPTS = ["ROMEO:", "JULIET:", "KING HENRY V:", "HAMLET:", "FIRST CITIZEN:", "LADY MACBETH:"]
+DRAFT_MODEL = [
+    "model.d_model=128",
+    "model.n_layers=2",
+    "model.attention.n_heads=4",
+    "model.attention.n_kv_heads=2",
+    "model.ffn.hidden_dim=352",
+]
+
+
+def ensure_trained(name: str, overrides: list[str], retrain: bool) -> Path:
+    from llmkit.interop.checkpoint import load_model
+    from llmkit.train.config import load_train_config
+    from llmkit.train.loop import train
+
+    out = ROOT / "runs/bench" / name
+    if not retrain and out.exists():
+        try:
+            load_model(out)
+            return out
+        except Exception as exc:  # an interrupted earlier run: train again
+            print(f"{out}: {exc}; training again")
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = load_train_config(ROOT / "configs/demo.yaml", [*overrides, f"train.out={out}", "train.time_limit=400"])
+    print(f"training {name} ...", flush=True)
+    result = train(cfg)
+    print(f"{name}: {result.steps} steps, {result.seconds:.0f} s, val bpc {result.val_bpc:.4f}", flush=True)
+    return out
+
+
+def timed(fn: Any, repeats: int) -> tuple[float, Any]:
+    times, out = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--k", default="2,4", help="draft lengths to try, comma-separated")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--retrain", action="store_true")
+    args = p.parse_args()
+    if not (DATA / "meta.json").exists():
+        subprocess.run(
+            [sys.executable, "-m", "llmkit", "prepare", "shakespeare", "--out", str(DATA), "--vocab-size", "4096"],
+            check=True,
+        )
+    import transformers
+
+    from llmkit.generate import generate, speculative_generate
+    from llmkit.interop.checkpoint import load_model
+    from llmkit.interop.hf import save_hf
+    from llmkit.models import DecoderLM, build_model
+
+    target_dir = ensure_trained("spec-target", ["model.mtp_depth=1"], args.retrain)
+    draft_dir = ensure_trained("spec-draft", DRAFT_MODEL, args.retrain)
+    torch.set_grad_enabled(False)
+    loaded = load_model(target_dir)
+    target, tok = loaded.model.eval(), loaded.tokenizer
+    draft = load_model(draft_dir).model.eval()
+    assert tok is not None
+    assert isinstance(target, DecoderLM) and isinstance(draft, DecoderLM)
+    ks = [int(k) for k in args.k.split(",")]
+
+    # transformers' assisted generation on the same weights (the MTP module has no Llama counterpart: dropped)
+    plain_target = build_model(dataclasses.replace(target.cfg, mtp_depth=0))
+    plain_target.load_state_dict({k: v for k, v in target.state_dict().items() if not k.startswith("mtp.")})
+    hf_dirs = {}
+    for name, model in (("target", plain_target), ("draft", draft)):
+        hf_dirs[name] = ROOT / "runs/bench" / f"spec-{name}-hf"
+        save_hf(model, hf_dirs[name], model_type="llama")
+    hf_target = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dirs["target"]), dtype=torch.float32).eval()
+    hf_draft = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dirs["draft"]), dtype=torch.float32).eval()
+
+    rows: dict[str, dict[str, list[float]]] = {}
+
+    def record(name: str, seconds: float, n: int, accept: float | None, same: bool) -> None:
+        r = rows.setdefault(name, {"tok_s": [], "accept": [], "same": []})
+        r["tok_s"].append(n / seconds)
+        if accept is not None:
+            r["accept"].append(accept)
+        r["same"].append(float(same))
+
+    def one_prompt(prompt: list[list[int]]) -> None:
+        ids = torch.tensor(prompt)
+        s, plain = timed(lambda: generate(target, prompt, max_new_tokens=args.new), args.repeats)
+        ref = plain.new_tokens[0]
+        record("target alone", s, len(ref), None, True)
+        for k in ks:
+            s, out = timed(
+                lambda k=k: speculative_generate(target, prompt, draft=draft, max_new_tokens=args.new, k=k),
+                args.repeats,
+            )
+            record(f"draft model, k={k}", s, len(out.new_tokens[0]), out.acceptance_rate, out.new_tokens[0] == ref)
+            out = speculative_generate(
+                target, prompt, draft=draft, max_new_tokens=args.new, k=k, temperature=1.0, seed=0
+            )
+            rows[f"draft model, k={k}"].setdefault("accept_t1", []).append(out.acceptance_rate)
+        s, out = timed(lambda: speculative_generate(target, prompt, max_new_tokens=args.new), args.repeats)
+        record("MTP module, k=1", s, len(out.new_tokens[0]), out.acceptance_rate, out.new_tokens[0] == ref)
+        out = speculative_generate(target, prompt, max_new_tokens=args.new, temperature=1.0, seed=0)
+        rows["MTP module, k=1"].setdefault("accept_t1", []).append(out.acceptance_rate)
+
+        def hf(**extra: Any) -> list[int]:
+            out = hf_target.generate(
+                ids, max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=0, **extra
+            )
+            return out[0, ids.shape[1] :].tolist()
+
+        s, hf_out = timed(hf, args.repeats)
+        record("transformers, target alone", s, args.new, None, hf_out == ref)
+        for k in ks:
+            kw = dict(assistant_model=hf_draft, num_assistant_tokens=k, num_assistant_tokens_schedule="constant")
+            s, hf_out = timed(lambda kw=kw: hf(**kw), args.repeats)
+            record(f"transformers assisted, k={k}", s, args.new, None, hf_out == ref)
+
+    for text in PROMPTS:
+        one_prompt([tok.encode(text)])
+    base = statistics.mean(rows["target alone"]["tok_s"])
+    print(f"\ntarget {sum(p.numel() for p in target.parameters()) / 1e6:.2f}M parameters (with its MTP module), "
+          f"draft {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M; batch 1, fp32, {args.new} new tokens, "
+          f"{len(PROMPTS)} prompts, median of {args.repeats} per prompt")  # fmt: skip
+    print("| drafter | tokens/s | speed-up | acceptance (greedy) | acceptance (temperature 1) | same tokens as plain |")
+    print("|---|---|---|---|---|---|")
+    for name, r in rows.items():
+        tok_s = statistics.mean(r["tok_s"])
+        acc = f"{100 * statistics.mean(r['accept']):.1f}%" if r["accept"] else "-"
+        acc1 = f"{100 * statistics.mean(r['accept_t1']):.1f}%" if r.get("accept_t1") else "-"
+        print(f"| {name} | {tok_s:.1f} | {tok_s / base:.2f}x | {acc} | {acc1} | "
+              f"{int(sum(r['same']))}/{len(r['same'])} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
