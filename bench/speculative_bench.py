@@ -47,22 +47,25 @@ DRAFT_MODEL = [
 
 def ensure_trained(name: str, overrides: list[str], retrain: bool) -> Path:
     from llmkit.interop.checkpoint import load_model
+    from llmkit.train.checkpoint import latest_checkpoint
     from llmkit.train.config import load_train_config
     from llmkit.train.loop import train
 
     out = ROOT / "runs/bench" / name
-    if not retrain and out.exists():
+    latest = latest_checkpoint(out)
+    if not retrain and latest is not None:
         try:
-            load_model(out)
-            return out
-        except Exception as exc:  # an interrupted earlier run: train again
+            load_model(latest)
+            return latest
+        except Exception as exc:  # a damaged earlier run: train again
             print(f"{out}: {exc}; training again")
     shutil.rmtree(out, ignore_errors=True)
     cfg = load_train_config(ROOT / "configs/demo.yaml", [*overrides, f"train.out={out}", "train.time_limit=400"])
     print(f"training {name} ...", flush=True)
     result = train(cfg)
     print(f"{name}: {result.steps} steps, {result.seconds:.0f} s, val bpc {result.val_bpc:.4f}", flush=True)
-    return out
+    assert result.checkpoint is not None
+    return result.checkpoint
 
 
 def timed(fn: Any, repeats: int) -> tuple[float, Any]:

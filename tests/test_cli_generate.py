@@ -71,3 +71,28 @@ def test_chat_streams_answers_through_the_template(tmp_path, capsys, monkeypatch
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
     assert main(["chat", str(tmp_path / "plain")]) == 2
     assert "has no chat template" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--beams", "2", "--mtp"], "--beams cannot be combined"),
+        (["--mtp", "--draft", "x"], "--draft and --mtp"),
+        (["--mtp", "--stream"], "--stream and --stop apply to plain decoding"),
+    ],
+)
+def test_contradictory_options_are_refused(checkpoints, capsys, extra, message):
+    assert main(["generate", str(checkpoints / "target"), "--prompt", "to", *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_stop_reads_shell_escapes(checkpoints, capsys):
+    from llmkit.cli import _unescape
+
+    assert _unescape(r"a\nb\tc\\n") == "a\nb\tc\\n"
+    t = str(checkpoints / "target")
+    base = ["generate", t, "--prompt", "to be or", "--max-new-tokens", "12", "--temperature", "0"]
+    full = run(capsys, *base)
+    cut = full[len("to be or") :][2:6]  # a piece of the greedy continuation
+    stopped = run(capsys, *base, "--stop", cut)
+    assert cut not in stopped[len("to be or") :] and full.startswith(stopped.rstrip("\n"))

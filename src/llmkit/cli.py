@@ -144,13 +144,16 @@ def convert(
     from llmkit.analysis import human
     from llmkit.interop.checkpoint import load_model, save_llmkit
     from llmkit.interop.hf import save_hf
+    from llmkit.models import RNNSeq2Seq
 
     loaded = load_model(source, dtype=_dtype(dtype))
     fmt = to or ("hf" if loaded.source == "llmkit" else "llmkit")
+    if fmt == "hf" and isinstance(loaded.model, RNNSeq2Seq):
+        raise LLMKitError("the RNN encoder-decoder has no Hugging Face counterpart to convert to")
     source_dir = Path(source) if Path(source).is_dir() else None
     if fmt == "hf":
         out = save_hf(
-            loaded.model,
+            loaded.model,  # type: ignore[arg-type]
             target,
             model_type=model_type or loaded.hf_model_type,
             hf_config=loaded.hf_config,
@@ -194,29 +197,59 @@ def compare(path: str, *, json_: bool = False, prompt: str | None = None) -> int
 def prepare(
     source: str = "shakespeare",
     *,
-    out: str = "runs/data/shakespeare",
-    vocab_size: int = 4096,
+    out: str | None = None,
+    vocab_size: int | None = None,
     tokenizer: str | None = None,
-    val_fraction: float = 0.1,
+    val_fraction: float | None = None,
     text_field: str = "text",
+    parallel: bool = False,
+    separate_vocab: bool = False,
+    test_fraction: float = 0.02,
+    src_field: str = "source",
+    tgt_field: str = "target",
 ) -> int:
-    """Turn a corpus into a tokenizer and memory-mapped token shards with a train/validation split.
+    """Turn a corpus into a tokenizer and memory-mapped token arrays with a deterministic split: a text corpus for
+    language models, or sentence pairs for translation.
 
-    source: 'shakespeare' (the default corpus), a text file, a folder of text files, or a .jsonl file.
-    out: the folder to write (tokenizer.json, train_000.bin, val_000.bin, meta.json).
-    vocab_size: size of the byte-level BPE vocabulary to train.
-    tokenizer: reuse this tokenizer (a folder with tokenizer.json, e.g. a converted checkpoint) instead of training.
-    val_fraction: the share of every document, at its end, kept for validation.
+    source: 'shakespeare' (the default corpus), a text file, a folder of text files or a .jsonl file; for translation
+        'bible:SRC-TGT' (e.g. bible:de-en, the default parallel corpus) or, with --parallel, a .tsv / .jsonl file.
+    out: the folder to write (default runs/data/shakespeare, or runs/data/bible-SRC-TGT for the Bible).
+    vocab_size: size of the byte-level BPE vocabulary to train (default 4096; 8000 for sentence pairs).
+    tokenizer: language models: reuse this tokenizer (a folder with tokenizer.json) instead of training one.
+    val_fraction: language models: the share of every document, at its end, kept for validation (0.1);
+        sentence pairs: the share of pairs, chosen by a hash of the source sentence (0.01).
     text_field: the field holding the text in a .jsonl file.
+    parallel: the source is a file of sentence pairs (implied by bible:...).
+    separate_vocab: sentence pairs: one vocabulary per side instead of a shared one.
+    test_fraction: sentence pairs: the share of pairs held out for the test split (BLEU).
+    src_field: sentence pairs: the source field of a .jsonl file, or column of a .tsv file with a header.
+    tgt_field: sentence pairs: the target field or column.
     """
+    if parallel or source == "bible" or source.startswith("bible:"):
+        from llmkit.data.parallel import DEFAULT, prepare_parallel
+
+        name = DEFAULT if source == "bible" else source
+        target = out or ("runs/data/" + name.replace(":", "-") if name.startswith("bible:") else "runs/data/pairs")
+        meta = prepare_parallel(name, target, vocab_size=vocab_size or 8000, shared_vocab=not separate_vocab,
+                                val_fraction=0.01 if val_fraction is None else val_fraction,
+                                test_fraction=test_fraction, src_field=src_field, tgt_field=tgt_field)  # fmt: skip
+        sp = meta["splits"]
+        print(
+            f"prepared {meta['source']} -> {target}: {sum(v['pairs'] for v in sp.values()):,} pairs "
+            f"(train {sp['train']['pairs']:,}, val {sp['val']['pairs']:,}, test {sp['test']['pairs']:,}), "
+            f"{'shared' if meta['shared_vocab'] else 'separate'} vocab {meta['vocab_size']}, "
+            f"train {sp['train']['src_tokens']:,} source + {sp['train']['tgt_tokens']:,} target tokens, "
+            f"{meta['seconds']:.1f} s\nlicence: {meta['licence']}"
+        )
+        return 0
     from llmkit.data.prepare import prepare as run_prepare
 
-    meta = run_prepare(
-        source, out, vocab_size=vocab_size, tokenizer=tokenizer, val_fraction=val_fraction, text_field=text_field
-    )
+    target = out or "runs/data/shakespeare"
+    meta = run_prepare(source, target, vocab_size=vocab_size or 4096, tokenizer=tokenizer,
+                       val_fraction=0.1 if val_fraction is None else val_fraction, text_field=text_field)  # fmt: skip
     s = meta["splits"]
     print(
-        f"prepared {source} -> {out}: vocab {meta['vocab_size']}, train {s['train']['tokens']:,} tokens "
+        f"prepared {source} -> {target}: vocab {meta['vocab_size']}, train {s['train']['tokens']:,} tokens "
         f"({s['train']['chars']:,} chars), val {s['val']['tokens']:,} tokens, "
         f"{meta['chars_per_token']:.2f} chars/token, {meta['seconds']:.1f} s"
     )
@@ -253,7 +286,103 @@ def train(
         print(f"{state}: {result.steps} steps, {result.tokens:,} tokens in {result.seconds:.0f} s{loss}{bpc}")
         if result.checkpoint is not None:
             print(f"checkpoint: {result.checkpoint}")
+        if result.test_scores is not None:
+            print(f"test scores: {Path(cfg.train.out) / 'test_scores.json'}")
         print(f"loss plot: {Path(cfg.train.out) / 'loss.png'}")
+    return 0
+
+
+@command
+def translate(
+    checkpoint: str,
+    text: str | None = None,
+    *,
+    file: str | None = None,
+    output: str | None = None,
+    beams: int = 4,
+    length_penalty: float = 0.6,
+    batch_size: int = 32,
+    plot_attention: str | None = None,
+    score_test: str | None = None,
+    test_pairs: int = 0,
+    dtype: Literal["fp32", "bf16", "fp16"] | None = None,
+) -> int:
+    """Translate with an encoder-decoder model: a training run folder (its averaged checkpoint if any, else the
+    latest), an llmkit checkpoint or a Hugging Face Marian directory.
+
+    checkpoint: the translation model.
+    text: a sentence to translate.
+    file: translate this file instead, one sentence per line (a progress bar shows on standard error).
+    output: with --file, write the translations here, one per line (default: standard output).
+    beams: beam size (1: greedy decoding; the paper used 4).
+    length_penalty: beam search: log-probability / length ** penalty ranks hypotheses (the paper used 0.6).
+    batch_size: sentences decoded together.
+    plot_attention: save the cross-attention heat map of the sentence (source words against target words) here.
+    score_test: translate the test split of this prepared parallel data folder and print BLEU and chrF.
+    test_pairs: with --score-test, only the first N test pairs (0: all).
+    dtype: load the weights in this precision.
+    """
+    from llmkit.translate import Translator
+    from llmkit.translate import score_test as run_score
+
+    given = [x for x in (text, file, score_test) if x is not None]
+    if len(given) != 1:
+        raise LLMKitError("give exactly one of: a sentence, --file FILE, or --score-test DATA_DIR")
+    if plot_attention is not None and text is None:
+        raise LLMKitError("--plot-attention draws one sentence: give the sentence as the text argument")
+    if output is not None and file is None:
+        raise LLMKitError("--output goes with --file")
+    if score_test is not None:
+        run_path = Path(checkpoint)
+        out = run_path if (run_path / "checkpoints").is_dir() else None
+        run_score(checkpoint, score_test, out=out, beams=beams, length_penalty=length_penalty, limit=test_pairs,
+                  batch_size=batch_size)  # fmt: skip
+        return 0
+    translator = Translator.load(checkpoint, dtype=_dtype(dtype))
+    if text is not None:
+        result = translator.translate([text], beams=beams, length_penalty=length_penalty)[0]
+        print(result.text)
+        if plot_attention is not None:
+            from llmkit.translate.plot import plot_attention as draw
+
+            amap = translator.attention(text, result.tokens)
+            print(f"attention map: {draw(amap, plot_attention, title=f'cross-attention: {Path(checkpoint).name}')}",
+                  file=sys.stderr)  # fmt: skip
+        return 0
+    assert file is not None
+    path = Path(file)
+    if not path.is_file():
+        raise LLMKitError(f"{path} does not exist")
+    lines = path.read_text(encoding="utf-8").splitlines()
+    empty = [i + 1 for i, line in enumerate(lines) if not line.strip()]
+    if empty:
+        shown = ", ".join(map(str, empty[:10])) + (" ..." if len(empty) > 10 else "")
+        raise LLMKitError(f"{path}: line(s) {shown} are empty; give one sentence per line")
+    if not lines:
+        raise LLMKitError(f"{path} is empty")
+    results = translator.translate(lines, beams=beams, length_penalty=length_penalty, batch_size=batch_size,
+                                   progress=True)  # fmt: skip
+    text_out = "".join(r.text + "\n" for r in results)
+    if output is not None:
+        Path(output).write_text(text_out, encoding="utf-8")
+        print(f"{len(results)} sentences -> {output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text_out)
+    return 0
+
+
+@command
+def average(run: str, *, last: int = 5, out: str | None = None) -> int:
+    """Average the weights of a run's last checkpoints (as the paper did for its base models).
+
+    run: a training run folder.
+    last: how many of its newest checkpoints to average.
+    out: where to write the averaged checkpoint (default RUN/averaged).
+    """
+    from llmkit.train.average import average_run
+
+    path = average_run(run, last, out)
+    print(f"averaged the last {last} checkpoints of {run} -> {path}")
     return 0
 
 
@@ -271,6 +400,19 @@ def _load_for_generation(checkpoint: str, dtype: str | None) -> Any:
         raise LLMKitError(f"{path} is an encoder-decoder model; `llmkit generate` continues decoder-only models")
     loaded.model.eval()
     return loaded
+
+
+def _unescape(text: str) -> str:
+    """Read the escapes a shell passes through literally: \\n, \\t and \\\\."""
+    out, i = [], 0
+    while i < len(text):
+        if text[i] == "\\" and i + 1 < len(text) and text[i + 1] in "nt\\":
+            out.append({"n": "\n", "t": "\t", "\\": "\\"}[text[i + 1]])
+            i += 2
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
 
 
 @command
@@ -309,7 +451,7 @@ def generate(
     repetition_penalty: above 1 discourages tokens already in the text.
     seed: makes sampling repeatable.
     samples: how many continuations to generate (a batch).
-    stop: stop a continuation at this text (repeatable).
+    stop: stop a continuation at this text (repeatable; \\n and \\t are read as newline and tab).
     stream: print tokens as they are generated.
     beams: beam search with this many beams (deterministic; ignores the sampling options).
     length_penalty: beam search: length ** penalty divides a hypothesis' log-probability.
@@ -325,6 +467,13 @@ def generate(
     from llmkit.generate.beam import beam_search
     from llmkit.generate.speculative import speculative_generate
 
+    if beams > 1 and (draft is not None or mtp):
+        raise LLMKitError("--beams cannot be combined with --draft or --mtp: choose beam search or speculation")
+    if draft is not None and mtp:
+        raise LLMKitError("--draft and --mtp both choose the drafter: give one of them")
+    if (beams > 1 or draft is not None or mtp) and (stream or stop):
+        raise LLMKitError("--stream and --stop apply to plain decoding, not to --beams, --draft or --mtp")
+    stop = [_unescape(s) for s in stop or ()]
     loaded = _load_for_generation(checkpoint, dtype)
     tok, model = loaded.tokenizer, loaded.model
     ids = tok.encode(prompt) if prompt else []

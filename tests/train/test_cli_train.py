@@ -26,7 +26,7 @@ def test_yaml_and_overrides(tmp_path):
         (["train.precision=fp8"], "train.precision='fp8' has the wrong type"),
         (["optim.learning_rate=1"], "unknown field(s) ['learning_rate'] in optim"),
         (["optim.lr"], "expected KEY=VALUE"),
-        (["model.attention.n_heads=5"], "model: attention.n_heads=5"),
+        (["model.attention.n_heads=5"], "model: d_model=64 is not divisible by attention.n_heads=5"),
         (["train.halt_at=5000"], "train.halt_at=5000 must be between 1 and steps=1000"),
     ],
 )
@@ -62,3 +62,18 @@ def test_cli_errors(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert main(["prepare", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_widths_derived_by_a_preset_follow_the_overrides():
+    # the preset stores head_dim, n_kv_heads and the FFN width it derived from its own width and heads; overriding
+    # those must derive them again, unless they are given too
+    cfg = load_train_config(None, ["model.preset=transformer-base", "model.d_model=256", "model.attention.n_heads=4"])
+    m = cfg.model_config(vocab_size=300)
+    assert (m.head_dim, m.attention.n_kv_heads) == (64, 4)
+    cfg = load_train_config(None, ["model.preset=llama2-7b-tiny", "model.d_model=256", "model.attention.n_heads=8",
+                                   "model.attention.n_kv_heads=4"])  # fmt: skip
+    m = cfg.model_config(vocab_size=300)
+    assert (m.head_dim, m.attention.n_kv_heads) == (32, 4)
+    assert m.ffn.hidden_dim is not None and m.ffn.hidden_dim > 256
+    kept = load_train_config(None, ["model.preset=llama2-7b-tiny", "model.attention.head_dim=8"])
+    assert kept.model_config(vocab_size=300).head_dim == 8

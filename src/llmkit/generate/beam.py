@@ -22,6 +22,7 @@ from torch import Tensor
 from llmkit.errors import InputError
 from llmkit.generate.decode import prepare_prompts
 from llmkit.models import DecoderLM, EncoderDecoder
+from llmkit.models.rnn import RNNSeq2Seq
 
 
 @dataclass
@@ -154,7 +155,7 @@ def beam_search(
 
 @torch.no_grad()
 def beam_search_seq2seq(
-    model: EncoderDecoder,
+    model: EncoderDecoder | RNNSeq2Seq,
     source: Tensor,
     *,
     start_id: int,
@@ -163,9 +164,11 @@ def beam_search_seq2seq(
     length_penalty: float = 1.0,
     eos_id: int | Sequence[int] | None = None,
     source_mask: Tensor | None = None,
+    suppress_ids: Sequence[int] = (),
 ) -> BeamResult:
-    """Beam search decoding each source sentence (B, S) of an encoder-decoder, from `start_id`. The encoder runs
-    once; the cross-attention keys and values are computed once and reordered with the beams."""
+    """Beam search decoding each source sentence (B, S) of an encoder-decoder (Transformer or RNN), from
+    `start_id`. The encoder runs once; the cross-attention keys and values are computed once and reordered with the
+    beams. Tokens in `suppress_ids` (e.g. padding) are never generated."""
     _check(num_beams, length_penalty)
     if not 0 <= start_id < model.cfg.vocab_size:
         raise InputError(f"start_id={start_id} is outside the vocabulary [0, {model.cfg.vocab_size})")
@@ -175,10 +178,16 @@ def beam_search_seq2seq(
     smask = None if source_mask is None else source_mask.bool().repeat_interleave(num_beams, dim=0)
     cache = model.new_cache(B * num_beams, max(max_new_tokens, 1) + 1)
     start = torch.full((B * num_beams, 1), start_id, dtype=torch.long, device=memory.device)
-    first = model.decode(start, memory, source_mask=smask, cache=cache)[:, -1]
+    banned = torch.tensor(sorted(set(suppress_ids)), dtype=torch.long, device=memory.device)
+
+    def step(tokens: Tensor) -> Tensor:
+        logits = model.decode(tokens, memory, source_mask=smask, cache=cache)[:, -1]  # type: ignore[arg-type]
+        return logits.index_fill(-1, banned, float("-inf")) if len(banned) else logits
+
+    first = step(start)
     eos = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
     return _search(
-        lambda t: model.decode(t, memory, source_mask=smask, cache=cache)[:, -1],
+        step,
         cache.reorder,
         first,
         B,

@@ -2,7 +2,8 @@
 
     DIR/llmkit.json          {"format": "llmkit", "version": 1, "config": ModelConfig, "hf": {...} | null, ...}
     DIR/model.safetensors    weights under llmkit's own names (sharded with an index when large)
-    DIR/tokenizer.json ...   the tokenizer, when there is one
+    DIR/tokenizer.json ...   the tokenizer, when there is one (the target side's, for translation)
+    DIR/source_tokenizer/    a translation model's source tokenizer, when the two sides have separate vocabularies
 
 The "hf" entry keeps the Hugging Face model_type and config.json a model came from, so that converting back writes
 the same config (token ids, and fields llmkit does not model, survive the round trip).
@@ -23,10 +24,11 @@ from llmkit.errors import ConfigError
 from llmkit.interop.keymap import IDENTITY, Concrete
 from llmkit.interop.safetensors_io import CheckpointError, open_tensors, save_tensors
 from llmkit.interop.weights import build_with_weights, expected_shapes
-from llmkit.models import DecoderLM, EncoderDecoder
+from llmkit.models import DecoderLM, EncoderDecoder, RNNConfig, RNNSeq2Seq, build_rnn
 from llmkit.tokenizer import Tokenizer
 
 FORMAT_FILE = "llmkit.json"
+SOURCE_TOKENIZER = "source_tokenizer"
 VERSION = 1
 
 
@@ -34,13 +36,14 @@ VERSION = 1
 class Loaded:
     """A model and what came with it, from a Hugging Face directory, a GGUF file or an llmkit checkpoint."""
 
-    model: DecoderLM | EncoderDecoder
+    model: DecoderLM | EncoderDecoder | RNNSeq2Seq
     tokenizer: Tokenizer | None
     source: str  # "hf", "gguf" or "llmkit"
     path: Path
     hf_model_type: str | None = None
     hf_config: dict[str, Any] | None = None
     generation_config: dict[str, Any] = field(default_factory=dict)
+    source_tokenizer: Tokenizer | None = None  # a translation model's, when it differs from `tokenizer`
 
 
 def detect_format(path: str | os.PathLike[str]) -> str:
@@ -61,10 +64,11 @@ def detect_format(path: str | os.PathLike[str]) -> str:
 
 
 def save_llmkit(
-    model: DecoderLM | EncoderDecoder,
+    model: DecoderLM | EncoderDecoder | RNNSeq2Seq,
     directory: str | os.PathLike[str],
     *,
     tokenizer: Tokenizer | None = None,
+    source_tokenizer: Tokenizer | None = None,
     tokenizer_dir: str | os.PathLike[str] | None = None,
     hf_model_type: str | None = None,
     hf_config: dict[str, Any] | None = None,
@@ -93,6 +97,8 @@ def save_llmkit(
         copy_tokenizer_files(tokenizer_dir, d)
     elif tokenizer is not None:
         tokenizer.save(d)
+    if source_tokenizer is not None and source_tokenizer is not tokenizer:
+        source_tokenizer.save(d / SOURCE_TOKENIZER)
     tmp = d / (FORMAT_FILE + ".tmp")
     tmp.write_text(json.dumps(meta, indent=2) + "\n")
     tmp.replace(d / FORMAT_FILE)
@@ -112,16 +118,22 @@ def load_llmkit(
     if meta.get("format") != "llmkit" or meta.get("version") != VERSION:
         raise CheckpointError(f"{d / FORMAT_FILE} is not an llmkit checkpoint of version {VERSION}")
     try:
-        cfg = ModelConfig.from_dict(meta["config"])
+        raw = meta["config"]
+        rnn = isinstance(raw, dict) and raw.get("arch") == "rnn"
+        cfg: ModelConfig | RNNConfig = RNNConfig.from_dict(raw) if rnn else ModelConfig.from_dict(raw)
     except KeyError:
         raise CheckpointError(f"{d / FORMAT_FILE} has no config") from None
     except ConfigError as e:
         raise CheckpointError(f"{d / FORMAT_FILE} holds an invalid config: {e}") from None
     tensors = open_tensors(d)
-    concrete = [Concrete((n,), (n,), IDENTITY) for n in expected_shapes(cfg)]
-    model = build_with_weights(
-        cfg, concrete, tensors.__getitem__, tensors.shapes, lambda n: False, dtype, device, str(d)
-    )
+    model: DecoderLM | EncoderDecoder | RNNSeq2Seq
+    if isinstance(cfg, RNNConfig):
+        model = _load_rnn(cfg, tensors, dtype, device, d)
+    else:
+        concrete = [Concrete((n,), (n,), IDENTITY) for n in expected_shapes(cfg)]
+        model = build_with_weights(
+            cfg, concrete, tensors.__getitem__, tensors.shapes, lambda n: False, dtype, device, str(d)
+        )
     hf = meta.get("hf") or {}
     return Loaded(
         model,
@@ -131,7 +143,26 @@ def load_llmkit(
         hf.get("model_type"),
         hf.get("config"),
         meta.get("generation_config") or {},
+        Tokenizer.from_dir(d / SOURCE_TOKENIZER) if (d / SOURCE_TOKENIZER).is_dir() else None,
     )
+
+
+def _load_rnn(
+    cfg: RNNConfig, tensors: Any, dtype: torch.dtype | None, device: torch.device | str | None, d: Path
+) -> RNNSeq2Seq:
+    """An RNN encoder-decoder (small, built directly) with every weight checked by name and shape."""
+    model = build_rnn(cfg, device=device)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    found = dict(tensors.shapes)
+    missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"{d}: weights do not match the RNN config (missing {missing[:5]}, unexpected "
+                              f"{unexpected[:5]})")  # fmt: skip
+    bad = [k for k in expected if tuple(found[k]) != expected[k]]
+    if bad:
+        raise CheckpointError(f"{d}: {bad[0]} has shape {tuple(found[bad[0]])}, the config needs {expected[bad[0]]}")
+    model.load_state_dict({k: tensors[k] for k in expected})
+    return model.to(dtype=dtype) if dtype is not None else model
 
 
 def load_model(

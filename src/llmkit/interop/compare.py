@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from llmkit.errors import LLMKitError
 from llmkit.interop.checkpoint import Loaded, load_model
-from llmkit.models import EncoderDecoder
+from llmkit.models import EncoderDecoder, RNNSeq2Seq
 
 DEFAULT_PROMPT = "The Transformer replaced recurrence with attention, so every position is computed in parallel."
 
@@ -96,6 +96,8 @@ def compare(path: str | os.PathLike[str], prompt: str | None = None) -> dict[str
     our_states: list[Tensor] = []
     model_type = loaded.hf_model_type or "llama"
     ref_layers = [m for path_ in _HF_LAYERS.get(model_type, _HF_DEFAULT) for m in _get(ref, path_).children()]
+    if isinstance(ours, RNNSeq2Seq):
+        raise LLMKitError("llmkit compare checks Transformer models against transformers; this is an RNN")
     our_layers = list(ours.encoder) + list(ours.decoder) if isinstance(ours, EncoderDecoder) else list(ours.blocks)
     handles = _capture(ref_layers, ref_states) + _capture(our_layers, our_states)
     try:

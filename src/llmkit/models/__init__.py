@@ -1,4 +1,5 @@
-"""Models: the decoder-only LM and the encoder-decoder Transformer, built from a ModelConfig."""
+"""Models: the decoder-only LM and the encoder-decoder Transformer, built from a ModelConfig; and the RNN
+encoder-decoder with attention they replaced, built from an RNNConfig."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from llmkit.config import ModelConfig
 from llmkit.models.common import LossOutput, shift_right
 from llmkit.models.decoder import DecoderCache, DecoderLM
 from llmkit.models.encoder_decoder import EncoderDecoder, EncoderDecoderCache
+from llmkit.models.rnn import RNNCache, RNNConfig, RNNSeq2Seq, build_rnn
 
 Model = DecoderLM | EncoderDecoder
+Seq2Seq = EncoderDecoder | RNNSeq2Seq
 
 
 def build_model(
@@ -29,6 +32,15 @@ def build_model(
     return model
 
 
+def build_any(
+    cfg: ModelConfig | RNNConfig, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> DecoderLM | EncoderDecoder | RNNSeq2Seq:
+    """build_model for a ModelConfig, build_rnn for an RNNConfig."""
+    if isinstance(cfg, RNNConfig):
+        return build_rnn(cfg, device=device, dtype=dtype)
+    return build_model(cfg, device=device, dtype=dtype)
+
+
 __all__ = [
     "DecoderCache",
     "DecoderLM",
@@ -36,6 +48,12 @@ __all__ = [
     "EncoderDecoderCache",
     "LossOutput",
     "Model",
+    "RNNCache",
+    "RNNConfig",
+    "RNNSeq2Seq",
+    "Seq2Seq",
+    "build_any",
     "build_model",
+    "build_rnn",
     "shift_right",
 ]

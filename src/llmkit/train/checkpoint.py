@@ -26,7 +26,7 @@ from llmkit.config import ModelConfig
 from llmkit.errors import LLMKitError
 from llmkit.interop.checkpoint import FORMAT_FILE, load_llmkit, save_llmkit
 from llmkit.interop.safetensors_io import CheckpointError
-from llmkit.models import DecoderLM, EncoderDecoder
+from llmkit.models import DecoderLM, EncoderDecoder, RNNConfig, RNNSeq2Seq
 from llmkit.tokenizer import Tokenizer
 
 STATE = "trainer_state.pt"
@@ -101,13 +101,15 @@ def latest_checkpoint(out: Path) -> Path | None:
 
 def save(
     out: Path,
-    model: DecoderLM | EncoderDecoder,
+    model: DecoderLM | EncoderDecoder | RNNSeq2Seq,
     model_state: dict[str, torch.Tensor],
     optimizer_state: dict[str, Any],
     state: TrainState,
     keep_last: int,
     tokenizer: Tokenizer | None,
     train_config: dict[str, Any],
+    source_tokenizer: Tokenizer | None = None,
+    generation_config: dict[str, Any] | None = None,
 ) -> Path:
     """Write the checkpoint of `state.step` atomically and drop all but the newest `keep_last`."""
     root = checkpoint_dir(out)
@@ -117,7 +119,8 @@ def save(
     if tmp.exists():
         shutil.rmtree(tmp)
     holder = _StateHolder(model, model_state)
-    save_llmkit(holder, tmp, tokenizer=tokenizer)  # type: ignore[arg-type]
+    save_llmkit(holder, tmp, tokenizer=tokenizer, source_tokenizer=source_tokenizer,  # type: ignore[arg-type]
+                generation_config=generation_config)  # fmt: skip
     torch.save(
         {"optimizer": optimizer_state, "rng": rng_state(), "state": state.__dict__, "config": train_config},
         tmp / STATE,
@@ -139,7 +142,7 @@ def save(
 class _StateHolder:
     """What save_llmkit needs of a model (its config and state dict), for a state dict gathered from shards."""
 
-    def __init__(self, model: DecoderLM | EncoderDecoder, state: dict[str, torch.Tensor]) -> None:
+    def __init__(self, model: DecoderLM | EncoderDecoder | RNNSeq2Seq, state: dict[str, torch.Tensor]) -> None:
         self.cfg = model.cfg
         self._state = state
 
@@ -156,7 +159,7 @@ class Resumed:
     path: Path
 
 
-def load(path: Path, expected: ModelConfig) -> Resumed:
+def load(path: Path, expected: ModelConfig | RNNConfig) -> Resumed:
     """Read a training checkpoint for a run whose model config is `expected`."""
     try:
         loaded = load_llmkit(path)

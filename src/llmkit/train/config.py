@@ -1,12 +1,15 @@
 """Training configuration: a YAML file plus command-line overrides (`--set optim.lr=3e-4`).
 
-    model:     a preset and/or ModelConfig fields (nested), e.g. {preset: llama2-7b-tiny, d_model: 256}
-    data:      the prepared data folder, sequence length, micro-batch size per process
+    model:     a preset and/or ModelConfig fields (nested), e.g. {preset: llama2-7b-tiny, d_model: 256}, or
+               {arch: rnn, ...} for the RNN encoder-decoder with attention (RNNConfig fields)
+    data:      the prepared data folder (a token stream for language models, sentence pairs for translation),
+               sequence length, micro-batch size per process, or tokens per batch for sentence pairs
     optim:     AdamW settings and gradient clipping
     schedule:  warmup + cosine | warmup-stable-decay | inverse-square-root ("noam") | constant
     train:     steps (the schedule's length), halt_at (stop early, resumable), time_limit, precision,
                accumulation, evaluation, checkpoints, compile, parallelism
     loss:      MTP weight, MoE bias-update rate, sparse-attention indexer warm-up, label smoothing
+    translate: translation models only: the test-set decoding (beam size, length penalty) after training
 
 Every section is a validated dataclass; unknown keys and bad values are errors that name the key.
 """
@@ -24,6 +27,7 @@ import yaml
 
 from llmkit.config import ModelConfig, _Config
 from llmkit.errors import ConfigError
+from llmkit.models.rnn import RNNConfig
 
 DEFAULT_PRESET = "llama2-7b-tiny"
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -35,12 +39,14 @@ Parallel = Literal["none", "ddp", "fsdp"]
 class DataConfig(_Config):
     path: ClassVar[str] = "data"
     dir: str = "runs/data/shakespeare"
-    seq_len: int = 256
+    seq_len: int = 256  # sentence pairs: the longest sentence kept, per side (longer pairs are left out)
     batch_size: int = 16
+    batch_tokens: int = 4096  # sentence pairs: padded tokens per batch and side, per process
 
     def validate(self) -> None:
         self.require(self.seq_len >= 1, "seq_len", "must be >= 1")
         self.require(self.batch_size >= 1, "batch_size", "must be >= 1")
+        self.require(self.batch_tokens >= 1, "batch_tokens", "must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,7 @@ class TrainSection(_Config):
     eval_tokens: int = 65536
     save_every: int = 500
     keep_last: int = 3
+    average_last: int = 0  # after training, average the weights of the last N checkpoints into OUT/averaged
     out: str = "runs/train"
     progress: bool = True
 
@@ -111,6 +118,10 @@ class TrainSection(_Config):
         self.require(self.grad_accum >= 1, "grad_accum", "must be >= 1")
         for name in ("log_every", "eval_every", "save_every", "keep_last", "eval_tokens"):
             self.require(getattr(self, name) >= 1, name, "must be >= 1")
+        self.require(self.average_last >= 0, "average_last", "must be >= 0 (0: no averaging)")
+        if self.average_last:
+            self.require(self.average_last <= self.keep_last, "average_last",
+                         f"must be <= keep_last={self.keep_last} (only kept checkpoints can be averaged)")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -131,6 +142,24 @@ class LossConfig(_Config):
 
 
 @dataclass(frozen=True)
+class TranslateConfig(_Config):
+    """How a translation run is scored after training: the test split decoded with beam search (the paper's beam
+    4, length penalty 0.6), BLEU and chrF by sacreBLEU. test_pairs 0 scores the whole split."""
+
+    path: ClassVar[str] = "translate"
+    beams: int = 4
+    length_penalty: float = 0.6
+    test_pairs: int = 0
+    batch_size: int = 32
+    score_test: bool = True
+
+    def validate(self) -> None:
+        self.require(self.beams >= 1, "beams", "must be >= 1")
+        self.require(self.test_pairs >= 0, "test_pairs", "must be >= 0 (0: all)")
+        self.require(self.batch_size >= 1, "batch_size", "must be >= 1")
+
+
+@dataclass(frozen=True)
 class TrainConfig(_Config):
     model: dict[str, Any] = field(default_factory=lambda: {"preset": DEFAULT_PRESET})
     data: DataConfig = field(default_factory=DataConfig)
@@ -138,6 +167,7 @@ class TrainConfig(_Config):
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainSection = field(default_factory=TrainSection)
     loss: LossConfig = field(default_factory=LossConfig)
+    translate: TranslateConfig = field(default_factory=TranslateConfig)
 
     def to_yaml(self, path: str | os.PathLike[str] | None = None) -> str:
         text = yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -145,25 +175,56 @@ class TrainConfig(_Config):
             Path(path).write_text(text)
         return text
 
-    def model_config(self, vocab_size: int | None = None) -> ModelConfig:
-        """The ModelConfig: the preset's, with the other `model` keys merged in (nested); vocab_size defaults to the
-        data's, and max_seq_len grows to the training sequence length."""
+    def model_config(self, vocab_size: int | None = None, src_vocab_size: int | None = None) -> ModelConfig | RNNConfig:
+        """The model config: the preset's, with the other `model` keys merged in (nested); vocab_size defaults to the
+        data's (src_vocab_size: the source side's, for separate translation vocabularies), and max_seq_len grows to
+        the training sequence length. `arch: rnn` gives an RNNConfig."""
         from llmkit.presets import get_preset
 
         spec = copy.deepcopy(self.model)
+        if spec.get("arch") == "rnn":
+            if vocab_size is not None:
+                spec.setdefault("vocab_size", vocab_size)
+            if src_vocab_size is not None:
+                spec.setdefault("src_vocab_size", src_vocab_size)
+            spec["max_seq_len"] = max(int(spec.get("max_seq_len", 0) or 0), self.data.seq_len + 2)
+            try:
+                return RNNConfig.from_dict(spec)
+            except ConfigError as e:
+                raise ConfigError(f"model: {e}") from None
         preset = spec.pop("preset", None)
         if preset is None and not {"d_model", "n_layers"} <= set(spec):
             raise ConfigError("model: give a preset (e.g. preset: llama2-7b-tiny) or at least d_model and n_layers")
         base = get_preset(preset).to_dict() if preset else {}
+        _reset_derived(base, spec)
         merged = _merge(base, spec)
         if vocab_size is not None and "vocab_size" not in spec:
             merged["vocab_size"] = vocab_size
+        separate = src_vocab_size is not None and not (spec.get("encoder") or {}).get("vocab_size")
+        if separate and isinstance(merged.get("encoder"), dict):  # separate vocabularies: a source embedding
+            merged["encoder"]["vocab_size"] = src_vocab_size
         position = merged.setdefault("position", {})
-        position["max_seq_len"] = max(int(position.get("max_seq_len", 0) or 0), self.data.seq_len)
+        extra = 2 if isinstance(merged.get("encoder"), dict) else 0  # the start token and </s> of a target
+        position["max_seq_len"] = max(int(position.get("max_seq_len", 0) or 0), self.data.seq_len + extra)
         try:
             return ModelConfig.from_dict(merged)
         except ConfigError as e:
             raise ConfigError(f"model: {e}") from None
+
+
+def _reset_derived(base: dict[str, Any], spec: dict[str, Any]) -> None:
+    """A preset stores sizes derived from its width and heads (head_dim, the MHA n_kv_heads, the FFN width); when
+    the overrides change the width or the heads without giving those, derive them again from the new values."""
+    if not base:
+        return
+    attn, ffn = spec.get("attention") or {}, spec.get("ffn") or {}
+    battn, bffn = base.get("attention") or {}, base.get("ffn") or {}
+    if ("d_model" in spec or "n_heads" in attn) and "head_dim" not in attn:
+        battn["head_dim"] = None
+    if "n_heads" in attn and "n_kv_heads" not in attn and battn.get("n_kv_heads") == battn.get("n_heads"):
+        battn["n_kv_heads"] = None  # multi-head attention stays multi-head
+    if "d_model" in spec and "hidden_dim" not in ffn:
+        bffn["hidden_dim"] = None
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -217,7 +278,7 @@ def load_train_config(path: str | os.PathLike[str] | None, overrides: list[str] 
     for assignment in overrides or []:
         apply_override(data, assignment)
     # YAML numbers such as 3e-4 parse as strings in YAML 1.1: accept them for float fields
-    for section in ("optim", "schedule", "train", "loss"):
+    for section in ("optim", "schedule", "train", "loss", "translate"):
         for k, v in list((data.get(section) or {}).items()):
             if isinstance(v, str):
                 with contextlib.suppress(ValueError):

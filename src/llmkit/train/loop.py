@@ -25,13 +25,15 @@ import torch
 import torch.distributed as dist
 
 from llmkit.analysis import analyze
+from llmkit.config import ModelConfig
+from llmkit.data.parallel import ParallelData, is_parallel
 from llmkit.errors import LLMKitError
 from llmkit.layers.moe import MoE, update_router_bias
-from llmkit.models import DecoderLM, build_model
+from llmkit.models import DecoderLM, EncoderDecoder, RNNConfig, RNNSeq2Seq, build_any
 from llmkit.tokenizer import Tokenizer
 from llmkit.train import checkpoint as ckpt
 from llmkit.train.config import TrainConfig
-from llmkit.train.data import TokenData, eval_offsets, window_batch
+from llmkit.train.data import TokenData
 from llmkit.train.metrics import MetricsLog, bits_per_char
 from llmkit.train.optim import build_optimizer
 from llmkit.train.parallel import (
@@ -46,7 +48,7 @@ from llmkit.train.parallel import (
     wrap,
 )
 from llmkit.train.schedule import lr_multiplier
-from llmkit.train.tasks import TERMS, LanguageModelTask, TrainingModule
+from llmkit.train.tasks import TERMS, LanguageModelTask, TranslationTask
 
 
 class TrainingError(LLMKitError, RuntimeError):
@@ -62,6 +64,8 @@ class Result:
     val_bpc: float | None
     checkpoint: Path | None
     interrupted: bool
+    averaged: Path | None = None  # the averaged checkpoint (train.average_last)
+    test_scores: dict[str, Any] | None = None  # translation: BLEU, chrF and more on the test split
 
 
 class _Stop:
@@ -127,20 +131,48 @@ class Trainer:
         tune_allocator()  # reuse the large per-step buffers instead of faulting in fresh pages each step
         self.rt: Runtime = setup(t.parallel, t.device)
         self.out = Path(t.out)
-        self.data = TokenData(cfg.data.dir)
-        self.model_cfg = cfg.model_config(vocab_size=self.data.vocab_size)
-        if self.model_cfg.is_encoder_decoder:
-            raise TrainingError("language-model training needs a decoder-only model (this config has an encoder)")
+        self.translation = is_parallel(cfg.data.dir)
+        self.source_tokenizer: Tokenizer | None = None
+        self.tokenizer: Tokenizer | None
+        self.generation_config: dict[str, Any] = {}
+        self.data: TokenData | ParallelData
+        self.model_cfg: ModelConfig | RNNConfig
+        if self.translation:
+            pairs = ParallelData(cfg.data.dir)
+            self.data = pairs
+            self.model_cfg = cfg.model_config(
+                vocab_size=pairs.vocab_size, src_vocab_size=None if pairs.shared_vocab else pairs.src_vocab_size
+            )
+            if not self.model_cfg.is_encoder_decoder:
+                raise TrainingError(
+                    f"{cfg.data.dir} holds sentence pairs: translation needs an encoder-decoder model (e.g. "
+                    "model.preset=transformer-base, or model.arch=rnn), not a decoder-only one"
+                )
+            self.source_tokenizer, self.tokenizer = pairs.tokenizers()
+            self.generation_config = {
+                "decoder_start_token_id": pairs.bos_id,
+                "eos_token_id": pairs.eos_id,
+                "pad_token_id": pairs.pad_id,
+                "bad_words_ids": [[pairs.pad_id], [pairs.bos_id]],
+            }
+        else:
+            tokens = TokenData(cfg.data.dir)
+            self.data = tokens
+            self.model_cfg = cfg.model_config(vocab_size=tokens.vocab_size)
+            if self.model_cfg.is_encoder_decoder:
+                raise TrainingError(
+                    f"{cfg.data.dir} holds a token stream: language-model training needs a decoder-only model (this "
+                    "config has an encoder; encoder-decoder models train on sentence pairs)"
+                )
+            self.tokenizer = Tokenizer.from_dir(tokens.dir)
         if self.model_cfg.vocab_size < self.data.vocab_size:
             raise TrainingError(
                 f"model vocab_size={self.model_cfg.vocab_size} is smaller than the data's {self.data.vocab_size}"
             )
-        self.tokenizer = Tokenizer.from_dir(self.data.dir)
-        self.task = LanguageModelTask(self.data, cfg, self.rt)
+        if isinstance(self.model_cfg, RNNConfig) and (t.compile or t.activation_checkpointing):
+            raise TrainingError("train.compile and train.activation_checkpointing apply to Transformer models only")
         torch.manual_seed(t.seed)  # the same initial weights in every process
-        model = build_model(self.model_cfg, device=self.rt.device)
-        assert isinstance(model, DecoderLM)
-        self.model = model
+        self.model = build_any(self.model_cfg, device=self.rt.device)
         self.state = ckpt.TrainState(step=0, tokens=0, elapsed=0.0)
         resumed: ckpt.Resumed | None = None
         if not resume and ckpt.latest_checkpoint(self.out) is not None:
@@ -158,7 +190,14 @@ class Trainer:
             checkpoint_activations(self.model)
         if t.compile:
             compile_blocks(self.model)
-        self.runner = TrainingModule(self.model, cfg)
+        self.task: LanguageModelTask | TranslationTask
+        if isinstance(self.data, ParallelData):
+            assert isinstance(self.model, (EncoderDecoder, RNNSeq2Seq))
+            self.task = TranslationTask(self.data, cfg, self.rt, self.model)
+        else:
+            assert isinstance(self.model, DecoderLM)
+            self.task = LanguageModelTask(self.data, cfg, self.rt, self.model)
+        self.runner = self.task.module
         self.wrapped = wrap(self.runner, t.parallel, self.rt, find_unused=False)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         if resumed is not None:
@@ -175,7 +214,9 @@ class Trainer:
         self.scaler = torch.amp.GradScaler("cuda") if t.precision == "fp16" else None
         self.metrics = MetricsLog(self.out, enabled=self.rt.main)
         self.metrics.truncate(self.state.step)  # a fresh run starts a fresh log; a resumed one drops what it redoes
-        self.flops_per_token = 3 * analyze(self.model_cfg, seq_len=cfg.data.seq_len).flops_per_token
+        self.flops_per_token: float | None = None  # model FLOPs per training token, for MFU (language models)
+        if isinstance(self.model_cfg, ModelConfig) and not self.model_cfg.is_encoder_decoder:
+            self.flops_per_token = 3 * analyze(self.model_cfg, seq_len=cfg.data.seq_len).flops_per_token
         self.peak_flops: float | None = None
         self.resumed_from = resumed.path if resumed else None
         if self.rt.main:
@@ -184,31 +225,37 @@ class Trainer:
 
     # ---- pieces
 
+    @property
+    def sparse(self) -> bool:
+        return bool(getattr(self.runner, "sparse", None))
+
     def set_lr(self, step: int) -> float:
         mult = self.lr_at(step)
-        warming = step < self.cfg.loss.indexer_warmup_steps and bool(self.runner.sparse)
+        warming = step < self.cfg.loss.indexer_warmup_steps and self.sparse
         for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
             group["lr"] = base * mult * (0.0 if warming and group.get("name") != "indexer" else 1.0)
         return self.base_lrs[0] * mult
 
     def indexer_phase(self, step: int) -> None:
-        if self.runner.sparse:
-            self.runner.set_indexer_phase("dense" if step < self.cfg.loss.indexer_warmup_steps else "sparse")
+        if self.sparse:
+            phase = "dense" if step < self.cfg.loss.indexer_warmup_steps else "sparse"
+            self.runner.set_indexer_phase(phase)  # type: ignore[operator,arg-type]
 
-    def micro_step(self, step: int, micro: int, last: bool) -> torch.Tensor:
-        x, y = self.task.batch(step, micro)
+    def micro_step(self, step: int, micro: int, last: bool) -> tuple[torch.Tensor, int]:
+        """Forward and backward of one micro-batch: (its loss terms, the tokens this process read)."""
+        args, n_tokens = self.task.batch(step, micro)
         sync = contextlib.nullcontext()
         if not last and hasattr(self.wrapped, "no_sync"):  # DDP: reduce gradients once, on the last micro-step
             sync = self.wrapped.no_sync()  # type: ignore[operator]
         with sync:
             with _autocast(self.cfg.train.precision, self.rt.device):
-                terms = self.wrapped(x, y)
+                terms = self.wrapped(*args)
             loss = terms[0] / self.cfg.train.grad_accum
             if self.scaler is not None:
                 self.scaler.scale(loss).backward()
             else:
                 loss.backward()
-        return torch.stack([t.detach().float() for t in terms])
+        return torch.stack([t.detach().float() for t in terms]), n_tokens
 
     def moe_bias_update(self) -> None:
         moe = [m for m in self.model.modules() if isinstance(m, MoE) and m.router.score_bias is not None]
@@ -220,17 +267,12 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, full: bool = False) -> dict[str, float]:
-        split = self.data.split("val") if "val" in self.data.splits else self.data.split("train")
-        T, B = self.cfg.data.seq_len, self.cfg.data.batch_size
-        budget = len(split.tokens) if full else self.cfg.train.eval_tokens
-        offsets = eval_offsets(len(split.tokens), T, budget)[self.rt.rank :: self.rt.world]
+        """Loss per target token on the validation split (a fixed subset of train.eval_tokens unless `full`)."""
         self.model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=self.rt.device)
-        for i in range(0, len(offsets), B):
-            x, y = window_batch(split.tokens, offsets[i : i + B], T)
-            x, y = x.to(self.rt.device), y.to(self.rt.device)
+        for args in self.task.eval_batches(full):
             with _autocast(self.cfg.train.precision, self.rt.device):
-                nll, count = self.wrapped(x, y, evaluate=True)
+                nll, count = self.wrapped(*args, evaluate=True)
             total += torch.stack([nll.double(), count.double()])
         self.model.train()
         all_reduce_sum(total, self.rt)
@@ -238,7 +280,7 @@ class Trainer:
         return {
             "val_loss": loss,
             "val_ppl": math.exp(min(loss, 50.0)),
-            "val_bpc": bits_per_char(loss, split.chars_per_token),
+            "val_bpc": bits_per_char(loss, self.task.chars_per_token),
         }
 
     def plot_title(self) -> str:
@@ -258,13 +300,15 @@ class Trainer:
             self.cfg.train.keep_last,
             self.tokenizer,
             self.cfg.to_dict(),
+            source_tokenizer=self.source_tokenizer,
+            generation_config=self.generation_config,
         )
 
     # ---- the loop
 
     def run(self) -> Result:
         t = self.cfg.train
-        if self.rt.main:
+        if self.rt.main and self.flops_per_token:
             from llmkit.perf import matmul_flops
 
             dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[t.precision]
@@ -291,12 +335,16 @@ class Trainer:
                 lr = self.set_lr(step)
                 self.indexer_phase(step)
                 terms = torch.zeros(len(TERMS), device=self.rt.device)
+                read = torch.zeros(1, dtype=torch.float64, device=self.rt.device)
                 for micro in range(t.grad_accum):
-                    terms += self.micro_step(step, micro, micro == t.grad_accum - 1) / t.grad_accum
+                    micro_terms, n_tokens = self.micro_step(step, micro, micro == t.grad_accum - 1)
+                    terms += micro_terms / t.grad_accum
+                    read += n_tokens
                 if self.scaler is not None:
                     self.scaler.unscale_(self.optimizer)
                 grad_norm = self._clip()
                 all_reduce_sum(terms, self.rt)
+                all_reduce_sum(read, self.rt)
                 terms /= self.rt.world
                 if not (math.isfinite(float(terms[0])) and math.isfinite(grad_norm)):
                     raise TrainingError(
@@ -312,8 +360,8 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 self.moe_bias_update()
                 self.state.step += 1
-                self.state.tokens += self.task.tokens_per_micro_batch * t.grad_accum
-                window_tokens += self.task.tokens_per_micro_batch * t.grad_accum
+                self.state.tokens += int(read.item())
+                window_tokens += int(read.item())
                 self.state.elapsed = time.perf_counter() - run_start
                 step = self.state.step
                 out_of_time = t.time_limit is not None and self.state.elapsed >= t.time_limit
@@ -326,16 +374,13 @@ class Trainer:
                     row = {"step": step, "tokens": self.state.tokens, "time": round(self.state.elapsed, 3)}
                     row.update({k: float(v) for k, v in zip(TERMS, terms.tolist(), strict=True)})
                     row.update(lr=lr, grad_norm=grad_norm, tokens_per_s=tps)
-                    if self.peak_flops:
+                    if self.peak_flops and self.flops_per_token:
                         row["mfu"] = tps * self.flops_per_token / self.peak_flops
                     self.metrics.log(row)
-                    bar.set_postfix(
-                        loss=f"{row['loss']:.3f}",
-                        lr=f"{lr:.2e}",
-                        tok_s=f"{tps:,.0f}",
-                        mfu=f"{100 * row.get('mfu', 0):.1f}%",
-                        refresh=False,
-                    )
+                    postfix = {"loss": f"{row['loss']:.3f}", "lr": f"{lr:.2e}", "tok_s": f"{tps:,.0f}"}
+                    if "mfu" in row:
+                        postfix["mfu"] = f"{100 * row['mfu']:.1f}%"
+                    bar.set_postfix(postfix, refresh=False)
                     window_tokens, window_start = 0, time.perf_counter()
                 if step % t.eval_every == 0 or last:
                     last_eval = self.evaluate(full=last)
@@ -385,6 +430,23 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> Result:
     """Train according to `cfg` (resuming from the run folder's latest checkpoint if asked)."""
     trainer = Trainer(cfg, resume=resume)
     try:
-        return trainer.run()
+        result = trainer.run()
     finally:
         trainer.close()
+    if result.interrupted or not trainer.rt.main:
+        return result
+    t = cfg.train
+    if t.average_last:
+        from llmkit.train.average import average_run
+
+        result.averaged = average_run(t.out, t.average_last)
+        if t.progress:
+            print(f"averaged the last {t.average_last} checkpoints: {result.averaged}")
+    if trainer.translation and cfg.translate.score_test:
+        from llmkit.translate.scores import score_test
+
+        tr = cfg.translate
+        result.test_scores = score_test(result.averaged or result.checkpoint or t.out, cfg.data.dir, out=t.out,
+                                        beams=tr.beams, length_penalty=tr.length_penalty, limit=tr.test_pairs,
+                                        batch_size=tr.batch_size, progress=t.progress)  # fmt: skip
+    return result
