@@ -89,7 +89,7 @@ def test_resume_errors(tiny_data, tmp_path):
     with pytest.raises(ckpt.ResumeError, match="nothing to resume"):
         run(tiny_data, tmp_path / "empty", resume=True)
     run(tiny_data, tmp_path / "r", train={"steps": 6})
-    with pytest.raises(ckpt.ResumeError, match=r"different model config \(d_model: checkpoint 64, config 32\)"):
+    with pytest.raises(ckpt.ResumeError, match=r"different model config \(attention.head_dim: checkpoint 16, config 8"):
         run(
             tiny_data,
             tmp_path / "r",
