@@ -282,3 +282,26 @@ class SequenceState:
         self.valid[:, self.length - n : self.length] &= ~drop
         self.next_position = self.next_position - counts.to(self.next_position.device)
         self.padded = True
+
+
+def seq2seq_teacher_forcing(
+    model: Any,
+    source: Tensor,
+    targets: Tensor,
+    start_id: int,
+    source_mask: Tensor | None,
+    target_mask: Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """An encoder-decoder's teacher-forced pass: the decoder reads the targets shifted right behind `start_id` and
+    predicts every target token in parallel. Returns (logits (B, T, V), labels (B, T) with pads at ignore_index,
+    the mean token cross-entropy)."""
+    check_label_smoothing(label_smoothing)
+    if not isinstance(targets, Tensor):
+        raise InputError(f"targets must be a torch.Tensor of token ids, got {type(targets).__name__}")
+    valid = check_mask(target_mask, targets, "target_mask")
+    inputs, labels = teacher_forcing(targets, start_id, valid, ignore_index, model.cfg.vocab_size)
+    reset_moe_stats(model)
+    logits = model(source, inputs, source_mask=source_mask, target_mask=valid)
+    return logits, labels, cross_entropy(logits, labels, ignore_index, label_smoothing)

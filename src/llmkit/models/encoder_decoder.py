@@ -34,16 +34,13 @@ from llmkit.models.common import (
     SequenceState,
     build_rope,
     check_cache_args,
-    check_label_smoothing,
     check_mask,
     check_positions,
     check_tokens,
-    cross_entropy,
     init_weights,
     moe_aux_loss,
     positions_from_mask,
-    reset_moe_stats,
-    teacher_forcing,
+    seq2seq_teacher_forcing,
 )
 
 
@@ -227,14 +224,9 @@ class EncoderDecoder(nn.Module):
     ) -> LossOutput:
         """Teacher forcing: the decoder reads the targets shifted right behind `start_id` and predicts every target
         token in parallel. target_mask (B, T) marks real target tokens; pads do not count."""
-        check_label_smoothing(label_smoothing)
-        if not isinstance(targets, Tensor):
-            raise InputError(f"targets must be a torch.Tensor of token ids, got {type(targets).__name__}")
-        valid = check_mask(target_mask, targets, "target_mask")
-        inputs, labels = teacher_forcing(targets, start_id, valid, ignore_index, self.cfg.vocab_size)
-        reset_moe_stats(self)
-        logits = self.forward(source, inputs, source_mask=source_mask, target_mask=valid)
-        ce = cross_entropy(logits, labels, ignore_index, label_smoothing)
+        _, labels, ce = seq2seq_teacher_forcing(
+            self, source, targets, start_id, source_mask, target_mask, ignore_index, label_smoothing
+        )
         aux = moe_aux_loss(self, self.cfg, ce)
         zero = ce.new_zeros(())
         return LossOutput(total=ce + aux, ce=ce, aux=aux, mtp=zero, n_tokens=int((labels != ignore_index).sum()))

@@ -31,11 +31,9 @@ from llmkit.config import _Config
 from llmkit.errors import InputError
 from llmkit.models.common import (
     LossOutput,
-    check_label_smoothing,
     check_mask,
     check_tokens,
-    cross_entropy,
-    teacher_forcing,
+    seq2seq_teacher_forcing,
 )
 
 Cell = Literal["lstm", "gru"]
@@ -279,13 +277,9 @@ class RNNSeq2Seq(nn.Module):
         label_smoothing: float = 0.0,
     ) -> LossOutput:
         """Teacher forcing, as for the Transformer: inputs are the targets shifted right behind `start_id`."""
-        check_label_smoothing(label_smoothing)
-        if not isinstance(targets, Tensor):
-            raise InputError(f"targets must be a torch.Tensor of token ids, got {type(targets).__name__}")
-        valid = check_mask(target_mask, targets, "target_mask")
-        inputs, labels = teacher_forcing(targets, start_id, valid, ignore_index, self.cfg.vocab_size)
-        logits = self.forward(source, inputs, source_mask=source_mask, target_mask=valid)
-        ce = cross_entropy(logits, labels, ignore_index, label_smoothing)
+        _, labels, ce = seq2seq_teacher_forcing(
+            self, source, targets, start_id, source_mask, target_mask, ignore_index, label_smoothing
+        )
         zero = ce.new_zeros(())
         return LossOutput(total=ce, ce=ce, aux=zero, mtp=zero, n_tokens=int((labels != ignore_index).sum()))
 
