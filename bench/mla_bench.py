@@ -12,19 +12,14 @@ absorbed path) and attends over the latents directly, like MQA with one 576-dim 
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from common import RUNS, alternate, hf_greedy, hf_model, timed
 
 if TYPE_CHECKING:
     from llmkit import ModelConfig
-
-ROOT = Path(__file__).resolve().parents[1]
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def config() -> ModelConfig:
@@ -60,10 +55,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--tmp", default=str(ROOT / "runs/bench"))
+    p.add_argument("--tmp", default=str(RUNS))
     args = p.parse_args()
-    import transformers
-
     from llmkit import analyze, build_model
     from llmkit.generate import generate
     from llmkit.interop.hf import save_hf
@@ -73,53 +66,47 @@ def main() -> None:
     ours = build_model(cfg).eval()
     out = Path(args.tmp) / "mla-hf"
     save_hf(ours, out)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    theirs = hf_model(out)
     prompt = torch.randint(0, cfg.vocab_size, (1, args.context), generator=torch.Generator().manual_seed(0))
 
     # cache bytes per token, measured on both sides
     cache = ours.new_cache(1, args.context + args.new)
     ours_per_token = cache.nbytes / (args.context + args.new)
+    filled = min(64, args.context)
     with torch.no_grad():
-        past = theirs(prompt[:, :64], use_cache=True).past_key_values
+        past = theirs(prompt[:, :filled], use_cache=True).past_key_values
     hf_bytes = sum(
         t.numel() * t.element_size() for layer in past.layers for t in (layer.keys, layer.values) if t is not None
     )
-    hf_per_token = hf_bytes / 64
+    hf_per_token = hf_bytes / filled
     predicted = analyze(cfg, dtype="fp32").kv_cache_bytes_per_token
 
     def run_ours() -> list[int]:
         return generate(ours, prompt, max_new_tokens=args.new).new_tokens[0]
 
     def run_theirs() -> list[int]:
-        with torch.no_grad():
-            g = theirs.generate(prompt, max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False,
-                                pad_token_id=0)  # fmt: skip
-        return g[0, args.context :].tolist()
+        return hf_greedy(theirs, prompt, args.new)[0, args.context :].tolist()
 
-    times: dict[str, list[float]] = {"llmkit": [], "transformers": []}
-    outs = {}
-    for _ in range(args.repeats):
-        for name, fn in (("llmkit", run_ours), ("transformers", run_theirs)):
-            start = time.perf_counter()
-            outs[name] = fn()
-            times[name].append(time.perf_counter() - start)
+    seconds, outs = alternate({"llmkit": run_ours, "transformers": run_theirs}, args.repeats)
     # decode alone: time the prefill once and subtract it
     with torch.no_grad():
-        start = time.perf_counter()
-        ours(prompt, cache=ours.new_cache(1, args.context + 1))
-        ours_prefill = time.perf_counter() - start
-        start = time.perf_counter()
-        theirs(prompt, use_cache=True)
-        hf_prefill = time.perf_counter() - start
-    t_ours = statistics.median(times["llmkit"]) - ours_prefill
-    t_hf = statistics.median(times["transformers"]) - hf_prefill
-    print(f"MLA config: d_model 512, 16 heads, kv_lora_rank 256 + rope 32, 4 layers; context {args.context}, "
-          f"{args.new} new tokens, fp32, greedy; median of {args.repeats}")  # fmt: skip
-    print(f"cache bytes per token: llmkit {ours_per_token:,.0f} (llmkit inspect predicts {predicted:,}), "
-          f"transformers {hf_per_token:,.0f}")  # fmt: skip
-    print(f"decode tokens/s (prefill subtracted): llmkit {args.new / t_ours:.1f}, "
-          f"transformers {args.new / t_hf:.1f}, ratio {t_hf / t_ours:.2f}x; "
-          f"prefill s: llmkit {ours_prefill:.2f}, transformers {hf_prefill:.2f}")  # fmt: skip
+        ours_prefill, _ = timed(lambda: ours(prompt, cache=ours.new_cache(1, args.context + 1)))
+        hf_prefill, _ = timed(lambda: theirs(prompt, use_cache=True))
+    t_ours = seconds["llmkit"] - ours_prefill
+    t_hf = seconds["transformers"] - hf_prefill
+    print(
+        f"MLA config: d_model 512, 16 heads, kv_lora_rank 256 + rope 32, 4 layers; context {args.context}, "
+        f"{args.new} new tokens, fp32, greedy; median of {args.repeats}"
+    )
+    print(
+        f"cache bytes per token: llmkit {ours_per_token:,.0f} (llmkit inspect predicts {predicted:,}), "
+        f"transformers {hf_per_token:,.0f}"
+    )
+    print(
+        f"decode tokens/s (prefill subtracted): llmkit {args.new / t_ours:.1f}, "
+        f"transformers {args.new / t_hf:.1f}, ratio {t_hf / t_ours:.2f}x; "
+        f"prefill s: llmkit {ours_prefill:.2f}, transformers {hf_prefill:.2f}"
+    )
     # Random weights leave near-ties between the top logits, and transformers' generate() scores differ from its own
     # forward() by ~6e-3 on this config (its cached MLA path), so the fair check is against transformers' forward():
     # is every token llmkit chose the argmax of transformers' uncached forward over the same prefix?
@@ -127,8 +114,10 @@ def main() -> None:
     with torch.no_grad():
         ref = theirs(seq[:, :-1]).logits[0, args.context - 1 :].argmax(-1).tolist()
     agree = sum(a == b for a, b in zip(ref, outs["llmkit"], strict=True))
-    print(f"llmkit's tokens = argmax of transformers' uncached forward: {agree}/{args.new}; "
-          f"identical to transformers' generate(): {outs['llmkit'] == outs['transformers']}")  # fmt: skip
+    print(
+        f"llmkit's tokens = argmax of transformers' uncached forward: {agree}/{args.new}; "
+        f"identical to transformers' generate(): {outs['llmkit'] == outs['transformers']}"
+    )
 
 
 if __name__ == "__main__":

@@ -4,9 +4,14 @@ output is token for token the plain output.
 
     .venv/bin/python bench/speculative_bench.py          # trains both models the first time (~7 minutes)
 
+A quick check that it runs, with briefly trained models kept apart from the real ones:
+
+    .venv/bin/python bench/speculative_bench.py --train-seconds 10 --tmp /tmp/spec --prompts 1 --new 8 --repeats 1
+
 The target is the demo model (configs/demo.yaml: LLaMA-style, 256 wide, 6 layers) with one MTP module added
 (mtp_depth 1, trained with weight 0.3); the draft is a 2-layer, 128-wide model of the same family on the same
-tokenizer. Both train on the prepared Shakespeare data and are kept under runs/bench/ (--retrain to redo).
+tokenizer. Both train on the prepared Shakespeare data for --train-seconds (400) each and are kept under --tmp
+(runs/bench/; --retrain to redo).
 
 Then, for each prompt (a speaker's name, as in the plays), batch 1: generate --new tokens greedily with the target
 alone, with the draft proposing k tokens per round, and with the MTP module proposing one. A sampled run (temperature
@@ -21,20 +26,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import shutil
 import statistics
-import subprocess
-import sys
-import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+from common import ROOT, RUNS, SHAKESPEARE, ensure_prepared, hf_greedy, hf_model, median_time
 
-ROOT = Path(__file__).resolve().parents[1]
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-DATA = ROOT / "runs/data/shakespeare"
 PROMPTS = ["ROMEO:", "JULIET:", "KING HENRY V:", "HAMLET:", "FIRST CITIZEN:", "LADY MACBETH:"]
 DRAFT_MODEL = [
     "model.d_model=128",
@@ -45,36 +45,29 @@ DRAFT_MODEL = [
 ]
 
 
-def ensure_trained(name: str, overrides: list[str], retrain: bool) -> Path:
-    from llmkit.interop.checkpoint import load_model
-    from llmkit.train.checkpoint import latest_checkpoint
+def ensure_trained(name: str, overrides: list[str], args: argparse.Namespace) -> Path:
+    """The latest checkpoint of the demo config with `overrides`, trained in `args.tmp`/NAME unless it is there."""
+    from llmkit.interop.load import load_model
+    from llmkit.runs import latest_checkpoint
     from llmkit.train.config import load_train_config
     from llmkit.train.loop import train
 
-    out = ROOT / "runs/bench" / name
+    out = Path(args.tmp) / name
     latest = latest_checkpoint(out)
-    if not retrain and latest is not None:
+    if not args.retrain and latest is not None:
         try:
             load_model(latest)
             return latest
         except Exception as exc:  # a damaged earlier run: train again
             print(f"{out}: {exc}; training again")
     shutil.rmtree(out, ignore_errors=True)
-    cfg = load_train_config(ROOT / "configs/demo.yaml", [*overrides, f"train.out={out}", "train.time_limit=400"])
+    settings = [f"data.dir={SHAKESPEARE}", f"train.out={out}", f"train.time_limit={args.train_seconds}"]
+    cfg = load_train_config(ROOT / "configs/demo.yaml", [*overrides, *settings])
     print(f"training {name} ...", flush=True)
     result = train(cfg)
     print(f"{name}: {result.steps} steps, {result.seconds:.0f} s, val bpc {result.val_bpc:.4f}", flush=True)
     assert result.checkpoint is not None
     return result.checkpoint
-
-
-def timed(fn: Any, repeats: int) -> tuple[float, Any]:
-    times, out = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), out
 
 
 def main() -> None:
@@ -83,21 +76,20 @@ def main() -> None:
     p.add_argument("--k", default="2,4", help="draft lengths to try, comma-separated")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--retrain", action="store_true")
+    p.add_argument("--train-seconds", type=int, default=400, help="training time of each model")
+    p.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the prompts to run")
+    p.add_argument("--tmp", default=str(RUNS), help="where the trained models and their exports are kept")
     args = p.parse_args()
-    if not (DATA / "meta.json").exists():
-        subprocess.run(
-            [sys.executable, "-m", "llmkit", "prepare", "shakespeare", "--out", str(DATA), "--vocab-size", "4096"],
-            check=True,
-        )
-    import transformers
-
-    from llmkit.generate import generate, speculative_generate
-    from llmkit.interop.checkpoint import load_model
+    ensure_prepared(SHAKESPEARE, "shakespeare", "--vocab-size", "4096")
+    from llmkit.generate import Sampling, generate, speculative_generate
     from llmkit.interop.hf import save_hf
+    from llmkit.interop.load import load_model
     from llmkit.models import DecoderLM, build_model
 
-    target_dir = ensure_trained("spec-target", ["model.mtp_depth=1"], args.retrain)
-    draft_dir = ensure_trained("spec-draft", DRAFT_MODEL, args.retrain)
+    T1 = Sampling(temperature=1.0)  # acceptance when sampling at temperature 1
+
+    target_dir = ensure_trained("spec-target", ["model.mtp_depth=1"], args)
+    draft_dir = ensure_trained("spec-draft", DRAFT_MODEL, args)
     torch.set_grad_enabled(False)
     loaded = load_model(target_dir)
     target, tok = loaded.model.eval(), loaded.tokenizer
@@ -111,10 +103,9 @@ def main() -> None:
     plain_target.load_state_dict({k: v for k, v in target.state_dict().items() if not k.startswith("mtp.")})
     hf_dirs = {}
     for name, model in (("target", plain_target), ("draft", draft)):
-        hf_dirs[name] = ROOT / "runs/bench" / f"spec-{name}-hf"
+        hf_dirs[name] = Path(args.tmp) / f"spec-{name}-hf"
         save_hf(model, hf_dirs[name], model_type="llama")
-    hf_target = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dirs["target"]), dtype=torch.float32).eval()
-    hf_draft = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dirs["draft"]), dtype=torch.float32).eval()
+    hf_target, hf_draft = hf_model(hf_dirs["target"]), hf_model(hf_dirs["draft"])
 
     rows: dict[str, dict[str, list[float]]] = {}
 
@@ -127,51 +118,47 @@ def main() -> None:
 
     def one_prompt(prompt: list[list[int]]) -> None:
         ids = torch.tensor(prompt)
-        s, plain = timed(lambda: generate(target, prompt, max_new_tokens=args.new), args.repeats)
+        s, plain = median_time(lambda: generate(target, prompt, max_new_tokens=args.new), args.repeats)
         ref = plain.new_tokens[0]
         record("target alone", s, len(ref), None, True)
         for k in ks:
-            s, out = timed(
-                lambda k=k: speculative_generate(target, prompt, draft=draft, max_new_tokens=args.new, k=k),
-                args.repeats,
-            )
+            drafted = partial(speculative_generate, target, prompt, draft=draft, max_new_tokens=args.new, k=k)
+            s, out = median_time(drafted, args.repeats)
             record(f"draft model, k={k}", s, len(out.new_tokens[0]), out.acceptance_rate, out.new_tokens[0] == ref)
-            out = speculative_generate(
-                target, prompt, draft=draft, max_new_tokens=args.new, k=k, temperature=1.0, seed=0
-            )
+            out = speculative_generate(target, prompt, draft=draft, max_new_tokens=args.new, k=k, sampling=T1, seed=0)
             rows[f"draft model, k={k}"].setdefault("accept_t1", []).append(out.acceptance_rate)
-        s, out = timed(lambda: speculative_generate(target, prompt, max_new_tokens=args.new), args.repeats)
+        s, out = median_time(lambda: speculative_generate(target, prompt, max_new_tokens=args.new), args.repeats)
         record("MTP module, k=1", s, len(out.new_tokens[0]), out.acceptance_rate, out.new_tokens[0] == ref)
-        out = speculative_generate(target, prompt, max_new_tokens=args.new, temperature=1.0, seed=0)
+        out = speculative_generate(target, prompt, max_new_tokens=args.new, sampling=T1, seed=0)
         rows["MTP module, k=1"].setdefault("accept_t1", []).append(out.acceptance_rate)
 
         def hf(**extra: Any) -> list[int]:
-            out = hf_target.generate(
-                ids, max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=0, **extra
-            )
-            return out[0, ids.shape[1] :].tolist()
+            return hf_greedy(hf_target, ids, args.new, **extra)[0, ids.shape[1] :].tolist()
 
-        s, hf_out = timed(hf, args.repeats)
+        s, hf_out = median_time(hf, args.repeats)
         record("transformers, target alone", s, args.new, None, hf_out == ref)
         for k in ks:
             kw = dict(assistant_model=hf_draft, num_assistant_tokens=k, num_assistant_tokens_schedule="constant")
-            s, hf_out = timed(lambda kw=kw: hf(**kw), args.repeats)
+            s, hf_out = median_time(partial(hf, **kw), args.repeats)
             record(f"transformers assisted, k={k}", s, args.new, None, hf_out == ref)
 
-    for text in PROMPTS:
+    prompts = PROMPTS[: args.prompts]
+    for text in prompts:
         one_prompt([tok.encode(text)])
     base = statistics.mean(rows["target alone"]["tok_s"])
-    print(f"\ntarget {sum(p.numel() for p in target.parameters()) / 1e6:.2f}M parameters (with its MTP module), "
-          f"draft {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M; batch 1, fp32, {args.new} new tokens, "
-          f"{len(PROMPTS)} prompts, median of {args.repeats} per prompt")  # fmt: skip
+    print(
+        f"\ntarget {sum(p.numel() for p in target.parameters()) / 1e6:.2f}M parameters (with its MTP module), "
+        f"draft {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M; batch 1, fp32, {args.new} new tokens, "
+        f"{len(prompts)} prompts, median of {args.repeats} per prompt"
+    )
     print("| drafter | tokens/s | speed-up | acceptance (greedy) | acceptance (temperature 1) | same tokens as plain |")
     print("|---|---|---|---|---|---|")
     for name, r in rows.items():
         tok_s = statistics.mean(r["tok_s"])
         acc = f"{100 * statistics.mean(r['accept']):.1f}%" if r["accept"] else "-"
         acc1 = f"{100 * statistics.mean(r['accept_t1']):.1f}%" if r.get("accept_t1") else "-"
-        print(f"| {name} | {tok_s:.1f} | {tok_s / base:.2f}x | {acc} | {acc1} | "
-              f"{int(sum(r['same']))}/{len(r['same'])} |")  # fmt: skip
+        same = f"{int(sum(r['same']))}/{len(r['same'])}"
+        print(f"| {name} | {tok_s:.1f} | {tok_s / base:.2f}x | {acc} | {acc1} | {same} |")
 
 
 if __name__ == "__main__":

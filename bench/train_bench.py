@@ -5,7 +5,7 @@
 The model is the reference LLaMA-style config (768 wide, 12 layers, 12 heads, 4 KV heads, SwiGLU 2048, vocab 32000,
 untied: 124.7M parameters). llmkit builds it, and transformers' LlamaForCausalLM gets the same initial weights through
 llmkit's converter. Each variant trains in its own process (so its peak memory is its own) with AdamW on identical
-batches; the first two steps are warm-up and not timed. The same run measures this machine's matmul peak (fp32 and
+batches; the first two steps are warm-up and not timed. The same run measures the machine's matmul peak (fp32 and
 bf16) and memory bandwidth, and reports tokens/s, the ratio to transformers fp32, peak RSS, MFU (model FLOPs per token
 x tokens/s over the measured matmul peak of the precision used), and how far each loss curve is from llmkit fp32's.
 """
@@ -16,40 +16,37 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
-import time
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
+from common import (
+    RUNS,
+    SHAKESPEARE,
+    Limits,
+    ensure_prepared,
+    hf_model,
+    measure_limits,
+    peak_rss_gib,
+    reference_config,
+    reference_hf,
+    report,
+    timed,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
 # llmkit variants run as llmkit's trainer does, with perf.tune_allocator(); "hf-bf16-alloc" shows what transformers
 # gains from the same allocator setting (a user of transformers alone does not get it)
 VARIANTS = ["hf-fp32", "hf-bf16", "hf-bf16-alloc", "llmkit-fp32", "llmkit-bf16"]
+WARMUP_STEPS = 2
 
 
-def model_config():  # type: ignore[no-untyped-def]
-    from llmkit import AttentionConfig, FFNConfig, ModelConfig, NormConfig, PositionConfig
-
-    return ModelConfig(
-        vocab_size=32000,
-        d_model=768,
-        n_layers=12,
-        attention=AttentionConfig(n_heads=12, n_kv_heads=4),
-        ffn=FFNConfig(kind="swiglu", hidden_dim=2048),
-        position=PositionConfig(kind="rope", max_seq_len=2048),
-        norm=NormConfig(kind="rmsnorm", eps=1e-5),
-    )
-
-
-def run_variant(variant: str, args: argparse.Namespace) -> dict:
+def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     """Train one variant; returns its per-step losses and throughput."""
-    import transformers
-
     from llmkit import build_model
-    from llmkit.interop.hf import config_from_hf, save_hf
+    from llmkit.interop.hf import config_from_hf
     from llmkit.perf import tune_allocator
     from llmkit.train.config import OptimConfig
     from llmkit.train.data import TokenData, train_batch
@@ -58,49 +55,47 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict:
     lib, precision = variant.split("-")[:2]
     if lib == "llmkit" or variant.endswith("-alloc"):
         assert tune_allocator()
-    torch.manual_seed(0)
-    cfg = model_config()
-    ours = build_model(cfg)
+    cfg = reference_config()
     if lib == "hf":
-        tmp = Path(args.tmp) / "hf-init"
-        if not (tmp / "config.json").is_file():
-            save_hf(ours, tmp, model_type="llama")
-        model = transformers.LlamaForCausalLM.from_pretrained(str(tmp), dtype=torch.float32)
-        assert config_from_hf(json.loads((tmp / "config.json").read_text())).architecture() == cfg.architecture()
+        directory = reference_hf(Path(args.tmp))
+        assert config_from_hf(json.loads((directory / "config.json").read_text())).architecture() == cfg.architecture()
+        model = hf_model(directory)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
 
         def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             logits = model(input_ids=x).logits
             return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
     else:
-        model = ours
+        torch.manual_seed(0)  # the weights reference_hf saved for transformers
+        model = build_model(cfg)
         optimizer = build_optimizer(model, OptimConfig(lr=args.lr, weight_decay=0.1))
 
         def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return model.loss(y, inputs=x).total
 
-    model.train()
-    data = TokenData(args.data)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
-    losses, times = [], []
-    for step in range(args.steps):
-        x, y = train_batch(data, args.seq_len, args.batch, seed=0, step=step, micro=0)
-        start = time.perf_counter()
-        with autocast:
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             loss = loss_of(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - start)
+        return loss
+
+    model.train()
+    data = TokenData(args.data)
+    losses, times = [], []
+    for i in range(args.steps):
+        x, y = train_batch(data, args.seq_len, args.batch, seed=0, step=i, micro=0)
+        seconds, loss = timed(partial(step, x, y))
+        times.append(seconds)
         losses.append(float(loss))
-    timed = times[2:]
-    tokens = args.batch * args.seq_len
+    timed_steps = times[WARMUP_STEPS:]
     return {
         "variant": variant,
         "losses": losses,
-        "tokens_per_s": tokens * len(timed) / sum(timed),
-        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2,
+        "tokens_per_s": args.batch * args.seq_len * len(timed_steps) / sum(timed_steps),
+        "peak_rss_gib": peak_rss_gib(),
     }
 
 
@@ -110,44 +105,27 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--data", default=str(ROOT / "runs/data/shakespeare"))
-    p.add_argument("--tmp", default=str(ROOT / "runs/bench"))
+    p.add_argument("--data", default=str(SHAKESPEARE))
+    p.add_argument("--tmp", default=str(RUNS))
     p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     args = p.parse_args()
+    if args.steps <= WARMUP_STEPS:
+        p.error(f"--steps must be more than the {WARMUP_STEPS} warm-up steps")
     if args.variant:  # a child process
         print(json.dumps(run_variant(args.variant, args)))
         return
-    if not (Path(args.data) / "meta.json").is_file():
-        subprocess.run([sys.executable, "-m", "llmkit", "prepare", "--out", args.data], check=True)
+    ensure_prepared(Path(args.data), "shakespeare")
+    from llmkit import build_model
     from llmkit.analysis import analyze
-    from llmkit.perf import matmul_flops, memory_bandwidth
 
-    peak = {"fp32": matmul_flops(torch.float32, seconds=2.0), "bf16": matmul_flops(torch.bfloat16, seconds=2.0)}
-    bandwidth = memory_bandwidth(seconds=1.0)
-    flops_per_token = 3 * analyze(model_config(), seq_len=args.seq_len).flops_per_token
+    limits = measure_limits()
+    flops_per_token = 3 * analyze(reference_config(), seq_len=args.seq_len).flops_per_token
     results = {}
     for variant in VARIANTS:
-        cmd = [
-            sys.executable,
-            __file__,
-            "--variant",
-            variant,
-            "--steps",
-            str(args.steps),
-            "--batch",
-            str(args.batch),
-            "--seq-len",
-            str(args.seq_len),
-            "--lr",
-            str(args.lr),
-            "--data",
-            args.data,
-            "--tmp",
-            args.tmp,
-        ]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
+        child = ["--variant", variant, "--steps", str(args.steps), "--batch", str(args.batch)]
+        child += ["--seq-len", str(args.seq_len), "--lr", str(args.lr), "--data", args.data, "--tmp", args.tmp]
+        out = subprocess.run([sys.executable, __file__, *child], capture_output=True, text=True, check=True)
         results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
     base = results["hf-fp32"]["tokens_per_s"]
     reference = results["llmkit-fp32"]["losses"]
@@ -160,7 +138,7 @@ def main() -> None:
                 "variant": variant,
                 "tokens_per_s": r["tokens_per_s"],
                 "vs_hf_fp32": r["tokens_per_s"] / base,
-                "mfu": r["tokens_per_s"] * flops_per_token / peak[precision],
+                "mfu": r["tokens_per_s"] * flops_per_token / limits.matmul_flops[precision],
                 "peak_rss_gib": r["peak_rss_gib"],
                 "loss_first": r["losses"][0],
                 "loss_last": r["losses"][-1],
@@ -169,35 +147,31 @@ def main() -> None:
         )
     summary = {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
-        "matmul_gflops": {k: v / 1e9 for k, v in peak.items()},
-        "memory_read_gbs": bandwidth / 1e9,
+        **limits.as_dict(),
         "config": {
-            "params": sum(
-                p.numel() for p in __import__("llmkit").build_model(model_config(), device="meta").parameters()
-            ),
+            "params": sum(p.numel() for p in build_model(reference_config(), device="meta").parameters()),
             "batch": args.batch,
             "seq_len": args.seq_len,
             "steps": args.steps,
         },
         "results": rows,
     }
-    if args.json:
-        print(json.dumps(summary, indent=2))
-        return
+    report(summary, args.json, lambda: print_table(summary, limits, args))
+
+
+def print_table(summary: dict[str, Any], limits: Limits, args: argparse.Namespace) -> None:
+    """The table BENCHMARKS.md quotes."""
     print(f"machine: {summary['machine']}")
-    print(
-        f"measured: fp32 matmul {peak['fp32'] / 1e9:.0f} GFLOP/s, bf16 matmul {peak['bf16'] / 1e9:.0f} GFLOP/s, "
-        f"memory read {bandwidth / 1e9:.1f} GB/s"
-    )
+    print(f"measured: {limits}")
     print(
         f"model: {summary['config']['params'] / 1e6:.1f}M parameters, batch {args.batch} x {args.seq_len}, "
-        f"{args.steps} steps (2 warm-up)"
+        f"{args.steps} steps ({WARMUP_STEPS} warm-up)"
     )
     print(
         f"{'variant':<12} {'tokens/s':>9} {'vs HF fp32':>10} {'MFU':>6} {'peak RSS':>9} {'loss 1st':>9} "
         f"{'loss last':>9} {'max |loss - llmkit fp32|':>25}"
     )
-    for r in rows:
+    for r in summary["results"]:
         print(
             f"{r['variant']:<12} {r['tokens_per_s']:>9.1f} {r['vs_hf_fp32']:>9.2f}x {100 * r['mfu']:>5.1f}% "
             f"{r['peak_rss_gib']:>7.2f} G {r['loss_first']:>9.4f} {r['loss_last']:>9.4f} "

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -8,4 +10,10 @@ def _seed() -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    # under pytest-xdist each worker gets its share of the cores: more threads than cores makes MKL and oneDNN
+    # (the RNN's LSTM most of all) spin against each other, several times slower than one thread each
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # for the processes the tests start

@@ -44,9 +44,14 @@ class MarkovLM(torch.nn.Module):
     def new_cache(self, batch: int, max_len: int):
         return build_model(self.cfg).new_cache(batch, max_len)
 
-    def forward(self, tokens, padding_mask=None, cache=None):
-        cache.state.advance(tokens.shape[1], padding_mask)
+    def run(self, tokens, step, layers=None, extras=None):  # the decode step's entry point: hidden = log-probs
         return self.logp[tokens]
+
+    def norm(self, h):
+        return h
+
+    def logits(self, h):
+        return h
 
 
 def test_beam_search_finds_a_higher_scoring_sequence_than_greedy():

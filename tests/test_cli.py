@@ -1,11 +1,13 @@
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 
 from llmkit import analyze, get_preset
 from llmkit.cli import main
+from llmkit.cli.app import run as run_commands
 
 
 def run(capsys, *argv):
@@ -91,3 +93,51 @@ def test_module_entry_point():
         check=True,
     ).stdout
     assert json.loads(out)["params_total"] == 124_439_808
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """Two knobs, set together.
+
+    level: how far to turn.
+    names: a repeatable name.
+    """
+
+    level: int = 1
+    names: list[str] | None = None
+
+
+def toy_cmd(path: str, *, loud: bool = False, knobs: Knobs = Knobs()) -> int:
+    """A toy command.
+
+    path: where to look.
+    loud: say more.
+    """
+    print(path, loud, knobs)
+    return 0
+
+
+def test_a_dataclass_parameter_is_a_group_of_flags(capsys):
+    assert run_commands([toy_cmd], ["toy-cmd", "here", "--level", "3", "--names", "a", "--names", "b", "--loud"]) == 0
+    assert capsys.readouterr().out == f"here True {Knobs(3, ['a', 'b'])}\n"
+    run_commands([toy_cmd], ["toy-cmd", "there"])
+    assert capsys.readouterr().out == f"there False {Knobs()}\n"
+    with pytest.raises(SystemExit):
+        run_commands([toy_cmd], ["toy-cmd", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "knobs: Two knobs, set together. --level LEVEL how far to turn." in help_text
+    assert "--loud say more." in help_text
+
+
+def test_help_lists_the_commands_by_concern_and_generate_groups_its_options(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "models:\n  presets" in out and "generation:\n  generate" in out and "training:\n  train" in out
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = capsys.readouterr().out
+    for group in ("sampling:", "output:", "beam search:", "speculation:"):
+        assert f"\n{group}\n" in out
+    for flag in ("--temperature", "--top-k", "--min-p", "--stop", "--stream", "--beams", "--draft", "--mtp"):
+        assert flag in out

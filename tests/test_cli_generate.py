@@ -45,13 +45,11 @@ def test_greedy_streaming_beam_and_speculative_agree(checkpoints, capsys):
 
 
 def test_sampling_options(checkpoints, capsys):
-    t = str(checkpoints / "target")
-    a = run(capsys, "generate", t, "--prompt", "that", "--max-new-tokens", "10", "--seed", "3", "--samples", "2",
-            "--min-p", "0.05", "--repetition-penalty", "1.3")  # fmt: skip
+    argv = ["generate", str(checkpoints / "target"), "--prompt", "that", "--max-new-tokens", "10", "--seed", "3"]
+    argv += ["--samples", "2", "--min-p", "0.05", "--repetition-penalty", "1.3"]
+    a = run(capsys, *argv)
     assert a.count("--- sample") == 2
-    b = run(capsys, "generate", t, "--prompt", "that", "--max-new-tokens", "10", "--seed", "3", "--samples", "2",
-            "--min-p", "0.05", "--repetition-penalty", "1.3")  # fmt: skip
-    assert a == b
+    assert run(capsys, *argv) == a
 
 
 def test_chat_streams_answers_through_the_template(tmp_path, capsys, monkeypatch):
@@ -87,7 +85,7 @@ def test_contradictory_options_are_refused(checkpoints, capsys, extra, message):
 
 
 def test_stop_reads_shell_escapes(checkpoints, capsys):
-    from llmkit.cli import _unescape
+    from llmkit.cli.generation import _unescape
 
     assert _unescape(r"a\nb\tc\\n") == "a\nb\tc\\n"
     t = str(checkpoints / "target")

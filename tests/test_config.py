@@ -24,12 +24,20 @@ def make(**kw):
     return ModelConfig(**base)
 
 
-def test_defaults_are_resolved_explicitly():
+def test_derived_sizes_follow_the_config():
     cfg = make(attention=AttentionConfig(n_heads=4))
-    assert cfg.attention.head_dim == 16 and cfg.attention.n_kv_heads == 4
-    assert cfg.ffn.hidden_dim == 256  # LLaMA rule: 2/3 * 4 * 64 = 170, rounded up to a multiple of 256
-    assert make(ffn=FFNConfig(kind="mlp")).ffn.hidden_dim == 256  # 4 * d_model
-    assert make(attention=AttentionConfig(n_heads=4), d_model=4096).ffn.hidden_dim == 11008  # LLaMA-2 7B
+    assert cfg.head_dim == 16 and cfg.n_kv_heads == 4
+    assert cfg.ffn_hidden_dim == 256  # LLaMA rule: 2/3 * 4 * 64 = 170, rounded up to a multiple of 256
+    assert make(ffn=FFNConfig(kind="mlp")).ffn_hidden_dim == 256  # 4 * d_model
+    assert make(attention=AttentionConfig(n_heads=4), d_model=4096).ffn_hidden_dim == 11008  # LLaMA-2 7B
+    # the config keeps what was given, so a changed width derives them again, and JSON round-trips it unchanged
+    assert cfg.attention.head_dim is None and cfg.ffn.hidden_dim is None
+    wider = dataclasses.replace(cfg, d_model=128)
+    assert (wider.head_dim, wider.ffn_hidden_dim) == (32, 512)
+    assert ModelConfig.from_json(wider.to_json()) == wider
+    resolved = wider.resolved()
+    assert (resolved.attention.head_dim, resolved.attention.n_kv_heads, resolved.ffn.hidden_dim) == (32, 4, 512)
+    assert resolved.architecture() == wider.architecture()
 
 
 def test_gqa_divisibility_message_names_fields_value_and_valid_choices():

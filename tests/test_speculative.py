@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from llmkit import InputError, build_model, get_preset
-from llmkit.generate import generate
-from llmkit.generate.speculative import _MTPDrafter, speculative_generate
+from llmkit.generate import Sampling, generate
+from llmkit.generate.drafters import MTPDrafter
+from llmkit.generate.speculative import speculative_generate
+from llmkit.models.cache import whole_sequence
 
 PROMPTS = [[5, 17, 33, 2, 41, 9], [60, 12, 7], [3]]
 
@@ -37,8 +39,8 @@ def test_eos_stops_rows_independently():
     plain = generate(target, PROMPTS, max_new_tokens=25).new_tokens
     eos = plain[0][3]
     expected = generate(target, PROMPTS, max_new_tokens=25, eos_id=eos).new_tokens
-    out = speculative_generate(target, PROMPTS, draft=tiny("llama2-7b-tiny", 1, n_layers=1), max_new_tokens=25,
-                               k=3, eos_id=eos)  # fmt: skip
+    weak = tiny("llama2-7b-tiny", 1, n_layers=1)
+    out = speculative_generate(target, PROMPTS, draft=weak, max_new_tokens=25, k=3, eos_id=eos)
     assert out.new_tokens == expected and out.new_tokens[0][-1] == eos
 
 
@@ -54,16 +56,16 @@ def test_mtp_drafter_computes_the_training_path():
     model = tiny("deepseek-v3-tiny", 0)
     tokens = torch.randint(0, 256, (2, 12))
     with torch.no_grad():
-        h, _ = model.forward_hidden(tokens)
+        h = model.run(tokens, whole_sequence(12, None, tokens.device))
         h_norm = model.norm(h)
         emb = model.inputs(model.embed, tokens[:, 1:], torch.arange(1, 12).unsqueeze(0))
         from llmkit.layers.attention import AttentionInputs, AttentionMask
 
         rope = model.rope(torch.arange(11).unsqueeze(0))
         full = model.mtp[0](h_norm[:, :11], emb, AttentionInputs(AttentionMask(causal=True), rope))  # (2, 11, C)
-        drafter = _MTPDrafter(model, 2, 32)
-        drafter.feed(model, tokens[:, 1:6], h[:, :5], None)  # positions 0..4
-        step = drafter._run(model, tokens[:, 6:8], h[:, 5:7], None)  # positions 5, 6
+        drafter = MTPDrafter(model, 2, 32)
+        drafter.run(tokens[:, 1:6], h[:, :5], None)  # positions 0..4
+        step = drafter.run(tokens[:, 6:8], h[:, 5:7], None)  # positions 5, 6
     torch.testing.assert_close(step, full[:, 5:7], rtol=1e-4, atol=1e-5)
 
 
@@ -73,7 +75,8 @@ def test_speculative_sampling_reproduces_the_target_distribution():
     draft = tiny("llama2-7b-tiny", 7, vocab_size=8, n_layers=1)
     prompt = [1, 2, 3]
     n = 4000
-    out = speculative_generate(target, [prompt] * n, draft=draft, max_new_tokens=2, k=3, temperature=1.0, seed=0)
+    sampled = Sampling(temperature=1.0)
+    out = speculative_generate(target, [prompt] * n, draft=draft, max_new_tokens=2, k=3, sampling=sampled, seed=0)
     first = torch.tensor([r[0] for r in out.new_tokens])
     second = torch.tensor([r[1] for r in out.new_tokens])
     with torch.no_grad():

@@ -14,8 +14,9 @@ from llmkit.cli import main
 from llmkit.data.parallel import prepare_parallel
 from llmkit.errors import InputError
 from llmkit.generate.beam import beam_search_seq2seq
-from llmkit.generate.seq2seq import greedy_seq2seq
+from llmkit.generate.seq2seq import generate_seq2seq
 from llmkit.models import EncoderDecoder, RNNConfig, RNNSeq2Seq, build_any
+from llmkit.recipes import train_and_evaluate
 from llmkit.train.config import TrainConfig
 from llmkit.train.loop import TrainingError, train
 from llmkit.translate import Translator, corpus_scores
@@ -42,16 +43,28 @@ def pairs_dir(tmp_path_factory) -> Path:
 
 
 def config(data: Path, out: Path, model: dict, schedule: str = "noam", **train_over) -> TrainConfig:
-    return TrainConfig.from_dict({
-        "model": model,
-        "data": {"dir": str(data), "seq_len": 32, "batch_tokens": 512},
-        "optim": {"lr": 3e-3, "beta1": 0.9, "beta2": 0.98, "weight_decay": 0.0},
-        "schedule": {"kind": schedule, "warmup_steps": 20},
-        "loss": {"label_smoothing": 0.1},
-        "train": {"steps": 400, "log_every": 10, "eval_every": 100, "eval_tokens": 2000, "save_every": 100,
-                  "keep_last": 3, "average_last": 2, "progress": False, "out": str(out), **train_over},
-        "translate": {"beams": 2, "length_penalty": 0.6},
-    })  # fmt: skip
+    return TrainConfig.from_dict(
+        {
+            "model": model,
+            "data": {"dir": str(data), "seq_len": 32, "batch_tokens": 512},
+            "optim": {"lr": 3e-3, "beta1": 0.9, "beta2": 0.98, "weight_decay": 0.0},
+            "schedule": {"kind": schedule, "warmup_steps": 20},
+            "loss": {"label_smoothing": 0.1},
+            "train": {
+                "steps": 400,
+                "log_every": 10,
+                "eval_every": 100,
+                "eval_tokens": 2000,
+                "save_every": 100,
+                "keep_last": 3,
+                "average_last": 2,
+                "progress": False,
+                "out": str(out),
+                **train_over,
+            },
+            "translate": {"beams": 2, "length_penalty": 0.6},
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -59,14 +72,17 @@ def trained(pairs_dir, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("runs")
     runs = {}
     # the RNN needs longer to find the alignment (its loss stays flat for a few hundred steps): a constant rate
-    for name, model, kw in (("transformer", TRANSFORMER, {}),
-                            ("rnn", RNN, {"schedule": "constant", "steps": 1000, "save_every": 250})):  # fmt: skip
-        result = train(config(pairs_dir, root / name, model, **kw))
-        assert result.averaged is not None and result.test_scores is not None
+    for name, model, kw in (
+        ("transformer", TRANSFORMER, {}),
+        ("rnn", RNN, {"schedule": "constant", "steps": 1000, "save_every": 250}),
+    ):
+        done = train_and_evaluate(config(pairs_dir, root / name, model, **kw))
+        assert done.averaged is not None and done.test_scores is not None
         runs[name] = root / name
     return runs
 
 
+@pytest.mark.slow  # trains models through the loop (the shared fixture takes minutes)
 @pytest.mark.parametrize("name", ["transformer", "rnn"])
 def test_both_architectures_learn_the_toy_language(trained, name):
     scores = json.loads((trained[name] / "test_scores.json").read_text())
@@ -78,6 +94,7 @@ def test_both_architectures_learn_the_toy_language(trained, name):
     assert out == "dog cat tree"
 
 
+@pytest.mark.slow  # trains models through the loop (the shared fixture takes minutes)
 def test_averaged_checkpoint_is_the_mean_of_the_last_ones(trained):
     from llmkit.interop.checkpoint import load_llmkit
 
@@ -91,6 +108,7 @@ def test_averaged_checkpoint_is_the_mean_of_the_last_ones(trained):
             torch.testing.assert_close(avg[k], (a[k] + b[k]) / 2)
 
 
+@pytest.mark.slow  # trains models through the loop (the shared fixture takes minutes)
 def test_seq2seq_resume_is_bit_identical(pairs_dir, tmp_path):
     def losses(run):
         rows = map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
@@ -134,10 +152,9 @@ def test_one_beam_equals_greedy(index):
     mask = torch.ones(4, 9, dtype=torch.bool)
     mask[1, 6:] = False
     mask[3, 2:] = False
-    greedy = greedy_seq2seq(model, source, start_id=1, eos_id=2, max_new_tokens=12, source_mask=mask,
-                            suppress_ids=[0])  # fmt: skip
-    beam = beam_search_seq2seq(model, source, start_id=1, num_beams=1, max_new_tokens=12, eos_id=2,
-                               source_mask=mask, suppress_ids=[0])  # fmt: skip
+    common = {"start_id": 1, "eos_id": 2, "max_new_tokens": 12, "source_mask": mask, "suppress_ids": [0]}
+    greedy = generate_seq2seq(model, source, **common)
+    beam = beam_search_seq2seq(model, source, num_beams=1, **common)
     assert beam.sequences == greedy
     assert all(0 not in row for row in greedy)  # suppressed tokens never appear
 
@@ -155,6 +172,7 @@ def test_bleu_and_chrf_on_known_cases():
         corpus_scores(["a"], ["a", "b"])
 
 
+@pytest.mark.slow  # trains models through the loop (the shared fixture takes minutes)
 def test_translate_command(trained, pairs_dir, tmp_path, capsys):
     run = str(trained["transformer"])
     assert main(["translate", run, "wasser feuer", "--beams", "1"]) == 0
@@ -172,6 +190,7 @@ def test_translate_command(trained, pairs_dir, tmp_path, capsys):
     assert Translator.load(tmp_path / "avg").translate(["erde"], beams=1)[0].text == "earth"
 
 
+@pytest.mark.slow  # trains models through the loop (the shared fixture takes minutes)
 def test_translate_errors(trained, tmp_path, capsys):
     run = str(trained["transformer"])
     src = tmp_path / "in.txt"
@@ -188,6 +207,7 @@ def test_translate_errors(trained, tmp_path, capsys):
         assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow  # trains models through the loop (the shared fixture takes minutes)
 def test_attention_map_groups_words(trained):
     translator = Translator.load(trained["rnn"])
     amap = translator.attention("katze erde")
@@ -213,9 +233,17 @@ def test_marian_from_transformers_translates_like_transformers(tmp_path):
     ref = reference(d).eval()
     ids = torch.tensor([[5, 17, 42, 8, 77, 1]])
     with torch.no_grad():
-        out = ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), num_beams=1, do_sample=False,
-                           max_new_tokens=11, bad_words_ids=[[0]], decoder_start_token_id=0, eos_token_id=1,
-                           pad_token_id=0)  # fmt: skip
+        out = ref.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            num_beams=1,
+            do_sample=False,
+            max_new_tokens=11,
+            bad_words_ids=[[0]],
+            decoder_start_token_id=0,
+            eos_token_id=1,
+            pad_token_id=0,
+        )
     theirs = out[0, 1:].tolist()
     if len(theirs) == 11:  # the length limit: Marian's config forces its forced_eos_token_id as the last token
         assert ours[:10] == theirs[:10] and len(ours) == 11

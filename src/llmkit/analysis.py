@@ -177,8 +177,7 @@ def analyze(cfg: ModelConfig, name: str = "", seq_len: int | None = None, dtype:
     elements = sum(m.cache_elements_per_token() for m in attns)
     cross_bytes = 0
     if cfg.encoder is not None:
-        assert cfg.attention.n_kv_heads is not None
-        cross_bytes = cfg.n_layers * 2 * cfg.attention.n_kv_heads * cfg.head_dim * nbytes
+        cross_bytes = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * nbytes
     per_layer = attns[0].cache_elements_per_token() if attns else 0
     return Report(
         name=name,

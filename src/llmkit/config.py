@@ -11,22 +11,20 @@
     ├── norm: NormConfig                layernorm | rmsnorm, pre | post
     └── encoder: EncoderConfig | None   set for an encoder-decoder model
 
-Every config is frozen and validated on construction. An invalid value raises `ConfigError` naming the field, the
-value and what would be valid, e.g. ``attention.n_heads=12 is not divisible by attention.n_kv_heads=5 (valid
-n_kv_heads: 1, 2, 3, 4, 6, 12)``. Configs round-trip through JSON with `to_json` / `from_json`.
+Every config is frozen and validated on construction (the machinery is in configbase.py). An invalid value raises
+`ConfigError` naming the field, the value and what would be valid, e.g. ``attention.n_heads=12 is not divisible by
+attention.n_kv_heads=5 (valid n_kv_heads: 1, 2, 3, 4, 6, 12)``. Configs round-trip through JSON with `to_json` /
+`from_json`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import types
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, ClassVar, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import ClassVar, Literal
 
+from llmkit.configbase import ConfigBase, divisors
 from llmkit.errors import ConfigError
 
 AttentionKind = Literal["gqa", "mla", "dsa"]
@@ -41,112 +39,12 @@ ScoreFunc = Literal["softmax", "sigmoid"]
 BalanceLoss = Literal["switch", "sequence"]
 InitKind = Literal["normal", "xavier"]
 
-C = TypeVar("C", bound="_Config")
-
-
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-
-
-def _type_ok(value: Any, tp: Any) -> bool:
-    """Whether `value` fits the annotation `tp` (the small subset of typing used by these configs)."""
-    origin = get_origin(tp)
-    if origin in (Union, types.UnionType):
-        return any(_type_ok(value, arg) for arg in get_args(tp))
-    if origin is Literal:
-        return value in get_args(tp)
-    if tp is type(None):
-        return value is None
-    if tp is bool:
-        return isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if isinstance(tp, type):
-        return isinstance(value, tp)
-    return True
-
-
-def _describe(tp: Any) -> str:
-    origin = get_origin(tp)
-    if origin in (Union, types.UnionType):
-        return " or ".join(_describe(a) for a in get_args(tp))
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in get_args(tp))
-    if tp is type(None):
-        return "None"
-    return getattr(tp, "__name__", str(tp))
-
-
-class _Config:
-    """Shared machinery: type checks, validation hook, dict/JSON conversion."""
-
-    path: ClassVar[str] = ""
-
-    def __post_init__(self) -> None:
-        hints = get_type_hints(type(self))
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            value = getattr(self, f.name)
-            tp = hints[f.name]
-            if not _type_ok(value, tp):
-                raise ConfigError(f"{self._name(f.name)}={value!r} has the wrong type: expected {_describe(tp)}")
-            # store floats as floats so that JSON round-trips exactly
-            if tp is float and isinstance(value, int):
-                object.__setattr__(self, f.name, float(value))
-        self.validate()
-
-    def _name(self, field_name: str) -> str:
-        return f"{self.path}.{field_name}" if self.path else field_name
-
-    def fail(self, field_name: str, message: str) -> typing.NoReturn:
-        raise ConfigError(f"{self._name(field_name)}={getattr(self, field_name)!r} {message}")
-
-    def require(self, condition: bool, field_name: str, message: str) -> None:
-        if not condition:
-            self.fail(field_name, message)
-
-    def validate(self) -> None:
-        """Field constraints; subclasses override."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)  # type: ignore[call-overload]
-
-    @classmethod
-    def from_dict(cls: type[C], data: dict[str, Any]) -> C:
-        if not isinstance(data, dict):
-            raise ConfigError(f"{cls.path or cls.__name__}: expected a mapping, got {type(data).__name__}")
-        hints = get_type_hints(cls)
-        names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
-        unknown = sorted(set(data) - set(names))
-        if unknown:
-            where = cls.path or "config"
-            raise ConfigError(f"unknown field(s) {unknown} in {where}; valid fields: {', '.join(names)}")
-        kwargs: dict[str, Any] = {}
-        for name, value in data.items():
-            sub = _config_class(hints[name])
-            kwargs[name] = sub.from_dict(value) if sub is not None and isinstance(value, dict) else value
-        try:
-            return cls(**kwargs)
-        except TypeError as e:  # a required field is missing
-            raise ConfigError(f"{cls.path or cls.__name__}: {e}") from None
-
-
-def _config_class(tp: Any) -> type[_Config] | None:
-    """The _Config subclass inside an annotation like `MLAConfig | None`, if any."""
-    candidates = get_args(tp) if get_origin(tp) in (Union, types.UnionType) else (tp,)
-    for c in candidates:
-        if isinstance(c, type) and issubclass(c, _Config):
-            return c
-    return None
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # positions
 
 
 @dataclass(frozen=True)
-class RopeScaling(_Config):
+class RopeScaling(ConfigBase):
     """Context extension for RoPE. Each kind rescales the rotary frequencies:
 
     - linear (position interpolation, Chen et al. 2023): every frequency / factor.
@@ -181,7 +79,7 @@ class RopeScaling(_Config):
                 f"is required for kind={self.kind!r} (the context length the model was trained with)",
             )
         if self.original_max_seq_len is not None:
-            self.require(self.original_max_seq_len >= 1, "original_max_seq_len", "must be >= 1")
+            self.at_least(1, "original_max_seq_len")
         if self.kind == "yarn":
             self.require(self.beta_fast > self.beta_slow, "beta_fast", f"must be > beta_slow={self.beta_slow}")
         if self.kind == "llama3":
@@ -193,7 +91,7 @@ class RopeScaling(_Config):
 
 
 @dataclass(frozen=True)
-class PositionConfig(_Config):
+class PositionConfig(ConfigBase):
     """How token positions enter the model.
 
     kind: sinusoidal (fixed, added to embeddings, Vaswani et al. 2017), learned (added), rope (rotary, applied to q
@@ -211,7 +109,7 @@ class PositionConfig(_Config):
     scaling: RopeScaling | None = None
 
     def validate(self) -> None:
-        self.require(self.max_seq_len >= 1, "max_seq_len", "must be >= 1")
+        self.at_least(1, "max_seq_len")
         self.require(self.theta > 1.0, "theta", "must be > 1 (the RoPE / sinusoid base, usually 10000)")
         self.require(0.0 < self.rope_fraction <= 1.0, "rope_fraction", "must be in (0, 1]")
         if self.scaling is not None:
@@ -223,7 +121,7 @@ class PositionConfig(_Config):
 
 
 @dataclass(frozen=True)
-class MLAConfig(_Config):
+class MLAConfig(ConfigBase):
     """Multi-head latent attention (DeepSeek-V2 §2.1): keys and values are rebuilt from a shared latent of
     `kv_lora_rank` dims; a decoupled `qk_rope_head_dim` part carries RoPE with one key shared by all heads."""
 
@@ -247,7 +145,7 @@ class MLAConfig(_Config):
 
 
 @dataclass(frozen=True)
-class IndexerConfig(_Config):
+class IndexerConfig(ConfigBase):
     """DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2): `n_heads` small heads score every key; each
     query attends only to its `topk` best keys."""
 
@@ -257,13 +155,13 @@ class IndexerConfig(_Config):
     topk: int = 2048
 
     def validate(self) -> None:
-        self.require(self.n_heads >= 1, "n_heads", "must be >= 1")
-        self.require(self.head_dim >= 2, "head_dim", "must be >= 2")
-        self.require(self.topk >= 1, "topk", "must be >= 1")
+        self.at_least(1, "n_heads")
+        self.at_least(2, "head_dim")
+        self.at_least(1, "topk")
 
 
 @dataclass(frozen=True)
-class AttentionConfig(_Config):
+class AttentionConfig(ConfigBase):
     """Self-attention. kind gqa covers MHA (n_kv_heads == n_heads) and MQA (n_kv_heads == 1); mla needs `mla`;
     dsa (MLA + lightning indexer + top-k sparse attention) needs `mla` and `indexer`. sliding_window (gqa): each
     query sees only the `sliding_window` most recent tokens (Mistral-7B-v0.1)."""
@@ -281,7 +179,7 @@ class AttentionConfig(_Config):
     indexer: IndexerConfig | None = None
 
     def validate(self) -> None:
-        self.require(self.n_heads >= 1, "n_heads", "must be >= 1")
+        self.at_least(1, "n_heads")
         self.require(0.0 <= self.dropout < 1.0, "dropout", "must be in [0, 1)")
         if self.sliding_window is not None:
             self.require(self.sliding_window >= 1, "sliding_window", "must be >= 1, or None for full attention")
@@ -290,14 +188,14 @@ class AttentionConfig(_Config):
             self.require(self.mla is None, "mla", "is only used with attention.kind='mla' or 'dsa'")
             self.require(self.indexer is None, "indexer", "is only used with attention.kind='dsa'")
             if self.n_kv_heads is not None:
-                self.require(self.n_kv_heads >= 1, "n_kv_heads", "must be >= 1")
+                self.at_least(1, "n_kv_heads")
                 if self.n_heads % self.n_kv_heads != 0:
                     raise ConfigError(
                         f"attention.n_heads={self.n_heads} is not divisible by attention.n_kv_heads="
-                        f"{self.n_kv_heads} (valid n_kv_heads: {_divisors(self.n_heads)})"
+                        f"{self.n_kv_heads} (valid n_kv_heads: {divisors(self.n_heads)})"
                     )
             if self.head_dim is not None:
-                self.require(self.head_dim >= 1, "head_dim", "must be >= 1")
+                self.at_least(1, "head_dim")
         else:
             self.require(self.mla is not None, "mla", f"is required for attention.kind={self.kind!r}")
             self.require(
@@ -328,7 +226,7 @@ class AttentionConfig(_Config):
 
 
 @dataclass(frozen=True)
-class FFNConfig(_Config):
+class FFNConfig(ConfigBase):
     """Dense position-wise feed-forward: mlp = act(x W1) W2 (paper: ReLU); swiglu = (silu(x W1) * x W3) W2."""
 
     path: ClassVar[str] = "ffn"
@@ -339,11 +237,11 @@ class FFNConfig(_Config):
 
     def validate(self) -> None:
         if self.hidden_dim is not None:
-            self.require(self.hidden_dim >= 1, "hidden_dim", "must be >= 1")
+            self.at_least(1, "hidden_dim")
 
 
 @dataclass(frozen=True)
-class MoEConfig(_Config):
+class MoEConfig(ConfigBase):
     """Mixture of experts. Switch: top_k=1, softmax, norm_topk=False. GShard / Mixtral: top_k=2, softmax,
     norm_topk=True. DeepSeek-V3: sigmoid scores, n_groups / topk_groups, score_bias (aux-loss-free balancing),
     routed_scale, shared experts. Layers before `first_dense_layers` keep the dense `ffn`.
@@ -371,14 +269,14 @@ class MoEConfig(_Config):
     first_dense_layers: int = 0
 
     def validate(self) -> None:
-        self.require(self.n_experts >= 1, "n_experts", "must be >= 1")
+        self.at_least(1, "n_experts")
         self.require(1 <= self.top_k <= self.n_experts, "top_k", f"must be between 1 and n_experts={self.n_experts}")
-        self.require(self.expert_hidden_dim >= 1, "expert_hidden_dim", "must be >= 1")
-        self.require(self.n_shared_experts >= 0, "n_shared_experts", "must be >= 0")
+        self.at_least(1, "expert_hidden_dim")
+        self.at_least(0, "n_shared_experts")
         if self.n_groups < 1 or self.n_experts % self.n_groups != 0:
             raise ConfigError(
                 f"moe.n_groups={self.n_groups} must divide moe.n_experts={self.n_experts} "
-                f"(valid n_groups: {_divisors(self.n_experts)})"
+                f"(valid n_groups: {divisors(self.n_experts)})"
             )
         self.require(
             1 <= self.topk_groups <= self.n_groups,
@@ -394,9 +292,7 @@ class MoEConfig(_Config):
         self.require(self.routed_scale > 0, "routed_scale", "must be > 0")
         if self.capacity_factor is not None:
             self.require(self.capacity_factor > 0, "capacity_factor", "must be > 0, or None for no capacity limit")
-        self.require(self.aux_loss_coef >= 0, "aux_loss_coef", "must be >= 0")
-        self.require(self.z_loss_coef >= 0, "z_loss_coef", "must be >= 0")
-        self.require(self.first_dense_layers >= 0, "first_dense_layers", "must be >= 0")
+        self.at_least(0, "aux_loss_coef", "z_loss_coef", "first_dense_layers")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -404,7 +300,7 @@ class MoEConfig(_Config):
 
 
 @dataclass(frozen=True)
-class NormConfig(_Config):
+class NormConfig(ConfigBase):
     """kind: layernorm | rmsnorm. placement: pre (x + f(norm(x)), GPT-2/LLaMA) or post (norm(x + f(x)), the
     original Transformer). bias: LayerNorm's additive bias."""
 
@@ -419,7 +315,7 @@ class NormConfig(_Config):
 
 
 @dataclass(frozen=True)
-class EncoderConfig(_Config):
+class EncoderConfig(ConfigBase):
     """The encoder of an encoder-decoder model. vocab_size None: source and target share one vocabulary and one
     embedding matrix (the paper's shared BPE vocabulary)."""
 
@@ -428,16 +324,17 @@ class EncoderConfig(_Config):
     vocab_size: int | None = None
 
     def validate(self) -> None:
-        self.require(self.n_layers >= 1, "n_layers", "must be >= 1")
+        self.at_least(1, "n_layers")
         if self.vocab_size is not None:
-            self.require(self.vocab_size >= 1, "vocab_size", "must be >= 1")
+            self.at_least(1, "vocab_size")
 
 
 @dataclass(frozen=True)
-class ModelConfig(_Config):
+class ModelConfig(ConfigBase):
     """A whole model. Decoder-only when `encoder` is None, encoder-decoder otherwise (`n_layers` is then the
-    number of decoder layers). `head_dim`, `n_kv_heads` and `ffn.hidden_dim` left as None are resolved on
-    construction, so the stored config is always explicit."""
+    number of decoder layers). The config holds what was given: `attention.head_dim`, `attention.n_kv_heads` and
+    `ffn.hidden_dim` left as None are derived on demand (the `head_dim`, `n_kv_heads` and `ffn_hidden_dim`
+    properties, or `resolved()`), so a config changed with `dataclasses.replace` stays consistent."""
 
     vocab_size: int
     d_model: int
@@ -457,14 +354,16 @@ class ModelConfig(_Config):
     init_std: float = 0.02
 
     def validate(self) -> None:
-        self.require(self.vocab_size >= 1, "vocab_size", "must be >= 1")
-        self.require(self.d_model >= 1, "d_model", "must be >= 1")
-        self.require(self.n_layers >= 1, "n_layers", "must be >= 1")
+        self.at_least(1, "vocab_size", "d_model", "n_layers")
         self.require(0.0 <= self.dropout < 1.0, "dropout", "must be in [0, 1)")
-        self.require(self.mtp_depth >= 0, "mtp_depth", "must be >= 0")
+        self.at_least(0, "mtp_depth")
         self.require(self.init_std > 0, "init_std", "must be > 0")
-        self._resolve_attention()
-        self._resolve_ffn()
+        a = self.attention
+        if a.kind == "gqa" and a.head_dim is None and self.d_model % a.n_heads != 0:
+            raise ConfigError(
+                f"d_model={self.d_model} is not divisible by attention.n_heads={a.n_heads}; set "
+                f"attention.head_dim explicitly or choose n_heads among {divisors(self.d_model)}"
+            )
         if self.moe is not None and self.moe.first_dense_layers > self.n_layers:
             raise ConfigError(f"moe.first_dense_layers={self.moe.first_dense_layers} exceeds n_layers={self.n_layers}")
         if self.encoder is not None:
@@ -494,30 +393,6 @@ class ModelConfig(_Config):
                     f"factor ** (d / (d - 2))), the model has {rope}"
                 )
 
-    def _resolve_attention(self) -> None:
-        a = self.attention
-        if a.kind != "gqa":
-            return
-        head_dim = a.head_dim
-        if head_dim is None:
-            if self.d_model % a.n_heads != 0:
-                raise ConfigError(
-                    f"d_model={self.d_model} is not divisible by attention.n_heads={a.n_heads}; set "
-                    f"attention.head_dim explicitly or choose n_heads among {_divisors(self.d_model)}"
-                )
-            head_dim = self.d_model // a.n_heads
-        n_kv = a.n_kv_heads if a.n_kv_heads is not None else a.n_heads
-        if (head_dim, n_kv) != (a.head_dim, a.n_kv_heads):
-            object.__setattr__(self, "attention", dataclasses.replace(a, head_dim=head_dim, n_kv_heads=n_kv))
-
-    def _resolve_ffn(self) -> None:
-        f = self.ffn
-        if f.hidden_dim is not None:
-            return
-        # mlp: 4d. swiglu: LLaMA's rule, 2/3 of 4d (an MLP's parameter count with three matrices), rounded up to 256
-        hidden = 4 * self.d_model if f.kind == "mlp" else 256 * math.ceil(int(8 * self.d_model / 3) / 256)
-        object.__setattr__(self, "ffn", dataclasses.replace(f, hidden_dim=hidden))
-
     # ---- derived quantities used by the layers (one place, so no layer re-derives them differently)
 
     @property
@@ -526,13 +401,28 @@ class ModelConfig(_Config):
 
     @property
     def head_dim(self) -> int:
-        """Query/key head dimension (for MLA: nope + rope dims)."""
+        """Query/key head dimension: attention.head_dim, or d_model / n_heads when unset (for MLA: nope + rope
+        dims)."""
         a = self.attention
         if a.kind == "gqa":
-            assert a.head_dim is not None
-            return a.head_dim
+            return a.head_dim if a.head_dim is not None else self.d_model // a.n_heads
         assert a.mla is not None
         return a.mla.qk_nope_head_dim + a.mla.qk_rope_head_dim
+
+    @property
+    def n_kv_heads(self) -> int:
+        """Key/value heads: attention.n_kv_heads, or n_heads (multi-head attention) when unset."""
+        a = self.attention
+        return a.n_kv_heads if a.n_kv_heads is not None else a.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """The dense feed-forward width: ffn.hidden_dim, or when unset 4 * d_model for an MLP and LLaMA's rule for
+        SwiGLU (2/3 of 4 * d_model, which keeps an MLP's parameter count with three matrices, rounded up to 256)."""
+        f = self.ffn
+        if f.hidden_dim is not None:
+            return f.hidden_dim
+        return 4 * self.d_model if f.kind == "mlp" else 256 * math.ceil(int(8 * self.d_model / 3) / 256)
 
     @property
     def rope_dim(self) -> int:
@@ -548,46 +438,29 @@ class ModelConfig(_Config):
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer >= self.moe.first_dense_layers
 
+    def resolved(self) -> ModelConfig:
+        """This config with the derived sizes written out (attention.head_dim and n_kv_heads for GQA, ffn.hidden_dim).
+        The config itself keeps what was given, so `dataclasses.replace(cfg, d_model=...)` derives them again."""
+        a = self.attention
+        if a.kind == "gqa":
+            a = dataclasses.replace(a, head_dim=self.head_dim, n_kv_heads=self.n_kv_heads)
+        return dataclasses.replace(self, attention=a, ffn=dataclasses.replace(self.ffn, hidden_dim=self.ffn_hidden_dim))
+
     def architecture(self) -> ModelConfig:
-        """This config with the training-only settings (dropout, initialisation, loss coefficients) reset, so that two
-        configs compare equal exactly when they compute the same function from the same weights."""
-        moe, ffn = self.moe, self.ffn
+        """This config resolved, with the training-only settings (dropout, initialisation, loss coefficients) reset,
+        so that two configs compare equal exactly when they compute the same function from the same weights."""
+        resolved = self.resolved()
+        moe, ffn = resolved.moe, resolved.ffn
         if moe is not None:
             moe = dataclasses.replace(moe, aux_loss_coef=0.0, z_loss_coef=0.0, aux_loss_kind="switch")
             if moe.first_dense_layers == 0:  # every layer is MoE: the dense ffn settings are unused
                 ffn = FFNConfig(moe.expert_kind, moe.expert_hidden_dim, moe.activation, False)
         return dataclasses.replace(
-            self,
+            resolved,
             dropout=0.0,
-            attention=dataclasses.replace(self.attention, dropout=0.0),
+            attention=dataclasses.replace(resolved.attention, dropout=0.0),
             ffn=ffn,
             moe=moe,
             init="normal",
             init_std=0.02,
         )
-
-    # ---- serialisation
-
-    def to_json(self, path: str | Path | None = None) -> str:
-        text = json.dumps(self.to_dict(), indent=2)
-        if path is not None:
-            Path(path).write_text(text + "\n")
-        return text
-
-    @classmethod
-    def from_json(cls, source: str | Path) -> ModelConfig:
-        """Read a config from a JSON file path or a JSON string."""
-        text = str(source)
-        if not text.lstrip().startswith("{"):
-            p = Path(source)
-            if not p.is_file():
-                raise ConfigError(f"config file {str(p)!r} does not exist")
-            try:
-                text = p.read_text(encoding="utf-8")
-            except UnicodeDecodeError as e:
-                raise ConfigError(f"config file {str(p)!r} is not UTF-8 text: {e}") from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"config is not valid JSON: {e}") from None
-        return cls.from_dict(data)

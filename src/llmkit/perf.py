@@ -1,4 +1,5 @@
-"""Measuring this machine's limits, so that throughput can be reported as a fraction of them (MFU, bandwidth)."""
+"""Measuring a machine's limits, so that throughput can be reported as a fraction of them (MFU, bandwidth), and the
+allocator setting that training uses."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import time
 import torch
 
 
-def matmul_flops(dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", n: int = 2048,
-                 seconds: float = 0.5) -> float:  # fmt: skip
+def matmul_flops(
+    dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", n: int = 2048, seconds: float = 0.5
+) -> float:
     """Sustained FLOP/s of an n x n matmul in `dtype` on `device` (2 n^3 FLOPs per product)."""
     dev = torch.device(device)
     g = torch.Generator(device=dev).manual_seed(0)  # not the global RNG: measuring must not change a run
@@ -50,9 +52,9 @@ def tune_allocator() -> bool:
 
     A training step allocates and frees the same large buffers every time (logits, gradients, weight casts under
     autocast). By default glibc serves allocations over 32 MiB with fresh mmap'd pages and unmaps them when freed, so
-    every step pays page faults on hundreds of MB: measured here, half the time of a bf16 training step of a 125M
-    model. Disabling mmap'd chunks and heap trimming lets the buffers be reused. The cost: the process does not give
-    memory back before it exits. Returns whether the setting was applied."""
+    every step pays page faults on hundreds of MB (BENCHMARKS.md shows what that costs a bf16 training step).
+    Disabling mmap'd chunks and heap trimming lets the buffers be reused. The cost: the process does not give memory
+    back before it exits. Returns whether the setting was applied."""
     global _TUNED
     if _TUNED:
         return True

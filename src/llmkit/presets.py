@@ -94,7 +94,7 @@ def _llama(d: int, layers: int, heads: int, kv_heads: int, ff: int, vocab: int =
         vocab_size=vocab,
         d_model=d,
         n_layers=layers,
-        attention=AttentionConfig(n_heads=heads, n_kv_heads=kv_heads),
+        attention=AttentionConfig(n_heads=heads, n_kv_heads=None if kv_heads == heads else kv_heads),  # None: MHA
         ffn=FFNConfig(kind="swiglu", hidden_dim=ff),
         position=PositionConfig(kind="rope", max_seq_len=4096, theta=10000.0, layout="half"),
         norm=NormConfig(kind="rmsnorm", eps=1e-5),
@@ -116,83 +116,65 @@ def _mixtral() -> ModelConfig:
     )
 
 
-_DEEPSEEK_YARN = RopeScaling(kind="yarn", factor=40.0, original_max_seq_len=4096, beta_fast=32.0, beta_slow=1.0)
+def _deepseek(
+    vocab: int, d: int, layers: int, heads: int, q_lora: int | None, ff: int, moe: MoEConfig, mscale: float
+) -> ModelConfig:
+    # DeepSeek-V2/V3: MLA (latent 512, 128 + 64 query/key dims per head, 128 value dims), fine-grained MoE after the
+    # first dense layers, RMSNorm, interleaved RoPE with YaRN (factor 40 over a 4k original context)
+    yarn = RopeScaling(
+        kind="yarn",
+        factor=40.0,
+        original_max_seq_len=4096,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        mscale=mscale,
+        mscale_all_dim=mscale,
+    )
+    mla = MLAConfig(kv_lora_rank=512, q_lora_rank=q_lora, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    return ModelConfig(
+        vocab_size=vocab,
+        d_model=d,
+        n_layers=layers,
+        attention=AttentionConfig(kind="mla", n_heads=heads, mla=mla),
+        ffn=FFNConfig(kind="swiglu", hidden_dim=ff),
+        moe=moe,
+        position=PositionConfig(kind="rope", max_seq_len=163840, theta=10000.0, layout="interleaved", scaling=yarn),
+        norm=NormConfig(kind="rmsnorm", eps=1e-6),
+    )
 
 
 def _deepseek_v2_lite() -> ModelConfig:
-    return ModelConfig(
-        vocab_size=102400,
-        d_model=2048,
-        n_layers=27,
-        attention=AttentionConfig(
-            kind="mla",
-            n_heads=16,
-            mla=MLAConfig(
-                kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128
-            ),
-        ),
-        ffn=FFNConfig(kind="swiglu", hidden_dim=10944),
-        moe=MoEConfig(
-            n_experts=64,
-            top_k=6,
-            expert_hidden_dim=1408,
-            n_shared_experts=2,
-            score_func="softmax",
-            norm_topk=False,
-            routed_scale=1.0,
-            first_dense_layers=1,
-            aux_loss_kind="sequence",
-            aux_loss_coef=0.001,
-        ),
-        position=PositionConfig(
-            kind="rope",
-            max_seq_len=163840,
-            theta=10000.0,
-            layout="interleaved",
-            scaling=dataclasses.replace(_DEEPSEEK_YARN, mscale=0.707, mscale_all_dim=0.707),
-        ),
-        norm=NormConfig(kind="rmsnorm", eps=1e-6),
+    moe = MoEConfig(
+        n_experts=64,
+        top_k=6,
+        expert_hidden_dim=1408,
+        n_shared_experts=2,
+        score_func="softmax",
+        norm_topk=False,
+        first_dense_layers=1,
+        aux_loss_kind="sequence",
+        aux_loss_coef=0.001,
     )
+    return _deepseek(102400, 2048, 27, 16, None, 10944, moe, mscale=0.707)
 
 
 def _deepseek_v3() -> ModelConfig:
-    return ModelConfig(
-        vocab_size=129280,
-        d_model=7168,
-        n_layers=61,
-        attention=AttentionConfig(
-            kind="mla",
-            n_heads=128,
-            mla=MLAConfig(
-                kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128
-            ),
-        ),
-        ffn=FFNConfig(kind="swiglu", hidden_dim=18432),
-        moe=MoEConfig(
-            n_experts=256,
-            top_k=8,
-            expert_hidden_dim=2048,
-            n_shared_experts=1,
-            score_func="sigmoid",
-            n_groups=8,
-            topk_groups=4,
-            norm_topk=True,
-            routed_scale=2.5,
-            score_bias=True,
-            first_dense_layers=3,
-            aux_loss_kind="sequence",
-            aux_loss_coef=0.0001,
-        ),
-        position=PositionConfig(
-            kind="rope",
-            max_seq_len=163840,
-            theta=10000.0,
-            layout="interleaved",
-            scaling=dataclasses.replace(_DEEPSEEK_YARN, mscale=1.0, mscale_all_dim=1.0),
-        ),
-        norm=NormConfig(kind="rmsnorm", eps=1e-6),
-        mtp_depth=1,
+    moe = MoEConfig(
+        n_experts=256,
+        top_k=8,
+        expert_hidden_dim=2048,
+        n_shared_experts=1,
+        score_func="sigmoid",
+        n_groups=8,
+        topk_groups=4,
+        norm_topk=True,
+        routed_scale=2.5,
+        score_bias=True,
+        first_dense_layers=3,
+        aux_loss_kind="sequence",
+        aux_loss_coef=0.0001,
     )
+    return dataclasses.replace(_deepseek(129280, 7168, 61, 128, 1536, 18432, moe, mscale=1.0), mtp_depth=1)
 
 
 def _deepseek_v32() -> ModelConfig:
@@ -210,11 +192,10 @@ def _tiny(cfg: ModelConfig) -> ModelConfig:
     a, p = cfg.attention, cfg.position
     tiny_attention: AttentionConfig
     if a.kind == "gqa":
-        assert a.n_kv_heads is not None
-        ratio = a.n_heads // a.n_kv_heads  # keep MHA as MHA and GQA as GQA
+        ratio = a.n_heads // cfg.n_kv_heads  # keep MHA as MHA and GQA as GQA
         heads = 8 if ratio >= 2 else 4
-        kv = max(1, heads // ratio)
-        tiny_attention = dataclasses.replace(a, n_heads=heads, n_kv_heads=kv, head_dim=None)
+        kv = None if a.n_kv_heads is None else max(1, heads // ratio)
+        tiny_attention = dataclasses.replace(a, n_heads=heads, n_kv_heads=kv)
     else:
         assert a.mla is not None
         mla = MLAConfig(

@@ -113,14 +113,10 @@ class Tokenizer:
         template = config.get("chat_template")
         if template is None and (d / "chat_template.jinja").is_file():
             template = (d / "chat_template.jinja").read_text(encoding="utf-8")
-        return cls(
-            backend,
-            bos_id=ident("bos_token"),
-            eos_id=ident("eos_token"),
-            pad_id=ident("pad_token"),
-            add_bos=bool(config.get("add_bos_token", False)),
-            chat_template=template if isinstance(template, str) else None,
-        )
+        template = template if isinstance(template, str) else None
+        bos, eos, pad = (ident(f"{name}_token") for name in ("bos", "eos", "pad"))
+        add_bos = bool(config.get("add_bos_token", False))
+        return cls(backend, bos_id=bos, eos_id=eos, pad_id=pad, add_bos=add_bos, chat_template=template or None)
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
@@ -161,14 +157,58 @@ class Tokenizer:
             v = meta.get(key)
             return int(v) if v is not None else None
 
+        bos, eos, pad = (ident(f"tokenizer.ggml.{name}_token_id") for name in ("bos", "eos", "padding"))
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
         return cls(
             backend,
-            bos_id=ident("tokenizer.ggml.bos_token_id"),
-            eos_id=ident("tokenizer.ggml.eos_token_id"),
-            pad_id=ident("tokenizer.ggml.padding_token_id"),
-            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            bos_id=bos,
+            eos_id=eos,
+            pad_id=pad,
+            add_bos=add_bos,
             chat_template=meta.get("tokenizer.chat_template"),
         )
+
+
+class IncrementalDecoder:
+    """Text from token ids that arrive one at a time, each piece given out once it is complete.
+
+    push(id) returns the new text, finish() what is left. Decoding each token on its own goes wrong twice over: a
+    byte-level token may hold part of a character's UTF-8 bytes (alone it decodes to U+FFFD), and decoders that
+    drop the space before a text's first word (SentencePiece's Metaspace) would drop it before every token. So push()
+    decodes a window, the tokens not given out yet after those given out last (for context), and gives out what they
+    add to the context's text unless it ends in U+FFFD, an unfinished character. vLLM's detokenizer and transformers'
+    TextStreamer work this way.
+
+    With byte-level BPE the pieces add up to decode(ids); after a prompt, decode(prompt) followed by them is
+    decode(prompt + ids).
+    """
+
+    CONTEXT = 5  # prompt tokens decoded with the first new ones
+
+    def __init__(self, tokenizer: Tokenizer, prompt: Sequence[int] = (), *, skip_special: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special = skip_special
+        self.ids = list(prompt)
+        self.context = max(len(self.ids) - self.CONTEXT, 0)  # ids[context:done] only give context
+        self.done = len(self.ids)  # ids[:done] have been given out
+
+    def push(self, token_id: int) -> str:
+        """Add one token; returns the text that is now complete (often "", or more than this token's text)."""
+        self.ids.append(token_id)
+        return self._release(hold_incomplete=True)
+
+    def finish(self) -> str:
+        """The text still held back (an unfinished character comes out as U+FFFD, as decode() gives it)."""
+        return self._release(hold_incomplete=False)
+
+    def _release(self, *, hold_incomplete: bool) -> str:
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.context : self.done], skip_special=self.skip_special)
+        text = decode(self.ids[self.context :], skip_special=self.skip_special)
+        if len(text) <= len(before) or (hold_incomplete and text.endswith("\ufffd")):
+            return ""
+        self.context, self.done = self.done, len(self.ids)
+        return text[len(before) :]
 
 
 def render_chat(tokenizer: Tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:

@@ -133,8 +133,8 @@ def build_hf(name: str, directory: Path) -> Path:
 
 
 def reference(directory: Path) -> Any:
-    import json
+    """transformers' model for a checkpoint directory, loaded by the Auto class its family names."""
+    from llmkit.interop.hf import family_for, read_config
 
-    seq2seq = json.loads((Path(directory) / "config.json").read_text()).get("is_encoder_decoder", False)
-    cls = transformers.AutoModelForSeq2SeqLM if seq2seq else transformers.AutoModelForCausalLM
-    return cls.from_pretrained(str(directory), dtype=torch.float32).eval()
+    auto = getattr(transformers, family_for(read_config(directory)["model_type"]).auto_class)
+    return auto.from_pretrained(str(directory), dtype=torch.float32).eval()

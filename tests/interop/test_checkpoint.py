@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from llmkit import build_model, get_preset
-from llmkit.interop.checkpoint import detect_format, load_llmkit, load_model, save_llmkit
+from llmkit.interop.checkpoint import load_llmkit, save_llmkit
 from llmkit.interop.keymap import MappingError
+from llmkit.interop.load import detect_format, load_model
 from llmkit.interop.safetensors_io import CheckpointError
 
 

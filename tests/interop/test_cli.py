@@ -6,7 +6,7 @@ import torch
 from helpers import tiny_tokenizer
 
 from llmkit.cli import main
-from llmkit.interop.checkpoint import load_model
+from llmkit.interop.load import load_model
 
 from .hf_models import build_hf, reference
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -10,8 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from llmkit import build_model, get_preset
 from llmkit.errors import ConfigError, LLMKitError
-from llmkit.interop.hf import load_hf
+from llmkit.interop.hf import family_for, load_hf, save_hf
 from llmkit.interop.keymap import MappingError
 from llmkit.interop.safetensors_io import CheckpointError
 
@@ -125,3 +127,30 @@ def test_unsupported_options_are_refused(tmp_path, llama):
 def test_not_a_directory(tmp_path):
     with pytest.raises(LLMKitError, match=r"is not a directory"):
         load_hf(tmp_path / "nothing")
+
+
+def test_saving_names_the_field_a_model_type_cannot_hold(tmp_path):
+    llama = get_preset("llama2-7b-tiny")
+    windowed = build_model(dataclasses.replace(llama, attention=dataclasses.replace(llama.attention, sliding_window=8)))
+    with pytest.raises(ConfigError, match=r"attention.sliding_window=8 cannot be written as model_type 'llama': Llama"):
+        save_hf(windowed, tmp_path / "a", model_type="llama")
+    with pytest.raises(ConfigError, match=r"attention.qkv_bias=False cannot be written as model_type 'qwen2': Qwen2"):
+        save_hf(windowed, tmp_path / "b", model_type="qwen2")
+    with pytest.raises(ConfigError, match=r"norm.kind='rmsnorm' cannot be written as model_type 'gpt2': GPT-2 is"):
+        save_hf(windowed, tmp_path / "c", model_type="gpt2")
+    with pytest.raises(ConfigError, match=r"moe=None cannot be written as model_type 'mixtral': Mixtral routes"):
+        save_hf(windowed, tmp_path / "d", model_type="mixtral")
+    gpt2 = get_preset("gpt2-tiny")
+    grouped = dataclasses.replace(gpt2, attention=dataclasses.replace(gpt2.attention, n_kv_heads=1))
+    with pytest.raises(ConfigError, match=r"attention.n_kv_heads=1 cannot be written as model_type 'gpt2' \(its "):
+        save_hf(build_model(grouped), tmp_path / "e", model_type="gpt2")
+
+
+def test_a_config_json_with_values_llmkit_cannot_hold_is_refused():
+    family = family_for("deepseek_v3")
+    with pytest.raises(ConfigError, match=r"config.json scoring_func='softmax' is not supported: DeepSeek-V3 routes"):
+        family.config_from_hf({"model_type": "deepseek_v3", "scoring_func": "softmax"})
+    marian = {"model_type": "marian", "vocab_size": 32, "d_model": 16, "encoder_layers": 1, "decoder_layers": 1}
+    marian.update(encoder_ffn_dim=32, decoder_ffn_dim=32, encoder_attention_heads=4, decoder_attention_heads=8)
+    with pytest.raises(ConfigError, match=r"encoder_attention_heads=4 differs from decoder_attention_heads=8"):
+        family_for("marian").config_from_hf(marian)

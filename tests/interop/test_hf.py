@@ -2,17 +2,31 @@
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from llmkit.config import Activation
+from llmkit.errors import LLMKitError
 from llmkit.generate import generate
-from llmkit.interop.hf import load_hf, read_config, save_hf, state_dict_from_hf, state_dict_to_hf
+from llmkit.interop.compare import compare
+from llmkit.interop.hf import (
+    FAMILIES,
+    family_for,
+    load_hf,
+    read_config,
+    save_hf,
+    state_dict_from_hf,
+    state_dict_to_hf,
+)
+from llmkit.interop.hf.activations import activation_to_hf
 from llmkit.models import DecoderLM, EncoderDecoder
 
-from .hf_models import DECODERS, NAMES, build_hf, reference
+from .hf_models import DECODERS, NAMES, build_hf, reference, transformers
 
 
 @pytest.fixture(scope="module")
@@ -189,3 +203,42 @@ def test_deepseek_mtp_layer_round_trips_and_transformers_skips_it(tmp_path):
     tokens = torch.randint(0, 256, (1, 10))
     with torch.no_grad():
         torch.testing.assert_close(reference(out)(tokens).logits, model(tokens))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_compare_lines_up_every_layer_of_every_family(checkpoints, name):
+    report = compare(checkpoints[name], prompt="to be or not to be")
+    expected = 4 if name == "marian" else (3 if name.startswith("deepseek") else 2)  # encoder + decoder layers
+    assert len(report["layers"]) == expected
+    assert all(row["cosine"] > 0.99999 for row in report["layers"])
+    assert report["top1_agreement"] == 1.0 and report["logits_max_abs_diff"] < 1e-4
+
+
+def test_compare_refuses_a_model_without_layer_stacks(tmp_path):
+    from llmkit.interop.checkpoint import save_llmkit
+    from llmkit.models import build_any
+    from llmkit.models.rnn import RNNConfig
+
+    rnn = build_any(RNNConfig(vocab_size=12, d_embed=8, d_hidden=8, n_layers=1, dropout=0.0))
+    with pytest.raises(LLMKitError, match=r"this RNNSeq2Seq has no layer stacks"):
+        compare(save_llmkit(rnn, tmp_path / "rnn"))
+
+
+def test_every_written_activation_is_one_transformers_knows():
+    from transformers.activations import ACT2FN
+
+    for family in FAMILIES:
+        for act in typing.get_args(Activation):
+            assert activation_to_hf(act, family.name) in ACT2FN, (family.name, act)
+    assert activation_to_hf("gelu_tanh", "gpt2") == "gelu_new" and activation_to_hf("silu", "marian") == "swish"
+
+
+def test_a_qwen2_sliding_window_round_trips(checkpoints):
+    cfg = load_hf(checkpoints["qwen2"]).model.cfg
+    windowed = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, sliding_window=8))
+    family = family_for("qwen2")
+    assert family.why_not(windowed, "qwen2") is None
+    hf = family.config_to_hf(windowed, "qwen2")
+    assert hf["use_sliding_window"] and hf["max_window_layers"] == 0
+    # transformers reads the same window for every layer
+    assert set(transformers.Qwen2Config(**hf).layer_types) == {"sliding_attention"}

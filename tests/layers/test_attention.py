@@ -2,6 +2,7 @@ import pytest
 import torch
 from torch import nn
 
+from llmkit import AttentionConfig, ModelConfig
 from llmkit.errors import InputError
 from llmkit.layers.attention import (
     AttentionInputs,
@@ -13,9 +14,17 @@ from llmkit.layers.attention import (
     causal_tril,
     padding_mask,
 )
+from llmkit.layers.extras import Extras
 from llmkit.layers.rope import RotaryEmbedding
+from llmkit.models import SequenceState
 
 C, H, D = 32, 4, 8
+
+
+def cross_attention() -> CrossAttention:
+    """Cross-attention of a model with C wide, H heads of D dims."""
+    cfg = ModelConfig(vocab_size=8, d_model=C, n_layers=1, attention=AttentionConfig(n_heads=H, head_dim=D))
+    return CrossAttention(cfg).eval()
 
 
 def gqa(n_kv: int, **kw) -> GroupedQueryAttention:
@@ -24,6 +33,12 @@ def gqa(n_kv: int, **kw) -> GroupedQueryAttention:
 
 def causal(T: int) -> AttentionInputs:
     return AttentionInputs(mask=AttentionMask(causal=True))
+
+
+def cached(state: SequenceState, T: int, rope: RotaryEmbedding) -> AttentionInputs:
+    """The next T slots of a cache, as a model's forward gives them to its layers."""
+    step = state.advance(T)
+    return AttentionInputs(step.mask, rope(step.positions), step.slots)
 
 
 def test_causal_tril_aligns_queries_with_the_last_keys():
@@ -122,37 +137,31 @@ def test_cached_decoding_equals_full_attention(n_kv):
     rope = RotaryEmbedding(D, 10000.0, 64)
     x = torch.randn(2, 9, C)
     full = attn(x, AttentionInputs(mask=AttentionMask(causal=True), rope=rope(torch.arange(9))))
-    cache = attn.new_cache(2, 16)
-    outs = [attn(x[:, :4], AttentionInputs(AttentionMask(causal=True), rope(torch.arange(4)), 0), cache)]
+    cache, state = attn.new_cache(2, 16), SequenceState.new(2, 16, None)
+    outs = [attn(x[:, :4], cached(state, 4, rope), cache)]
     for t in range(4, 9):
-        outs.append(
-            attn(
-                x[:, t : t + 1],
-                AttentionInputs(AttentionMask(causal=True), rope(torch.tensor([t])), t),
-                cache,
-            )
-        )
+        outs.append(attn(x[:, t : t + 1], cached(state, 1, rope), cache))
     torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-5, atol=1e-5)
     assert cache.nbytes == 2 * 2 * n_kv * 16 * D * 4
 
 
 def test_cache_overflow_is_a_clear_error():
-    attn = gqa(2)
-    cache = attn.new_cache(1, 4)
+    state = SequenceState.new(1, 4, None)
     with pytest.raises(InputError, match="the cache holds max_len=4 tokens"):
-        attn(torch.randn(1, 5, C), causal(5), cache)
+        state.advance(5)
 
 
-def test_keep_weights_records_attention_weights():
+def test_attention_weights_are_returned_through_extras():
     attn = gqa(2)
-    attn.keep_weights = True
-    attn(torch.randn(1, 5, C), causal(5))
-    assert attn.last_weights is not None and attn.last_weights.shape == (1, H, 5, 5)
-    assert (attn.last_weights.triu(1) == 0).all()
+    extras = Extras(attention_weights=True)
+    attn(torch.randn(1, 5, C), causal(5), extras=extras)
+    (weights,) = extras.self_attention
+    assert weights.shape == (1, H, 5, 5) and (weights.triu(1) == 0).all()
+    assert not hasattr(attn, "last_weights")  # nothing is kept on the module
 
 
 def test_cross_attention_ignores_padded_memory_and_caches_it():
-    cross = CrossAttention(C, H, H, D).eval()
+    cross = cross_attention()
     x, memory = torch.randn(2, 3, C), torch.randn(2, 5, C)
     valid = torch.tensor([[True, True, True, False, False], [True] * 5])
     mask = AttentionMask(allowed=valid[:, None, None, :])
@@ -175,7 +184,7 @@ def test_layers_reject_wrong_widths_with_clear_errors():
     ):
         gqa(2)(torch.randn(2, 5, 16), causal(5))
     with pytest.raises(InputError, match="CrossAttention memory expects input of shape"):
-        CrossAttention(C, H, H, D)(torch.randn(1, 2, C), torch.randn(1, 3, 8), None)
+        cross_attention()(torch.randn(1, 2, C), torch.randn(1, 3, 8), None)
     with pytest.raises(InputError, match=r"MoE expects input of shape \(\.\.\., 8\), got \(2, 3, 5\)"):
         MoE(8, MoEConfig(n_experts=2, top_k=1, expert_hidden_dim=4))(torch.randn(2, 3, 5))
 
@@ -186,14 +195,12 @@ def test_sliding_window_sees_only_the_most_recent_keys():
     x = torch.randn(2, 8, C)
     out = attn(x, AttentionInputs(AttentionMask(causal=True), rope(torch.arange(8))))
     band = torch.tril(torch.ones(8, 8, dtype=torch.bool)) & ~torch.tril(torch.ones(8, 8, dtype=torch.bool), -3)
-    attn.sliding_window = None
-    ref = attn(x, AttentionInputs(AttentionMask(allowed=band[None, None]), rope(torch.arange(8))))
+    full = gqa(2, rope_dim=D)
+    full.load_state_dict(attn.state_dict())
+    ref = full(x, AttentionInputs(AttentionMask(allowed=band[None, None]), rope(torch.arange(8))))
     torch.testing.assert_close(out, ref)
-    attn.sliding_window = 3
-    cache = attn.new_cache(2, 8)  # cached decoding applies the same window
-    steps = [attn(x[:, :4], AttentionInputs(AttentionMask(causal=True), rope(torch.arange(4)), 0), cache)]
+    cache, state = attn.new_cache(2, 12), SequenceState.new(2, 12, None)  # cached decoding applies the same window
+    steps = [attn(x[:, :4], cached(state, 4, rope), cache)]
     for t in range(4, 8):
-        steps.append(
-            attn(x[:, t : t + 1], AttentionInputs(AttentionMask(causal=True), rope(torch.tensor([t])), t), cache)
-        )
+        steps.append(attn(x[:, t : t + 1], cached(state, 1, rope), cache))
     torch.testing.assert_close(torch.cat(steps, 1), out, rtol=1e-5, atol=1e-5)

@@ -3,15 +3,16 @@ import torch
 
 from llmkit import MLAConfig, get_preset
 from llmkit.layers.attention import AttentionInputs, AttentionMask, MultiHeadLatentAttention, padding_mask
+from llmkit.layers.extras import Extras
 from llmkit.layers.rope import RotaryEmbedding, apply_rope
-from llmkit.models import build_model
+from llmkit.models import SequenceState, build_model
 
 C, H = 48, 4
 MLA = MLAConfig(kv_lora_rank=24, q_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
 
 
-def make(mla: MLAConfig = MLA) -> MultiHeadLatentAttention:
-    m = MultiHeadLatentAttention(C, H, mla, rope_layout="interleaved").eval()
+def make(mla: MLAConfig = MLA, absorb: bool | None = None) -> MultiHeadLatentAttention:
+    m = MultiHeadLatentAttention(C, H, mla, rope_layout="interleaved", absorb=absorb).eval()
     with torch.no_grad():  # non-trivial norm gains so that a misplaced norm shows
         m.kv_norm.weight.uniform_(0.5, 1.5)
         if mla.q_lora_rank:
@@ -19,13 +20,30 @@ def make(mla: MLAConfig = MLA) -> MultiHeadLatentAttention:
     return m
 
 
-def inputs(T: int, start: int = 0, mask: AttentionMask | None = None) -> AttentionInputs:
-    rope = RotaryEmbedding(MLA.qk_rope_head_dim, 10000.0, 64)
-    return AttentionInputs(mask or AttentionMask(causal=True), rope(torch.arange(start, start + T)), start)
+def twin(m: MultiHeadLatentAttention, absorb: bool | None) -> MultiHeadLatentAttention:
+    """The same weights, with the attention path fixed to `absorb`."""
+    other = MultiHeadLatentAttention(
+        C, H, MLAConfig(**{**MLA.to_dict(), "q_lora_rank": m.q_lora_rank}), rope_layout="interleaved", absorb=absorb
+    ).eval()
+    other.load_state_dict(m.state_dict())
+    return other
+
+
+ROPE = RotaryEmbedding(MLA.qk_rope_head_dim, 10000.0, 64)
+
+
+def inputs(T: int, mask: AttentionMask | None = None) -> AttentionInputs:
+    return AttentionInputs(mask or AttentionMask(causal=True), ROPE(torch.arange(T)))
+
+
+def cached(state: SequenceState, T: int) -> AttentionInputs:
+    """The next T slots of a cache, as a model's forward gives them to its layers."""
+    step = state.advance(T)
+    return AttentionInputs(step.mask, ROPE(step.positions), step.slots)
 
 
 def naive_mla(m: MultiHeadLatentAttention, x: torch.Tensor, inp: AttentionInputs) -> torch.Tensor:
-    """The seeds' formulas, head by head:
+    """DeepSeek-V2's formulas (§2.1), head by head:
     q_h = [c' W_qc^h, R c' W_qr^h], k_h = [c W_kc^h, R x W_kr], v_h = c W_v^h, c = norm(x W_c)."""
     dn, dr, dv, r = m.dn, m.dr, m.dv, m.r
     c_q = m.q_norm(x @ m.wq_a.weight.T)  # (B, T, q_lora)
@@ -50,8 +68,7 @@ def naive_mla(m: MultiHeadLatentAttention, x: torch.Tensor, inp: AttentionInputs
 
 
 def test_explicit_path_matches_the_formulas():
-    m = make()
-    m.absorb = False
+    m = make(absorb=False)
     x = torch.randn(2, 7, C)
     torch.testing.assert_close(m(x, inputs(7)), naive_mla(m, x, inputs(7)), rtol=1e-5, atol=1e-5)
 
@@ -61,10 +78,8 @@ def test_absorbed_path_equals_explicit_path(q_lora):
     m = make(MLAConfig(kv_lora_rank=24, q_lora_rank=q_lora, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6))
     x = torch.randn(2, 7, C)
     mask = padding_mask(torch.tensor([[False, True, True, True, True, True, True], [True] * 7]), causal=True)
-    m.absorb = False
-    explicit = m(x, inputs(7, mask=mask))
-    m.absorb = True
-    absorbed = m(x, inputs(7, mask=mask))
+    explicit = twin(m, False)(x, inputs(7, mask=mask))
+    absorbed = twin(m, True)(x, inputs(7, mask=mask))
     torch.testing.assert_close(absorbed, explicit, rtol=1e-5, atol=1e-5)
 
 
@@ -72,8 +87,8 @@ def test_cached_absorbed_decoding_equals_full_explicit_pass():
     m = make()
     x = torch.randn(2, 9, C)
     full = m(x, inputs(9))  # no cache: explicit path
-    cache = m.new_cache(2, 12)
-    steps = [m(x[:, :3], inputs(3), cache)] + [m(x[:, t : t + 1], inputs(1, t), cache) for t in range(3, 9)]
+    cache, state = m.new_cache(2, 12), SequenceState.new(2, 12, None)
+    steps = [m(x[:, :3], cached(state, 3), cache)] + [m(x[:, t : t + 1], cached(state, 1), cache) for t in range(3, 9)]
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
     # the cache holds only the latent and the shared rope key
     assert cache.c_kv.shape == (2, 12, MLA.kv_lora_rank) and cache.k_pe.shape == (2, 12, MLA.qk_rope_head_dim)
@@ -81,15 +96,11 @@ def test_cached_absorbed_decoding_equals_full_explicit_pass():
 
 def test_weights_agree_between_paths():
     m = make()
-    m.keep_weights = True
     x = torch.randn(1, 5, C)
-    m.absorb = False
-    m(x, inputs(5))
-    explicit = m.last_weights
-    m.absorb = True
-    m(x, inputs(5))
-    assert explicit is not None and m.last_weights is not None
-    torch.testing.assert_close(m.last_weights, explicit, rtol=1e-5, atol=1e-6)
+    explicit, absorbed = Extras(attention_weights=True), Extras(attention_weights=True)
+    twin(m, False)(x, inputs(5), extras=explicit)
+    twin(m, True)(x, inputs(5), extras=absorbed)
+    torch.testing.assert_close(absorbed.self_attention[0], explicit.self_attention[0], rtol=1e-5, atol=1e-6)
 
 
 def test_softmax_scale_includes_yarn_mscale_squared():
@@ -115,8 +126,8 @@ def test_deepseek_v3_caches_576_elements_per_token_per_layer():
 
 
 def test_path_choice_follows_cost_decode_absorbed_long_prefill_explicit():
-    m = MultiHeadLatentAttention(64, 4, MLAConfig(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                                                  v_head_dim=16))  # fmt: skip
+    mla = MLAConfig(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    m = MultiHeadLatentAttention(64, 4, mla)
     assert m.absorb_cheaper(1, 64)
     assert m.absorb_cheaper(1, 4096)
     assert not m.absorb_cheaper(4096, 4096)

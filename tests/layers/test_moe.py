@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from llmkit import MoEConfig
+from llmkit.layers.extras import Extras, MoEStats
 from llmkit.layers.mlp import MLP, SwiGLU
 from llmkit.layers.moe import MoE, Router, router_z_loss, switch_aux_loss, update_router_bias
 
@@ -17,6 +18,14 @@ def moe(**kw) -> MoE:
         for p in m.parameters():
             p.normal_(0, 0.3)
     return m
+
+
+def stats_of(m: MoE, x: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
+    """The layer's output and the statistics it reports for one call."""
+    extras = Extras()
+    y = m(x, extras)
+    (stats,) = extras.moe
+    return y, stats
 
 
 def naive_moe(m: MoE, x: torch.Tensor) -> torch.Tensor:
@@ -134,13 +143,13 @@ def test_capacity_drops_assignments_beyond_each_experts_capacity():
     x = torch.randn(8, C)
     x[:, 0] = 1.0  # all 8 tokens choose expert 0; capacity = ceil(1.0 * 8 * 1 / 2) = 4
     assert m.capacity(8) == 4
-    y = m(x)
+    y, stats = stats_of(m, x)
     no_cap = moe(n_experts=2, top_k=1, norm_topk=False)
     no_cap.load_state_dict(m.state_dict())
     ref = no_cap(x)
     torch.testing.assert_close(y[:4], ref[:4])  # the first 4 tokens (in order) are served
     assert (y[4:] == 0).all()  # the rest are dropped: the residual carries them
-    assert m.last_stats is not None and m.last_stats.dropped == pytest.approx(0.5)
+    assert float(stats.dropped) == pytest.approx(0.5)
 
 
 def test_capacity_serves_first_choices_before_second_choices():
@@ -150,11 +159,11 @@ def test_capacity_serves_first_choices_before_second_choices():
         m.router.weight[0, 0] = 5.0
     x = torch.randn(4, C)
     x[:, 0] = torch.tensor([1.0, -1.0, 1.0, -1.0])  # tokens 0, 2 prefer expert 0; tokens 1, 3 prefer expert 1
-    m(x)
+    _, stats = stats_of(m, x)
     r = m.router(x)
     assert r.experts[:, 0].tolist() == [0, 1, 0, 1]
     # each expert gets its two first choices; every second choice is dropped
-    assert m.last_stats is not None and m.last_stats.dropped == pytest.approx(0.5)
+    assert float(stats.dropped) == pytest.approx(0.5)
     y = m(x)
     for t in range(4):
         e = int(r.experts[t, 0])
@@ -169,21 +178,23 @@ def test_aux_loss_free_bias_update_lowers_overloaded_experts():
         m.router.weight[0, 0] = 5.0
     x = torch.randn(64, C)
     x[:, 0] = 1.0  # all tokens choose expert 0
+    extras = Extras()
     m.train()
-    m(x)
-    assert m.load.tolist() == [64.0, 0.0, 0.0, 0.0]
-    update_router_bias(m, rate=0.01)
+    m(x, extras)
+    load = extras.expert_load()
+    assert load[m.layer].tolist() == [64.0, 0.0, 0.0, 0.0]
+    update_router_bias(m, load, rate=0.01)
     assert m.router.score_bias is not None
     torch.testing.assert_close(m.router.score_bias, torch.tensor([-0.01, 0.01, 0.01, 0.01]))
-    assert m.load.sum() == 0  # consumed
 
 
 def test_empty_experts_are_skipped_and_gradients_flow():
     m = moe(n_experts=8, top_k=1)
     x = torch.randn(2, C, requires_grad=True)
-    m(x).sum().backward()
+    y, stats = stats_of(m, x)
+    y.sum().backward()
     assert x.grad is not None and m.router.weight.grad is not None
-    assert m.last_stats is not None and int((m.last_stats.counts > 0).sum()) <= 2
+    assert int((stats.counts > 0).sum()) <= 2
 
 
 def test_router_runs_in_fp32_for_bf16_inputs():
@@ -209,26 +220,26 @@ def test_sequence_aux_loss_hand_computed():
 def test_sequence_balance_is_per_sequence():
     m = moe(top_k=2, aux_loss_kind="sequence")
     x = torch.randn(3, 5, C)
-    m(x)
+    _, stats = stats_of(m, x)
     r = m.router(x.reshape(-1, C))
     from llmkit.layers.moe import sequence_aux_loss
 
-    assert m.last_stats is not None
     expected = sequence_aux_loss(r.probs.view(3, 5, 4), r.experts.view(3, 5, 2), 4)
-    torch.testing.assert_close(m.last_stats.aux_loss, expected)
+    torch.testing.assert_close(stats.aux_loss, expected)
 
 
 def test_router_state_stays_fp32_in_a_bf16_model():
     m = moe(n_experts=4, top_k=1, score_func="sigmoid", score_bias=True).bfloat16()
     assert m.router.weight.dtype == torch.bfloat16
     assert m.router.score_bias is not None and m.router.score_bias.dtype == torch.float32
-    assert m.load.dtype == torch.float32
     m.router.score_bias.fill_(0.5)
     m.train()
+    extras = Extras()
     for _ in range(3):
-        m(torch.randn(200, C).bfloat16())  # 600 tokens: a bf16 counter would stall at 256
-    assert m.load.sum().item() == 600
-    update_router_bias(m, rate=1e-3)
+        m(torch.randn(200, C).bfloat16(), extras)  # 600 tokens: a bf16 counter would stall at 256
+    load = extras.expert_load()
+    assert load[m.layer].dtype == torch.float32 and load[m.layer].sum().item() == 600
+    update_router_bias(m, load, rate=1e-3)
     assert (m.router.score_bias != 0.5).all()  # a 1e-3 step on 0.5 is lost in bf16
 
 

@@ -63,13 +63,15 @@ def test_half_and_interleaved_layouts_agree_after_permutation():
     torch.testing.assert_close(interleaved_to_half(interleaved), half)
 
 
-def test_table_is_cached_per_device_and_matches_direct_computation():
+def test_tables_match_direct_computation_and_stay_fp32_in_a_bf16_model():
     rope = RotaryEmbedding(D, 10000.0, 64)
     positions = torch.tensor([[0, 5, 63]])
     t = rope(positions)
     angles = positions.float().unsqueeze(-1) * rope.inv_freq
     torch.testing.assert_close(t.cos, angles.cos())
-    assert rope.table(torch.device("cpu"))[0] is rope.table(torch.device("cpu"))[0]
+    cast = RotaryEmbedding(D, 10000.0, 64).to(torch.bfloat16)
+    assert cast.inv_freq.dtype == torch.float32 and torch.equal(cast(positions).cos, t.cos)
+    assert "inv_freq" not in rope.state_dict()  # recomputed, never stored
 
 
 def base(dim=D, theta=10000.0):

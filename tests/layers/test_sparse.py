@@ -15,7 +15,9 @@ from llmkit.layers.attention import (
     attend_selected,
     padding_mask,
 )
+from llmkit.layers.attention.mla import Latents
 from llmkit.layers.rope import RotaryEmbedding, apply_rope
+from llmkit.models import SequenceState
 
 MLA = MLAConfig(kv_lora_rank=24, q_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
 
@@ -32,13 +34,21 @@ def cfg(topk: int) -> ModelConfig:
     )
 
 
-def make(topk: int) -> DeepSeekSparseAttention:
-    return DeepSeekSparseAttention(cfg(topk)).eval()
+def make(topk: int, absorb: bool | None = None) -> DeepSeekSparseAttention:
+    return DeepSeekSparseAttention(cfg(topk), absorb=absorb).eval()
 
 
-def inputs(T: int, start: int = 0, mask: AttentionMask | None = None) -> AttentionInputs:
-    rope = RotaryEmbedding(4, 10000.0, 64)
-    return AttentionInputs(mask or AttentionMask(causal=True), rope(torch.arange(start, start + T)), start)
+ROPE = RotaryEmbedding(4, 10000.0, 64)
+
+
+def inputs(T: int, mask: AttentionMask | None = None) -> AttentionInputs:
+    return AttentionInputs(mask or AttentionMask(causal=True), ROPE(torch.arange(T)))
+
+
+def cached(state: SequenceState, T: int) -> AttentionInputs:
+    """The next T slots of a cache, as a model's forward gives them to its layers."""
+    step = state.advance(T)
+    return AttentionInputs(step.mask, ROPE(step.positions), step.slots)
 
 
 def test_topk_at_least_length_equals_dense_mla():
@@ -63,8 +73,9 @@ def test_gather_path_selecting_every_allowed_key_equals_dense(absorb):
     index = torch.arange(9).expand(2, 9, 9)
     selection = Selection(index, torch.tril(torch.ones(9, 9, dtype=torch.bool)).expand(2, 9, 9))
     attend_path = dsa.attend_absorbed if absorb else dsa.attend_explicit
-    dense = attend_path(q_nope, q_pe, c_kv, k_pe, inp, None)
-    gathered = attend_path(q_nope, q_pe, c_kv, k_pe, inp, selection)
+    latents = Latents(q_nope, q_pe, c_kv, k_pe)
+    dense, _ = attend_path(latents, inp, None)
+    gathered, _ = attend_path(latents, inp, selection)
     torch.testing.assert_close(gathered, dense, rtol=1e-5, atol=1e-5)
 
 
@@ -82,10 +93,9 @@ def test_gathered_attention_equals_dense_attention_masked_to_the_selection():
 
 def test_small_topk_gives_weight_only_to_the_selected_keys():
     dsa = make(topk=3)
-    dsa.keep_weights = True
     x = torch.randn(2, 10, 48)
-    dsa(x, inputs(10))
-    w, sel, scores = dsa.last_weights, dsa.last_selection, dsa.last_index_scores
+    result = dsa.attention(x, inputs(10), need_weights=True)
+    w, sel, scores = result.weights, result.selection, result.index_scores
     assert w is not None and sel is not None and scores is not None
     nonzero = w > 0
     assert (nonzero.sum(-1) <= 3).all()
@@ -121,15 +131,17 @@ def dsa_rope(x, inp):
 
 @pytest.mark.parametrize("absorb", [False, True])
 def test_sparse_paths_agree_and_cached_decoding_equals_full(absorb):
-    dsa = make(topk=4)
+    dsa = make(topk=4, absorb=absorb)
     x = torch.randn(2, 11, 48)
-    dsa.absorb = absorb
     full = dsa(x, inputs(11))
-    dsa.absorb = not absorb
-    torch.testing.assert_close(dsa(x, inputs(11)), full, rtol=1e-5, atol=1e-5)
-    dsa.absorb = None
-    cache = dsa.new_cache(2, 16)
-    steps = [dsa(x[:, :5], inputs(5), cache)] + [dsa(x[:, t : t + 1], inputs(1, t), cache) for t in range(5, 11)]
+    other = make(topk=4, absorb=not absorb)
+    other.load_state_dict(dsa.state_dict())
+    torch.testing.assert_close(other(x, inputs(11)), full, rtol=1e-5, atol=1e-5)
+    chooser = make(topk=4)
+    chooser.load_state_dict(dsa.state_dict())
+    cache, state = chooser.new_cache(2, 16), SequenceState.new(2, 16, None)
+    steps = [chooser(x[:, :5], cached(state, 5), cache)]
+    steps += [chooser(x[:, t : t + 1], cached(state, 1), cache) for t in range(5, 11)]
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
     assert cache.index_k.shape == (2, 16, 8)
     assert dsa.cache_elements_per_token() == 24 + 4 + 8

@@ -6,6 +6,7 @@ from torch import nn
 
 from llmkit import EncoderConfig, InputError, build_model, get_preset
 from llmkit.models import EncoderDecoder, shift_right
+from llmkit.models.seq2seq import DecoderCall
 
 
 def paper_tiny() -> EncoderDecoder:
@@ -80,7 +81,7 @@ def test_paper_configuration_matches_torch_nn_transformer():
         tgt_is_causal=True,
     )
     memory = m.encode(src, src_valid)
-    ours = m.decode_hidden(tgt, memory, source_mask=src_valid, target_mask=tgt_valid)
+    ours = m.decoder_states(DecoderCall(tgt, memory, src_valid, tgt_valid))  # the decoder's output, before the head
     real = tgt_valid
     torch.testing.assert_close(ours[real], expected[real], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from llmkit.errors import ConfigError, InputError
+from llmkit.layers.extras import Extras
 from llmkit.models import RNNConfig, RNNSeq2Seq, build_any
 
 
@@ -50,13 +51,13 @@ def test_source_padding_changes_nothing_for_real_tokens():
 
 def test_attention_is_a_distribution_over_real_source_tokens():
     m = tiny(align="additive")
-    m.record_attention = True
     source = torch.randint(3, 40, (2, 6))
     mask = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+    extras = Extras(attention_weights=True)
     with torch.no_grad():
-        m(source, torch.randint(3, 40, (2, 5)), source_mask=mask)
-    w = m.last_attention
-    assert w is not None and w.shape == (2, 5, 6)
+        m(source, torch.randint(3, 40, (2, 5)), source_mask=mask, extras=extras)
+    (w,) = extras.cross_attention
+    assert w.shape == (2, 5, 6)
     torch.testing.assert_close(w.sum(-1), torch.ones(2, 5))
     assert float(w[1, :, 4:].abs().max()) == 0.0
 

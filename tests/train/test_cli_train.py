@@ -65,15 +65,17 @@ def test_cli_errors(tmp_path, capsys):
 
 
 def test_widths_derived_by_a_preset_follow_the_overrides():
-    # the preset stores head_dim, n_kv_heads and the FFN width it derived from its own width and heads; overriding
-    # those must derive them again, unless they are given too
+    # sizes a preset leaves to be derived (head_dim, an MHA's n_kv_heads, an unset FFN width) follow the overridden
+    # width and heads; sizes given explicitly, by the preset or the overrides, are kept
     cfg = load_train_config(None, ["model.preset=transformer-base", "model.d_model=256", "model.attention.n_heads=4"])
     m = cfg.model_config(vocab_size=300)
-    assert (m.head_dim, m.attention.n_kv_heads) == (64, 4)
-    cfg = load_train_config(None, ["model.preset=llama2-7b-tiny", "model.d_model=256", "model.attention.n_heads=8",
-                                   "model.attention.n_kv_heads=4"])  # fmt: skip
+    assert (m.head_dim, m.n_kv_heads) == (64, 4)
+    heads = ["model.attention.n_heads=8", "model.attention.n_kv_heads=4"]
+    cfg = load_train_config(None, ["model.preset=llama2-7b-tiny", "model.d_model=256", *heads])
     m = cfg.model_config(vocab_size=300)
-    assert (m.head_dim, m.attention.n_kv_heads) == (32, 4)
-    assert m.ffn.hidden_dim is not None and m.ffn.hidden_dim > 256
+    assert (m.head_dim, m.n_kv_heads) == (32, 4)
+    assert m.ffn_hidden_dim == 96  # the tiny preset gives its FFN width explicitly
+    unset = load_train_config(None, ["model.preset=llama2-7b-tiny", "model.d_model=256", "model.ffn.hidden_dim=null"])
+    assert unset.model_config(vocab_size=300).ffn_hidden_dim == 768  # LLaMA's rule for d_model 256
     kept = load_train_config(None, ["model.preset=llama2-7b-tiny", "model.attention.head_dim=8"])
     assert kept.model_config(vocab_size=300).head_dim == 8

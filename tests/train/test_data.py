@@ -58,6 +58,10 @@ def test_jsonl_source_and_errors(tmp_path):
     assert meta["splits"]["train"]["documents"] == 30
     with pytest.raises(InputError, match="has no string field 'text'"):
         prepare(path, tmp_path / "q", progress=False)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": \n')
+    with pytest.raises(InputError, match=r"bad\.jsonl:2: not valid JSON"):
+        prepare(bad, tmp_path / "q", progress=False)
     with pytest.raises(InputError, match="does not exist"):
         prepare(tmp_path / "nothing.txt", tmp_path / "q", progress=False)
     with pytest.raises(InputError, match="vocab_size=100 is too small"):

@@ -15,6 +15,7 @@ import torch
 
 from llmkit.errors import InputError
 from llmkit.presets import PRESETS
+from llmkit.runs import TRAINER_STATE, TRAINER_STATE_JSON, latest_checkpoint
 from llmkit.train import checkpoint as ckpt
 from llmkit.train.config import TrainConfig
 from llmkit.train.loop import TrainingError, train
@@ -60,7 +61,7 @@ def test_checkpoints_keep_the_last_k_and_load_as_models(tiny_data, tmp_path):
     steps = sorted(p.name for p in (tmp_path / "r" / "checkpoints").glob("step-*"))
     assert steps == ["step-000009", "step-000012"]
     assert (tmp_path / "r" / "checkpoints" / "latest").read_text().strip() == "step-000012"
-    from llmkit.interop.checkpoint import load_model
+    from llmkit.interop.load import load_model
 
     loaded = load_model(tmp_path / "r" / "checkpoints" / "step-000012")
     assert loaded.tokenizer is not None and loaded.model.cfg.vocab_size == 320
@@ -71,7 +72,7 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint(tiny_data, tmp_path
     real_save = torch.save
 
     def failing_save(obj, path, *a, **k):
-        if str(path).endswith(ckpt.STATE):
+        if str(path).endswith(TRAINER_STATE):
             raise OSError("disk full")
         return real_save(obj, path, *a, **k)
 
@@ -79,7 +80,7 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint(tiny_data, tmp_path
     with pytest.raises(OSError, match="disk full"):
         run(tiny_data, tmp_path / "r", resume=True, train={"steps": 12, "save_every": 3})
     monkeypatch.setattr(torch, "save", real_save)
-    latest = ckpt.latest_checkpoint(tmp_path / "r")
+    latest = latest_checkpoint(tmp_path / "r")
     assert latest is not None and latest.name == "step-000006"  # the half-written step-000009 is not used
     result = run(tiny_data, tmp_path / "r", resume=True, train={"steps": 12})
     assert result.steps == 12
@@ -99,7 +100,7 @@ def test_resume_errors(tiny_data, tmp_path):
         )
     with pytest.raises(TrainingError, match="already holds a run with checkpoints: continue it with --resume"):
         run(tiny_data, tmp_path / "r", train={"steps": 12})
-    state = ckpt.latest_checkpoint(tmp_path / "r") / ckpt.STATE
+    state = latest_checkpoint(tmp_path / "r") / TRAINER_STATE
     state.write_bytes(state.read_bytes()[:100])
     with pytest.raises(ckpt.ResumeError, match=r"trainer_state\.pt is damaged"):
         run(tiny_data, tmp_path / "r", resume=True, train={"steps": 12})
@@ -113,15 +114,15 @@ def test_missing_data_folder(tmp_path):
 def test_non_finite_loss_is_reported_with_its_step(tiny_data, tmp_path, monkeypatch):
     from llmkit.models.decoder import DecoderLM
 
-    real = DecoderLM.forward_hidden
+    real = DecoderLM.run
     calls = {"n": 0}
 
     def poisoned(self, *a, **k):
-        h, inputs = real(self, *a, **k)
+        h = real(self, *a, **k)
         calls["n"] += 1
-        return (h * float("nan") if calls["n"] == 4 else h), inputs
+        return h * float("nan") if calls["n"] == 4 else h
 
-    monkeypatch.setattr(DecoderLM, "forward_hidden", poisoned)
+    monkeypatch.setattr(DecoderLM, "run", poisoned)
     with pytest.raises(TrainingError, match="non-finite loss at step 4"):
         run(tiny_data, tmp_path / "r", train={"steps": 12, "eval_every": 100, "save_every": 100})
 
@@ -155,9 +156,9 @@ def test_ctrl_c_saves_and_exits_cleanly(tiny_data, tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert "interrupted" in out and "resume with --resume" in out
-    latest = ckpt.latest_checkpoint(tmp_path / "r")
+    latest = latest_checkpoint(tmp_path / "r")
     assert latest is not None
-    saved = json.loads((latest / ckpt.STATE_JSON).read_text())["step"]
+    saved = json.loads((latest / TRAINER_STATE_JSON).read_text())["step"]
     assert saved == max(json.loads(line)["step"] for line in metrics.read_text().splitlines())
 
 
@@ -185,15 +186,25 @@ def test_env_is_clean():
 
 
 def test_indexer_warmup_trains_only_the_indexer_and_its_loss_falls(tiny_data, tmp_path):
-    from llmkit.interop.checkpoint import load_model
-    from llmkit.train.checkpoint import latest_checkpoint
+    from llmkit.interop.load import load_model
 
     preset = {"preset": "deepseek-v3.2-tiny"}
-    run(tiny_data, tmp_path / "r", model=preset, train={"steps": 12, "halt_at": 1, "save_every": 1},
-        loss={"indexer_warmup_steps": 8})  # fmt: skip
+    run(
+        tiny_data,
+        tmp_path / "r",
+        model=preset,
+        train={"steps": 12, "halt_at": 1, "save_every": 1},
+        loss={"indexer_warmup_steps": 8},
+    )
     before = load_model(latest_checkpoint(tmp_path / "r")).model.state_dict()
-    run(tiny_data, tmp_path / "r", resume=True, model=preset, train={"steps": 12, "halt_at": 8, "save_every": 1},
-        loss={"indexer_warmup_steps": 8, "moe_bias_update_rate": 0.0})  # fmt: skip
+    run(
+        tiny_data,
+        tmp_path / "r",
+        resume=True,
+        model=preset,
+        train={"steps": 12, "halt_at": 8, "save_every": 1},
+        loss={"indexer_warmup_steps": 8, "moe_bias_update_rate": 0.0},
+    )
     after = load_model(latest_checkpoint(tmp_path / "r")).model.state_dict()
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed and all(".indexer." in k for k in changed), sorted(changed)[:5]

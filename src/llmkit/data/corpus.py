@@ -14,8 +14,10 @@ import importlib.util
 import json
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from llmkit.errors import InputError
 
@@ -78,8 +80,8 @@ def text_files(path: Path) -> list[Document]:
     return docs
 
 
-def jsonl(path: Path, field: str) -> list[Document]:
-    docs = []
+def jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed JSON value) for every non-blank line of a JSONL file."""
     with path.open(encoding="utf-8") as f:
         for n, line in enumerate(f, start=1):
             if not line.strip():
@@ -87,10 +89,16 @@ def jsonl(path: Path, field: str) -> list[Document]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise InputError(f"{path}:{n} is not valid JSON: {e}") from None
-            if not isinstance(record, dict) or not isinstance(record.get(field), str):
-                raise InputError(f"{path}:{n} has no string field {field!r} (set the field with --text-field)")
-            docs.append(Document(f"{path.name}:{n}", record[field]))
+                raise InputError(f"{path}:{n}: not valid JSON ({e})") from None
+            yield n, record
+
+
+def jsonl(path: Path, field: str) -> list[Document]:
+    docs = []
+    for n, record in jsonl_records(path):
+        if not isinstance(record, dict) or not isinstance(record.get(field), str):
+            raise InputError(f"{path}:{n} has no string field {field!r} (set the field with --text-field)")
+        docs.append(Document(f"{path.name}:{n}", record[field]))
     if not docs:
         raise InputError(f"{path} holds no records")
     return docs

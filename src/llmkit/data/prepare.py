@@ -21,12 +21,13 @@ from typing import Any
 
 import numpy as np
 
+from llmkit.data.arrays import META, token_dtype, write_array
+from llmkit.data.bpe import train_bpe
 from llmkit.data.corpus import Document, load_corpus
 from llmkit.errors import InputError
 from llmkit.tokenizer import Tokenizer
 
 EOT = "<|endoftext|>"
-META = "meta.json"
 SHARD_TOKENS = 100_000_000
 CHUNK_CHARS = 1 << 16
 
@@ -39,26 +40,6 @@ def split_document(text: str, val_fraction: float) -> tuple[str, str]:
     cut = int(len(text) * (1 - val_fraction))
     cut = text.rfind("\n", 0, cut) + 1  # back to the start of the line the cut falls in (0 if none)
     return (text, "") if cut == 0 else (text[:cut], text[cut:])
-
-
-def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
-    """A byte-level BPE tokenizer (GPT-2 style: no unknown tokens, any UTF-8 text) with `vocab_size` entries, the
-    end-of-text token first."""
-    from tokenizers import Tokenizer as Backend
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    if vocab_size < len(alphabet) + 1:
-        raise InputError(f"vocab_size={vocab_size} is too small: byte-level BPE needs at least {len(alphabet) + 1}")
-    backend = Backend(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[EOT], initial_alphabet=alphabet, show_progress=False
-    )
-    backend.train_from_iterator(texts, trainer=trainer)
-    eot = backend.token_to_id(EOT)
-    return Tokenizer(backend, bos_id=eot, eos_id=eot)
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
@@ -120,9 +101,7 @@ def write_shards(tokens: np.ndarray, out: Path, split: str, dtype: type) -> list
     names = []
     for k, start in enumerate(range(0, max(len(tokens), 1), SHARD_TOKENS)):
         name = f"{split}_{k:03d}.bin"
-        tmp = out / (name + ".tmp")
-        tokens[start : start + SHARD_TOKENS].astype(dtype).tofile(tmp)
-        tmp.replace(out / name)
+        write_array(tokens[start : start + SHARD_TOKENS].astype(dtype), out / name)
         names.append(name)
     return names
 
@@ -149,12 +128,13 @@ def prepare(
         raise InputError(f"corpus {str(source)!r} is empty")
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok = load_tokenizer(tokenizer) if tokenizer is not None else train_tokenizer(train_texts, vocab_size)
+    # trained: one end-of-text token, both the start and the end of a document (GPT-2's convention)
+    tok = load_tokenizer(tokenizer) if tokenizer is not None else train_bpe(train_texts, vocab_size, bos=EOT, eos=EOT)
     eot = tok.eos_id if tok.eos_id is not None else tok.token_id(EOT)
     if eot is None:
         raise InputError("the tokenizer has no end-of-text token (eos_token, or <|endoftext|>) to separate documents")
     tok.save(out_dir)
-    dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
+    dtype = token_dtype(tok.vocab_size)
     splits: dict[str, Any] = {}
     for split, texts in (("train", train_texts), ("val", val_texts)):
         tokens = encode_split(tok, texts, eot, progress, split)

@@ -1,28 +1,32 @@
 """Beam search: keep the `num_beams` best partial sequences instead of only the best next token.
 
 At each step every beam is extended by every token; the 2 * num_beams highest cumulative log-probabilities are
-candidates; candidates ending in an end token become finished hypotheses, the others the next beams (at most
-num_beams). The caches follow their beams (rows are reordered). A finished hypothesis scores
+candidates; candidates ending in an end token among the best num_beams become finished hypotheses, the others the
+next beams (at most num_beams). The caches follow their beams (rows are reordered). A finished hypothesis scores
 sum(log p) / length ** length_penalty (length = generated tokens): a penalty above 0 favours longer outputs, 0 ranks
 by raw log-probability. The search for one input stops when num_beams hypotheses are finished and no running beam can
 still beat the worst of them (or after max_new_tokens). One beam is greedy decoding.
 
-Works for decoder-only models (continuing prompts) and encoder-decoder models (decoding from a start token given the
-encoded source), with the same loop.
+Every input's beams and hypotheses are tensors ((B, num_beams) scores, (B, num_beams, L) tokens), so one step
+updates the whole batch at once. The same loop serves decoder-only models (continuing prompts) and encoder-decoder
+models (decoding from a start token given the encoded source): only the session differs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from llmkit.errors import InputError
-from llmkit.generate.decode import prepare_prompts
-from llmkit.models import DecoderLM, EncoderDecoder
-from llmkit.models.rnn import RNNSeq2Seq
+from llmkit.generate.prompts import prepare_prompts
+from llmkit.generate.sessions import DecoderSession, Seq2SeqSession, Session
+from llmkit.generate.stops import eos_ids
+from llmkit.models import DecoderLM, EncoderDecoder, RNNSeq2Seq
+
+_NEG = float("-inf")
 
 
 @dataclass
@@ -33,96 +37,101 @@ class BeamResult:
     scores: list[float]
 
 
+@dataclass
 class _Hypotheses:
-    def __init__(self, num_beams: int, length_penalty: float) -> None:
-        self.n, self.penalty = num_beams, length_penalty
-        self.items: list[tuple[float, list[int]]] = []
+    """Each input's best finished hypotheses, best first: scores (B, n) (-inf where none yet), tokens (B, n, L),
+    lengths (B, n)."""
 
-    def score(self, logprob: float, length: int) -> float:
-        return logprob / max(length, 1) ** self.penalty
+    scores: Tensor
+    tokens: Tensor
+    lengths: Tensor
 
-    def add(self, tokens: list[int], logprob: float) -> None:
-        self.items.append((self.score(logprob, len(tokens)), tokens))
-        self.items.sort(key=lambda x: -x[0])
-        del self.items[self.n :]
+    def add(self, scores: Tensor, tokens: Tensor, length: int) -> None:
+        """Merge candidates (B, m) of `length` tokens (B, m, length) (score -inf: not a candidate), keeping the n
+        best; on a tie the hypothesis found earlier stays ahead."""
+        n, width = self.scores.shape[1], max(self.tokens.shape[2], length)
+        old = torch.nn.functional.pad(self.tokens, (0, width - self.tokens.shape[2]))
+        new = torch.nn.functional.pad(tokens, (0, width - length))
+        all_scores = torch.cat([self.scores, scores], dim=1)
+        order = all_scores.sort(dim=1, descending=True, stable=True).indices[:, :n]  # (B, n)
+        self.scores = all_scores.gather(1, order)
+        self.tokens = torch.cat([old, new], dim=1).gather(1, order.unsqueeze(-1).expand(-1, -1, width))
+        lengths = torch.cat([self.lengths, torch.full_like(scores, length, dtype=torch.long)], dim=1)
+        self.lengths = lengths.gather(1, order)
 
-    def done(self, best_running: float, length: int) -> bool:
-        return len(self.items) >= self.n and self.score(best_running, length) <= self.items[-1][0]
+    def count(self) -> Tensor:
+        return (self.scores > _NEG).sum(dim=1)
 
 
-def _search(
-    step: Callable[[Tensor], Tensor],
-    reorder: Callable[[Tensor], None],
-    first_logits: Tensor,
-    batch: int,
-    num_beams: int,
-    max_new_tokens: int,
-    length_penalty: float,
-    eos: set[int],
+def _normalise(logprob: Tensor, length: int, penalty: float) -> Tensor:
+    return logprob / max(length, 1) ** penalty
+
+
+def search(
+    session: Session, batch: int, nb: int, max_new_tokens: int, penalty: float, eos: frozenset[int]
 ) -> BeamResult:
-    """The beam loop. first_logits (B * num_beams, V) after the prompt; step(tokens (B * nb, 1)) -> logits."""
-    nb = num_beams
-    device = first_logits.device
-    scores = torch.full((batch, nb), float("-inf"), device=device)
+    """The beam loop over a session holding batch * nb rows (the nb copies of each input next to each other, e.g.
+    made with `copies=nb`)."""
+    device = session.device
+    scores = torch.full((batch, nb), _NEG, device=device)
     scores[:, 0] = 0.0  # one live beam at first, so the beams do not start as copies of each other
-    beams: list[list[list[int]]] = [[[] for _ in range(nb)] for _ in range(batch)]
-    hyps = [_Hypotheses(nb, length_penalty) for _ in range(batch)]
-    finished = [False] * batch
-    logits = first_logits
-    for step_index in range(max_new_tokens):
-        logprobs = torch.log_softmax(logits.float(), dim=-1)  # (B * nb, V)
+    beams = torch.zeros(batch, nb, 0, dtype=torch.long, device=device)
+    hyps = _Hypotheses(scores.new_full((batch, nb), _NEG), beams.clone(), beams.new_zeros(batch, nb))
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    eos_list = torch.tensor(sorted(eos), dtype=torch.long, device=device)
+    rank = torch.arange(2 * nb, device=device)
+    for t in range(max_new_tokens):
+        length, last = t + 1, t == max_new_tokens - 1
+        logprobs = torch.log_softmax(session.logits.float(), dim=-1)  # (B * nb, V)
         V = logprobs.shape[-1]
         total = (logprobs.view(batch, nb, V) + scores.unsqueeze(-1)).view(batch, nb * V)
-        top, idx = total.topk(min(2 * nb, nb * V), dim=-1)  # candidates, best first
-        next_scores = torch.full((batch, nb), float("-inf"), device=device)
-        next_tokens = torch.zeros(batch, nb, dtype=torch.long, device=device)
-        source = torch.zeros(batch, nb, dtype=torch.long, device=device)
-        last = step_index == max_new_tokens - 1
-        for b in range(batch):
-            if finished[b]:
-                source[b] = torch.arange(nb, device=device)
-                continue
-            filled = 0
-            for rank, (s, i) in enumerate(zip(top[b].tolist(), idx[b].tolist(), strict=True)):
-                beam, token = divmod(i, V)
-                if s == float("-inf"):
-                    break
-                seq = [*beams[b][beam], token]
-                if token in eos:
-                    if rank < nb:  # an end token among the best num_beams candidates finishes a hypothesis
-                        hyps[b].add(seq, s)
-                    continue
-                next_scores[b, filled], next_tokens[b, filled], source[b, filled] = s, token, beam
-                filled += 1
-                if filled == nb:
-                    break
-            new_beams = [[*beams[b][int(source[b, j])], int(next_tokens[b, j])] for j in range(nb)]
-            beams[b] = new_beams
-            if last:
-                for j in range(nb):
-                    if next_scores[b, j] > float("-inf"):
-                        hyps[b].add(beams[b][j], float(next_scores[b, j]))
-            finished[b] = hyps[b].done(float(next_scores[b].max()), step_index + 1) or last
+        top, idx = total.topk(min(2 * nb, nb * V), dim=-1)  # candidates, best first: (B, m)
+        m = top.shape[1]
+        beam, token = idx // V, idx % V
+        seqs = torch.cat([beams.gather(1, beam.unsqueeze(-1).expand(-1, -1, t)), token.unsqueeze(-1)], dim=-1)
+        live = (top > _NEG) & ~finished.unsqueeze(1)  # (B, m)
+        is_eos = torch.isin(token, eos_list) & live
+        # an end token among the best nb candidates finishes a hypothesis; the best nb others run on
+        ended = is_eos & (rank[:m] < nb)
+        hyps.add(torch.where(ended, _normalise(top, length, penalty), _NEG), seqs, length)
+        keep = (~is_eos & live).long()
+        chosen = (rank[:m] + (1 - keep) * m).argsort(dim=1)[:, :nb]  # running candidates in rank order first
+        filled = keep.gather(1, chosen).bool()  # (B, nb): False where fewer than nb candidates ran on
+        next_scores = torch.where(filled, top.gather(1, chosen), _NEG)
+        source = torch.where(filled, beam.gather(1, chosen), 0)
+        next_tokens = torch.where(filled, token.gather(1, chosen), 0)
+        # a finished input keeps its beams where they are
+        source = torch.where(finished.unsqueeze(1), torch.arange(nb, device=device), source)
+        beams = torch.cat([beams.gather(1, source.unsqueeze(-1).expand(-1, -1, t)), next_tokens.unsqueeze(-1)], -1)
+        if last:  # the running beams become hypotheses too
+            running = torch.where(finished.unsqueeze(1), _NEG, _normalise(next_scores, length, penalty))
+            hyps.add(running, beams, length)
+        best_running = _normalise(next_scores.max(dim=1).values, length, penalty)
+        done = (hyps.count() >= nb) & (best_running <= hyps.scores[:, -1])
+        finished = finished | done | last
         scores = next_scores
-        if all(finished):
+        if bool(finished.all()):
             break
-        rows = (source + torch.arange(batch, device=device).unsqueeze(1) * nb).view(-1)
-        reorder(rows)
-        logits = step(next_tokens.view(-1, 1))
-    out: list[list[int]] = []
+        session.reorder((source + torch.arange(batch, device=device).unsqueeze(1) * nb).view(-1))
+        session.feed(next_tokens.view(-1, 1))
+    return _result(hyps)
+
+
+def _result(hyps: _Hypotheses) -> BeamResult:
+    sequences: list[list[int]] = []
     best: list[float] = []
-    for b in range(batch):
-        if not hyps[b].items:  # nothing finished and no steps taken
-            out.append([])
+    for scores, tokens, lengths in zip(hyps.scores.tolist(), hyps.tokens.tolist(), hyps.lengths.tolist(), strict=True):
+        if scores[0] == _NEG:  # nothing finished and no steps taken
+            sequences.append([])
             best.append(0.0)
-            continue
-        best.append(hyps[b].items[0][0])
-        out.append(hyps[b].items[0][1])
-    return BeamResult(out, best)
+        else:
+            sequences.append(tokens[0][: lengths[0]])
+            best.append(scores[0])
+    return BeamResult(sequences, best)
 
 
 def _check(num_beams: int, length_penalty: float) -> None:
-    if not isinstance(num_beams, int) or num_beams < 1:
+    if not isinstance(num_beams, int) or isinstance(num_beams, bool) or num_beams < 1:
         raise InputError(f"num_beams={num_beams!r} must be an int >= 1")
     if length_penalty != length_penalty:  # NaN
         raise InputError("length_penalty must be a number")
@@ -142,15 +151,8 @@ def beam_search(
     """Beam search continuing each prompt of a decoder-only model."""
     _check(num_beams, length_penalty)
     tokens, mask = prepare_prompts(model, prompts, padding_mask, max_new_tokens)
-    B, T = tokens.shape
-    expanded = tokens.repeat_interleave(num_beams, dim=0)
-    valid = mask.repeat_interleave(num_beams, dim=0)
-    cache = model.new_cache(B * num_beams, T + max(max_new_tokens, 1))
-    first = model(expanded, padding_mask=valid if not bool(valid.all()) else None, cache=cache)[:, -1]
-    eos = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
-    return _search(
-        lambda t: model(t, cache=cache)[:, -1], cache.reorder, first, B, num_beams, max_new_tokens, length_penalty, eos
-    )
+    session = DecoderSession(model, tokens, mask, max_new_tokens, copies=num_beams)
+    return search(session, tokens.shape[0], num_beams, max_new_tokens, length_penalty, eos_ids(eos_id))
 
 
 @torch.no_grad()
@@ -170,29 +172,5 @@ def beam_search_seq2seq(
     `start_id`. The encoder runs once; the cross-attention keys and values are computed once and reordered with the
     beams. Tokens in `suppress_ids` (e.g. padding) are never generated."""
     _check(num_beams, length_penalty)
-    if not 0 <= start_id < model.cfg.vocab_size:
-        raise InputError(f"start_id={start_id} is outside the vocabulary [0, {model.cfg.vocab_size})")
-    memory = model.encode(source, source_mask)
-    B = source.shape[0]
-    memory = memory.repeat_interleave(num_beams, dim=0)
-    smask = None if source_mask is None else source_mask.bool().repeat_interleave(num_beams, dim=0)
-    cache = model.new_cache(B * num_beams, max(max_new_tokens, 1) + 1)
-    start = torch.full((B * num_beams, 1), start_id, dtype=torch.long, device=memory.device)
-    banned = torch.tensor(sorted(set(suppress_ids)), dtype=torch.long, device=memory.device)
-
-    def step(tokens: Tensor) -> Tensor:
-        logits = model.decode(tokens, memory, source_mask=smask, cache=cache)[:, -1]  # type: ignore[arg-type]
-        return logits.index_fill(-1, banned, float("-inf")) if len(banned) else logits
-
-    first = step(start)
-    eos = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
-    return _search(
-        step,
-        cache.reorder,
-        first,
-        B,
-        num_beams,
-        max_new_tokens,
-        length_penalty,
-        eos,
-    )
+    session = Seq2SeqSession(model, source, source_mask, start_id, max_new_tokens, suppress_ids, copies=num_beams)
+    return search(session, source.shape[0], num_beams, max_new_tokens, length_penalty, eos_ids(eos_id))

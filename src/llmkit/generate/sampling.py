@@ -7,8 +7,9 @@
     top-p               keep the smallest set of most likely tokens whose probability adds up to p (nucleus)
     min-p               keep tokens at least min_p times as likely as the most likely one
 
-`distribution` gives the final probabilities (speculative sampling needs them for both models); `next_token` draws
-from them. Shapes: B rows, V vocabulary.
+`distribution` gives the final probabilities (speculative sampling needs them for both models); `draw` picks from
+probabilities and `next_token` from logits: every generator chooses its tokens through these. Shapes: B rows,
+V vocabulary.
 """
 
 from __future__ import annotations
@@ -48,10 +49,6 @@ class Sampling:
         return self.temperature == 0.0
 
 
-def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    Sampling(temperature, top_k, top_p)
-
-
 def penalize_repetition(logits: Tensor, history: Tensor | None, penalty: float) -> Tensor:
     """logits (B, V); history (B, L) token ids already in each sequence (negative ids are ignored)."""
     if penalty == 1.0 or history is None or history.numel() == 0:
@@ -63,8 +60,9 @@ def penalize_repetition(logits: Tensor, history: Tensor | None, penalty: float) 
     return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
 
 
-def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None,
-                  min_p: float | None = None) -> Tensor:  # fmt: skip
+def filter_logits(
+    logits: Tensor, top_k: int | None = None, top_p: float | None = None, min_p: float | None = None
+) -> Tensor:
     """Set the logits of tokens outside the top-k / top-p / min-p sets to -inf. (B, V) -> (B, V)."""
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]  # (B, 1)
@@ -89,6 +87,14 @@ def distribution(logits: Tensor, s: Sampling, history: Tensor | None = None) -> 
     return filter_logits(logits / s.temperature, s.top_k, s.top_p, s.min_p).softmax(dim=-1)
 
 
+def draw(probs: Tensor, greedy: bool, generator: torch.Generator | None = None) -> Tensor:
+    """One token per row from probabilities (..., V) -> (...) long: the most likely, or a sample."""
+    if greedy:
+        return probs.argmax(dim=-1)
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
 def next_token(
     logits: Tensor,
     temperature: float | Sampling = 0.0,
@@ -101,4 +107,4 @@ def next_token(
     s = temperature if isinstance(temperature, Sampling) else Sampling(temperature, top_k, top_p)
     if s.greedy:
         return penalize_repetition(logits.float(), history, s.repetition_penalty).argmax(dim=-1)
-    return torch.multinomial(distribution(logits, s, history), 1, generator=generator).squeeze(-1)
+    return draw(distribution(logits, s, history), False, generator)

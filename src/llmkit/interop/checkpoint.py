@@ -1,4 +1,4 @@
-"""llmkit's own checkpoint format, and `load_model`, which opens any supported source.
+"""llmkit's own checkpoint format (`load_model` in interop/load.py opens it and every other format).
 
     DIR/llmkit.json          {"format": "llmkit", "version": 1, "config": ModelConfig, "hf": {...} | null, ...}
     DIR/model.safetensors    weights under llmkit's own names (sharded with an index when large)
@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from llmkit.config import ModelConfig
 from llmkit.errors import ConfigError
 from llmkit.interop.keymap import IDENTITY, Concrete
+from llmkit.interop.loaded import Loaded
 from llmkit.interop.safetensors_io import CheckpointError, open_tensors, save_tensors
 from llmkit.interop.weights import build_with_weights, expected_shapes
+from llmkit.layers.precision import cast_state, fp32_state
 from llmkit.models import DecoderLM, EncoderDecoder, RNNConfig, RNNSeq2Seq, build_rnn
 from llmkit.tokenizer import Tokenizer
 
@@ -32,39 +34,17 @@ SOURCE_TOKENIZER = "source_tokenizer"
 VERSION = 1
 
 
-@dataclass
-class Loaded:
-    """A model and what came with it, from a Hugging Face directory, a GGUF file or an llmkit checkpoint."""
+class Weights(Protocol):
+    """What is saved of a model: its config and its state dict (a model, or a state gathered from shards)."""
 
-    model: DecoderLM | EncoderDecoder | RNNSeq2Seq
-    tokenizer: Tokenizer | None
-    source: str  # "hf", "gguf" or "llmkit"
-    path: Path
-    hf_model_type: str | None = None
-    hf_config: dict[str, Any] | None = None
-    generation_config: dict[str, Any] = field(default_factory=dict)
-    source_tokenizer: Tokenizer | None = None  # a translation model's, when it differs from `tokenizer`
+    @property
+    def cfg(self) -> ModelConfig | RNNConfig: ...
 
-
-def detect_format(path: str | os.PathLike[str]) -> str:
-    """'gguf', 'llmkit' or 'hf' for a checkpoint path; CheckpointError if it is none of them."""
-    p = Path(path)
-    if p.is_file() and p.suffix == ".gguf":
-        return "gguf"
-    if p.is_dir() and (p / FORMAT_FILE).is_file():
-        return "llmkit"
-    if p.is_dir() and (p / "config.json").is_file():
-        return "hf"
-    if not p.exists():
-        raise CheckpointError(f"{p} does not exist")
-    raise CheckpointError(
-        f"{p} is not a checkpoint: expected a .gguf file, a directory with {FORMAT_FILE} (llmkit) or one with "
-        "config.json (Hugging Face)"
-    )
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
 
 
 def save_llmkit(
-    model: DecoderLM | EncoderDecoder | RNNSeq2Seq,
+    model: DecoderLM | EncoderDecoder | RNNSeq2Seq | Weights,
     directory: str | os.PathLike[str],
     *,
     tokenizer: Tokenizer | None = None,
@@ -78,11 +58,8 @@ def save_llmkit(
 ) -> Path:
     """Write `model` in llmkit's format, with its tokenizer (an object, or the files of `tokenizer_dir`)."""
     d = Path(directory)
-    state = model.state_dict()
-    if dtype is not None:
-        state = {
-            k: v.to(dtype) if v.is_floating_point() and not k.endswith("score_bias") else v for k, v in state.items()
-        }
+    keep = fp32_state(model) if isinstance(model, nn.Module) else set()
+    state = cast_state(model.state_dict(), dtype, keep)
     save_tensors(state, d, max_shard_bytes)
     meta = {
         "format": "llmkit",
@@ -156,29 +133,11 @@ def _load_rnn(
     found = dict(tensors.shapes)
     missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
     if missing or unexpected:
-        raise CheckpointError(f"{d}: weights do not match the RNN config (missing {missing[:5]}, unexpected "
-                              f"{unexpected[:5]})")  # fmt: skip
+        raise CheckpointError(
+            f"{d}: weights do not match the RNN config (missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
     bad = [k for k in expected if tuple(found[k]) != expected[k]]
     if bad:
         raise CheckpointError(f"{d}: {bad[0]} has shape {tuple(found[bad[0]])}, the config needs {expected[bad[0]]}")
     model.load_state_dict({k: tensors[k] for k in expected})
     return model.to(dtype=dtype) if dtype is not None else model
-
-
-def load_model(
-    path: str | os.PathLike[str], *, dtype: torch.dtype | None = None, device: torch.device | str | None = None
-) -> Loaded:
-    """Load any supported checkpoint: a Hugging Face directory, a GGUF file, or an llmkit checkpoint."""
-    kind = detect_format(path)
-    if kind == "llmkit":
-        return load_llmkit(path, dtype=dtype, device=device)
-    if kind == "gguf":
-        from llmkit.interop.gguf import load_gguf
-
-        return load_gguf(path, dtype=dtype, device=device)
-    from llmkit.interop.hf import load_hf
-
-    ck = load_hf(path, dtype=dtype, device=device)
-    return Loaded(
-        ck.model, Tokenizer.from_dir(path), "hf", Path(path), ck.model_type, ck.hf_config, ck.generation_config
-    )

@@ -18,23 +18,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llmkit.errors import LLMKitError
-from llmkit.interop.checkpoint import Loaded, load_model
-from llmkit.models import EncoderDecoder, RNNSeq2Seq
+from llmkit.interop.hf import TOKENIZER_FILES, family_for
+from llmkit.interop.load import load_model
+from llmkit.interop.loaded import Loaded
 
 DEFAULT_PROMPT = "The Transformer replaced recurrence with attention, so every position is computed in parallel."
-
-# where each side keeps its layer stacks: Hugging Face module paths (by model_type) and llmkit's
-_HF_LAYERS = {
-    "gpt2": ("transformer.h",),
-    "marian": ("model.encoder.layers", "model.decoder.layers"),
-}
-_HF_DEFAULT = ("model.layers",)
-
-
-def _get(module: nn.Module, path: str) -> nn.Module:
-    for part in path.split("."):
-        module = getattr(module, part)
-    return module
 
 
 def _capture(layers: list[nn.Module], store: list[Tensor]) -> list[Any]:
@@ -53,8 +41,29 @@ def _ids(loaded: Loaded, hf_tokenizer: Any, prompt: str, vocab: int) -> tuple[li
     return [b % vocab for b in prompt.encode("utf-8")], "prompt bytes (no tokenizer found)"
 
 
+def _reference(transformers: Any, loaded: Loaded, auto_class: str) -> tuple[Any, Any]:
+    """transformers' model for the same checkpoint, and its tokenizer when llmkit found none."""
+    kwargs: dict[str, Any] = {}
+    directory = loaded.path
+    if loaded.source == "gguf":  # transformers reads a GGUF file from its directory
+        kwargs["gguf_file"] = loaded.path.name
+        directory = loaded.path.parent
+    ref = getattr(transformers, auto_class).from_pretrained(str(directory), dtype=torch.float32, **kwargs).eval()
+    tokenizer = None
+    has_files = loaded.source == "gguf" or any((directory / f).is_file() for f in TOKENIZER_FILES)
+    if loaded.tokenizer is None and has_files:
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory), **kwargs)
+        except Exception:
+            tokenizer = None
+    return ref, tokenizer
+
+
 def compare(path: str | os.PathLike[str], prompt: str | None = None) -> dict[str, Any]:
-    """Compare llmkit with transformers on a checkpoint; returns the report as a dict."""
+    """Compare llmkit with transformers on a checkpoint; returns the report as a dict.
+
+    The checkpoint's family says which transformers Auto class loads it, where that model keeps its layer stacks
+    and how one input runs through both; llmkit's model gives its own stacks (`layer_stacks()`), in the same order."""
     try:
         import transformers
     except ImportError:
@@ -62,26 +71,17 @@ def compare(path: str | os.PathLike[str], prompt: str | None = None) -> dict[str
     p = Path(path)
     loaded = load_model(p, dtype=torch.float32)
     ours = loaded.model.eval()
-    kwargs: dict[str, Any] = {"dtype": torch.float32}
-    directory = p
-    if loaded.source == "gguf":
-        kwargs["gguf_file"] = p.name
-        directory = p.parent
-    elif loaded.source != "hf":
+    layer_stacks = getattr(ours, "layer_stacks", None)
+    if layer_stacks is None:
+        raise LLMKitError(
+            f"llmkit compare lines up Transformer layers with transformers'; this {type(ours).__name__} has no "
+            "layer stacks to compare"
+        )
+    if loaded.source == "llmkit":
         raise LLMKitError(f"{p} is an llmkit checkpoint; compare needs the Hugging Face directory or GGUF file")
-    auto = transformers.AutoModelForSeq2SeqLM if isinstance(ours, EncoderDecoder) else transformers.AutoModelForCausalLM
-    ref = auto.from_pretrained(str(directory), **kwargs).eval()
-    hf_tokenizer = None
-    from llmkit.interop.hf import TOKENIZER_FILES
-
-    has_files = loaded.source == "gguf" or any((directory / f).is_file() for f in TOKENIZER_FILES)
-    if loaded.tokenizer is None and has_files:
-        try:
-            hf_tokenizer = transformers.AutoTokenizer.from_pretrained(
-                str(directory), **{k: v for k, v in kwargs.items() if k == "gguf_file"}
-            )
-        except Exception:
-            hf_tokenizer = None
+    model_type = loaded.hf_model_type or "llama"
+    family = family_for(model_type)
+    ref, hf_tokenizer = _reference(transformers, loaded, family.auto_class)
     ids, tokenized_by = _ids(loaded, hf_tokenizer, prompt or DEFAULT_PROMPT, ours.cfg.vocab_size)
     if not ids:
         raise LLMKitError("the prompt gives no tokens; give a non-empty --prompt")
@@ -90,40 +90,30 @@ def compare(path: str | os.PathLike[str], prompt: str | None = None) -> dict[str
             f"the {tokenized_by} gives id {max(ids)}, outside the model's vocabulary of {ours.cfg.vocab_size}: "
             "the tokenizer files do not belong to this model"
         )
-    tokens = torch.tensor([ids])
+    inputs = family.one_input(torch.tensor([ids]), loaded.hf_config or {})
 
+    stacks: dict[str, nn.ModuleList] = layer_stacks()
+    names = [f"{stack}.{i}" for stack, layers in stacks.items() for i in range(len(layers))]
+    our_layers = [layer for layers in stacks.values() for layer in layers]
+    ref_layers = [layer for path_ in family.reference_stacks for layer in ref.get_submodule(path_).children()]
     ref_states: list[Tensor] = []
     our_states: list[Tensor] = []
-    model_type = loaded.hf_model_type or "llama"
-    ref_layers = [m for path_ in _HF_LAYERS.get(model_type, _HF_DEFAULT) for m in _get(ref, path_).children()]
-    if isinstance(ours, RNNSeq2Seq):
-        raise LLMKitError("llmkit compare checks Transformer models against transformers; this is an RNN")
-    our_layers = list(ours.encoder) + list(ours.decoder) if isinstance(ours, EncoderDecoder) else list(ours.blocks)
     handles = _capture(ref_layers, ref_states) + _capture(our_layers, our_states)
     try:
         with torch.no_grad():
-            if isinstance(ours, EncoderDecoder):
-                start = int((loaded.hf_config or {}).get("decoder_start_token_id") or 0)
-                target = torch.cat([torch.tensor([[start]]), tokens[:, :-1]], dim=1)
-                ref_logits = ref(input_ids=tokens, decoder_input_ids=target).logits.float()
-                our_logits = ours(tokens, target).float()
-            else:
-                ref_logits = ref(input_ids=tokens).logits.float()
-                our_logits = ours(tokens).float()
+            ref_logits = ref(**inputs.theirs).logits.float()
+            our_logits = ours(*inputs.ours).float()
     finally:
         for h in handles:
             h.remove()
-    names = [f"encoder.{i}" for i in range(len(ours.encoder))] + [f"decoder.{i}" for i in range(len(ours.decoder))] \
-        if isinstance(ours, EncoderDecoder) else [f"layer.{i}" for i in range(len(our_layers))]  # fmt: skip
-    layers = []
-    for name, a, b in zip(names, our_states, ref_states, strict=True):
-        layers.append(
-            {
-                "layer": name,
-                "max_abs_diff": float((a - b).abs().max()),
-                "cosine": float(F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0)),
-            }
-        )
+    layers = [
+        {
+            "layer": name,
+            "max_abs_diff": float((a - b).abs().max()),
+            "cosine": float(F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0)),
+        }
+        for name, a, b in zip(names, our_states, ref_states, strict=True)
+    ]
     return {
         "path": str(p),
         "source": loaded.source,

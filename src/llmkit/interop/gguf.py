@@ -22,8 +22,8 @@ from torch import Tensor
 
 from llmkit.config import AttentionConfig, FFNConfig, ModelConfig, NormConfig, PositionConfig, RopeScaling
 from llmkit.errors import ConfigError
-from llmkit.interop.checkpoint import Loaded
 from llmkit.interop.keymap import Concrete, RopeToHalf, Rule, expand
+from llmkit.interop.loaded import Loaded
 from llmkit.interop.safetensors_io import CheckpointError
 from llmkit.interop.weights import build_with_weights
 from llmkit.tokenizer import Tokenizer
@@ -90,7 +90,6 @@ def config_from_gguf(meta: dict[str, Any], names: set[str]) -> ModelConfig:
 
 def gguf_rules(cfg: ModelConfig) -> list[Rule]:
     a = cfg.attention
-    assert a.n_kv_heads is not None
     b = "blk.{i}."
     return [
         Rule("embed.weight", "token_embd.weight"),
@@ -98,7 +97,7 @@ def gguf_rules(cfg: ModelConfig) -> list[Rule]:
         Rule("head.weight", "output.weight", when=lambda c: not c.tie_embeddings),
         Rule("blocks.{i}.attn_residual.norm.weight", b + "attn_norm.weight", where="layers"),
         Rule("blocks.{i}.attn.wq.weight", b + "attn_q.weight", RopeToHalf(a.n_heads), where="layers"),
-        Rule("blocks.{i}.attn.wk.weight", b + "attn_k.weight", RopeToHalf(a.n_kv_heads), where="layers"),
+        Rule("blocks.{i}.attn.wk.weight", b + "attn_k.weight", RopeToHalf(cfg.n_kv_heads), where="layers"),
         Rule("blocks.{i}.attn.wv.weight", b + "attn_v.weight", where="layers"),
         Rule("blocks.{i}.attn.wo.weight", b + "attn_output.weight", where="layers"),
         Rule("blocks.{i}.ffn_residual.norm.weight", b + "ffn_norm.weight", where="layers"),

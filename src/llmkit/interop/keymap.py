@@ -177,8 +177,9 @@ class Concrete:
     transform: Transform
 
 
-def _names(templates: str | tuple[str, ...]) -> tuple[str, ...]:
-    return (templates,) if isinstance(templates, str) else templates
+def as_tuple(names: str | tuple[str, ...]) -> tuple[str, ...]:
+    """One name or several, as a tuple (a rule's sides, a config table's keys)."""
+    return (names,) if isinstance(names, str) else names
 
 
 def expand(rules: Iterable[Rule], cfg: ModelConfig) -> list[Concrete]:
@@ -190,9 +191,9 @@ def expand(rules: Iterable[Rule], cfg: ModelConfig) -> list[Concrete]:
             continue
         shift = rule.offset(cfg) if rule.offset else 0
         for i in layer_indices(cfg, rule.where):
-            ours = tuple(t.format(i=i) for t in _names(rule.ours))
+            ours = tuple(t.format(i=i) for t in as_tuple(rule.ours))
             theirs: list[str] = []
-            for t in _names(rule.theirs):
+            for t in as_tuple(rule.theirs):
                 if "{e}" in t:
                     theirs += [t.format(i=i + shift, e=e) for e in range(n_experts)]
                 else:

@@ -15,7 +15,7 @@ from torch import Tensor
 from llmkit.config import ModelConfig
 from llmkit.errors import LLMKitError
 from llmkit.interop.keymap import Concrete, check_against, convert_to_ours
-from llmkit.layers.moe import FP32Buffers
+from llmkit.layers.precision import fp32_state
 from llmkit.models import DecoderLM, EncoderDecoder, build_model
 
 
@@ -52,13 +52,13 @@ def build_with_weights(
     if unmapped:  # a key map that forgets a parameter is a bug in llmkit, not in the checkpoint
         raise LLMKitError(f"the key map does not produce {unmapped[:8]}; please report this")
     check_against(concrete, {n: tuple(t.shape) for n, t in ours.items()}, source_shapes, ignored, where)
-    params = {n for n, _ in model.named_parameters()}
+    keep = fp32_state(model)
     target = dtype or _checkpoint_dtype(concrete, get)
     dev = torch.device(device) if device is not None else torch.device("cpu")
     state: dict[str, Tensor] = {}
     for name, t in convert_to_ours(concrete, get):
         if t.is_floating_point():
-            t = t.to(target if name in params else torch.float32)  # buffers (router bias) stay fp32
+            t = t.to(torch.float32 if name in keep else target)
         state[name] = t.to(dev)
     model.load_state_dict(state, strict=True, assign=True)
     materialize_buffers(model, dev)
@@ -67,9 +67,16 @@ def build_with_weights(
 
 @torch.no_grad()
 def materialize_buffers(model: torch.nn.Module, device: torch.device) -> None:
-    """Give buffers that are not in a checkpoint (still on the meta device) their initial value: zeros."""
-    for module in model.modules():
+    """Put the buffers that are not in a checkpoint on `device`: ones still on the meta device get their initial
+    value, zeros (in fp32 where declared so); computed ones (rotary frequencies, built on the CPU) are moved."""
+    keep = fp32_state(model)
+    for prefix, module in model.named_modules():
         for name, buf in list(module._buffers.items()):
-            if buf is not None and buf.is_meta:
-                dtype = torch.float32 if isinstance(module, FP32Buffers) else buf.dtype
+            if buf is None or buf.device == device:
+                continue
+            full = f"{prefix}.{name}" if prefix else name
+            if buf.is_meta:
+                dtype = torch.float32 if full in keep else buf.dtype
                 module._buffers[name] = torch.zeros(buf.shape, dtype=dtype, device=device)
+            else:
+                module._buffers[name] = buf.to(device)

@@ -19,6 +19,7 @@ from llmkit.config import ModelConfig
 from llmkit.layers.attention import AttentionInputs, build_attention
 from llmkit.layers.attention.cross import CrossAttention, CrossCache
 from llmkit.layers.attention.mask import AttentionMask
+from llmkit.layers.extras import Extras
 from llmkit.layers.mlp import build_ffn
 from llmkit.layers.moe import MoE
 from llmkit.layers.residual import build_residual
@@ -28,10 +29,9 @@ def build_block_ffn(cfg: ModelConfig, layer: int) -> nn.Module:
     """Layer `layer`'s feed-forward: MoE from moe.first_dense_layers on when `moe` is set, the dense ffn otherwise."""
     if cfg.is_moe_layer(layer):
         assert cfg.moe is not None
-        return MoE(cfg.d_model, cfg.moe)
+        return MoE(cfg.d_model, cfg.moe, layer)
     f = cfg.ffn
-    assert f.hidden_dim is not None
-    return build_ffn(f.kind, cfg.d_model, f.hidden_dim, f.activation, f.bias)
+    return build_ffn(f.kind, cfg.d_model, cfg.ffn_hidden_dim, f.activation, f.bias)
 
 
 class TransformerBlock(nn.Module):
@@ -44,9 +44,9 @@ class TransformerBlock(nn.Module):
         self.attn_residual = build_residual(cfg.norm, cfg.d_model, cfg.dropout)
         self.ffn_residual = build_residual(cfg.norm, cfg.d_model, cfg.dropout)
 
-    def forward(self, x: Tensor, inputs: AttentionInputs, cache: Any = None) -> Tensor:
-        x = self.attn_residual(x, lambda h: self.attn(h, inputs, cache))
-        return self.ffn_residual(x, self.ffn)
+    def forward(self, x: Tensor, inputs: AttentionInputs, cache: Any = None, extras: Extras | None = None) -> Tensor:
+        x = self.attn_residual(x, lambda h: self.attn(h, inputs, cache, extras))
+        return self.ffn_residual(x, lambda h: self.ffn(h, extras))
 
 
 class CrossAttentionBlock(nn.Module):
@@ -55,7 +55,7 @@ class CrossAttentionBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.attn = build_attention(cfg)
-        self.cross = CrossAttention.from_config(cfg)
+        self.cross = CrossAttention(cfg)
         self.ffn = build_block_ffn(cfg, layer)
         self.attn_residual = build_residual(cfg.norm, cfg.d_model, cfg.dropout)
         self.cross_residual = build_residual(cfg.norm, cfg.d_model, cfg.dropout)
@@ -69,7 +69,8 @@ class CrossAttentionBlock(nn.Module):
         memory_mask: AttentionMask | None,
         cache: Any = None,
         cross_cache: CrossCache | None = None,
+        extras: Extras | None = None,
     ) -> Tensor:
-        x = self.attn_residual(x, lambda h: self.attn(h, inputs, cache))
-        x = self.cross_residual(x, lambda h: self.cross(h, memory, memory_mask, cross_cache))
-        return self.ffn_residual(x, self.ffn)
+        x = self.attn_residual(x, lambda h: self.attn(h, inputs, cache, extras))
+        x = self.cross_residual(x, lambda h: self.cross(h, memory, memory_mask, cross_cache, extras))
+        return self.ffn_residual(x, lambda h: self.ffn(h, extras))

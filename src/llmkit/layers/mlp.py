@@ -3,8 +3,9 @@
     MLP     FFN(x) = act(x W1 + b1) W2 + b2          the paper's ReLU MLP (hidden 4C); GPT-2 uses GELU
     SwiGLU  FFN(x) = (silu(x W1) * x W3) W2         a gated MLP (Shazeer 2020, LLaMA); GeGLU with act = gelu
 
-Most of a large model's parameters, and much of what it "knows", sit in these layers. Shapes: (..., C) -> (..., C),
-hidden width I.
+Most of a large model's parameters, and much of what it "knows", sit in these layers. Every feed-forward variant
+(these two and the mixture of experts in moe.py) has one signature, `forward(x, extras=None)`; a dense one has
+nothing to report. Shapes: (..., C) -> (..., C), hidden width I.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llmkit.config import Activation, FFNKind
+from llmkit.layers.extras import Extras
 
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "relu": F.relu,
@@ -35,7 +37,7 @@ class MLP(nn.Module):
         self.w1 = nn.Linear(dim, hidden, bias=bias)
         self.w2 = nn.Linear(hidden, dim, bias=bias)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, extras: Extras | None = None) -> Tensor:
         return self.w2(self.act(self.w1(x)))
 
     def extra_repr(self) -> str:
@@ -53,7 +55,7 @@ class SwiGLU(nn.Module):
         self.w3 = nn.Linear(dim, hidden, bias=bias)  # up
         self.w2 = nn.Linear(hidden, dim, bias=bias)  # down
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, extras: Extras | None = None) -> Tensor:
         return self.w2(self.act(self.w1(x)) * self.w3(x))
 
     def extra_repr(self) -> str:

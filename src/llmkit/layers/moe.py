@@ -16,9 +16,11 @@ Variants, all by configuration:
   choices are served before second choices, then in token order; the rest are dropped (the residual path carries
   those tokens through unchanged).
 
-Dispatch groups tokens by expert: sort the N*k assignments by expert, gather the tokens (index_select), run each
-expert once on its contiguous slice (empty experts are skipped), and scatter-add the weighted outputs back
-(index_add). No Python loop over tokens.
+Dispatch groups tokens by expert: sort the N*k assignments by expert, gather the tokens (index_select), run every
+expert on its contiguous slice in one grouped matmul (`F.grouped_mm`, which takes the slice boundaries as a tensor,
+so nothing is read back from the device and shapes do not depend on the routing), and scatter-add the weighted
+outputs back (index_add). No Python loop over tokens. An assignment beyond an expert's capacity is computed with a
+gate of zero, which keeps every shape fixed.
 
 Shapes: N tokens (B*T flattened), C model dim, E experts, k experts per token, I expert hidden dim.
 """
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +36,20 @@ from torch import Tensor, nn
 
 from llmkit.config import Activation, FFNKind, MoEConfig
 from llmkit.errors import check_features
+from llmkit.layers.extras import Extras, MoEStats
 from llmkit.layers.mlp import ACTIVATIONS, build_ffn
+from llmkit.layers.precision import FP32Buffers
+
+_GROUPED_MM = hasattr(F, "grouped_mm")  # torch >= 2.9; older versions run the experts one by one
+
+
+def grouped_mm_applies(x: Tensor, dtype: torch.dtype) -> bool:
+    """Whether F.grouped_mm serves this call: every dtype on the CPU; bf16 on CUDA from compute capability 9.0."""
+    if not _GROUPED_MM:
+        return False
+    if x.device.type == "cpu":
+        return True
+    return x.device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
 
 
 @dataclass(frozen=True)
@@ -46,16 +60,6 @@ class Routing:
     experts: Tensor  # (N, k) long, the chosen experts
     probs: Tensor  # (N, E) fp32 scores normalised to sum to 1 per token (for the balance loss)
     logits: Tensor  # (N, E) fp32 raw router logits (for the z-loss)
-
-
-@dataclass(frozen=True)
-class MoEStats:
-    """What one MoE forward call measured: losses the trainer adds, and the load per expert."""
-
-    aux_loss: Tensor  # scalar, load-balancing loss (Switch or sequence-wise, per aux_loss_kind)
-    z_loss: Tensor  # scalar, router z-loss mean(logsumexp(logits)^2)
-    counts: Tensor  # (E,) float, assignments per expert chosen by the router (before capacity dropping)
-    dropped: float  # fraction of assignments dropped by the capacity limit
 
 
 def sequence_aux_loss(probs: Tensor, experts: Tensor, n_experts: int) -> Tensor:
@@ -77,30 +81,20 @@ def switch_aux_loss(probs: Tensor, experts: Tensor, n_experts: int) -> Tensor:
     top-k); P_i = mean router probability of expert i. Minimised (value k) by uniform routing. probs (N, E),
     experts (N, k)."""
     N = probs.shape[0]
-    f = torch.bincount(experts.reshape(-1), minlength=n_experts).float() / N  # (E,)
+    f = expert_counts(experts, n_experts).float() / N  # (E,)
     return n_experts * torch.sum(f * probs.mean(dim=0))
+
+
+def expert_counts(experts: Tensor, n_experts: int) -> Tensor:
+    """Assignments per expert: experts (..., k) long -> (E,) long (a fixed shape, unlike bincount's)."""
+    flat = experts.reshape(-1)
+    return torch.zeros(n_experts, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
 
 
 def router_z_loss(logits: Tensor) -> Tensor:
     """ST-MoE router z-loss (Zoph et al. 2022, eq. 5): mean over tokens of logsumexp(logits)^2, which keeps router
     logits small and the softmax numerically stable. logits (N, E)."""
     return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
-
-
-class FP32Buffers(nn.Module):
-    """Keeps the buffers named in `fp32_buffers` in fp32 when the module is cast (model.to(torch.bfloat16)): a
-    router bias nudged by 1e-3 steps, or a count of tokens, would stall in bf16."""
-
-    fp32_buffers: tuple[str, ...] = ()
-
-    def _apply(self, fn: Any, recurse: bool = True) -> FP32Buffers:
-        kept = {n: b for n in self.fp32_buffers if (b := self._buffers.get(n)) is not None}
-        super()._apply(fn, recurse)
-        for name, old in kept.items():
-            new = self._buffers[name]
-            if new is not None and new.dtype != torch.float32:
-                self._buffers[name] = new.float() if old.is_meta else old.to(new.device, torch.float32)
-        return self
 
 
 class Router(FP32Buffers):
@@ -145,7 +139,8 @@ class Router(FP32Buffers):
 class GroupedExperts(nn.Module):
     """E feed-forward experts stored as stacked weights w1, w3 (E, I, C) and w2 (E, C, I).
 
-    forward(x (M, C) sorted by expert, counts per expert) -> (M, C): each expert runs once on its slice."""
+    forward(x (M, C) sorted by expert, counts (E,) assignments per expert) -> (M, C): each expert runs on its
+    slice."""
 
     def __init__(self, n_experts: int, dim: int, hidden: int, kind: FFNKind, activation: Activation) -> None:
         super().__init__()
@@ -170,10 +165,27 @@ class GroupedExperts(nn.Module):
             h = h * F.linear(x, self.w3[e])
         return F.linear(h, self.w2[e])
 
-    def forward(self, x: Tensor, counts: list[int]) -> Tensor:
+    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        if not grouped_mm_applies(x, dtype):
+            return self._one_by_one(x, counts)
+        offsets = counts.cumsum(0).to(torch.int32)  # (E,) where each expert's slice ends
+        x = x.to(dtype)
+
+        def matmul(inp: Tensor, w: Tensor) -> Tensor:  # (M, in) @ per-expert (E, out, in)^T -> (M, out)
+            return F.grouped_mm(inp, w.to(dtype).transpose(1, 2), offs=offsets)
+
+        h = self.act(matmul(x, self.w1))
+        if self.w3 is not None:
+            h = h * matmul(x, self.w3)
+        return matmul(h, self.w2)
+
+    def _one_by_one(self, x: Tensor, counts: Tensor) -> Tensor:
+        """One matmul per expert that received tokens (reads the counts back to the host)."""
         outputs, start = [], 0
-        for e, n in enumerate(counts):
-            if n:  # skip experts that received no token
+        for e, n in enumerate(counts.tolist()):
+            if n:
                 outputs.append(self.expert(e, x[start : start + n]))
             start += n
         return torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[-1])
@@ -183,15 +195,15 @@ class GroupedExperts(nn.Module):
         return f"n_experts={E}, dim={C}, hidden={I}, kind={self.kind}, activation={self.activation}"
 
 
-class MoE(FP32Buffers):
+class MoE(nn.Module):
     """Mixture-of-experts feed-forward layer. x (B, T, C) or (N, C) -> same shape.
 
-    After each call `last_stats` holds the MoEStats; in training mode the router's load per expert also accumulates
-    in `load` until `update_router_bias` consumes it."""
+    With an `extras`, appends the layer's MoEStats (balance and z losses, assignments per expert); `layer` is the
+    index it reports them under."""
 
-    def __init__(self, dim: int, cfg: MoEConfig) -> None:
+    def __init__(self, dim: int, cfg: MoEConfig, layer: int = 0) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.layer = cfg, layer
         self.router = Router(dim, cfg)
         self.experts = GroupedExperts(cfg.n_experts, dim, cfg.expert_hidden_dim, cfg.expert_kind, cfg.activation)
         self.shared: nn.Module | None = (
@@ -199,18 +211,13 @@ class MoE(FP32Buffers):
             if cfg.n_shared_experts
             else None
         )
-        self.load: Tensor  # (E,) router assignments per expert since the last bias update, fp32
-        self.register_buffer("load", torch.zeros(cfg.n_experts), persistent=False)
-        self.last_stats: MoEStats | None = None
-
-    fp32_buffers = ("load",)
 
     def capacity(self, n_tokens: int) -> int | None:
         """Assignments each expert may take, or None without a capacity factor."""
         f = self.cfg.capacity_factor
         return None if f is None else math.ceil(f * n_tokens * self.cfg.top_k / self.cfg.n_experts)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, extras: Extras | None = None) -> Tensor:
         check_features(x, self.router.weight.shape[1], "MoE", ndim=None)
         shape = x.shape
         xf = x.reshape(-1, shape[-1])  # (N, C)
@@ -219,54 +226,52 @@ class MoE(FP32Buffers):
         # the N*k assignments, rank-major: all first choices, then all second choices, ...
         flat_expert = routing.experts.t().reshape(-1)  # (k*N,)
         flat_token = torch.arange(N, device=x.device).repeat(k)  # (k*N,)
-        flat_weight = routing.weights.t().reshape(-1)  # (k*N,)
         order = torch.argsort(flat_expert, stable=True)  # expert-major; first choices before second, then token
-        counts = torch.bincount(flat_expert, minlength=E)  # (E,)
+        counts = expert_counts(flat_expert, E)  # (E,)
+        gates = routing.weights.t().reshape(-1)[order]  # (k*N,) in expert order
         kept = counts
         capacity = self.capacity(N)
-        if capacity is not None:
-            sorted_expert = flat_expert[order]
-            queue_start = torch.cumsum(counts, 0) - counts  # (E,) first sorted slot of each expert
-            position = torch.arange(order.numel(), device=x.device) - queue_start[sorted_expert]
-            order = order[position < capacity]  # drop assignments beyond each expert's capacity
+        if capacity is not None:  # each expert serves its first `capacity` assignments in that order
+            position = torch.arange(order.numel(), device=x.device) - (counts.cumsum(0) - counts)[flat_expert[order]]
+            gates = gates * (position < capacity)
             kept = counts.clamp(max=capacity)
         tokens = flat_token[order]
-        y_sorted = self.experts(xf.index_select(0, tokens), kept.tolist())  # (M, C) grouped by expert
-        y_sorted = y_sorted * flat_weight[order].unsqueeze(-1).to(y_sorted.dtype)
-        y = torch.zeros_like(xf).index_add_(0, tokens, y_sorted)  # scatter-add back to the tokens
+        y_sorted = self.experts(xf.index_select(0, tokens), counts)  # (k*N, C) grouped by expert
+        y_sorted = y_sorted * gates.unsqueeze(-1).to(y_sorted.dtype)
+        y = torch.zeros_like(xf).index_add_(0, tokens, y_sorted.to(xf.dtype))  # scatter-add back to the tokens
         if self.shared is not None:
             y = y + self.shared(xf)
-        batch = shape[0] if len(shape) == 3 else 1
-        self._record(routing, counts, int(kept.sum()) if capacity is not None else N * k, N * k, batch)
+        if extras is not None:
+            extras.moe.append(self.stats(routing, counts, kept, shape[0] if len(shape) == 3 else 1))
         return y.view(shape)
 
-    def _record(self, routing: Routing, counts: Tensor, n_kept: int, n_assigned: int, batch: int) -> None:
-        counts_f = counts.detach().float()
-        if self.training:
-            self.load += counts_f
+    def stats(self, routing: Routing, counts: Tensor, kept: Tensor, batch: int) -> MoEStats:
+        """What this call measured: the balance loss of the configured kind, the z-loss, and the load."""
         E, k = self.cfg.n_experts, self.cfg.top_k
         if self.cfg.aux_loss_kind == "sequence":
             probs, experts = routing.probs.view(batch, -1, E), routing.experts.view(batch, -1, k)
             aux = sequence_aux_loss(probs, experts, E)
         else:
             aux = switch_aux_loss(routing.probs, routing.experts, E)
-        self.last_stats = MoEStats(
+        assigned = routing.experts.numel()
+        return MoEStats(
+            layer=self.layer,
             aux_loss=aux,
             z_loss=router_z_loss(routing.logits),
-            counts=counts_f,
-            dropped=1.0 - n_kept / max(n_assigned, 1),
+            counts=counts.detach().float(),
+            dropped=1.0 - kept.sum().float() / max(assigned, 1),
         )
 
 
 @torch.no_grad()
-def update_router_bias(model: nn.Module, rate: float = 1e-3) -> None:
+def update_router_bias(model: nn.Module, load: dict[int, Tensor], rate: float = 1e-3) -> None:
     """Auxiliary-loss-free load balancing (DeepSeek-V3 §2.1.2), called by the trainer after each optimizer step.
 
-    For every MoE layer with a score bias: b_i += rate * sign(mean load - load_i), using the load accumulated since
-    the last call; overloaded experts become less likely to be chosen, underloaded ones more. Gates are unchanged."""
+    For every MoE layer with a score bias: b_i += rate * sign(mean load - load_i), with `load` the assignments per
+    expert each layer received since the last update (layer index -> (E,), e.g. `Extras.expert_load()`);
+    overloaded experts become less likely to be chosen, underloaded ones more. Gates are unchanged."""
     for module in model.modules():
-        if isinstance(module, MoE) and module.router.score_bias is not None:
-            load = module.load
-            if load.sum() > 0:
-                module.router.score_bias += rate * torch.sign(load.mean() - load)
-            load.zero_()
+        if isinstance(module, MoE) and module.router.score_bias is not None and module.layer in load:
+            layer_load = load[module.layer].to(module.router.score_bias)
+            if layer_load.sum() > 0:
+                module.router.score_bias += rate * torch.sign(layer_load.mean() - layer_load)

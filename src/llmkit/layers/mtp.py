@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from llmkit.config import ModelConfig
 from llmkit.layers.attention import AttentionInputs
 from llmkit.layers.block import TransformerBlock
+from llmkit.layers.extras import Extras
 from llmkit.layers.norm import build_norm
 
 
@@ -39,6 +40,8 @@ class MTPModule(nn.Module):
         self.block = TransformerBlock(cfg, layer)
         self.norm = build_norm(cfg.norm, cfg.d_model)  # before the shared output head and the next depth
 
-    def forward(self, h_prev: Tensor, emb: Tensor, inputs: AttentionInputs, cache: Any = None) -> Tensor:
+    def forward(
+        self, h_prev: Tensor, emb: Tensor, inputs: AttentionInputs, cache: Any = None, extras: Extras | None = None
+    ) -> Tensor:
         x = self.proj(torch.cat((self.emb_norm(emb), self.h_norm(h_prev)), dim=-1))  # (B, T, C)
-        return self.norm(self.block(x, inputs, cache))
+        return self.norm(self.block(x, inputs, cache, extras))

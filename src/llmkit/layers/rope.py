@@ -24,10 +24,11 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from llmkit.config import Layout, RopeScaling
 from llmkit.errors import ConfigError
+from llmkit.layers.precision import FP32Buffers
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -124,42 +125,34 @@ class RopeTables:
     sin: Tensor
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(FP32Buffers):
     """Builds cos/sin tables for positions. positions (T,) or (B, T) int -> RopeTables (B | 1, T, F).
 
-    The table for positions < `max_seq_len` is computed once per device in fp32 and cached (not a buffer: it must
-    not be cast to bf16 with the model, and it is not part of the checkpoint).
+    The inverse frequencies are a non-persistent fp32 buffer (not part of checkpoints, and kept in fp32 when the
+    model is cast to bf16), computed on the CPU so that they match the reference implementations bit for bit.
+    The angles of each call's positions are computed on the fly: a handful of elementwise operations per call,
+    with no table to fill in during the forward pass.
     """
+
+    fp32_buffers = ("inv_freq",)
 
     def __init__(self, dim: int, theta: float, max_seq_len: int, scaling: RopeScaling | None = None) -> None:
         super().__init__()
         self.dim, self.theta, self.max_seq_len, self.scaling = dim, theta, max_seq_len, scaling
-        self.inv_freq, self.attention_factor = rope_frequencies(dim, theta, scaling, seq_len=max_seq_len)
+        inv_freq, self.attention_factor = rope_frequencies(dim, theta, scaling, seq_len=max_seq_len)
+        default = torch.empty(0).device  # the device models are being built on (a `with torch.device(...)`)
+        self.inv_freq: Tensor
+        self.register_buffer("inv_freq", inv_freq if default.type == "meta" else inv_freq.to(default), False)
         self.dynamic = scaling is not None and scaling.kind == "dynamic"
-        self._tables: dict[torch.device, tuple[Tensor, Tensor]] = {}
-
-    def _angles(self, positions: Tensor, inv_freq: Tensor) -> Tensor:
-        return positions.float().unsqueeze(-1) * inv_freq.to(positions.device)  # (..., T, F)
-
-    def table(self, device: torch.device) -> tuple[Tensor, Tensor]:
-        """(cos, sin) for every position < max_seq_len, each (max_seq_len, F) fp32, cached per device."""
-        if device not in self._tables:
-            angles = self._angles(torch.arange(self.max_seq_len, device=device), self.inv_freq)
-            self._tables[device] = (
-                angles.cos() * self.attention_factor,
-                angles.sin() * self.attention_factor,
-            )
-        return self._tables[device]
 
     def forward(self, positions: Tensor) -> RopeTables:
         if positions.dim() == 1:
             positions = positions.unsqueeze(0)  # (1, T)
-        if self.dynamic:  # the frequencies depend on the current length: compute, do not cache
+        inv_freq = self.inv_freq
+        if self.dynamic:  # the frequencies depend on the current length (read from the positions)
             inv_freq, _ = rope_frequencies(self.dim, self.theta, self.scaling, int(positions.max()) + 1)
-            angles = self._angles(positions, inv_freq)
-            return RopeTables(angles.cos(), angles.sin())
-        cos, sin = self.table(positions.device)
-        return RopeTables(cos[positions], sin[positions])
+        angles = positions.float().unsqueeze(-1) * inv_freq.to(positions.device)  # (B | 1, T, F)
+        return RopeTables(angles.cos() * self.attention_factor, angles.sin() * self.attention_factor)
 
     def extra_repr(self) -> str:
         kind = self.scaling.kind if self.scaling else "none"

@@ -8,13 +8,13 @@ import contextlib
 import torch
 
 from llmkit.config import ModelConfig
-from llmkit.models.common import LossOutput, shift_right
-from llmkit.models.decoder import DecoderCache, DecoderLM
-from llmkit.models.encoder_decoder import EncoderDecoder, EncoderDecoderCache
+from llmkit.models.cache import Cache, SequenceState, Step
+from llmkit.models.decoder import DecoderLM
+from llmkit.models.encoder_decoder import EncoderDecoder
+from llmkit.models.loss import LossOutput, shift_right
 from llmkit.models.rnn import RNNCache, RNNConfig, RNNSeq2Seq, build_rnn
 
 Model = DecoderLM | EncoderDecoder
-Seq2Seq = EncoderDecoder | RNNSeq2Seq
 
 
 def build_model(
@@ -42,16 +42,16 @@ def build_any(
 
 
 __all__ = [
-    "DecoderCache",
+    "Cache",
     "DecoderLM",
     "EncoderDecoder",
-    "EncoderDecoderCache",
     "LossOutput",
     "Model",
     "RNNCache",
     "RNNConfig",
     "RNNSeq2Seq",
-    "Seq2Seq",
+    "SequenceState",
+    "Step",
     "build_any",
     "build_model",
     "build_rnn",

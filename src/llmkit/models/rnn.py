@@ -1,5 +1,5 @@
 """The model the Transformer replaced: an RNN encoder-decoder with attention (Bahdanau et al. 2015; Luong et al.
-2015), as seed 004 tells it.
+2015).
 
     source ─► embed ─► bidirectional LSTM/GRU ─► h_1 ... h_m  (B, S, H): one vector per source token
     target (shifted right) ─► embed ─► LSTM/GRU (initial state from the mean of h) ─► s_i   (B, T, H)
@@ -11,7 +11,7 @@ The recurrence is what the Transformer removed: s_i needs s_{i-1}, so a sequence
 steps (the encoder, and the decoder in training, run them inside one cuDNN / MKL call; decoding runs them one at a
 time). Attention is applied after the recurrent step (Luong's "global attention", without input feeding), so a
 teacher-forced target runs through the decoder RNN in one call and through attention in parallel; `align` offers
-the seed's inner product, Luong's bilinear "general" score and Bahdanau's additive score.
+the plain inner product, Luong's bilinear "general" score and Bahdanau's additive score.
 
 The module has the encoder-decoder interface of `EncoderDecoder` (encode, decode with a cache, new_cache, loss), so
 the trainer, greedy decoding and beam search treat both alike.
@@ -27,21 +27,18 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor, nn
 
-from llmkit.config import _Config
+from llmkit.configbase import ConfigBase
 from llmkit.errors import InputError
-from llmkit.models.common import (
-    LossOutput,
-    check_mask,
-    check_tokens,
-    seq2seq_teacher_forcing,
-)
+from llmkit.layers.extras import Extras
+from llmkit.models.checks import check_mask, check_tokens
+from llmkit.models.seq2seq import DecoderCall, Seq2SeqModel
 
 Cell = Literal["lstm", "gru"]
 Align = Literal["dot", "general", "additive"]
 
 
 @dataclass(frozen=True)
-class RNNConfig(_Config):
+class RNNConfig(ConfigBase):
     """An RNN encoder-decoder with attention. src_vocab_size 0 shares the target vocabulary and embedding."""
 
     path: ClassVar[str] = "model"
@@ -58,15 +55,15 @@ class RNNConfig(_Config):
     max_seq_len: int = 1024
 
     def validate(self) -> None:
-        self.require(self.vocab_size >= 1, "vocab_size", "must be >= 1")
+        self.at_least(1, "vocab_size")
         self.require(self.src_vocab_size >= 0, "src_vocab_size", "must be >= 0 (0 shares the target vocabulary)")
-        self.require(self.d_embed >= 1, "d_embed", "must be >= 1")
-        self.require(self.d_hidden >= 2, "d_hidden", "must be >= 2")
+        self.at_least(1, "d_embed")
+        self.at_least(2, "d_hidden")
         if self.bidirectional:
             self.require(self.d_hidden % 2 == 0, "d_hidden", "must be even with a bidirectional encoder")
-        self.require(self.n_layers >= 1, "n_layers", "must be >= 1")
+        self.at_least(1, "n_layers")
         self.require(0.0 <= self.dropout < 1.0, "dropout", "must be in [0, 1)")
-        self.require(self.max_seq_len >= 1, "max_seq_len", "must be >= 1")
+        self.at_least(1, "max_seq_len")
 
     @property
     def is_encoder_decoder(self) -> bool:
@@ -130,7 +127,7 @@ class Attention(nn.Module):
         return weights @ memory, weights
 
 
-class RNNSeq2Seq(nn.Module):
+class RNNSeq2Seq(Seq2SeqModel):
     """RNN encoder-decoder with attention. source (B, S), target inputs (B, T) -> logits (B, T, V)."""
 
     def __init__(self, cfg: RNNConfig) -> None:
@@ -149,23 +146,19 @@ class RNNSeq2Seq(nn.Module):
         self.combine = nn.Linear(2 * H, H, bias=False)
         self.out = nn.Linear(H, cfg.vocab_size)
         self.drop = nn.Dropout(cfg.dropout)
-        self.record_attention = False
-        self.last_attention: Tensor | None = None  # (B, T, S) when record_attention is set
+        self.memory_width = H
         nn.init.normal_(self.embed.weight, std=E**-0.5)
         if self.src_embed is not None:
             nn.init.normal_(self.src_embed.weight, std=E**-0.5)
 
     @property
-    def source_embedding(self) -> nn.Embedding:
-        return self.src_embed if self.src_embed is not None else self.embed
-
-    @property
-    def source_vocab_size(self) -> int:
-        return self.source_embedding.num_embeddings
+    def max_seq_len(self) -> int:
+        """The longest target the decoder produces."""
+        return self.cfg.max_seq_len
 
     # ---- encoder
 
-    def encode(self, source: Tensor, source_mask: Tensor | None = None) -> Tensor:
+    def encode(self, source: Tensor, source_mask: Tensor | None = None, extras: Extras | None = None) -> Tensor:
         """source (B, S) int, source_mask (B, S) bool (True = real token, right padding) -> memory (B, S, H)."""
         check_tokens(source, self.source_vocab_size, "source")
         valid = check_mask(source_mask, source, "source_mask")
@@ -194,28 +187,13 @@ class RNNSeq2Seq(nn.Module):
 
     # ---- decoder
 
-    def decode(
-        self,
-        target: Tensor,
-        memory: Tensor,
-        *,
-        source_mask: Tensor | None = None,
-        target_mask: Tensor | None = None,
-        cache: RNNCache | None = None,
-    ) -> Tensor:
-        """Decoder inputs target (B, T) and memory (B, S, H) -> logits (B, T, V). With a cache the recurrent state
-        carries over between calls (the first call starts it from the memory). Target padding must be on the
-        right: the recurrence runs left to right, so padded positions never affect real ones."""
-        check_tokens(target, self.cfg.vocab_size, "target")
-        check_mask(target_mask, target, "target_mask")
+    def decoder_states(self, call: DecoderCall, cache: RNNCache | None = None, extras: Extras | None = None) -> Tensor:
+        """The decoder's states after attention (B, T, H). With a cache the recurrent state carries over between
+        calls (the first call starts it from the memory). Target padding must be on the right: the recurrence runs
+        left to right, so padded positions never affect real ones. With `extras.attention_weights`, the attention
+        weights (B, T, S) go to `extras.cross_attention`."""
+        target, memory, valid = call.target, call.memory, call.source_mask
         B = target.shape[0]
-        if memory.dim() != 3 or memory.shape[0] != B or memory.shape[2] != self.cfg.d_hidden:
-            raise InputError(
-                f"memory must be (batch={B}, source_len, d_hidden={self.cfg.d_hidden}), got {tuple(memory.shape)}"
-            )
-        valid = None if source_mask is None else source_mask.bool()
-        if valid is not None and tuple(valid.shape) != tuple(memory.shape[:2]):
-            raise InputError(f"source_mask {tuple(valid.shape)} does not match memory {tuple(memory.shape[:2])}")
         if cache is not None and cache.hidden is not None:
             if cache.hidden.shape[1] != B:
                 raise InputError(f"the cache holds batch {cache.hidden.shape[1]}, target has batch {B}")
@@ -230,9 +208,8 @@ class RNNSeq2Seq(nn.Module):
         state = (hidden, cell) if self.cfg.cell == "lstm" else hidden
         states, new_state = self.decoder(x, state)  # (B, T, H)
         context, weights = self.attention(states, memory, keys, valid)
-        if self.record_attention:
-            self.last_attention = weights.detach()
-        h = torch.tanh(self.combine(torch.cat([context, states], dim=-1)))
+        if extras is not None and extras.attention_weights:
+            extras.cross_attention.append(weights)
         if cache is not None:
             if self.cfg.cell == "lstm":
                 cache.hidden, cache.cell = new_state
@@ -240,18 +217,10 @@ class RNNSeq2Seq(nn.Module):
                 cache.hidden, cache.cell = new_state, None
             cache.keys = keys
             cache.length += target.shape[1]
-        return self.out(self.drop(h))
+        return torch.tanh(self.combine(torch.cat([context, states], dim=-1)))
 
-    def forward(
-        self,
-        source: Tensor,
-        target: Tensor,
-        *,
-        source_mask: Tensor | None = None,
-        target_mask: Tensor | None = None,
-    ) -> Tensor:
-        memory = self.encode(source, source_mask)
-        return self.decode(target, memory, source_mask=source_mask, target_mask=target_mask)
+    def logits(self, h: Tensor) -> Tensor:
+        return self.out(self.drop(h))
 
     def new_cache(
         self, batch: int, max_len: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None
@@ -262,26 +231,6 @@ class RNNSeq2Seq(nn.Module):
         if max_len > self.cfg.max_seq_len:
             raise InputError(f"max_len={max_len} exceeds max_seq_len={self.cfg.max_seq_len}")
         return RNNCache()
-
-    # ---- training
-
-    def loss(
-        self,
-        source: Tensor,
-        targets: Tensor,
-        *,
-        start_id: int,
-        source_mask: Tensor | None = None,
-        target_mask: Tensor | None = None,
-        ignore_index: int = -100,
-        label_smoothing: float = 0.0,
-    ) -> LossOutput:
-        """Teacher forcing, as for the Transformer: inputs are the targets shifted right behind `start_id`."""
-        _, labels, ce = seq2seq_teacher_forcing(
-            self, source, targets, start_id, source_mask, target_mask, ignore_index, label_smoothing
-        )
-        zero = ce.new_zeros(())
-        return LossOutput(total=ce, ce=ce, aux=zero, mtp=zero, n_tokens=int((labels != ignore_index).sum()))
 
 
 def build_rnn(

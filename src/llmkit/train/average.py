@@ -10,15 +10,8 @@ from pathlib import Path
 import torch
 
 from llmkit.errors import LLMKitError
-from llmkit.interop.checkpoint import FORMAT_FILE, load_llmkit, save_llmkit
-from llmkit.train.checkpoint import checkpoint_dir
-
-
-def run_checkpoints(run: str | os.PathLike[str]) -> list[Path]:
-    """The complete checkpoints of a run folder, oldest first."""
-    root = checkpoint_dir(Path(run))
-    return sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp")
-                  and (p / FORMAT_FILE).is_file())  # fmt: skip
+from llmkit.interop.checkpoint import load_llmkit, save_llmkit
+from llmkit.runs import AVERAGED, run_checkpoints
 
 
 def average_checkpoints(paths: list[Path], out: str | os.PathLike[str]) -> Path:
@@ -47,8 +40,13 @@ def average_checkpoints(paths: list[Path], out: str | os.PathLike[str]) -> Path:
     tmp = target.with_name(target.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    save_llmkit(model, tmp, tokenizer=first.tokenizer, source_tokenizer=first.source_tokenizer,
-                generation_config=first.generation_config)  # fmt: skip
+    save_llmkit(
+        model,
+        tmp,
+        tokenizer=first.tokenizer,
+        source_tokenizer=first.source_tokenizer,
+        generation_config=first.generation_config,
+    )
     (tmp / "averaged_from.txt").write_text("".join(str(p) + "\n" for p in paths))
     if target.exists():
         shutil.rmtree(target)
@@ -64,4 +62,4 @@ def average_run(run: str | os.PathLike[str], last: int, out: str | os.PathLike[s
     if len(found) < last:
         raise LLMKitError(f"{run} has {len(found)} complete checkpoints, fewer than the {last} to average")
     with torch.no_grad():
-        return average_checkpoints(found[-last:], out if out is not None else Path(run) / "averaged")
+        return average_checkpoints(found[-last:], out if out is not None else Path(run) / AVERAGED)

@@ -78,8 +78,9 @@ class PairBatch:
         return int(self.source_mask.sum()) + int(self.target_mask.sum())
 
     def to(self, device: torch.device) -> PairBatch:
-        return PairBatch(*(t.to(device, non_blocking=True) for t in (self.source, self.source_mask, self.target,
-                                                                     self.target_mask)))  # fmt: skip
+        return PairBatch(
+            *(t.to(device, non_blocking=True) for t in (self.source, self.source_mask, self.target, self.target_mask))
+        )
 
 
 class BucketedPairs:

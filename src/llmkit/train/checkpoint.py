@@ -24,14 +24,11 @@ import torch
 
 from llmkit.config import ModelConfig
 from llmkit.errors import LLMKitError
-from llmkit.interop.checkpoint import FORMAT_FILE, load_llmkit, save_llmkit
+from llmkit.interop.checkpoint import load_llmkit, save_llmkit
 from llmkit.interop.safetensors_io import CheckpointError
 from llmkit.models import DecoderLM, EncoderDecoder, RNNConfig, RNNSeq2Seq
+from llmkit.runs import LATEST, TRAINER_STATE, TRAINER_STATE_JSON, checkpoint_dir
 from llmkit.tokenizer import Tokenizer
-
-STATE = "trainer_state.pt"
-STATE_JSON = "trainer_state.json"
-LATEST = "latest"
 
 
 class ResumeError(LLMKitError, ValueError):
@@ -43,7 +40,6 @@ class TrainState:
     step: int  # optimizer steps completed
     tokens: int  # training tokens seen, all processes
     elapsed: float  # training seconds so far
-    best_val_loss: float | None = None
 
 
 def _plain(x: Any) -> Any:
@@ -86,19 +82,6 @@ def _tuples(x: Any) -> Any:
     return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
-def checkpoint_dir(out: Path) -> Path:
-    return out / "checkpoints"
-
-
-def latest_checkpoint(out: Path) -> Path | None:
-    """The newest complete checkpoint of a run folder, or None."""
-    pointer = checkpoint_dir(out) / LATEST
-    if not pointer.is_file():
-        return None
-    path = checkpoint_dir(out) / pointer.read_text().strip()
-    return path if (path / STATE).is_file() and (path / FORMAT_FILE).is_file() else None
-
-
 def save(
     out: Path,
     model: DecoderLM | EncoderDecoder | RNNSeq2Seq,
@@ -119,13 +102,18 @@ def save(
     if tmp.exists():
         shutil.rmtree(tmp)
     holder = _StateHolder(model, model_state)
-    save_llmkit(holder, tmp, tokenizer=tokenizer, source_tokenizer=source_tokenizer,  # type: ignore[arg-type]
-                generation_config=generation_config)  # fmt: skip
+    save_llmkit(
+        holder,
+        tmp,
+        tokenizer=tokenizer,
+        source_tokenizer=source_tokenizer,
+        generation_config=generation_config,
+    )
     torch.save(
         {"optimizer": optimizer_state, "rng": rng_state(), "state": state.__dict__, "config": train_config},
-        tmp / STATE,
+        tmp / TRAINER_STATE,
     )
-    (tmp / STATE_JSON).write_text(json.dumps({**state.__dict__, "model": model.cfg.to_dict()}, indent=2) + "\n")
+    (tmp / TRAINER_STATE_JSON).write_text(json.dumps({**state.__dict__, "model": model.cfg.to_dict()}, indent=2) + "\n")
     final = root / name
     if final.exists():
         shutil.rmtree(final)
@@ -166,22 +154,27 @@ def load(path: Path, expected: ModelConfig | RNNConfig) -> Resumed:
     except CheckpointError as e:
         raise ResumeError(f"cannot resume from {path}: {e}") from None
     if loaded.model.cfg.architecture() != expected.architecture():
-        diff = _first_difference(loaded.model.cfg.to_dict(), expected.to_dict())
+        diff = _first_difference(_plain_architecture(loaded.model.cfg), _plain_architecture(expected))
         raise ResumeError(
             f"cannot resume from {path}: it was trained with a different model config ({diff}); start a new run "
             "(another train.out) or restore the original config"
         )
     try:
-        blob = torch.load(path / STATE, map_location="cpu", weights_only=True)
+        blob = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ResumeError(f"cannot resume from {path}: {STATE} is damaged ({type(e).__name__}: {e})") from None
+        raise ResumeError(f"cannot resume from {path}: {TRAINER_STATE} is damaged ({type(e).__name__}: {e})") from None
     return Resumed(
         {k: v for k, v in loaded.model.state_dict().items()},
         blob["optimizer"],
         blob["rng"],
-        TrainState(**blob["state"]),
+        TrainState(**{k: v for k, v in blob["state"].items() if k in TrainState.__dataclass_fields__}),
         path,
     )
+
+
+def _plain_architecture(cfg: ModelConfig | RNNConfig) -> dict[str, Any]:
+    arch = cfg.architecture()
+    return arch if isinstance(arch, dict) else arch.to_dict()
 
 
 def _first_difference(a: Any, b: Any, prefix: str = "") -> str:

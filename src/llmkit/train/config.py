@@ -25,7 +25,8 @@ from typing import Any, ClassVar, Literal
 
 import yaml
 
-from llmkit.config import ModelConfig, _Config
+from llmkit.config import ModelConfig
+from llmkit.configbase import ConfigBase
 from llmkit.errors import ConfigError
 from llmkit.models.rnn import RNNConfig
 
@@ -36,7 +37,7 @@ Parallel = Literal["none", "ddp", "fsdp"]
 
 
 @dataclass(frozen=True)
-class DataConfig(_Config):
+class DataConfig(ConfigBase):
     path: ClassVar[str] = "data"
     dir: str = "runs/data/shakespeare"
     seq_len: int = 256  # sentence pairs: the longest sentence kept, per side (longer pairs are left out)
@@ -44,13 +45,11 @@ class DataConfig(_Config):
     batch_tokens: int = 4096  # sentence pairs: padded tokens per batch and side, per process
 
     def validate(self) -> None:
-        self.require(self.seq_len >= 1, "seq_len", "must be >= 1")
-        self.require(self.batch_size >= 1, "batch_size", "must be >= 1")
-        self.require(self.batch_tokens >= 1, "batch_tokens", "must be >= 1")
+        self.at_least(1, "seq_len", "batch_size", "batch_tokens")
 
 
 @dataclass(frozen=True)
-class OptimConfig(_Config):
+class OptimConfig(ConfigBase):
     path: ClassVar[str] = "optim"
     lr: float = 3e-4
     beta1: float = 0.9
@@ -63,12 +62,12 @@ class OptimConfig(_Config):
         self.require(self.lr > 0, "lr", "must be > 0")
         self.require(0 <= self.beta1 < 1, "beta1", "must be in [0, 1)")
         self.require(0 <= self.beta2 < 1, "beta2", "must be in [0, 1)")
-        self.require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        self.at_least(0, "weight_decay")
         self.require(self.grad_clip >= 0, "grad_clip", "must be >= 0 (0 disables clipping)")
 
 
 @dataclass(frozen=True)
-class ScheduleConfig(_Config):
+class ScheduleConfig(ConfigBase):
     """warmup_steps of linear warm-up, then: cosine to min_lr_ratio * lr; wsd: constant, then a linear decay over
     the last decay_fraction of the steps; noam: lr * min(step^-0.5, step * warmup^-1.5) * warmup^0.5 (the paper's
     schedule, peaking at lr); constant."""
@@ -80,7 +79,7 @@ class ScheduleConfig(_Config):
     decay_fraction: float = 0.2
 
     def validate(self) -> None:
-        self.require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        self.at_least(0, "warmup_steps")
         self.require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
         self.require(0 < self.decay_fraction <= 1, "decay_fraction", "must be in (0, 1]")
         if self.kind == "noam":
@@ -88,7 +87,7 @@ class ScheduleConfig(_Config):
 
 
 @dataclass(frozen=True)
-class TrainSection(_Config):
+class TrainSection(ConfigBase):
     path: ClassVar[str] = "train"
     steps: int = 1000
     halt_at: int | None = None
@@ -110,22 +109,25 @@ class TrainSection(_Config):
     progress: bool = True
 
     def validate(self) -> None:
-        self.require(self.steps >= 1, "steps", "must be >= 1")
+        self.at_least(1, "steps")
         if self.time_limit is not None:
             self.require(self.time_limit > 0, "time_limit", "must be > 0 seconds, or None")
         if self.halt_at is not None:
             self.require(1 <= self.halt_at <= self.steps, "halt_at", f"must be between 1 and steps={self.steps}")
-        self.require(self.grad_accum >= 1, "grad_accum", "must be >= 1")
+        self.at_least(1, "grad_accum")
         for name in ("log_every", "eval_every", "save_every", "keep_last", "eval_tokens"):
             self.require(getattr(self, name) >= 1, name, "must be >= 1")
         self.require(self.average_last >= 0, "average_last", "must be >= 0 (0: no averaging)")
         if self.average_last:
-            self.require(self.average_last <= self.keep_last, "average_last",
-                         f"must be <= keep_last={self.keep_last} (only kept checkpoints can be averaged)")  # fmt: skip
+            self.require(
+                self.average_last <= self.keep_last,
+                "average_last",
+                f"must be <= keep_last={self.keep_last} (only kept checkpoints can be averaged)",
+            )
 
 
 @dataclass(frozen=True)
-class LossConfig(_Config):
+class LossConfig(ConfigBase):
     path: ClassVar[str] = "loss"
     label_smoothing: float = 0.0
     mtp_weight: float = 0.3
@@ -135,14 +137,11 @@ class LossConfig(_Config):
 
     def validate(self) -> None:
         self.require(0 <= self.label_smoothing < 1, "label_smoothing", "must be in [0, 1)")
-        self.require(self.mtp_weight >= 0, "mtp_weight", "must be >= 0")
-        self.require(self.moe_bias_update_rate >= 0, "moe_bias_update_rate", "must be >= 0")
-        self.require(self.indexer_warmup_steps >= 0, "indexer_warmup_steps", "must be >= 0")
-        self.require(self.indexer_weight >= 0, "indexer_weight", "must be >= 0")
+        self.at_least(0, "mtp_weight", "moe_bias_update_rate", "indexer_warmup_steps", "indexer_weight")
 
 
 @dataclass(frozen=True)
-class TranslateConfig(_Config):
+class TranslateConfig(ConfigBase):
     """How a translation run is scored after training: the test split decoded with beam search (the paper's beam
     4, length penalty 0.6), BLEU and chrF by sacreBLEU. test_pairs 0 scores the whole split."""
 
@@ -154,13 +153,13 @@ class TranslateConfig(_Config):
     score_test: bool = True
 
     def validate(self) -> None:
-        self.require(self.beams >= 1, "beams", "must be >= 1")
+        self.at_least(1, "beams")
         self.require(self.test_pairs >= 0, "test_pairs", "must be >= 0 (0: all)")
-        self.require(self.batch_size >= 1, "batch_size", "must be >= 1")
+        self.at_least(1, "batch_size")
 
 
 @dataclass(frozen=True)
-class TrainConfig(_Config):
+class TrainConfig(ConfigBase):
     model: dict[str, Any] = field(default_factory=lambda: {"preset": DEFAULT_PRESET})
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -196,7 +195,6 @@ class TrainConfig(_Config):
         if preset is None and not {"d_model", "n_layers"} <= set(spec):
             raise ConfigError("model: give a preset (e.g. preset: llama2-7b-tiny) or at least d_model and n_layers")
         base = get_preset(preset).to_dict() if preset else {}
-        _reset_derived(base, spec)
         merged = _merge(base, spec)
         if vocab_size is not None and "vocab_size" not in spec:
             merged["vocab_size"] = vocab_size
@@ -210,21 +208,6 @@ class TrainConfig(_Config):
             return ModelConfig.from_dict(merged)
         except ConfigError as e:
             raise ConfigError(f"model: {e}") from None
-
-
-def _reset_derived(base: dict[str, Any], spec: dict[str, Any]) -> None:
-    """A preset stores sizes derived from its width and heads (head_dim, the MHA n_kv_heads, the FFN width); when
-    the overrides change the width or the heads without giving those, derive them again from the new values."""
-    if not base:
-        return
-    attn, ffn = spec.get("attention") or {}, spec.get("ffn") or {}
-    battn, bffn = base.get("attention") or {}, base.get("ffn") or {}
-    if ("d_model" in spec or "n_heads" in attn) and "head_dim" not in attn:
-        battn["head_dim"] = None
-    if "n_heads" in attn and "n_kv_heads" not in attn and battn.get("n_kv_heads") == battn.get("n_heads"):
-        battn["n_kv_heads"] = None  # multi-head attention stays multi-head
-    if "d_model" in spec and "hidden_dim" not in ffn:
-        bffn["hidden_dim"] = None
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

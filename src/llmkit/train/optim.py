@@ -1,11 +1,14 @@
 """The optimizer: AdamW with weight decay on matrices only.
 
 Decay pulls weights towards zero, which regularises the matrices of linear layers and embeddings; it would only
-distort the scale-like parameters (norm gains, biases, the router's bias), so those get none. Optionally a separate
-group for the sparse-attention indexer, whose learning rate the trainer can keep apart during its warm-up.
+distort the scale-like parameters (norm gains, biases), so those get none. A training strategy can set parameters
+apart in a group of their own (e.g. the sparse-attention indexer, whose learning rate its warm-up keeps apart);
+such groups train without weight decay.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -13,32 +16,30 @@ from torch import nn
 from llmkit.train.config import OptimConfig
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, object]]:
-    decay, no_decay, indexer = [], [], []
+def param_groups(
+    model: nn.Module, weight_decay: float, group_of: Callable[[str], str | None] = lambda name: None
+) -> list[dict[str, object]]:
+    groups: dict[str, list[nn.Parameter]] = {"decay": [], "no_decay": []}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if ".indexer." in name:
-            indexer.append(p)
-        elif p.dim() >= 2:
-            decay.append(p)
-        else:
-            no_decay.append(p)
-    groups: list[dict[str, object]] = [
-        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
-        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+        special = group_of(name)
+        key = special if special is not None else "decay" if p.dim() >= 2 else "no_decay"
+        groups.setdefault(key, []).append(p)
+    return [
+        {"params": params, "weight_decay": weight_decay if key == "decay" else 0.0, "name": key}
+        for key, params in groups.items()
+        if params
     ]
-    if indexer:
-        groups.append({"params": indexer, "weight_decay": 0.0, "name": "indexer"})
-    return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, group_of: Callable[[str], str | None] = lambda name: None
+) -> torch.optim.AdamW:
     """AdamW; the fused kernel (one pass over all parameters) where this torch supports it on the device."""
     params = list(model.parameters())
     device = params[0].device.type if params else "cpu"
     sharded = any(type(p.data).__name__ == "DTensor" for p in params)  # FSDP: the foreach implementation
     fused = device in ("cpu", "cuda") and not sharded
-    return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused
-    )
+    groups = param_groups(model, cfg.weight_decay, group_of)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused)

@@ -13,7 +13,6 @@ run saved under FSDP resumes in one process and the other way round.
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -80,29 +79,37 @@ def teardown(rt: Runtime) -> None:
         dist.destroy_process_group()
 
 
-def blocks_of(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if isinstance(m, (TransformerBlock, CrossAttentionBlock))]
+def blocks_of(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """Every Transformer block of a model as (parent module, attribute name, block), outermost first."""
+    found: list[tuple[nn.Module, str, nn.Module]] = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if isinstance(child, (TransformerBlock, CrossAttentionBlock)):
+                found.append((parent, name, child))
+    return found
+
+
+def _require_blocks(model: nn.Module, setting: str) -> list[tuple[nn.Module, str, nn.Module]]:
+    blocks = blocks_of(model)
+    if not blocks:
+        raise ConfigError(f"{setting} applies to Transformer blocks, and this model has none")
+    return blocks
 
 
 def checkpoint_activations(model: nn.Module) -> None:
-    """Recompute each block's activations in the backward pass instead of storing them: memory for compute. The
-    blocks' forward methods are wrapped in place; parameter names do not change."""
-    from torch.utils.checkpoint import checkpoint
+    """Recompute each block's activations in the backward pass instead of storing them: memory for compute. Each
+    block is replaced by a checkpointing wrapper around it (torch.distributed's checkpoint_wrapper, as torchtitan
+    does); state-dict keys keep their names."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
-    for block in blocks_of(model):
-        original = block.forward
-
-        @functools.wraps(original)
-        def forward(*args: Any, _f: Any = original, **kwargs: Any) -> Any:
-            return checkpoint(_f, *args, use_reentrant=False, **kwargs)
-
-        block.forward = forward
+    for parent, name, block in _require_blocks(model, "train.activation_checkpointing"):
+        parent.register_module(name, checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
 
 
 def compile_blocks(model: nn.Module) -> None:
     """torch.compile each block (the repeated unit), as torchtitan does: compile time stays small and the model keeps
     its eager structure and names."""
-    for block in blocks_of(model):
+    for _, _, block in _require_blocks(model, "train.compile"):
         block.compile()
 
 
@@ -117,7 +124,7 @@ def wrap(model: nn.Module, parallel: str, rt: Runtime, find_unused: bool = False
         return DistributedDataParallel(model, device_ids=ids, find_unused_parameters=find_unused)
     from torch.distributed.fsdp import fully_shard
 
-    for block in blocks_of(model):
+    for _, _, block in blocks_of(model):
         fully_shard(block)
     fully_shard(model)
     return model
@@ -159,3 +166,12 @@ def all_reduce_sum(t: torch.Tensor, rt: Runtime) -> torch.Tensor:
     if rt.distributed:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+def agree(flag: bool, rt: Runtime) -> bool:
+    """Whether any process raised `flag`: all processes stop at the same step if any of them wants to."""
+    if not rt.distributed:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=rt.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())

@@ -1,76 +1,166 @@
-"""Training tasks: how a batch is drawn and what loss it gives. The loop is the same for every task.
+"""Training tasks: what a batch is, which model it trains and what loss it gives. The loop is the same for every task.
 
-    LanguageModelTask   next-token prediction on a token stream (decoder-only models), with every extra term
-                        the architecture needs: MoE balance and z losses, the MTP loss, and the sparse-attention
-                        indexer's KL loss (dense warm-up, then sparse)
+    LanguageModelTask   next-token prediction on a token stream (decoder-only models), with every extra term the
+                        architecture needs (MoE balance and z losses, the MTP loss, the sparse-attention indexer's
+                        loss) and the hooks its training needs (router bias updates, the indexer's warm-up)
     TranslationTask     sentence pairs (encoder-decoder models: the Transformer or the RNN), batched by token
                         count from length buckets; teacher forcing behind the start token <s>
 
-The model is wrapped in a module whose forward returns the loss terms, so that DDP and FSDP see one forward call per
-micro-batch. A task gives the loop its batches (with their token counts) and its evaluation batches.
+A task builds the module the loop calls: its forward returns a dict of scalars, "loss" (to backpropagate) and the
+task's `terms` (to log), plus statistics its hooks read (summed over micro-steps); with evaluate=True it returns the
+summed evaluation loss "nll" and the token "count". Wrapping the model in one module keeps DDP and FSDP to one
+forward call per micro-batch. `build_task` picks the task from the prepared data folder.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Literal
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from llmkit.data.parallel import ParallelData
-from llmkit.layers.attention.sparse import DeepSeekSparseAttention
-from llmkit.models import DecoderLM, EncoderDecoder, RNNSeq2Seq
-from llmkit.train.buckets import BucketedPairs, length_batches
+from llmkit.analysis import analyze
+from llmkit.config import ModelConfig
+from llmkit.data.parallel import ParallelData, is_parallel
+from llmkit.errors import LLMKitError
+from llmkit.layers.attention import DeepSeekSparseAttention
+from llmkit.layers.extras import Extras, IndexerMode
+from llmkit.models import DecoderLM, EncoderDecoder, RNNConfig, RNNSeq2Seq
+from llmkit.tokenizer import Tokenizer
+from llmkit.train.buckets import BucketedPairs
 from llmkit.train.config import TrainConfig
 from llmkit.train.data import TokenData, eval_offsets, train_batch, window_batch
+from llmkit.train.hooks import Hook, IndexerWarmUp, RouterBiasUpdate, router_bias_layers
 from llmkit.train.parallel import Runtime
 
 TERMS = ("loss", "ce", "aux", "mtp", "indexer")
 
-
-def sparse_attention_layers(model: nn.Module) -> list[DeepSeekSparseAttention]:
-    return [m for m in model.modules() if isinstance(m, DeepSeekSparseAttention)]
+Model = DecoderLM | EncoderDecoder | RNNSeq2Seq
 
 
-class TrainingModule(nn.Module):
-    """model + loss settings -> forward(inputs, targets) returns (total, ce, aux, mtp, indexer) scalars."""
+class TrainingError(LLMKitError, RuntimeError):
+    """Training cannot go on (a non-finite loss, an unusable configuration)."""
+
+
+class Task:
+    """What the loop needs of a task; the subclasses fill it in."""
+
+    terms: tuple[str, ...] = TERMS  # the loss terms the training module returns and the loop logs
+    model_config: ModelConfig | RNNConfig
+    tokenizer: Tokenizer | None
+    source_tokenizer: Tokenizer | None = None  # a translation model's, with separate vocabularies
+    generation_config: dict[str, Any]  # what a checkpoint tells decoders (start and end tokens)
+
+    def __init__(self, cfg: TrainConfig, rt: Runtime) -> None:
+        self.cfg, self.rt = cfg, rt
+        self.generation_config = {}
+
+    @property
+    def vocab_size(self) -> int:
+        """The data's vocabulary size (the model's must be at least this)."""
+        raise NotImplementedError
+
+    @property
+    def chars_per_token(self) -> float:
+        """Characters per token of the evaluation split (for bits per character)."""
+        raise NotImplementedError
+
+    def attach(self, model: Model) -> nn.Module:
+        """The module the loop calls: forward(*batch, **hook options) -> loss terms (see the module docstring)."""
+        raise NotImplementedError
+
+    def hooks(self, model: Model) -> list[Hook]:
+        """The training strategies this model needs."""
+        return []
+
+    def flops_per_token(self) -> float | None:
+        """Model FLOPs per training token (forward and backward) for MFU, or None when not counted."""
+        return None
+
+    def batch(self, step: int, micro: int) -> tuple[tuple[Tensor, ...], int]:
+        """This process's batch for (step, micro-step), and the tokens it holds."""
+        raise NotImplementedError
+
+    def eval_batches(self, full: bool) -> Iterator[tuple[Tensor, ...]]:
+        """The evaluation batches of this process (all of the split when `full`)."""
+        raise NotImplementedError
+
+
+def build_task(cfg: TrainConfig, rt: Runtime) -> Task:
+    """The task the prepared data folder calls for: sentence pairs train a translation model, a token stream a
+    language model."""
+    return TranslationTask(cfg, rt) if is_parallel(cfg.data.dir) else LanguageModelTask(cfg, rt)
+
+
+class LanguageModule(nn.Module):
+    """A decoder-only model and its loss settings; forward(inputs, targets) -> the loss terms and statistics."""
 
     def __init__(self, model: DecoderLM, cfg: TrainConfig) -> None:
         super().__init__()
-        self.model = model
-        self.cfg = cfg
-        self.sparse = sparse_attention_layers(model)
-        self.indexer_only = False  # the indexer's warm-up: only its loss trains
+        self.model, self.cfg = model, cfg
+        self.bias_layers = router_bias_layers(model)
 
-    def set_indexer_phase(self, phase: Literal["off", "dense", "sparse"]) -> None:
-        for layer in self.sparse:
-            layer.indexer_training = phase
-        self.indexer_only = phase == "dense"
-
-    def forward(self, inputs: Tensor, targets: Tensor, evaluate: bool = False) -> tuple[Tensor, ...]:
+    def forward(
+        self, inputs: Tensor, targets: Tensor, evaluate: bool = False, indexer: IndexerMode = "off"
+    ) -> dict[str, Tensor]:
         if evaluate:  # summed next-token loss and the token count (through the wrapper, so FSDP gathers weights)
             logits = self.model(inputs)
             nll = nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
-            return nll, torch.tensor(float(targets.numel()), device=nll.device)
+            return {"nll": nll, "count": torch.tensor(float(targets.numel()), device=nll.device)}
         c = self.cfg.loss
-        out = self.model.loss(targets, inputs=inputs, label_smoothing=c.label_smoothing, mtp_weight=c.mtp_weight)
-        losses = [layer.last_indexer_loss for layer in self.sparse if layer.last_indexer_loss is not None]
-        indexer = torch.stack(losses).mean() if losses else out.ce.new_zeros(())
-        total = out.total + c.indexer_weight * indexer
-        if self.indexer_only:  # the rest of the model gets zero gradients (and a zero learning rate)
-            total = out.total * 0.0 + c.indexer_weight * indexer
-        return total, out.ce.detach(), out.aux.detach(), out.mtp.detach(), indexer.detach()
+        extras = Extras(indexer=indexer)
+        out = self.model.loss(
+            targets, inputs=inputs, label_smoothing=c.label_smoothing, mtp_weight=c.mtp_weight, extras=extras
+        )
+        indexer_loss = extras.indexer_loss(out.ce)
+        total = out.total + c.indexer_weight * indexer_loss
+        if indexer == "dense":  # the indexer's warm-up: the rest of the model gets zero gradients (and lr 0)
+            total = out.total * 0.0 + c.indexer_weight * indexer_loss
+        result = {"loss": total, "ce": out.ce, "aux": out.aux, "mtp": out.mtp, "indexer": indexer_loss}
+        if self.bias_layers:
+            load = extras.expert_load()
+            none = out.ce.new_zeros(self.model.cfg.moe.n_experts if self.model.cfg.moe else 0)
+            result["expert_load"] = torch.stack([load.get(i, none) for i in self.bias_layers])  # (L, E)
+        return result
 
 
-class LanguageModelTask:
+class LanguageModelTask(Task):
     """Random windows of the training stream; inputs and targets shifted by one token."""
 
-    def __init__(self, data: TokenData, cfg: TrainConfig, rt: Runtime, model: DecoderLM) -> None:
-        self.data, self.cfg, self.rt = data, cfg, rt
-        data.check_window(cfg.data.seq_len)
-        self.module = TrainingModule(model, cfg)
+    def __init__(self, cfg: TrainConfig, rt: Runtime) -> None:
+        super().__init__(cfg, rt)
+        self.data = TokenData(cfg.data.dir)
+        self.data.check_window(cfg.data.seq_len)
+        self.model_config = cfg.model_config(vocab_size=self.data.vocab_size)
+        if not isinstance(self.model_config, ModelConfig) or self.model_config.is_encoder_decoder:
+            raise TrainingError(
+                f"{cfg.data.dir} holds a token stream: language-model training needs a decoder-only model (this "
+                "config has an encoder; encoder-decoder models train on sentence pairs)"
+            )
+        self.tokenizer = Tokenizer.from_dir(self.data.dir)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.data.vocab_size
+
+    def attach(self, model: Model) -> nn.Module:
+        assert isinstance(model, DecoderLM)
+        return LanguageModule(model, self.cfg)
+
+    def hooks(self, model: Model) -> list[Hook]:
+        hooks: list[Hook] = []
+        if router_bias_layers(model) and self.cfg.loss.moe_bias_update_rate:
+            hooks.append(RouterBiasUpdate(model, self.cfg.loss.moe_bias_update_rate))
+        if any(isinstance(m, DeepSeekSparseAttention) for m in model.modules()):
+            hooks.append(IndexerWarmUp(self.cfg.loss.indexer_warmup_steps))
+        return hooks
+
+    def flops_per_token(self) -> float:
+        """Model FLOPs per training token (forward and backward), for MFU."""
+        assert isinstance(self.model_config, ModelConfig)
+        return 3 * analyze(self.model_config, seq_len=self.cfg.data.seq_len).flops_per_token
 
     def batch(self, step: int, micro: int) -> tuple[tuple[Tensor, ...], int]:
         """(inputs, targets) of this process for (step, micro-step), and how many tokens they hold."""
@@ -100,9 +190,9 @@ class LanguageModelTask:
         return self.data.split(self.eval_split).chars_per_token
 
 
-class Seq2SeqModule(nn.Module):
-    """encoder-decoder + loss settings -> forward(source, source_mask, target, target_mask) returns the loss terms
-    (total, ce, aux, mtp, indexer), or with evaluate=True the summed target-token NLL and the token count."""
+class TranslationModule(nn.Module):
+    """An encoder-decoder and its loss settings; forward(source, source_mask, target, target_mask) -> the loss terms,
+    or with evaluate=True the summed target-token NLL and the token count."""
 
     def __init__(self, model: EncoderDecoder | RNNSeq2Seq, cfg: TrainConfig, start_id: int) -> None:
         super().__init__()
@@ -110,29 +200,59 @@ class Seq2SeqModule(nn.Module):
 
     def forward(
         self, source: Tensor, source_mask: Tensor, target: Tensor, target_mask: Tensor, evaluate: bool = False
-    ) -> tuple[Tensor, ...]:
+    ) -> dict[str, Tensor]:
         smoothing = 0.0 if evaluate else self.cfg.loss.label_smoothing
-        out = self.model.loss(source, target, start_id=self.start_id, source_mask=source_mask,
-                              target_mask=target_mask, label_smoothing=smoothing)  # fmt: skip
+        out = self.model.loss(
+            source,
+            target,
+            start_id=self.start_id,
+            source_mask=source_mask,
+            target_mask=target_mask,
+            label_smoothing=smoothing,
+        )
         if evaluate:
             count = torch.tensor(float(out.n_tokens), device=out.ce.device)
-            return out.ce.float() * count, count
+            return {"nll": out.ce.float() * count, "count": count}
         zero = out.ce.new_zeros(())
-        return out.total, out.ce.detach(), out.aux.detach(), out.mtp.detach(), zero
+        return {"loss": out.total, "ce": out.ce, "aux": out.aux, "mtp": out.mtp, "indexer": zero}
 
 
-class TranslationTask:
+class TranslationTask(Task):
     """Sentence pairs batched by token count (see buckets.py); validation in fixed length-sorted batches."""
 
-    def __init__(self, data: ParallelData, cfg: TrainConfig, rt: Runtime, model: EncoderDecoder | RNNSeq2Seq) -> None:
-        self.data, self.cfg, self.rt = data, cfg, rt
+    def __init__(self, cfg: TrainConfig, rt: Runtime) -> None:
+        super().__init__(cfg, rt)
+        self.data = data = ParallelData(cfg.data.dir)
+        self.model_config = cfg.model_config(
+            vocab_size=data.vocab_size, src_vocab_size=None if data.shared_vocab else data.src_vocab_size
+        )
+        if not self.model_config.is_encoder_decoder:
+            raise TrainingError(
+                f"{cfg.data.dir} holds sentence pairs: translation needs an encoder-decoder model (e.g. "
+                "model.preset=transformer-base, or model.arch=rnn), not a decoder-only one"
+            )
+        self.source_tokenizer, self.tokenizer = data.tokenizers()
+        self.generation_config = {
+            "decoder_start_token_id": data.bos_id,
+            "eos_token_id": data.eos_id,
+            "pad_token_id": data.pad_id,
+            "bad_words_ids": [[data.pad_id], [data.bos_id]],
+        }
         d = cfg.data
-        self.train = BucketedPairs(data.side("train", "src"), data.side("train", "tgt"), d.batch_tokens, d.seq_len,
-                                   cfg.train.seed, data.pad_id)  # fmt: skip
-        self.module = Seq2SeqModule(model, cfg, data.bos_id)
+        self.train = BucketedPairs(
+            data.side("train", "src"), data.side("train", "tgt"), d.batch_tokens, d.seq_len, cfg.train.seed, data.pad_id
+        )
         self.eval_split = "val" if len(data.side("val", "src")) else "train"
-        self.val = BucketedPairs(data.side(self.eval_split, "src"), data.side(self.eval_split, "tgt"), d.batch_tokens,
-                                 d.seq_len, 0, data.pad_id)  # fmt: skip
+        src, tgt = data.side(self.eval_split, "src"), data.side(self.eval_split, "tgt")
+        self.val = BucketedPairs(src, tgt, d.batch_tokens, d.seq_len, 0, data.pad_id)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.data.vocab_size
+
+    def attach(self, model: Model) -> nn.Module:
+        assert isinstance(model, (EncoderDecoder, RNNSeq2Seq))
+        return TranslationModule(model, self.cfg, self.data.bos_id)
 
     def batch(self, step: int, micro: int) -> tuple[tuple[Tensor, ...], int]:
         """This process's batch for (step, micro-step), and its real tokens (source + target)."""
@@ -156,6 +276,3 @@ class TranslationTask:
     @property
     def chars_per_token(self) -> float:
         return self.data.chars_per_token(self.eval_split)
-
-
-__all__ = ["LanguageModelTask", "Seq2SeqModule", "TrainingModule", "TranslationTask", "length_batches"]

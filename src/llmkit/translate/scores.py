@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from llmkit.errors import InputError
+from llmkit.train.config import TranslateConfig
 
 
 def corpus_scores(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, Any]:
@@ -42,42 +43,57 @@ def score_test(
     checkpoint: str | os.PathLike[str],
     data_dir: str | os.PathLike[str],
     *,
+    settings: TranslateConfig | None = None,
     out: str | os.PathLike[str] | None = None,
-    beams: int = 4,
-    length_penalty: float = 0.6,
-    limit: int = 0,
-    batch_size: int = 32,
     progress: bool = True,
     samples: int = 3,
 ) -> dict[str, Any]:
     """Translate the test split of a prepared parallel folder with `checkpoint` (a run folder or a checkpoint),
-    score it, print the scores and a few sample translations, and save test_scores.json and test.hyp.txt in `out`."""
+    decoding as `settings` say (beams, length penalty, how many pairs, batch size; the paper's beam 4 and length
+    penalty 0.6 by default), score it, print the scores and a few sample translations, and save test_scores.json
+    and test.hyp.txt in `out`."""
     from llmkit.data.parallel import ParallelData
-    from llmkit.translate.translator import Translator, resolve_checkpoint
+    from llmkit.runs import resolve_checkpoint
+    from llmkit.translate.translator import Translator
 
     data = ParallelData(data_dir)
+    s = settings or TranslateConfig()
+    beams, length_penalty = s.beams, s.length_penalty
     sources, references = data.texts("test", "src"), data.texts("test", "tgt")
-    if limit:
-        sources, references = sources[:limit], references[:limit]
+    if s.test_pairs:
+        sources, references = sources[: s.test_pairs], references[: s.test_pairs]
     if not sources:
         raise InputError(f"{data_dir} has no test pairs to score")
     translator = Translator.load(checkpoint)
     start = time.perf_counter()
-    hyps = [t.text for t in translator.translate(sources, beams=beams, length_penalty=length_penalty,
-                                                 batch_size=batch_size, progress=progress)]  # fmt: skip
+    hyps = [
+        t.text
+        for t in translator.translate(
+            sources, beams=beams, length_penalty=length_penalty, batch_size=s.batch_size, progress=progress
+        )
+    ]
     seconds = time.perf_counter() - start
     result = corpus_scores(hyps, references)
-    result.update(checkpoint=str(resolve_checkpoint(checkpoint)), data=str(data_dir), beams=beams,
-                  length_penalty=length_penalty, decode_seconds=round(seconds, 1))  # fmt: skip
-    result["samples"] = [{"source": s, "reference": r, "translation": h}
-                         for s, r, h in list(zip(sources, references, hyps, strict=True))[:samples]]  # fmt: skip
+    result.update(
+        checkpoint=str(resolve_checkpoint(checkpoint)),
+        data=str(data_dir),
+        beams=beams,
+        length_penalty=length_penalty,
+        decode_seconds=round(seconds, 1),
+    )
+    result["samples"] = [
+        {"source": s, "reference": r, "translation": h}
+        for s, r, h in list(zip(sources, references, hyps, strict=True))[:samples]
+    ]
     if out is not None:
         o = Path(out)
         o.mkdir(parents=True, exist_ok=True)
         (o / "test.hyp.txt").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
         (o / "test_scores.json").write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
-    print(f"test BLEU {result['bleu']:.2f}  chrF {result['chrf']:.2f}  ({len(hyps)} sentences, beam {beams}, "
-          f"length penalty {length_penalty}, {seconds:.0f} s)\n  {result['bleu_signature']}")  # fmt: skip
+    print(
+        f"test BLEU {result['bleu']:.2f}  chrF {result['chrf']:.2f}  ({len(hyps)} sentences, beam {beams}, "
+        f"length penalty {length_penalty}, {seconds:.0f} s)\n  {result['bleu_signature']}"
+    )
     for s in result["samples"]:
         print(f"  source:      {s['source']}\n  reference:   {s['reference']}\n  translation: {s['translation']}")
     return result

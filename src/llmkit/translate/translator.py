@@ -23,9 +23,14 @@ import torch
 from torch import Tensor
 
 from llmkit.errors import InputError, LLMKitError
-from llmkit.generate.beam import beam_search_seq2seq
-from llmkit.generate.seq2seq import greedy_seq2seq
+from llmkit.generate.beam import search
+from llmkit.generate.decode import run_session
+from llmkit.generate.prompts import pad
+from llmkit.generate.sessions import Seq2SeqSession
+from llmkit.generate.stops import StopRule, eos_ids
+from llmkit.layers.extras import Extras
 from llmkit.models import EncoderDecoder, RNNSeq2Seq
+from llmkit.runs import resolve_checkpoint
 
 
 class TextCodec(Protocol):
@@ -66,21 +71,6 @@ class _Transformers:
         return str(self.tok.convert_ids_to_tokens(token_id))
 
 
-def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
-    """A run folder -> its averaged checkpoint if there is one, else its latest; any other path unchanged."""
-    from llmkit.train.checkpoint import latest_checkpoint
-
-    p = Path(path)
-    if (p / "checkpoints").is_dir():
-        if (p / "averaged" / "llmkit.json").is_file():
-            return p / "averaged"
-        latest = latest_checkpoint(p)
-        if latest is None:
-            raise LLMKitError(f"{p} is a training run without a complete checkpoint")
-        return latest
-    return p
-
-
 @dataclass
 class Translation:
     text: str
@@ -112,8 +102,7 @@ class Translator:
 
     @property
     def max_len(self) -> int:
-        cfg = self.model.cfg
-        return int(cfg.max_seq_len if isinstance(self.model, RNNSeq2Seq) else cfg.position.max_seq_len)  # type: ignore[union-attr]
+        return self.model.max_seq_len
 
     @property
     def device(self) -> torch.device:
@@ -123,7 +112,7 @@ class Translator:
     def load(
         cls, path: str | os.PathLike[str], *, dtype: torch.dtype | None = None, device: torch.device | str | None = None
     ) -> Translator:
-        from llmkit.interop.checkpoint import load_model
+        from llmkit.interop.load import load_model
 
         ckpt = resolve_checkpoint(path)
         loaded = load_model(ckpt, dtype=dtype, device=device)
@@ -145,8 +134,9 @@ class Translator:
         eos = eos[0] if isinstance(eos, list) else eos
         start = setting("decoder_start_token_id")
         if start is None or eos is None:
-            raise LLMKitError(f"{ckpt} does not say which token starts and ends a translation "
-                              "(decoder_start_token_id, eos_token_id)")  # fmt: skip
+            raise LLMKitError(
+                f"{ckpt} does not say which token starts and ends a translation (decoder_start_token_id, eos_token_id)"
+            )
         banned = [w[0] for w in setting("bad_words_ids") or [] if isinstance(w, list) and len(w) == 1]
         if pad is not None and pad not in banned:
             banned.append(pad)
@@ -160,8 +150,11 @@ class Translator:
         ids = self.source.encode(" ".join(text.split()))
         limit = self.max_len - 1
         if len(ids) > limit:
-            print(f"llmkit translate: sentence {index + 1} has {len(ids)} tokens; the model reads at most {limit}: "
-                  "the rest is cut", file=sys.stderr)  # fmt: skip
+            print(
+                f"llmkit translate: sentence {index + 1} has {len(ids)} tokens; the model reads at most {limit}: "
+                "the rest is cut",
+                file=sys.stderr,
+            )
             ids = ids[:limit]
         return [*ids, self.eos_id]
 
@@ -189,28 +182,22 @@ class Translator:
         bar = tqdm(total=len(encoded), unit="sentence", disable=not progress, desc="translate")
         for start in range(0, len(order), batch_size):
             rows = order[start : start + batch_size]
-            width = max(len(encoded[i]) for i in rows)
-            source = torch.zeros(len(rows), width, dtype=torch.long)
-            mask = torch.zeros(len(rows), width, dtype=torch.bool)
-            for r, i in enumerate(rows):
-                source[r, : len(encoded[i])] = torch.tensor(encoded[i])
-                mask[r, : len(encoded[i])] = True
-            source, mask = source.to(self.device), mask.to(self.device)
-            budget = max(1, min(int(max_ratio * width) + max_extra, self.max_len - 1))
-            if beams == 1:
-                outs = greedy_seq2seq(self.model, source, start_id=self.start_id, eos_id=self.eos_id,
-                                      max_new_tokens=budget, source_mask=mask,
-                                      suppress_ids=self.suppress_ids)  # fmt: skip
-            else:
-                outs = beam_search_seq2seq(self.model, source, start_id=self.start_id, num_beams=beams,
-                                           max_new_tokens=budget, length_penalty=length_penalty, eos_id=self.eos_id,
-                                           source_mask=mask, suppress_ids=self.suppress_ids).sequences  # fmt: skip
+            source, mask = pad([encoded[i] for i in rows], "right", device=self.device)
+            budget = max(1, min(int(max_ratio * source.shape[1]) + max_extra, self.max_len - 1))
+            outs = self._decode(source, mask, budget, beams, length_penalty)
             for i, out in zip(rows, outs, strict=True):
                 tokens = out[:-1] if out and out[-1] == self.eos_id else out
                 results[i] = Translation(self.target.decode(tokens), tokens)
             bar.update(len(rows))
         bar.close()
         return [r for r in results if r is not None]
+
+    def _decode(self, source: Tensor, mask: Tensor, budget: int, beams: int, length_penalty: float) -> list[list[int]]:
+        """Greedy decoding for one beam, beam search for more, over one session; each row up to its end token."""
+        session = Seq2SeqSession(self.model, source, mask, self.start_id, budget, self.suppress_ids, copies=beams)
+        if beams == 1:
+            return run_session(session, budget, StopRule.of(self.eos_id))
+        return search(session, source.shape[0], beams, budget, length_penalty, eos_ids(self.eos_id)).sequences
 
     # ---- attention
 
@@ -219,31 +206,15 @@ class Translator:
         """Cross-attention of the last decoder layer (mean over heads) while the model reads its own translation
         of `text` (or the given target tokens), grouped into words: a source word's weight is the sum over its
         pieces, a target word's row the mean over its pieces."""
-        from llmkit.layers.attention.cross import CrossAttention
-
         src = self.encode_source(text)
         tgt = list(translation) if translation is not None else self.translate([text], beams=beams)[0].tokens
         tgt = [*tgt, self.eos_id]
         source = torch.tensor([src], device=self.device)
         inputs = torch.tensor([[self.start_id, *tgt[:-1]]], device=self.device)
-        if isinstance(self.model, RNNSeq2Seq):
-            self.model.record_attention = True
-            try:
-                self.model(source, inputs)
-                assert self.model.last_attention is not None
-                weights = self.model.last_attention[0].float()  # (T, S)
-            finally:
-                self.model.record_attention = False
-        else:
-            cross = next(m for m in self.model.decoder[-1].modules() if isinstance(m, CrossAttention))
-            cross.keep_weights = True
-            try:
-                self.model(source, inputs)
-                assert cross.last_weights is not None
-                weights = cross.last_weights[0].float().mean(0)  # (H, T, S) -> (T, S)
-            finally:
-                cross.keep_weights = False
-                cross.last_weights = None
+        extras = Extras(attention_weights=True)
+        self.model(source, inputs, extras=extras)
+        last = extras.cross_attention[-1][0].float()  # (H, T, S) for a Transformer layer, (T, S) for the RNN
+        weights = last.mean(0) if last.dim() == 3 else last  # mean over heads -> (T, S)
         src_words, src_groups = _words(self.source, src, self.eos_id)
         tgt_words, tgt_groups = _words(self.target, tgt, self.eos_id)
         cols = torch.stack([weights[:, g].sum(1) for g in src_groups], dim=1)  # (T, source words)

@@ -30,7 +30,8 @@ from llmkit.interop.hf.marian import MarianFamily
 from llmkit.interop.hf.mixtral import MixtralFamily
 from llmkit.interop.keymap import check_against, convert_to_ours, convert_to_theirs, expand
 from llmkit.interop.safetensors_io import CheckpointError, open_tensors, save_tensors
-from llmkit.interop.weights import build_with_weights
+from llmkit.interop.weights import build_with_weights, expected_shapes
+from llmkit.layers.precision import cast_state, fp32_state
 from llmkit.models import DecoderLM, EncoderDecoder
 
 FAMILIES: list[Family] = [LlamaFamily(), MixtralFamily(), GPT2Family(), DeepSeekFamily(), MarianFamily()]
@@ -52,6 +53,7 @@ TOKENIZER_FILES = (
 
 
 def supported_model_types() -> list[str]:
+    """Every model_type llmkit reads and writes, in the order `infer_model_type` tries them."""
     return [mt for f in FAMILIES for mt in f.model_types]
 
 
@@ -78,6 +80,7 @@ def infer_model_type(cfg: ModelConfig) -> str:
 
 
 def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """A checkpoint directory's config.json, or a CheckpointError saying why it cannot be read."""
     path = Path(directory) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{Path(directory)} has no config.json: not a Hugging Face checkpoint directory")
@@ -91,6 +94,7 @@ def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def config_from_hf(hf: dict[str, Any], names: Collection[str] = ()) -> ModelConfig:
+    """The ModelConfig a config.json describes (`names`: the checkpoint's tensor names, where they decide a detail)."""
     return family_for(hf.get("model_type")).config_from_hf(hf, names)
 
 
@@ -102,8 +106,6 @@ def state_dict_from_hf(
     cfg = family.config_from_hf(hf_config, hf_state.keys())
     concrete = expand(family.rules(cfg, hf_state.keys()), cfg)
     shapes = {n: tuple(t.shape) for n, t in hf_state.items()}
-    from llmkit.interop.weights import expected_shapes
-
     check_against(concrete, expected_shapes(cfg), shapes, lambda n: family.ignored(n, cfg), "the state dict")
     return dict(convert_to_ours(concrete, hf_state.__getitem__, dtype))
 
@@ -167,11 +169,10 @@ def save_hf(
     cfg = model.cfg
     mt = model_type or (hf_config or {}).get("model_type") or infer_model_type(cfg)
     family = family_for(mt)
-    if family.model_type_for(cfg) is None or mt not in family.model_types:
-        raise ConfigError(f"this model cannot be written as model_type {mt!r}: {_why(family, cfg, mt)}")
-    state = model.state_dict()
-    if dtype is not None:
-        state = {k: (v.to(dtype) if v.is_floating_point() and _cast(k) else v) for k, v in state.items()}
+    why = family.why_not(cfg, mt)
+    if why is not None:
+        raise ConfigError(f"this model cannot be saved as a Hugging Face checkpoint: {why}")
+    state = cast_state(model.state_dict(), dtype, fp32_state(model))
     hf_state = convert_to_theirs(expand(family.rules(cfg, ()), cfg), state)
     d = Path(directory)
     save_tensors(hf_state, d, max_shard_bytes)
@@ -184,18 +185,6 @@ def save_hf(
     if tokenizer_dir is not None:
         copy_tokenizer_files(tokenizer_dir, d)
     return d
-
-
-def _cast(name: str) -> bool:
-    return not name.endswith("score_bias")  # the router's correction bias stays fp32
-
-
-def _why(family: Family, cfg: ModelConfig, mt: str) -> str:
-    try:
-        family.config_to_hf(cfg, mt)
-    except ConfigError as e:
-        return str(e)
-    return "its config does not round-trip through config.json"
 
 
 def copy_tokenizer_files(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> list[str]:
@@ -211,6 +200,7 @@ def copy_tokenizer_files(source: str | os.PathLike[str], target: str | os.PathLi
 
 __all__ = [
     "FAMILIES",
+    "TOKENIZER_FILES",
     "HFCheckpoint",
     "config_from_hf",
     "copy_tokenizer_files",

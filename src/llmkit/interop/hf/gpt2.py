@@ -13,95 +13,62 @@ Checkpoints saved from GPT2LMHeadModel prefix names with "transformer."; the ori
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from llmkit.config import AttentionConfig, FFNConfig, ModelConfig, NormConfig, PositionConfig
-from llmkit.errors import ConfigError
-from llmkit.interop.hf.base import Family, activation_from_hf, require
+from llmkit.config import ModelConfig
+from llmkit.interop.hf.activations import activation_field
+from llmkit.interop.hf.base import Family
+from llmkit.interop.hf.fields import Derived, Entry, Field, Stated, fixed
 from llmkit.interop.keymap import Rule, Split, Transpose
 
-_ACT_NAMES = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "silu": "silu"}
+_ATTENTION_CHANGE = "it changes GPT-2's attention in a way llmkit does not support"
+
+FIELDS: tuple[Entry, ...] = (
+    Field("vocab_size", "vocab_size", int),
+    Field("d_model", "n_embd", int),
+    Field("n_layers", "n_layer", int),
+    Field("attention.n_heads", "n_head", int),
+    Field("attention.dropout", "attn_pdrop", float, 0.0),
+    Field("ffn.hidden_dim", "n_inner", int, None),  # null: 4 * n_embd, also llmkit's default width for an MLP
+    activation_field("ffn.activation", "activation_function", "gpt2", "gelu_tanh"),
+    Field("position.max_seq_len", "n_positions", int),
+    Field("norm.eps", "layer_norm_epsilon", float, 1e-5),
+    Field("tie_embeddings", "tie_word_embeddings", bool, True),
+    Field("dropout", "resid_pdrop", float, 0.0),
+    Derived("embd_pdrop", lambda cfg: cfg.dropout),  # llmkit has one dropout for the residual and the embedding
+    *fixed(
+        "GPT-2 is a decoder of pre-norm LayerNorm blocks with learned positions, multi-head attention with biases "
+        "and a GELU MLP with biases",
+        {
+            "attention.kind": "gqa",
+            "attention.qkv_bias": True,
+            "attention.out_bias": True,
+            "attention.sliding_window": None,
+            "ffn.kind": "mlp",
+            "ffn.bias": True,
+            "moe": None,
+            "position.kind": "learned",
+            "norm.kind": "layernorm",
+            "norm.placement": "pre",
+            "norm.bias": True,
+            "encoder": None,
+            "mtp_depth": 0,
+            "head_bias": False,
+            "scale_embeddings": False,
+        },
+    ),
+    Stated("scale_attn_weights", True, _ATTENTION_CHANGE),
+    Stated("scale_attn_by_inverse_layer_idx", False, _ATTENTION_CHANGE),
+    Stated("add_cross_attention", False, _ATTENTION_CHANGE),
+)
 
 
 class GPT2Family(Family):
     name = "gpt2"
     model_types: ClassVar[tuple[str, ...]] = ("gpt2",)
     architectures: ClassVar[dict[str, str]] = {"gpt2": "GPT2LMHeadModel"}
-
-    def config_from_hf(self, hf: dict[str, Any], names: Collection[str]) -> ModelConfig:
-        for flag, bad in (
-            ("scale_attn_by_inverse_layer_idx", True),
-            ("add_cross_attention", True),
-            ("scale_attn_weights", False),
-        ):
-            if hf.get(flag, not bad) == bad:
-                raise ConfigError(
-                    f"config.json {flag}={bad} changes GPT-2's attention in a way llmkit does not support"
-                )
-        d = int(require(hf, "n_embd"))
-        return ModelConfig(
-            vocab_size=int(require(hf, "vocab_size")),
-            d_model=d,
-            n_layers=int(require(hf, "n_layer")),
-            attention=AttentionConfig(
-                n_heads=int(require(hf, "n_head")),
-                qkv_bias=True,
-                out_bias=True,
-                dropout=float(hf.get("attn_pdrop", 0.0)),
-            ),
-            ffn=FFNConfig(
-                kind="mlp",
-                hidden_dim=int(hf.get("n_inner") or 4 * d),
-                activation=activation_from_hf(hf.get("activation_function", "gelu_new"), "activation_function"),
-                bias=True,
-            ),
-            position=PositionConfig(kind="learned", max_seq_len=int(require(hf, "n_positions"))),
-            norm=NormConfig(kind="layernorm", placement="pre", eps=float(hf.get("layer_norm_epsilon", 1e-5))),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
-            dropout=float(hf.get("resid_pdrop", 0.0)),
-        )
-
-    def config_to_hf(self, cfg: ModelConfig, model_type: str) -> dict[str, Any]:
-        a, f = cfg.attention, cfg.ffn
-        ok = (
-            a.kind == "gqa"
-            and a.n_kv_heads == a.n_heads
-            and cfg.head_dim * a.n_heads == cfg.d_model
-            and a.qkv_bias
-            and a.out_bias
-            and a.sliding_window is None
-            and f.kind == "mlp"
-            and f.bias
-            and cfg.position.kind == "learned"
-            and cfg.norm.kind == "layernorm"
-            and cfg.norm.placement == "pre"
-            and cfg.norm.bias
-            and cfg.moe is None
-            and cfg.encoder is None
-            and not cfg.mtp_depth
-            and not cfg.head_bias
-            and not cfg.scale_embeddings
-        )
-        if not ok:
-            raise ConfigError(
-                "only a GPT-2-shaped model (MHA with biases, learned positions, LayerNorm, MLP) maps to gpt2"
-            )
-        return {
-            "model_type": "gpt2",
-            "architectures": ["GPT2LMHeadModel"],
-            "vocab_size": cfg.vocab_size,
-            "n_embd": cfg.d_model,
-            "n_layer": cfg.n_layers,
-            "n_head": a.n_heads,
-            "n_inner": f.hidden_dim,
-            "n_positions": cfg.position.max_seq_len,
-            "activation_function": _ACT_NAMES[f.activation],
-            "layer_norm_epsilon": cfg.norm.eps,
-            "tie_word_embeddings": cfg.tie_embeddings,
-            "attn_pdrop": a.dropout,
-            "resid_pdrop": cfg.dropout,
-            "embd_pdrop": cfg.dropout,
-        }
+    fields = FIELDS
+    reference_stacks: ClassVar[tuple[str, ...]] = ("transformer.h",)
 
     def rules(self, cfg: ModelConfig, names: Collection[str]) -> list[Rule]:
         p = "" if ("wte.weight" in names and "transformer.wte.weight" not in names) else "transformer."
@@ -140,4 +107,4 @@ class GPT2Family(Family):
 
     def ignored(self, name: str, cfg: ModelConfig) -> bool:
         # the causal-mask buffers old checkpoints saved, and a tied head some of them store
-        return name.endswith((".attn.bias", ".attn.masked_bias")) or (cfg.tie_embeddings and name == "lm_head.weight")
+        return name.endswith((".attn.bias", ".attn.masked_bias")) or super().ignored(name, cfg)

@@ -13,136 +13,118 @@ Positions are sinusoids with all sines first (llmkit's "half" layout), recompute
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any, ClassVar
 
-from llmkit.config import AttentionConfig, EncoderConfig, FFNConfig, ModelConfig, NormConfig, PositionConfig
+import torch
+from torch import Tensor
+
+from llmkit.config import ModelConfig
 from llmkit.errors import ConfigError
-from llmkit.interop.hf.base import Family, activation_from_hf, require
+from llmkit.interop.hf.activations import activation_field
+from llmkit.interop.hf.base import Family, OneInput
+from llmkit.interop.hf.fields import Assumed, Custom, Entry, Field, HFConfig, Stated, fixed, require
 from llmkit.interop.keymap import Reshape, Rule
 
-_ACT_NAMES = {"silu": "swish", "gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
+
+def _vocabularies_from_hf(hf: HFConfig, names: Collection[str]) -> dict[str, Any]:
+    """One vocabulary and one embedding matrix for source and target (share_encoder_decoder_embeddings, the OPUS-MT
+    default), or a source vocabulary (vocab_size) apart from the target one (decoder_vocab_size)."""
+    vocab = int(require(hf, "vocab_size"))
+    shared = bool(hf.get("share_encoder_decoder_embeddings", True))
+    target = int(hf.get("decoder_vocab_size") or vocab)
+    if shared and target != vocab:
+        raise ConfigError("config.json shares embeddings but gives different source and target vocabularies")
+    return {"vocab_size": target, "encoder.vocab_size": None if shared else vocab}
+
+
+def _vocabularies_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    assert cfg.encoder is not None  # read by the encoder.n_layers field first
+    return {
+        "vocab_size": cfg.encoder.vocab_size or cfg.vocab_size,
+        "decoder_vocab_size": cfg.vocab_size,
+        "share_encoder_decoder_embeddings": cfg.encoder.vocab_size is None,
+    }
+
+
+FIELDS: tuple[Entry, ...] = (
+    Field("d_model", "d_model", int),
+    Field("n_layers", "decoder_layers", int),
+    Field("encoder.n_layers", "encoder_layers", int),
+    Custom(_vocabularies_from_hf, _vocabularies_to_hf),
+    Field("attention.n_heads", ("encoder_attention_heads", "decoder_attention_heads"), int),
+    Field("ffn.hidden_dim", ("encoder_ffn_dim", "decoder_ffn_dim"), int),
+    Field("attention.dropout", "attention_dropout", float, 0.0),
+    activation_field("ffn.activation", "activation_function", "marian", "silu"),
+    Field("position.max_seq_len", "max_position_embeddings", int, 512),
+    Field("tie_embeddings", "tie_word_embeddings", bool, True),
+    Field("scale_embeddings", "scale_embedding", bool, False),
+    Field("dropout", "dropout", float, 0.0),
+    *fixed(
+        "Marian is a post-norm encoder-decoder (LayerNorms with PyTorch's default eps) with sine-first sinusoidal "
+        "positions, biased multi-head attention, a biased MLP and a logits bias",
+        {
+            "attention.kind": "gqa",
+            "attention.qkv_bias": True,
+            "attention.out_bias": True,
+            "ffn.kind": "mlp",
+            "ffn.bias": True,
+            "moe": None,
+            "position.kind": "sinusoidal",
+            "position.layout": "half",
+            "norm.kind": "layernorm",
+            "norm.placement": "post",
+            "norm.bias": True,
+            "norm.eps": 1e-5,
+            "head_bias": True,
+        },
+    ),
+    Assumed("init", "xavier"),  # Marian's (and the paper's) Glorot-uniform initialisation
+    Stated("is_encoder_decoder", True, "Marian is an encoder-decoder"),
+)
 
 
 def _attention(theirs: str, ours: str, where: str) -> list[Rule]:
-    rules = []
-    for a, b in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "out_proj")):
-        for p in ("weight", "bias"):
-            rules.append(Rule(f"{ours}{a}.{p}", f"{theirs}{b}.{p}", where=where))
-    return rules
+    return [
+        Rule(f"{ours}{a}.{p}", f"{theirs}{b}.{p}", where=where)
+        for a, b in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "out_proj"))
+        for p in ("weight", "bias")
+    ]
 
 
-def _norm(theirs: str, ours: str, where: str) -> list[Rule]:
+def _linear(theirs: str, ours: str, where: str) -> list[Rule]:
+    """A weight and its bias (a LayerNorm or a Linear)."""
     return [Rule(f"{ours}.{p}", f"{theirs}.{p}", where=where) for p in ("weight", "bias")]
+
+
+def _stack_rules(theirs: str, ours: str, where: str) -> list[Rule]:
+    """One encoder or decoder layer: self-attention and feed-forward sublayers, each with its post-norm."""
+    return [
+        *_attention(theirs + "self_attn.", ours + "attn.", where),
+        *_linear(theirs + "self_attn_layer_norm", ours + "attn_residual.norm", where),
+        *_linear(theirs + "fc1", ours + "ffn.w1", where),
+        *_linear(theirs + "fc2", ours + "ffn.w2", where),
+        *_linear(theirs + "final_layer_norm", ours + "ffn_residual.norm", where),
+    ]
 
 
 class MarianFamily(Family):
     name = "marian"
     model_types: ClassVar[tuple[str, ...]] = ("marian",)
     architectures: ClassVar[dict[str, str]] = {"marian": "MarianMTModel"}
-
-    def config_from_hf(self, hf: dict[str, Any], names: Collection[str]) -> ModelConfig:
-        for a, b in (("encoder_attention_heads", "decoder_attention_heads"), ("encoder_ffn_dim", "decoder_ffn_dim")):
-            if require(hf, a) != require(hf, b):
-                raise ConfigError(f"config.json {a}={hf[a]} differs from {b}={hf[b]}, which llmkit does not support")
-        vocab = int(require(hf, "vocab_size"))
-        shared = bool(hf.get("share_encoder_decoder_embeddings", True))
-        target_vocab = int(hf.get("decoder_vocab_size") or vocab)
-        if shared and target_vocab != vocab:
-            raise ConfigError("config.json shares embeddings but gives different source and target vocabularies")
-        return ModelConfig(
-            vocab_size=target_vocab,
-            d_model=int(require(hf, "d_model")),
-            n_layers=int(require(hf, "decoder_layers")),
-            encoder=EncoderConfig(n_layers=int(require(hf, "encoder_layers")), vocab_size=None if shared else vocab),
-            attention=AttentionConfig(
-                n_heads=int(hf["encoder_attention_heads"]),
-                qkv_bias=True,
-                out_bias=True,
-                dropout=float(hf.get("attention_dropout", 0.0)),
-            ),
-            ffn=FFNConfig(
-                kind="mlp",
-                hidden_dim=int(hf["encoder_ffn_dim"]),
-                activation=activation_from_hf(hf.get("activation_function", "swish"), "activation_function"),
-                bias=True,
-            ),
-            position=PositionConfig(
-                kind="sinusoidal", max_seq_len=int(hf.get("max_position_embeddings", 512)), layout="half"
-            ),
-            norm=NormConfig(kind="layernorm", placement="post", eps=1e-5),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
-            scale_embeddings=bool(hf.get("scale_embedding", False)),
-            head_bias=True,
-            dropout=float(hf.get("dropout", 0.0)),
-            init="xavier",
-        )
-
-    def config_to_hf(self, cfg: ModelConfig, model_type: str) -> dict[str, Any]:
-        a, f, e = cfg.attention, cfg.ffn, cfg.encoder
-        ok = (
-            e is not None
-            and a.kind == "gqa"
-            and a.n_kv_heads == a.n_heads
-            and a.qkv_bias
-            and a.out_bias
-            and cfg.head_dim * a.n_heads == cfg.d_model
-            and f.kind == "mlp"
-            and f.bias
-            and cfg.moe is None
-            and cfg.position.kind == "sinusoidal"
-            and cfg.position.layout == "half"
-            and cfg.norm.kind == "layernorm"
-            and cfg.norm.placement == "post"
-            and cfg.norm.bias
-            and cfg.norm.eps == 1e-5
-            and cfg.head_bias
-        )
-        if not ok or e is None:
-            raise ConfigError(
-                "only a post-norm encoder-decoder with sine-first sinusoids and a logits bias maps to Marian"
-            )
-        return {
-            "model_type": "marian",
-            "architectures": ["MarianMTModel"],
-            "vocab_size": e.vocab_size or cfg.vocab_size,
-            "decoder_vocab_size": cfg.vocab_size,
-            "share_encoder_decoder_embeddings": e.vocab_size is None,
-            "d_model": cfg.d_model,
-            "encoder_layers": e.n_layers,
-            "decoder_layers": cfg.n_layers,
-            "encoder_attention_heads": a.n_heads,
-            "decoder_attention_heads": a.n_heads,
-            "encoder_ffn_dim": f.hidden_dim,
-            "decoder_ffn_dim": f.hidden_dim,
-            "activation_function": _ACT_NAMES[f.activation],
-            "max_position_embeddings": cfg.position.max_seq_len,
-            "scale_embedding": cfg.scale_embeddings,
-            "tie_word_embeddings": cfg.tie_embeddings,
-            "dropout": cfg.dropout,
-            "attention_dropout": a.dropout,
-            "is_encoder_decoder": True,
-        }
+    fields = FIELDS
+    auto_class = "AutoModelForSeq2SeqLM"
+    reference_stacks: ClassVar[tuple[str, ...]] = ("model.encoder.layers", "model.decoder.layers")
 
     def rules(self, cfg: ModelConfig, names: Collection[str]) -> list[Rule]:
         enc, dec = "model.encoder.layers.{i}.", "model.decoder.layers.{i}."
         rules = [
-            *_attention(enc + "self_attn.", "encoder.{i}.attn.", "encoder"),
-            *_norm(enc + "self_attn_layer_norm", "encoder.{i}.attn_residual.norm", "encoder"),
-            *_attention(dec + "self_attn.", "decoder.{i}.attn.", "decoder"),
-            *_norm(dec + "self_attn_layer_norm", "decoder.{i}.attn_residual.norm", "decoder"),
+            *_stack_rules(enc, "encoder.{i}.", "encoder"),
+            *_stack_rules(dec, "decoder.{i}.", "decoder"),
             *_attention(dec + "encoder_attn.", "decoder.{i}.cross.", "decoder"),
-            *_norm(dec + "encoder_attn_layer_norm", "decoder.{i}.cross_residual.norm", "decoder"),
+            *_linear(dec + "encoder_attn_layer_norm", "decoder.{i}.cross_residual.norm", "decoder"),
             Rule("head_bias", "final_logits_bias", Reshape((1, cfg.vocab_size))),
         ]
-        for layers, where in ((enc, "encoder"), (dec, "decoder")):
-            ours = "encoder.{i}." if where == "encoder" else "decoder.{i}."
-            for p in ("weight", "bias"):
-                rules += [
-                    Rule(f"{ours}ffn.w1.{p}", f"{layers}fc1.{p}", where=where),
-                    Rule(f"{ours}ffn.w2.{p}", f"{layers}fc2.{p}", where=where),
-                ]
-            rules += _norm(layers + "final_layer_norm", ours + "ffn_residual.norm", where)
         assert cfg.encoder is not None
         if cfg.encoder.vocab_size is None:
             rules.append(Rule("embed.weight", "model.shared.weight"))
@@ -161,6 +143,10 @@ class MarianFamily(Family):
         assert cfg.encoder is not None
         shared = cfg.encoder.vocab_size is None
         tied_copies = ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight") if shared else ()
-        if name in tied_copies or (cfg.tie_embeddings and name == "lm_head.weight"):
-            return True
-        return super().ignored(name, cfg)
+        return name in tied_copies or super().ignored(name, cfg)
+
+    def one_input(self, tokens: Tensor, hf_config: Mapping[str, Any]) -> OneInput:
+        """The tokens as the source, and as the teacher-forced target after the decoder's start token."""
+        start = int(hf_config.get("decoder_start_token_id") or 0)
+        target = torch.cat([torch.tensor([[start]]), tokens[:, :-1]], dim=1)
+        return OneInput((tokens, target), {"input_ids": tokens, "decoder_input_ids": target})

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from llmkit.config import ModelConfig
 from llmkit.layers.attention.base import AttentionInputs, SelfAttention
-from llmkit.layers.attention.cache import KVCache, LatentCache, SparseLatentCache
+from llmkit.layers.attention.cache import KVCache, LatentCache
 from llmkit.layers.attention.core import attend, attend_selected
 from llmkit.layers.attention.cross import CrossAttention, CrossCache
 from llmkit.layers.attention.gqa import GroupedQueryAttention
 from llmkit.layers.attention.mask import AttentionMask, causal_tril, padding_mask
-from llmkit.layers.attention.mla import MultiHeadLatentAttention, Selection
+from llmkit.layers.attention.mla import MLAResult, MultiHeadLatentAttention, Selection
 from llmkit.layers.attention.sparse import DeepSeekSparseAttention, LightningIndexer
 
 ATTENTION: dict[str, type[GroupedQueryAttention] | type[MultiHeadLatentAttention]] = {
@@ -35,10 +35,10 @@ __all__ = [
     "KVCache",
     "LatentCache",
     "LightningIndexer",
+    "MLAResult",
     "MultiHeadLatentAttention",
     "Selection",
     "SelfAttention",
-    "SparseLatentCache",
     "attend",
     "attend_selected",
     "build_attention",

@@ -1,6 +1,6 @@
 """The interface every self-attention variant implements (GQA, MLA, DSA), so a block never asks which one it holds.
 
-forward(x (B, T, C), inputs: AttentionInputs, cache: LayerCache | None) -> (B, T, C)
+forward(x (B, T, C), inputs: AttentionInputs, cache: LayerCache | None, extras: Extras | None) -> (B, T, C)
 new_cache(batch, max_len, device, dtype) -> the variant's own cache layout
 cache_elements_per_token() -> elements this layer caches per token (what `llmkit inspect` reports)
 """
@@ -16,31 +16,27 @@ from torch import Tensor, nn
 
 from llmkit.layers.attention.cache import LayerCache
 from llmkit.layers.attention.mask import AttentionMask
+from llmkit.layers.extras import Extras
 from llmkit.layers.rope import RopeTables
 
 
 @dataclass(frozen=True)
 class AttentionInputs:
     """What a self-attention layer needs besides x: the mask over key slots, the RoPE tables of the new tokens'
-    positions (None without RoPE), and the cache slot where the new tokens go."""
+    positions (None without RoPE), and the cache slots (T,) the new tokens' keys go to (None without a cache)."""
 
     mask: AttentionMask
     rope: RopeTables | None = None
-    cache_start: int = 0
+    slots: Tensor | None = None
 
 
 class SelfAttention(nn.Module, abc.ABC):
-    """Base class of self-attention variants. Set `keep_weights = True` to take the explicit path and keep the
-    attention weights of the last call in `last_weights` (B, H, T, S), for inspection."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.keep_weights = False
-        self.last_weights: Tensor | None = None
+    """Base class of self-attention variants."""
 
     @abc.abstractmethod
-    def forward(self, x: Tensor, inputs: AttentionInputs, cache: Any = None) -> Tensor:
-        """(B, T, C) -> (B, T, C)."""
+    def forward(self, x: Tensor, inputs: AttentionInputs, cache: Any = None, extras: Extras | None = None) -> Tensor:
+        """(B, T, C) -> (B, T, C). With `extras.attention_weights`, appends the weights (B, H, T, S) to
+        `extras.self_attention`."""
 
     @abc.abstractmethod
     def new_cache(
@@ -51,3 +47,13 @@ class SelfAttention(nn.Module, abc.ABC):
     @abc.abstractmethod
     def cache_elements_per_token(self) -> int:
         """Elements this layer stores in its cache per token."""
+
+
+def wants_weights(extras: Extras | None) -> bool:
+    return extras is not None and extras.attention_weights
+
+
+def record_weights(extras: Extras | None, weights: Tensor | None) -> None:
+    """Append a self-attention layer's weights to `extras` when they were asked for."""
+    if extras is not None and extras.attention_weights and weights is not None:
+        extras.self_attention.append(weights)

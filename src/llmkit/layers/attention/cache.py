@@ -1,12 +1,16 @@
-"""Per-layer caches, one layout per attention variant, preallocated to a fixed maximum length.
+"""Per-layer caches, one layout per attention variant, preallocated to a fixed number of slots.
 
-    GQA / MHA / MQA   k, v          (B, K, S_max, D)      2 * K * D elements per token per layer
-    MLA               c_kv, k_pe    (B, S_max, r), (B, S_max, d_rope)   r + d_rope per token per layer
+    GQA / MHA / MQA   k, v          (B, K, S_max, D)                      2 * K * D elements per token per layer
+    MLA               c_kv, k_pe    (B, S_max, r), (B, S_max, d_rope)     r + d_rope per token per layer
     DSA               + index keys  (B, S_max, d_index)
 
 MLA stores only the joint latent and the shared rope key (576 elements at DeepSeek-V3 sizes instead of
-2 * 128 heads * 128 dims): at inference it works like MQA with a single 576-dim key. `update` writes the new tokens at
-slots [start, start + T) and returns views of every filled slot.
+2 * 128 heads * 128 dims): at inference it works like MQA with a single 576-dim key.
+
+`update` writes the new tokens into the slots given as a tensor and returns the whole buffers: shapes never change
+while decoding, so a compiled decode step is compiled once, and no count of filled slots is read back from the
+device. Which slots hold tokens, and which of them a query may see, is the attention mask's business (the cache's
+`SequenceState`, in llmkit.models.state).
 """
 
 from __future__ import annotations
@@ -14,15 +18,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from llmkit.errors import InputError
 
-
-def _check_room(start: int, T: int, max_len: int) -> None:
-    if start + T > max_len:
-        raise InputError(
-            f"the cache holds max_len={max_len} tokens; writing {T} new tokens at slot {start} would need "
-            f"{start + T}. Create the cache with a larger max_len"
-        )
+def _nbytes(*tensors: Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class KVCache:
@@ -38,21 +36,18 @@ class KVCache:
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        self.max_len = max_len
         self.k = torch.zeros(batch, n_kv_heads, max_len, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros(batch, n_kv_heads, max_len, v_head_dim, device=device, dtype=dtype)
 
-    def update(self, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """k (B, K, T, D), v (B, K, T, Dv) -> all filled slots (B, K, start + T, D), (B, K, start + T, Dv)."""
-        T = k.shape[2]
-        _check_room(start, T, self.max_len)
-        self.k[:, :, start : start + T] = k
-        self.v[:, :, start : start + T] = v
-        return self.k[:, :, : start + T], self.v[:, :, : start + T]
+    def update(self, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """slots (T,) long, k (B, K, T, D), v (B, K, T, Dv) -> every slot (B, K, S_max, D), (B, K, S_max, Dv)."""
+        self.k.index_copy_(2, slots, k.to(self.k.dtype))
+        self.v.index_copy_(2, slots, v.to(self.v.dtype))
+        return self.k, self.v
 
     @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        return _nbytes(self.k, self.v)
 
     def reorder(self, index: Tensor) -> None:
         """Keep rows `index` (B',) of the batch, in that order (beam search)."""
@@ -60,7 +55,8 @@ class KVCache:
 
 
 class LatentCache:
-    """Multi-head latent attention: latent c_kv (B, S_max, r) and shared rope key k_pe (B, S_max, d_rope)."""
+    """Multi-head latent attention: latent c_kv (B, S_max, r) and shared rope key k_pe (B, S_max, d_rope), plus
+    the lightning indexer's keys index_k (B, S_max, d_index) when the layer has an indexer (sparse attention)."""
 
     def __init__(
         self,
@@ -68,59 +64,34 @@ class LatentCache:
         max_len: int,
         kv_lora_rank: int,
         rope_dim: int,
+        index_dim: int = 0,
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        self.max_len = max_len
         self.c_kv = torch.zeros(batch, max_len, kv_lora_rank, device=device, dtype=dtype)
         self.k_pe = torch.zeros(batch, max_len, rope_dim, device=device, dtype=dtype)
+        self.index_k = torch.zeros(batch, max_len, index_dim, device=device, dtype=dtype) if index_dim else None
 
-    def update(self, start: int, c_kv: Tensor, k_pe: Tensor) -> tuple[Tensor, Tensor]:
-        """c_kv (B, T, r), k_pe (B, T, d_rope) -> all filled slots (B, start + T, r), (B, start + T, d_rope)."""
-        T = c_kv.shape[1]
-        _check_room(start, T, self.max_len)
-        self.c_kv[:, start : start + T] = c_kv
-        self.k_pe[:, start : start + T] = k_pe
-        return self.c_kv[:, : start + T], self.k_pe[:, : start + T]
+    def update(self, slots: Tensor, c_kv: Tensor, k_pe: Tensor) -> tuple[Tensor, Tensor]:
+        """slots (T,), c_kv (B, T, r), k_pe (B, T, d_rope) -> every slot (B, S_max, r), (B, S_max, d_rope)."""
+        self.c_kv.index_copy_(1, slots, c_kv.to(self.c_kv.dtype))
+        self.k_pe.index_copy_(1, slots, k_pe.to(self.k_pe.dtype))
+        return self.c_kv, self.k_pe
+
+    def update_index(self, slots: Tensor, index_k: Tensor) -> Tensor:
+        """slots (T,), index_k (B, T, d_index) -> every slot (B, S_max, d_index)."""
+        assert self.index_k is not None, "this cache was made for a layer without an indexer"
+        self.index_k.index_copy_(1, slots, index_k.to(self.index_k.dtype))
+        return self.index_k
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.c_kv, self.k_pe))
+        return _nbytes(self.c_kv, self.k_pe, *([self.index_k] if self.index_k is not None else []))
 
     def reorder(self, index: Tensor) -> None:
         self.c_kv, self.k_pe = self.c_kv.index_select(0, index), self.k_pe.index_select(0, index)
-
-
-class SparseLatentCache(LatentCache):
-    """DeepSeek sparse attention: the MLA latent cache plus the lightning indexer's keys (B, S_max, d_index)."""
-
-    def __init__(
-        self,
-        batch: int,
-        max_len: int,
-        kv_lora_rank: int,
-        rope_dim: int,
-        index_dim: int,
-        device: torch.device | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__(batch, max_len, kv_lora_rank, rope_dim, device, dtype)
-        self.index_k = torch.zeros(batch, max_len, index_dim, device=device, dtype=dtype)
-
-    def update_index(self, start: int, index_k: Tensor) -> Tensor:
-        """index_k (B, T, d_index) -> all filled slots (B, start + T, d_index)."""
-        T = index_k.shape[1]
-        _check_room(start, T, self.max_len)
-        self.index_k[:, start : start + T] = index_k
-        return self.index_k[:, : start + T]
-
-    @property
-    def nbytes(self) -> int:
-        return super().nbytes + self.index_k.numel() * self.index_k.element_size()
-
-    def reorder(self, index: Tensor) -> None:
-        super().reorder(index)
-        self.index_k = self.index_k.index_select(0, index)
+        if self.index_k is not None:
+            self.index_k = self.index_k.index_select(0, index)
 
 
 LayerCache = KVCache | LatentCache

@@ -67,9 +67,9 @@ def attend(
 
 
 def _one_query(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float) -> Tensor:
-    """Decoding: one query per row attends to every cached key it may see. Two small grouped matmuls; on CPU the
-    fused SDPA kernels are several times slower for a single query (measured: 1.8 ms against 22.7 ms for 4096 bf16
-    keys). q (B, H, 1, D), k (B, K, S, D), v (B, K, S, Dv) -> (B, H, 1, Dv)."""
+    """Decoding: one query per row attends to every cached key it may see, with two small grouped matmuls (for a
+    single query they beat the fused SDPA kernels on CPU; BENCHMARKS.md has the measurement).
+    q (B, H, 1, D), k (B, K, S, D), v (B, K, S, Dv) -> (B, H, 1, Dv)."""
     B, H, _, D = q.shape
     K, S = k.shape[1], k.shape[2]
     qg = q.view(B, K, H // K, D)  # (B, K, G, D): the query heads that share each kv head

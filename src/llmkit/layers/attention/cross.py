@@ -17,6 +17,7 @@ from llmkit.config import ModelConfig
 from llmkit.errors import check_features
 from llmkit.layers.attention.core import attend
 from llmkit.layers.attention.mask import AttentionMask
+from llmkit.layers.extras import Extras
 
 
 @dataclass
@@ -36,32 +37,17 @@ class CrossCache:
 
 
 class CrossAttention(nn.Module):
-    """Decoder queries x (B, T, C) attend to encoder memory (B, S, C) -> (B, T, C)."""
+    """Decoder queries x (B, T, C) attend to encoder memory (B, S, C) -> (B, T, C). Heads, widths and biases are the
+    model's self-attention's (attention.*), as in the paper."""
 
-    def __init__(
-        self,
-        d_model: int,
-        n_heads: int,
-        n_kv_heads: int,
-        head_dim: int,
-        qkv_bias: bool = False,
-        out_bias: bool = False,
-        dropout: float = 0.0,
-    ) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim, self.dropout = n_heads, n_kv_heads, head_dim, dropout
-        self.wq = nn.Linear(d_model, n_heads * head_dim, bias=qkv_bias)
-        self.wk = nn.Linear(d_model, n_kv_heads * head_dim, bias=qkv_bias)
-        self.wv = nn.Linear(d_model, n_kv_heads * head_dim, bias=qkv_bias)
-        self.wo = nn.Linear(n_heads * head_dim, d_model, bias=out_bias)
-        self.keep_weights = False
-        self.last_weights: Tensor | None = None
-
-    @classmethod
-    def from_config(cls, cfg: ModelConfig) -> CrossAttention:
-        a = cfg.attention
-        assert a.n_kv_heads is not None
-        return cls(cfg.d_model, a.n_heads, a.n_kv_heads, cfg.head_dim, a.qkv_bias, a.out_bias, a.dropout)
+        a, d_model = cfg.attention, cfg.d_model
+        self.n_heads, self.n_kv_heads, self.head_dim, self.dropout = a.n_heads, cfg.n_kv_heads, cfg.head_dim, a.dropout
+        self.wq = nn.Linear(d_model, self.n_heads * self.head_dim, bias=a.qkv_bias)
+        self.wk = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=a.qkv_bias)
+        self.wv = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=a.qkv_bias)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, d_model, bias=a.out_bias)
 
     def memory_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
         """memory (B, S, C) -> k, v (B, K, S, D)."""
@@ -71,8 +57,15 @@ class CrossAttention(nn.Module):
         return k, v
 
     def forward(
-        self, x: Tensor, memory: Tensor, memory_mask: AttentionMask | None, cache: CrossCache | None = None
+        self,
+        x: Tensor,
+        memory: Tensor,
+        memory_mask: AttentionMask | None,
+        cache: CrossCache | None = None,
+        extras: Extras | None = None,
     ) -> Tensor:
+        """x (B, T, C), memory (B, S, C) -> (B, T, C). With `extras.attention_weights`, appends the weights
+        (B, H, T, S) to `extras.cross_attention`."""
         check_features(x, self.wq.in_features, "CrossAttention")
         check_features(memory, self.wk.in_features, "CrossAttention memory")
         B, T, _ = x.shape
@@ -90,9 +83,10 @@ class CrossAttention(nn.Module):
             memory_mask,
             scale=self.head_dim**-0.5,
             dropout_p=self.dropout if self.training else 0.0,
-            need_weights=self.keep_weights,
+            need_weights=extras is not None and extras.attention_weights,
         )
-        self.last_weights = weights
+        if extras is not None and weights is not None:
+            extras.cross_attention.append(weights)
         return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
     def extra_repr(self) -> str:

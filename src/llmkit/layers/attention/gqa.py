@@ -18,9 +18,10 @@ from torch import Tensor, nn
 
 from llmkit.config import Layout, ModelConfig
 from llmkit.errors import check_features
-from llmkit.layers.attention.base import AttentionInputs, SelfAttention
+from llmkit.layers.attention.base import AttentionInputs, SelfAttention, record_weights, wants_weights
 from llmkit.layers.attention.cache import KVCache
 from llmkit.layers.attention.core import attend
+from llmkit.layers.extras import Extras
 from llmkit.layers.rope import RopeTables, apply_rope
 
 
@@ -59,11 +60,10 @@ class GroupedQueryAttention(SelfAttention):
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> GroupedQueryAttention:
         a = cfg.attention
-        assert a.n_kv_heads is not None
         return cls(
             cfg.d_model,
             a.n_heads,
-            a.n_kv_heads,
+            cfg.n_kv_heads,
             cfg.head_dim,
             a.qkv_bias,
             a.out_bias,
@@ -73,7 +73,9 @@ class GroupedQueryAttention(SelfAttention):
             a.sliding_window,
         )
 
-    def forward(self, x: Tensor, inputs: AttentionInputs, cache: KVCache | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, inputs: AttentionInputs, cache: KVCache | None = None, extras: Extras | None = None
+    ) -> Tensor:
         check_features(x, self.wq.in_features, "GroupedQueryAttention")
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, D)
@@ -84,7 +86,8 @@ class GroupedQueryAttention(SelfAttention):
             k = rotate_prefix(k, inputs.rope, self.rope_dim, self.rope_layout)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, D)
         if cache is not None:
-            k, v = cache.update(inputs.cache_start, k, v)  # (B, K, S, D)
+            assert inputs.slots is not None, "a cached call needs the slots its tokens go to"
+            k, v = cache.update(inputs.slots, k, v)  # (B, K, S_max, D)
         out, weights = attend(
             q,
             k,
@@ -92,9 +95,9 @@ class GroupedQueryAttention(SelfAttention):
             inputs.mask.with_window(self.sliding_window),
             scale=self.head_dim**-0.5,
             dropout_p=self.dropout if self.training else 0.0,
-            need_weights=self.keep_weights,
+            need_weights=wants_weights(extras),
         )
-        self.last_weights = weights
+        record_weights(extras, weights)
         return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))  # (B, T, C)
 
     def new_cache(

@@ -1,65 +1,75 @@
 """Attention masks: which key slots each query may attend to.
 
-    causal (T = S = 4)          causal with a cache (T = 2 new queries, S = 4 keys)    padding (key 3 is a pad)
-        k0 k1 k2 k3                 k0 k1 k2 k3                                          k0 k1 k2 k3
-    q0   1  0  0  0             q2   1  1  1  0                                     q*   1  1  1  0
-    q1   1  1  0  0             q3   1  1  1  1
+    causal (T = S = 4)          causal with a cache (T = 2 new queries    padding (key 3 is a pad)
+                                 in slots 2 and 3 of S = 6)
+        k0 k1 k2 k3                 k0 k1 k2 k3 k4 k5                          k0 k1 k2 k3
+    q0   1  0  0  0             q2   1  1  1  0  0  0                      q*   1  1  1  0
+    q1   1  1  0  0             q3   1  1  1  1  0  0
     q2   1  1  1  0
     q3   1  1  1  1
 
-The new queries are always the last T of the S key slots, so "causal" needs no offset argument. A sliding window
-(Mistral) further limits query t to the `window` most recent keys: slot(q) - slot(k) < window. A mask is kept
-symbolic (`causal=True`, no tensor) as long as possible so that SDPA can take its fused causal path.
+Without a cache the T queries are the T keys. With a cache of fixed size S the new queries sit in the slots
+`query_slots` among the S key slots (the cache is preallocated, so slots after the newest are still empty and the
+causal rule hides them). A sliding window (Mistral) further limits a query to the `window` most recent slots:
+slot(q) - slot(k) < window. A mask stays symbolic (`causal=True`, no tensor) as long as possible so that SDPA can
+take its fused causal path.
+
+Shapes: B batch, T queries, S key slots.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 
-def causal_tril(T: int, S: int, device: torch.device | None = None) -> Tensor:
-    """(T, S) bool: query t (key slot S - T + t) may see key s <= its own slot."""
-    q_slot = torch.arange(S - T, S, device=device).unsqueeze(1)  # (T, 1)
+def causal_tril(T: int, S: int, device: torch.device | None = None, query_slots: Tensor | None = None) -> Tensor:
+    """(T, S) bool: query t (in slot query_slots[t], or S - T + t) may see key s <= its own slot."""
+    q_slot = _query_slots(T, S, device, query_slots).unsqueeze(1)  # (T, 1)
     return torch.arange(S, device=device).unsqueeze(0) <= q_slot  # (T, S)
+
+
+def _query_slots(T: int, S: int, device: torch.device | None, query_slots: Tensor | None) -> Tensor:
+    return query_slots if query_slots is not None else torch.arange(S - T, S, device=device)
 
 
 @dataclass(frozen=True)
 class AttentionMask:
     """allowed: (B | 1, 1, T | 1, S) bool, True where attention is allowed; None allows every key.
-    causal: additionally restrict query t to keys up to its own slot.
-    window: additionally restrict query t to the `window` most recent slots (itself included)."""
+    causal: additionally restrict each query to keys up to its own slot.
+    window: additionally restrict each query to the `window` most recent slots (itself included).
+    query_slots: (T,) long, the queries' slots among the keys (a cache's write slots); None: the last T."""
 
     allowed: Tensor | None = None
     causal: bool = False
     window: int | None = None
+    query_slots: Tensor | None = None
 
     def with_window(self, window: int | None) -> AttentionMask:
-        return self if window is None else AttentionMask(self.allowed, self.causal, window)
+        return self if window is None else replace(self, window=window)
 
     def dense(self, T: int, S: int, device: torch.device) -> Tensor | None:
         """The mask as a (B | 1, 1, T, S) bool tensor, or None when every key is allowed."""
         mask = self.allowed
         if self.causal:
-            tril = causal_tril(T, S, device)[None, None]  # (1, 1, T, S)
+            tril = causal_tril(T, S, device, self.query_slots)[None, None]  # (1, 1, T, S)
             mask = tril if mask is None else mask & tril
         if self.window is not None:
-            q_slot = torch.arange(S - T, S, device=device).unsqueeze(1)  # (T, 1)
+            q_slot = _query_slots(T, S, device, self.query_slots).unsqueeze(1)  # (T, 1)
             band = (q_slot - torch.arange(S, device=device).unsqueeze(0) < self.window)[None, None]  # (1, 1, T, S)
             mask = band if mask is None else mask & band
         return mask
 
     def for_sdpa(self, T: int, S: int, device: torch.device) -> tuple[Tensor | None, bool]:
         """(attn_mask, is_causal) for F.scaled_dot_product_attention."""
-        if self.window is not None and self.window < S:  # the window cuts off some keys
-            return self.dense(T, S, device), False
-        if self.allowed is None:
+        symbolic = self.allowed is None and self.query_slots is None and (self.window is None or self.window >= S)
+        if symbolic:
             if self.causal and T == S:
                 return None, True  # the fused causal kernel
             if not self.causal or T == 1:
-                return None, False  # one new query sees every cached key
+                return None, False  # one new query sees every key
         return self.dense(T, S, device), False
 
 

@@ -32,9 +32,10 @@ from torch import Tensor, nn
 
 from llmkit.config import Layout, MLAConfig, ModelConfig
 from llmkit.errors import check_features
-from llmkit.layers.attention.base import AttentionInputs, SelfAttention
+from llmkit.layers.attention.base import AttentionInputs, SelfAttention, record_weights, wants_weights
 from llmkit.layers.attention.cache import LatentCache
 from llmkit.layers.attention.core import attend, attend_selected
+from llmkit.layers.extras import Extras
 from llmkit.layers.norm import RMSNorm
 from llmkit.layers.rope import apply_rope, yarn_mscale
 
@@ -45,6 +46,27 @@ class Selection:
 
     index: Tensor
     valid: Tensor
+
+
+@dataclass(frozen=True)
+class Latents:
+    """What both attention paths start from: queries split into their nope and (rotated) rope parts, and the keys'
+    latents and shared (rotated) rope key, over every key slot."""
+
+    q_nope: Tensor  # (B, T, H, dn)
+    q_pe: Tensor  # (B, T, H, dr)
+    c_kv: Tensor  # (B, S, r)
+    k_pe: Tensor  # (B, S, dr)
+
+
+@dataclass(frozen=True)
+class MLAResult:
+    """One call of latent attention: the output and what was computed on the way."""
+
+    out: Tensor  # (B, T, C)
+    weights: Tensor | None  # (B, H, T, S) attention weights, when asked for
+    selection: Selection | None = None  # sparse attention: the keys each query attended to (None: all)
+    index_scores: Tensor | None = None  # sparse attention: the indexer's scores (B, T, S)
 
 
 def mla_softmax_scale(cfg: ModelConfig) -> float:
@@ -60,7 +82,7 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
 class MultiHeadLatentAttention(SelfAttention):
     """MLA. x (B, T, C) -> (B, T, C). `absorb`: None picks, when there is a cache, whichever path costs fewer
     multiply-adds (absorbed for decoding, explicit for a long prefill), and the explicit path without one (training);
-    True / False force one."""
+    True / False always take one."""
 
     def __init__(
         self,
@@ -73,18 +95,14 @@ class MultiHeadLatentAttention(SelfAttention):
         qkv_bias: bool = False,
         out_bias: bool = False,
         norm_eps: float = 1e-6,
+        absorb: bool | None = None,
     ) -> None:
         super().__init__()
         self.n_heads, self.dropout, self.rope_layout = n_heads, dropout, rope_layout
-        self.r, self.dn, self.dr, self.dv = (
-            mla.kv_lora_rank,
-            mla.qk_nope_head_dim,
-            mla.qk_rope_head_dim,
-            mla.v_head_dim,
-        )
+        self.r, self.dn, self.dr, self.dv = mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
         self.q_lora_rank = mla.q_lora_rank
         self.scale = softmax_scale if softmax_scale is not None else (self.dn + self.dr) ** -0.5
-        self.absorb: bool | None = None
+        self.absorb = absorb
         qk = n_heads * (self.dn + self.dr)
         if mla.q_lora_rank is not None:  # low-rank query path: C -> q_lora -> norm -> H * (dn + dr)
             self.wq_a = nn.Linear(d_model, mla.q_lora_rank, bias=qkv_bias)
@@ -103,10 +121,16 @@ class MultiHeadLatentAttention(SelfAttention):
         a = cfg.attention
         assert a.mla is not None
         return dict(
-            d_model=cfg.d_model, n_heads=a.n_heads, mla=a.mla, softmax_scale=mla_softmax_scale(cfg),
-            dropout=a.dropout, rope_layout=cfg.position.layout, qkv_bias=a.qkv_bias, out_bias=a.out_bias,
+            d_model=cfg.d_model,
+            n_heads=a.n_heads,
+            mla=a.mla,
+            softmax_scale=mla_softmax_scale(cfg),
+            dropout=a.dropout,
+            rope_layout=cfg.position.layout,
+            qkv_bias=a.qkv_bias,
+            out_bias=a.out_bias,
             norm_eps=cfg.norm.eps,
-        )  # fmt: skip
+        )
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> MultiHeadLatentAttention:
@@ -134,7 +158,23 @@ class MultiHeadLatentAttention(SelfAttention):
 
     # ---- forward
 
-    def forward(self, x: Tensor, inputs: AttentionInputs, cache: LatentCache | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, inputs: AttentionInputs, cache: LatentCache | None = None, extras: Extras | None = None
+    ) -> Tensor:
+        result = self.attention(x, inputs, cache, need_weights=wants_weights(extras))
+        record_weights(extras, result.weights)
+        return result.out
+
+    def attention(
+        self,
+        x: Tensor,
+        inputs: AttentionInputs,
+        cache: LatentCache | None = None,
+        need_weights: bool = False,
+        dense: bool = False,
+    ) -> MLAResult:
+        """The whole computation, with what it produced on the way. `dense` keeps every allowed key even where
+        sparse attention would select (its indexer's warm-up)."""
         check_features(x, self.wkv_a.in_features, type(self).__name__)
         q, q_latent = self.project_queries(x)
         q_nope, q_pe = q.split([self.dn, self.dr], dim=-1)  # (B, T, H, dn), (B, T, H, dr)
@@ -142,16 +182,14 @@ class MultiHeadLatentAttention(SelfAttention):
             q_pe = apply_rope(q_pe, inputs.rope, self.rope_layout)
         c_kv, k_pe = self.project_latent(x, inputs)
         if cache is not None:
-            c_kv, k_pe = cache.update(inputs.cache_start, c_kv, k_pe)  # (B, S, r), (B, S, dr)
-        selection = self.select(x, q_latent, inputs, cache, c_kv.shape[1])
-        absorbed = (
-            self.absorb
-            if self.absorb is not None
-            else cache is not None and self.absorb_cheaper(x.shape[1], c_kv.shape[1])
-        )
+            assert inputs.slots is not None, "a cached call needs the slots its tokens go to"
+            c_kv, k_pe = cache.update(inputs.slots, c_kv, k_pe)  # (B, S_max, r), (B, S_max, dr)
+        selection, scores = self.select(x, q_latent, inputs, cache, dense)
+        S = c_kv.shape[1]
+        absorbed = self.absorb if self.absorb is not None else cache is not None and self.absorb_cheaper(x.shape[1], S)
         attend_fn = self.attend_absorbed if absorbed else self.attend_explicit
-        out = attend_fn(q_nope, q_pe, c_kv, k_pe, inputs, selection)  # (B, T, H * dv)
-        return self.wo(out)
+        out, weights = attend_fn(Latents(q_nope, q_pe, c_kv, k_pe), inputs, selection, need_weights)
+        return MLAResult(self.wo(out), weights, selection, scores)
 
     def absorb_cheaper(self, T: int, S: int) -> bool:
         """Whether the absorbed path costs fewer multiply-adds than the explicit one for T queries over S keys.
@@ -163,70 +201,61 @@ class MultiHeadLatentAttention(SelfAttention):
         return absorbed < explicit
 
     def select(
-        self, x: Tensor, q_latent: Tensor | None, inputs: AttentionInputs, cache: LatentCache | None, S: int
-    ) -> Selection | None:
-        """Which keys each query attends to: None = all allowed keys (dense MLA). Sparse attention overrides."""
-        return None
+        self, x: Tensor, q_latent: Tensor | None, inputs: AttentionInputs, cache: LatentCache | None, dense: bool
+    ) -> tuple[Selection | None, Tensor | None]:
+        """Which keys each query attends to, and the scores that chose them: (None, None) is every allowed key
+        (dense MLA). Sparse attention overrides this."""
+        return None, None
 
-    def _run(self, q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs, selection: Selection | None) -> Tensor:
-        """Attention (dense or over the selection); keeps (B, H, T, S) weights when asked."""
+    def _run(
+        self, q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs, selection: Selection | None, need_weights: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """Attention, dense or over the selection -> (out, weights (B, H, T, S) over every key slot or None)."""
         dropout = self.dropout if self.training else 0.0
         if selection is None:
-            out, weights = attend(q, k, v, inputs.mask, self.scale, dropout, need_weights=self.keep_weights)
-            self.last_weights = weights
-            return out
+            return attend(q, k, v, inputs.mask, self.scale, dropout, need_weights=need_weights)
         out, sel_weights = attend_selected(q, k, v, selection.index, selection.valid, self.scale, dropout)
-        self.last_weights = None
-        if self.keep_weights:  # scatter the weights over the selected keys back to all S keys
-            B, H, T, _ = sel_weights.shape
-            dense = sel_weights.new_zeros(B, H, T, k.shape[2])
-            self.last_weights = dense.scatter(-1, selection.index.unsqueeze(1).expand(B, H, T, -1), sel_weights)
-        return out
+        if not need_weights:
+            return out, None
+        B, H, T, _ = sel_weights.shape  # scatter the weights over the selected keys back to every key slot
+        dense = sel_weights.new_zeros(B, H, T, k.shape[2])
+        return out, dense.scatter(-1, selection.index.unsqueeze(1).expand(B, H, T, -1), sel_weights)
 
     def attend_explicit(
-        self,
-        q_nope: Tensor,
-        q_pe: Tensor,
-        c_kv: Tensor,
-        k_pe: Tensor,
-        inputs: AttentionInputs,
-        selection: Selection | None,
-    ) -> Tensor:
-        """Rebuild per-head keys and values from the latent, then attend. -> (B, T, H * dv)."""
-        B, T, H, _ = q_nope.shape
-        S = c_kv.shape[1]
-        kv = self.wkv_b(c_kv).view(B, S, H, self.dn + self.dv)
+        self, p: Latents, inputs: AttentionInputs, selection: Selection | None, need_weights: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """Rebuild per-head keys and values from the latent, then attend. -> ((B, T, H * dv), weights)."""
+        B, T, H, _ = p.q_nope.shape
+        S = p.c_kv.shape[1]
+        kv = self.wkv_b(p.c_kv).view(B, S, H, self.dn + self.dv)
         k_nope, v = kv.split([self.dn, self.dv], dim=-1)  # (B, S, H, dn), (B, S, H, dv)
-        k = torch.cat((k_nope, k_pe.unsqueeze(2).expand(B, S, H, self.dr)), dim=-1)  # (B, S, H, dn + dr)
-        q = torch.cat((q_nope, q_pe), dim=-1)  # (B, T, H, dn + dr)
-        out = self._run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), inputs, selection)
-        return out.transpose(1, 2).reshape(B, T, H * self.dv)
+        k = torch.cat((k_nope, p.k_pe.unsqueeze(2).expand(B, S, H, self.dr)), dim=-1)  # (B, S, H, dn + dr)
+        q = torch.cat((p.q_nope, p.q_pe), dim=-1)  # (B, T, H, dn + dr)
+        out, weights = self._run(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), inputs, selection, need_weights
+        )  # (B, H, T, dv)
+        return out.transpose(1, 2).reshape(B, T, H * self.dv), weights
 
     def attend_absorbed(
-        self,
-        q_nope: Tensor,
-        q_pe: Tensor,
-        c_kv: Tensor,
-        k_pe: Tensor,
-        inputs: AttentionInputs,
-        selection: Selection | None,
-    ) -> Tensor:
-        """Attend over the latents with W_uk folded into the queries and W_uv into the output. -> (B, T, H * dv)."""
-        B, T, H, _ = q_nope.shape
+        self, p: Latents, inputs: AttentionInputs, selection: Selection | None, need_weights: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """Attend over the latents with W_uk folded into the queries and W_uv into the output.
+        -> ((B, T, H * dv), weights)."""
+        B, T, H, _ = p.q_nope.shape
         w = self.wkv_b.weight.view(H, self.dn + self.dv, self.r)
         w_uk, w_uv = w[:, : self.dn], w[:, self.dn :]  # (H, dn, r), (H, dv, r)
-        q_lat = torch.einsum("bthd,hdr->bhtr", q_nope, w_uk)  # (B, H, T, r)
-        q = torch.cat((q_lat, q_pe.transpose(1, 2)), dim=-1)  # (B, H, T, r + dr)
-        k = torch.cat((c_kv, k_pe), dim=-1).unsqueeze(1)  # (B, 1, S, r + dr): one key head, as in MQA
-        v = c_kv.unsqueeze(1)  # (B, 1, S, r)
-        out_lat = self._run(q, k, v, inputs, selection)  # (B, H, T, r)
+        q_lat = torch.einsum("bthd,hdr->bhtr", p.q_nope, w_uk)  # (B, H, T, r)
+        q = torch.cat((q_lat, p.q_pe.transpose(1, 2)), dim=-1)  # (B, H, T, r + dr)
+        k = torch.cat((p.c_kv, p.k_pe), dim=-1).unsqueeze(1)  # (B, 1, S, r + dr): one key head, as in MQA
+        v = p.c_kv.unsqueeze(1)  # (B, 1, S, r)
+        out_lat, weights = self._run(q, k, v, inputs, selection, need_weights)  # (B, H, T, r)
         out = torch.einsum("bhtr,hvr->bthv", out_lat, w_uv)  # (B, T, H, dv)
-        return out.reshape(B, T, H * self.dv)
+        return out.reshape(B, T, H * self.dv), weights
 
     def new_cache(
         self, batch: int, max_len: int, device: torch.device | None = None, dtype: torch.dtype | None = None
     ) -> LatentCache:
-        return LatentCache(batch, max_len, self.r, self.dr, device, dtype)
+        return LatentCache(batch, max_len, self.r, self.dr, device=device, dtype=dtype)
 
     def cache_elements_per_token(self) -> int:
         return self.r + self.dr

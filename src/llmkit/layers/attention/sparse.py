@@ -16,17 +16,16 @@ Shapes: B batch, T new tokens, S key slots, C model dim, J indexer heads, Di ind
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llmkit.config import ModelConfig
-from llmkit.layers.attention.base import AttentionInputs
-from llmkit.layers.attention.cache import LatentCache, SparseLatentCache
+from llmkit.layers.attention.base import AttentionInputs, record_weights, wants_weights
+from llmkit.layers.attention.cache import LatentCache
 from llmkit.layers.attention.gqa import rotate_prefix
-from llmkit.layers.attention.mla import MultiHeadLatentAttention, Selection
+from llmkit.layers.attention.mla import MLAResult, MultiHeadLatentAttention, Selection
+from llmkit.layers.extras import Extras
 
 
 class LightningIndexer(nn.Module):
@@ -47,16 +46,15 @@ class LightningIndexer(nn.Module):
             k = rotate_prefix(k, inputs.rope, self.rope_dim, "half")
         return k.squeeze(2)
 
-    def forward(
-        self, x: Tensor, q_in: Tensor, inputs: AttentionInputs, cache: SparseLatentCache | None = None
-    ) -> Tensor:
+    def forward(self, x: Tensor, q_in: Tensor, inputs: AttentionInputs, cache: LatentCache | None = None) -> Tensor:
         B, T, _ = x.shape
         q = self.wq(q_in).view(B, T, self.n_heads, self.head_dim)  # (B, T, J, Di)
         if inputs.rope is not None:
             q = rotate_prefix(q, inputs.rope, self.rope_dim, "half")
         k = self.keys(x, inputs)  # (B, T, Di)
         if cache is not None:
-            k = cache.update_index(inputs.cache_start, k)  # (B, S, Di)
+            assert inputs.slots is not None, "a cached call needs the slots its tokens go to"
+            k = cache.update_index(inputs.slots, k)  # (B, S_max, Di)
         w = self.w_heads(x).float() * self.n_heads**-0.5  # (B, T, J)
         scores = F.relu(torch.einsum("btjd,bsd->btjs", q.float(), k.float())) * self.head_dim**-0.5  # (B, T, J, S)
         return torch.einsum("btjs,btj->bts", scores, w)  # (B, T, S)
@@ -65,90 +63,80 @@ class LightningIndexer(nn.Module):
 class DeepSeekSparseAttention(MultiHeadLatentAttention):
     """MLA whose queries each attend to the `topk` keys chosen by a lightning indexer. x (B, T, C) -> (B, T, C).
 
-    After each call `last_index_scores` (B, T, S) holds the indexer's scores and `last_selection` the chosen keys
-    (None when every key was kept).
-
     Training the indexer (DeepSeek-V3.2 §2.1): its inputs are detached, so it learns only from its own loss, the KL
-    divergence from the main attention's distribution (summed over heads, L1-normalised) to softmax(I). With
-    `indexer_training = "dense"` (the warm-up) attention stays dense and the KL covers every allowed key; with
-    "sparse" attention uses the selection and the KL covers the selected keys. The loss of the last call is in
-    `last_indexer_loss`."""
+    divergence from the main attention's distribution (summed over heads, L1-normalised) to softmax(I). The caller
+    asks for it with `Extras(indexer=...)` in training mode: "dense" (the warm-up) keeps attention dense and the KL
+    covers every allowed key; "sparse" attends over the selection and the KL covers the selected keys. The loss goes
+    to `extras.indexer_losses`."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, absorb: bool | None = None) -> None:
         a = cfg.attention
         assert a.mla is not None and a.indexer is not None
-        super().__init__(**MultiHeadLatentAttention.config_args(cfg))
+        super().__init__(**MultiHeadLatentAttention.config_args(cfg), absorb=absorb)
         q_in = a.mla.q_lora_rank if a.mla.q_lora_rank is not None else cfg.d_model
         self.topk = a.indexer.topk
         self.indexer = LightningIndexer(cfg.d_model, q_in, a.indexer.n_heads, a.indexer.head_dim, self.dr)
-        self.last_index_scores: Tensor | None = None
-        self.last_selection: Selection | None = None
-        self.indexer_training: Literal["off", "dense", "sparse"] = "off"
-        self.last_indexer_loss: Tensor | None = None
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> DeepSeekSparseAttention:
         return cls(cfg)
 
-    def forward(self, x: Tensor, inputs: AttentionInputs, cache: LatentCache | None = None) -> Tensor:
-        if self.indexer_training == "off" or not self.training:
-            self.last_indexer_loss = None
-            return super().forward(x, inputs, cache)
-        keep, self.keep_weights = self.keep_weights, True  # the KL needs the attention weights
-        try:
-            out = super().forward(x, inputs, cache)
-        finally:
-            self.keep_weights = keep
-        self.last_indexer_loss = self._indexer_kl(inputs, x.shape[1])
-        return out
+    def forward(
+        self, x: Tensor, inputs: AttentionInputs, cache: LatentCache | None = None, extras: Extras | None = None
+    ) -> Tensor:
+        mode = extras.indexer if extras is not None and self.training else "off"
+        train_indexer = mode != "off"  # the KL needs the attention weights
+        result = self.attention(x, inputs, cache, wants_weights(extras) or train_indexer, dense=mode == "dense")
+        record_weights(extras, result.weights)
+        if extras is not None and train_indexer:
+            extras.indexer_losses.append(self.indexer_kl(result, inputs))
+        return result.out
 
-    def _indexer_kl(self, inputs: AttentionInputs, T: int) -> Tensor:
+    def indexer_kl(self, result: MLAResult, inputs: AttentionInputs) -> Tensor:
         """KL(p || softmax(I)) over the keys attention used, averaged over queries. p (B, T, S) is the attention
         distribution summed over heads and normalised; it is a target, so no gradient flows into it."""
-        assert self.last_weights is not None and self.last_index_scores is not None
-        weights = self.last_weights.detach().float()  # (B, H, T, S)
+        assert result.weights is not None and result.index_scores is not None
+        weights = result.weights.detach().float()  # (B, H, T, S)
         p = weights.sum(dim=1) / weights.shape[1]  # (B, T, S)
-        scores = self.last_index_scores  # (B, T, S)
-        B, _, S = scores.shape
-        if self.last_selection is not None:
+        scores = result.index_scores  # (B, T, S)
+        B, T, S = scores.shape
+        if result.selection is not None:
             support = torch.zeros(B, T, S, dtype=torch.bool, device=scores.device)
-            support.scatter_(-1, self.last_selection.index, self.last_selection.valid)
+            support.scatter_(-1, result.selection.index, result.selection.valid)
         else:
             dense = inputs.mask.dense(T, S, scores.device)
             support = torch.ones_like(scores, dtype=torch.bool) if dense is None else dense[:, 0].expand(B, T, S)
         log_q = torch.log_softmax(scores.masked_fill(~support, float("-inf")), dim=-1)
         terms = torch.where(support, torch.xlogy(p, p) - p * log_q.masked_fill(~support, 0.0), 0.0)
-        rows = support.any(dim=-1)
-        return terms.sum(dim=-1)[rows].mean() if bool(rows.any()) else scores.new_zeros(())
+        rows = support.any(dim=-1)  # queries with at least one key; the mean is over those
+        return (terms.sum(dim=-1) * rows).sum() / rows.sum().clamp(min=1)
 
     def select(
-        self, x: Tensor, q_latent: Tensor | None, inputs: AttentionInputs, cache: LatentCache | None, S: int
-    ) -> Selection | None:
-        assert cache is None or isinstance(cache, SparseLatentCache)
+        self, x: Tensor, q_latent: Tensor | None, inputs: AttentionInputs, cache: LatentCache | None, dense: bool
+    ) -> tuple[Selection | None, Tensor | None]:
         # the indexer's inputs are detached: its scores only choose keys (top-k passes no gradient), and it learns
         # from its own loss, not from the language-model loss
         q_in = (q_latent if q_latent is not None else x).detach()
-        scores = self.indexer(x.detach(), q_in, inputs, cache)  # (B, T, S)
-        self.last_index_scores = scores
-        self.last_selection = None
-        if self.topk >= S or (self.training and self.indexer_training == "dense"):
-            return None  # every key: dense attention (also the indexer's warm-up)
-        B, T, _ = scores.shape
+        scores = self.indexer(x.detach(), q_in, inputs, cache)  # (B, T, S): every key slot
+        B, T, S = scores.shape
+        if self.topk >= S or dense:
+            return None, scores  # every key: dense attention (also the indexer's warm-up)
         allowed = inputs.mask.dense(T, S, x.device)
         if allowed is not None:
             allowed = allowed[:, 0].expand(B, T, S)  # (B, T, S)
-            scores = scores.masked_fill(~allowed, float("-inf"))
+            scores_for_choice = scores.masked_fill(~allowed, float("-inf"))
+        else:
+            scores_for_choice = scores
         # a stable sort, not topk: ReLU makes exact ties (often at 0) common, and they must be broken the same way
         # whatever the shape of the call (full pass or cached decoding): the earlier key wins
-        index = scores.sort(dim=-1, descending=True, stable=True).indices[..., : self.topk]  # (B, T, n)
+        index = scores_for_choice.sort(dim=-1, descending=True, stable=True).indices[..., : self.topk]  # (B, T, n)
         valid = allowed.gather(-1, index) if allowed is not None else torch.ones_like(index, dtype=torch.bool)
-        self.last_selection = Selection(index, valid)
-        return self.last_selection
+        return Selection(index, valid), scores
 
     def new_cache(
         self, batch: int, max_len: int, device: torch.device | None = None, dtype: torch.dtype | None = None
-    ) -> SparseLatentCache:
-        return SparseLatentCache(batch, max_len, self.r, self.dr, self.indexer.head_dim, device, dtype)
+    ) -> LatentCache:
+        return LatentCache(batch, max_len, self.r, self.dr, self.indexer.head_dim, device, dtype)
 
     def cache_elements_per_token(self) -> int:
         return self.r + self.dr + self.indexer.head_dim

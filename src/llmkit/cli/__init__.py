@@ -1,0 +1,27 @@
+"""The `llmkit` command line. Each subcommand is a typed function: its signature becomes the flags and its docstring
+the help (see app.py); the functions live by concern in models.py, data.py, training.py, translation.py and
+generation.py.
+
+    llmkit presets                          list the named presets
+    llmkit inspect PRESET_OR_CONFIG [--json] [--seq-len N] [--dtype fp32|bf16|fp16]
+    llmkit inspect --compare llama2-7b,mixtral-8x7b,deepseek-v3
+    llmkit generate RUN_OR_CHECKPOINT --prompt TEXT [--temperature T] [--beams N | --draft MODEL | --mtp]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from llmkit.cli.app import Command, run
+from llmkit.cli.data import prepare
+from llmkit.cli.generation import chat, generate
+from llmkit.cli.models import compare, convert, inspect, presets
+from llmkit.cli.training import average, train
+from llmkit.cli.translation import translate
+
+COMMANDS: tuple[Command, ...] = (presets, inspect, convert, compare, prepare, train, translate, average, generate, chat)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line (argv: the arguments, default sys.argv[1:]); returns the exit status."""
+    return run(COMMANDS, argv)

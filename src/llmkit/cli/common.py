@@ -1,0 +1,60 @@
+"""What several commands share: the --dtype choices, loading a model to generate with, printing a stream."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Literal
+
+from llmkit.errors import LLMKitError
+
+if TYPE_CHECKING:
+    import torch
+
+    from llmkit.models import DecoderLM
+    from llmkit.tokenizer import Tokenizer
+
+DType = Literal["fp32", "bf16", "fp16"]
+
+_TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def torch_dtype(name: DType | None) -> torch.dtype | None:
+    """The torch dtype a --dtype flag names; None (keep the checkpoint's) when it is not given."""
+    import torch
+
+    return getattr(torch, _TORCH_NAMES[name]) if name else None
+
+
+def print_streamed(
+    tok: Tokenizer, steps: Iterable[list[int | None]], *, prompt: Sequence[int] = (), end_id: int | None = None
+) -> list[int]:
+    """Print the first row's new tokens as `stream` yields them, each character once it is complete, then a newline;
+    returns the tokens. The row ends when it finishes or yields `end_id`, which is not printed. The text follows
+    `prompt`'s (already printed), as it would in decode(prompt + tokens)."""
+    from llmkit.tokenizer import IncrementalDecoder
+
+    decoder = IncrementalDecoder(tok, prompt)
+    tokens: list[int] = []
+    for step in steps:
+        token = step[0]
+        if token is None or token == end_id:
+            break
+        tokens.append(token)
+        print(decoder.push(token), end="", flush=True)
+    print(decoder.finish(), flush=True)
+    return tokens
+
+
+def load_decoder(checkpoint: str, dtype: DType | None) -> tuple[DecoderLM, Tokenizer]:
+    """A decoder-only model, in eval mode, and its tokenizer; a run folder gives its latest checkpoint."""
+    from llmkit.interop.load import load_model
+    from llmkit.models import DecoderLM
+    from llmkit.runs import resolve_checkpoint
+
+    loaded = load_model(resolve_checkpoint(checkpoint, averaged=False), dtype=torch_dtype(dtype))
+    if loaded.tokenizer is None:
+        raise LLMKitError(f"{checkpoint} has no tokenizer to turn text into tokens")
+    if not isinstance(loaded.model, DecoderLM):
+        raise LLMKitError(f"{checkpoint} is an encoder-decoder model; `llmkit generate` continues decoder-only models")
+    loaded.model.eval()
+    return loaded.model, loaded.tokenizer

@@ -1,0 +1,113 @@
+"""The data command: a text corpus for language models, or sentence pairs for translation, made ready to train on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TextOptions:
+    """A text corpus, for language models.
+
+    tokenizer: reuse this tokenizer (a folder with tokenizer.json) instead of training one.
+    text_field: the field holding the text in a .jsonl file.
+    """
+
+    tokenizer: str | None = None
+    text_field: str = "text"
+
+
+@dataclass(frozen=True)
+class PairOptions:
+    """Sentence pairs, for translation.
+
+    parallel: the source is a file of sentence pairs (implied by bible:...).
+    separate_vocab: one vocabulary per side instead of a shared one.
+    test_fraction: the share of pairs held out for the test split (BLEU).
+    src_field: the source field of a .jsonl file, or column of a .tsv file with a header.
+    tgt_field: the target field or column.
+    """
+
+    parallel: bool = False
+    separate_vocab: bool = False
+    test_fraction: float = 0.02
+    src_field: str = "source"
+    tgt_field: str = "target"
+
+
+def prepare(
+    source: str = "shakespeare",
+    *,
+    out: str | None = None,
+    vocab_size: int | None = None,
+    val_fraction: float | None = None,
+    text_corpus: TextOptions = TextOptions(),
+    sentence_pairs: PairOptions = PairOptions(),
+) -> int:
+    """Turn a corpus into a tokenizer and memory-mapped token arrays with a deterministic split: a text corpus for
+    language models, or sentence pairs for translation.
+
+    source: 'shakespeare' (the default corpus), a text file, a folder of text files or a .jsonl file; for translation
+        'bible:SRC-TGT' (e.g. bible:de-en, the default parallel corpus) or, with --parallel, a .tsv / .jsonl file.
+    out: the folder to write (default runs/data/shakespeare, or runs/data/bible-SRC-TGT for the Bible).
+    vocab_size: size of the byte-level BPE vocabulary to train (default 4096; 8000 for sentence pairs).
+    val_fraction: language models: the share of every document, at its end, kept for validation (0.1);
+        sentence pairs: the share of pairs, chosen by a hash of the source sentence (0.01).
+    """
+    if sentence_pairs.parallel or source == "bible" or source.startswith("bible:"):
+        prepare_pairs(source, out, vocab_size, val_fraction, sentence_pairs)
+    else:
+        prepare_text(source, out, vocab_size, val_fraction, text_corpus)
+    return 0
+
+
+def prepare_text(
+    source: str, out: str | None, vocab_size: int | None, val_fraction: float | None, options: TextOptions
+) -> None:
+    """Prepare a text corpus for a language model and print what it came to (None: the default)."""
+    from llmkit.data.prepare import prepare as run_prepare
+
+    target = out or "runs/data/shakespeare"
+    meta = run_prepare(
+        source,
+        target,
+        vocab_size=vocab_size or 4096,
+        tokenizer=options.tokenizer,
+        val_fraction=0.1 if val_fraction is None else val_fraction,
+        text_field=options.text_field,
+    )
+    s = meta["splits"]
+    print(
+        f"prepared {source} -> {target}: vocab {meta['vocab_size']}, train {s['train']['tokens']:,} tokens "
+        f"({s['train']['chars']:,} chars), val {s['val']['tokens']:,} tokens, "
+        f"{meta['chars_per_token']:.2f} chars/token, {meta['seconds']:.1f} s"
+    )
+
+
+def prepare_pairs(
+    source: str, out: str | None, vocab_size: int | None, val_fraction: float | None, options: PairOptions
+) -> None:
+    """Prepare sentence pairs (the Bible, or a .tsv / .jsonl file) for translation and print what they came to
+    (None: the default)."""
+    from llmkit.data.parallel import DEFAULT, prepare_parallel
+
+    name = DEFAULT if source == "bible" else source
+    target = out or ("runs/data/" + name.replace(":", "-") if name.startswith("bible:") else "runs/data/pairs")
+    meta = prepare_parallel(
+        name,
+        target,
+        vocab_size=vocab_size or 8000,
+        shared_vocab=not options.separate_vocab,
+        val_fraction=0.01 if val_fraction is None else val_fraction,
+        test_fraction=options.test_fraction,
+        src_field=options.src_field,
+        tgt_field=options.tgt_field,
+    )
+    sp = meta["splits"]
+    print(
+        f"prepared {meta['source']} -> {target}: {sum(v['pairs'] for v in sp.values()):,} pairs "
+        f"(train {sp['train']['pairs']:,}, val {sp['val']['pairs']:,}, test {sp['test']['pairs']:,}), "
+        f"{'shared' if meta['shared_vocab'] else 'separate'} vocab {meta['vocab_size']}, "
+        f"train {sp['train']['src_tokens']:,} source + {sp['train']['tgt_tokens']:,} target tokens, "
+        f"{meta['seconds']:.1f} s\nlicence: {meta['licence']}"
+    )

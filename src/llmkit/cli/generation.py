@@ -1,0 +1,315 @@
+"""Generation commands: `generate` continues a prompt, `chat` answers through the model's chat template.
+
+`generate` decodes in one of four modes, chosen by its option groups and checked once (`_mode`):
+
+    sample      plain decoding: greedy at --temperature 0, else sampling (the default)
+    stream      the same, each sample printed while it is generated (--stream)
+    beam        beam search (--beams N, N > 1)
+    speculate   speculative decoding with a draft model (--draft) or the model's MTP module (--mtp)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Literal
+
+from llmkit.cli.common import DType, load_decoder, print_streamed
+from llmkit.errors import LLMKitError
+
+if TYPE_CHECKING:
+    from llmkit.generate import Sampling
+    from llmkit.models import DecoderLM
+    from llmkit.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How each next token is chosen in plain decoding (speculative decoding reads --temperature, --top-k, --top-p
+    and --seed).
+
+    temperature: 0 for greedy decoding; higher is more random.
+    top_k: sample among the k most likely tokens (0 for no limit).
+    top_p: sample among the most likely tokens whose probabilities add up to p.
+    min_p: sample among tokens at least min_p times as likely as the most likely one.
+    repetition_penalty: above 1 discourages tokens already in the text.
+    seed: makes sampling repeatable.
+    """
+
+    temperature: float = 0.8
+    top_k: int | None = 50
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    def rule(self) -> Sampling:
+        """The sampling rule these flags describe (--top-k 0: no limit)."""
+        from llmkit.generate import Sampling
+
+        return Sampling(self.temperature, self.top_k or None, self.top_p, self.min_p, self.repetition_penalty)
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """How plain decoding hands out its text (not with --beams, --draft or --mtp).
+
+    stop: stop a continuation at this text (repeatable; \\n and \\t are read as newline and tab).
+    stream: print tokens as they are generated.
+    """
+
+    stop: list[str] | None = None
+    stream: bool = False
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [_unescape(s) for s in self.stop or ()]
+
+
+@dataclass(frozen=True)
+class BeamOptions:
+    """The most likely continuations among the best N kept at every step: deterministic, no sampling options.
+
+    beams: beam search with this many beams (1: no beam search).
+    length_penalty: length ** penalty divides a hypothesis' log-probability.
+    """
+
+    beams: int = 1
+    length_penalty: float = 1.0
+
+
+@dataclass(frozen=True)
+class SpeculationOptions:
+    """A drafter proposes tokens and the model checks them in one pass: its own distribution, in fewer passes.
+
+    draft: draft with this smaller model (same tokenizer).
+    mtp: draft with the model's own multi-token-prediction module.
+    speculate: tokens the draft model proposes per round.
+    """
+
+    draft: str | None = None
+    mtp: bool = False
+    speculate: int = 4
+
+
+Mode = Literal["sample", "stream", "beam", "speculate"]
+
+
+def _mode(output: OutputOptions, beam: BeamOptions, speculation: SpeculationOptions) -> Mode:
+    """The decoding mode the options choose, or an error that names the options that contradict each other."""
+    beam_search, speculate = beam.beams > 1, speculation.draft is not None or speculation.mtp
+    if beam_search and speculate:
+        raise LLMKitError("--beams cannot be combined with --draft or --mtp: choose beam search or speculation")
+    if speculation.draft is not None and speculation.mtp:
+        raise LLMKitError("--draft and --mtp both choose the drafter: give one of them")
+    if (beam_search or speculate) and (output.stream or output.stop):
+        raise LLMKitError("--stream and --stop apply to plain decoding, not to --beams, --draft or --mtp")
+    if beam_search:
+        return "beam"
+    if speculate:
+        return "speculate"
+    return "stream" if output.stream else "sample"
+
+
+@dataclass(frozen=True)
+class _Request:
+    """What every mode decodes: `samples` continuations of the prompt `ids`."""
+
+    model: DecoderLM
+    tok: Tokenizer
+    ids: list[int]
+    eos: int | None
+    samples: int
+    max_new_tokens: int
+    compiled: bool
+
+    def print_samples(self, rows: Iterable[Sequence[int]]) -> None:
+        for i, row in enumerate(rows):
+            self.print_header(i)
+            print(self.tok.decode(self.ids + list(row)))
+
+    def print_header(self, i: int) -> None:
+        if self.samples > 1:
+            print(f"--- sample {i + 1}")
+
+
+def generate(
+    checkpoint: str,
+    *,
+    prompt: str = "",
+    max_new_tokens: int = 200,
+    samples: int = 1,
+    sampling: SamplingOptions = SamplingOptions(),
+    output: OutputOptions = OutputOptions(),
+    beam_search: BeamOptions = BeamOptions(),
+    speculation: SpeculationOptions = SpeculationOptions(),
+    compile: bool = False,
+    dtype: DType | None = None,
+) -> int:
+    """Generate text from a training run folder (its latest checkpoint), an llmkit checkpoint, a Hugging Face
+    directory or a GGUF file.
+
+    checkpoint: the model to load.
+    prompt: the text to continue (empty: start from the beginning-of-text token).
+    max_new_tokens: how many tokens to generate at most.
+    samples: how many continuations to generate (a batch).
+    compile: decode through torch.compile (a one-time compilation, then faster steps).
+    dtype: load the weights in this precision (bf16 halves the memory read per token).
+    """
+    mode = _mode(output, beam_search, speculation)
+    model, tok = load_decoder(checkpoint, dtype)
+    ids = tok.encode(prompt) if prompt else []
+    if not ids:
+        start = tok.bos_id if tok.bos_id is not None else tok.eos_id
+        if start is None:
+            raise LLMKitError("the prompt is empty and the tokenizer has no beginning-of-text token to start from")
+        ids = [start]
+    eos = tok.eos_id if prompt else None
+    request = _Request(model, tok, ids, eos, samples, max_new_tokens, compile)
+    if mode == "beam":
+        _beam_search(request, beam_search)
+    elif mode == "speculate":
+        draft = load_decoder(speculation.draft, dtype)[0] if speculation.draft is not None else None
+        _speculate(request, sampling, draft, speculation.speculate)
+    elif mode == "stream":
+        _stream(request, sampling, output.stop_strings)
+    else:
+        _sample(request, sampling, output.stop_strings)
+    return 0
+
+
+def _sample(r: _Request, sampling: SamplingOptions, stop: list[str]) -> None:
+    """Plain decoding, the samples as one batch."""
+    from llmkit.generate import generate as run_generate
+
+    out = run_generate(
+        r.model,
+        [r.ids] * r.samples,
+        max_new_tokens=r.max_new_tokens,
+        **asdict(sampling.rule()),  # temperature, top_k, top_p, min_p, repetition_penalty
+        eos_id=r.eos,
+        stop_strings=stop,
+        tokenizer=r.tok,
+        seed=sampling.seed,
+        compiled=r.compiled,
+    )
+    r.print_samples(out.new_tokens)
+
+
+def _stream(r: _Request, sampling: SamplingOptions, stop: list[str]) -> None:
+    """Plain decoding, one sample after the other, each printed as it is generated (sample i seeded seed + i)."""
+    from llmkit.generate import StopRule, stream
+
+    rule = StopRule.of(r.eos, stop_strings=stop, tokenizer=r.tok)
+    for i in range(r.samples):
+        r.print_header(i)
+        print(r.tok.decode(r.ids), end="", flush=True)
+        seed = None if sampling.seed is None else sampling.seed + i
+        steps = stream(
+            r.model,
+            [r.ids],
+            max_new_tokens=r.max_new_tokens,
+            sampling=sampling.rule(),
+            stop=rule,
+            seed=seed,
+            compiled=r.compiled,
+        )
+        print_streamed(r.tok, steps, prompt=r.ids)
+
+
+def _beam_search(r: _Request, options: BeamOptions) -> None:
+    from llmkit.generate import beam_search
+
+    result = beam_search(
+        r.model,
+        [r.ids] * r.samples,
+        num_beams=options.beams,
+        max_new_tokens=r.max_new_tokens,
+        length_penalty=options.length_penalty,
+        eos_id=r.eos,
+    )
+    r.print_samples(result.sequences)
+
+
+def _speculate(r: _Request, sampling: SamplingOptions, draft: DecoderLM | None, k: int) -> None:
+    """Speculative decoding, drafting with `draft`, or with the model's MTP module when it is None."""
+    from llmkit.generate import speculative_generate
+
+    rule = sampling.rule()
+    prompts = [r.ids] * r.samples
+    out = speculative_generate(
+        r.model,
+        prompts,
+        draft=draft,
+        max_new_tokens=r.max_new_tokens,
+        k=k,
+        sampling=dataclasses.replace(rule, repetition_penalty=1.0),
+        eos_id=r.eos,
+        seed=sampling.seed,
+        compiled=r.compiled,
+    )
+    r.print_samples(out.new_tokens)
+    print(
+        f"[speculative: {out.accepted}/{out.drafted} drafted tokens accepted ({100 * out.acceptance_rate:.0f}%), "
+        f"{out.target_passes} target passes]",
+        file=sys.stderr,
+    )
+
+
+def chat(
+    checkpoint: str,
+    *,
+    system: str | None = None,
+    max_new_tokens: int = 256,
+    temperature: float = 0.7,
+    top_p: float | None = 0.9,
+    seed: int | None = None,
+    dtype: DType | None = None,
+) -> int:
+    """Chat with a model through its chat template (from its tokenizer files or GGUF metadata). One message per line
+    on standard input; the answers stream out. Ctrl-D ends the conversation.
+
+    checkpoint: a model with a chat template (e.g. SmolLM2-135M-Instruct).
+    system: an optional system message.
+    max_new_tokens: the longest answer.
+    temperature: 0 for greedy decoding.
+    top_p: sample among the most likely tokens whose probabilities add up to p.
+    seed: makes the answers repeatable (answer i is seeded seed + i).
+    dtype: load the weights in this precision.
+    """
+    from llmkit.generate import Sampling, StopRule, stream
+    from llmkit.tokenizer import render_chat
+
+    model, tok = load_decoder(checkpoint, dtype)
+    if not tok.chat_template:
+        raise LLMKitError(f"{checkpoint} has no chat template; use `llmkit generate` for plain continuation")
+    messages = [{"role": "system", "content": system}] if system else []
+    sampling = Sampling(temperature, None, top_p)
+    rule = StopRule.of(tok.eos_id)
+    turn = 0
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        ids = tok.encode(render_chat(tok, messages), add_bos=False)
+        turn_seed = None if seed is None else seed + turn
+        steps = stream(model, [ids], max_new_tokens=max_new_tokens, sampling=sampling, stop=rule, seed=turn_seed)
+        answer = print_streamed(tok, steps, end_id=tok.eos_id)
+        messages.append({"role": "assistant", "content": tok.decode(answer)})
+        turn += 1
+    return 0
+
+
+def _unescape(text: str) -> str:
+    """Read the escapes a shell passes through literally: \\n, \\t and \\\\."""
+    out, i = [], 0
+    while i < len(text):
+        if text[i] == "\\" and i + 1 < len(text) and text[i + 1] in "nt\\":
+            out.append({"n": "\n", "t": "\t", "\\": "\\"}[text[i + 1]])
+            i += 2
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)

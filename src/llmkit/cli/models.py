@@ -1,0 +1,159 @@
+"""Commands about models: the presets, their sizes and costs, and checkpoints converted and compared."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from llmkit.cli.common import DType, torch_dtype
+from llmkit.errors import LLMKitError
+
+if TYPE_CHECKING:
+    from llmkit.config import ModelConfig
+
+
+def presets(*, json_: bool = False) -> int:
+    """List the named presets with their parameter counts and sources.
+
+    json_: print a JSON list instead of a table.
+    """
+    from llmkit.analysis import analyze, human
+    from llmkit.presets import PRESETS
+
+    rows: list[dict[str, Any]] = []
+    for name, p in PRESETS.items():
+        report = analyze(p.config, name)
+        rows.append(
+            {
+                "name": name,
+                "params_total": report.params_total,
+                "params_active": report.params_active,
+                "architecture": report.architecture,
+                "attention": p.config.attention.kind,
+                "source": p.source,
+            }
+        )
+    if json_:
+        print(json.dumps(rows, indent=2))
+        return 0
+    width = max(len(r["name"]) for r in rows)
+    print(f"{'preset':<{width}}  {'total':>8}  {'active':>8}  {'attention':<9}  source")
+    for r in rows:
+        total, active = human(r["params_total"]), human(r["params_active"])
+        print(f"{r['name']:<{width}}  {total:>8}  {active:>8}  {r['attention']:<9}  {r['source']}")
+    return 0
+
+
+def _load_config(spec: str) -> tuple[str, ModelConfig]:
+    """A preset name or a ModelConfig JSON file -> (its name, its config)."""
+    from llmkit.config import ModelConfig
+    from llmkit.presets import get_preset
+
+    if spec.endswith(".json") or Path(spec).is_file():
+        return Path(spec).stem, ModelConfig.from_json(Path(spec))
+    return spec, get_preset(spec)
+
+
+def inspect(
+    model: str | None = None,
+    *,
+    json_: bool = False,
+    seq_len: int | None = None,
+    dtype: DType = "bf16",
+    compare: str | None = None,
+) -> int:
+    """Parameters (total, active, by component), weight memory, KV cache and FLOPs of a preset or config file.
+
+    model: a preset name (see `llmkit presets`) or a ModelConfig JSON file.
+    json_: print one JSON object (with --compare, a list).
+    seq_len: context length for the KV-cache size and FLOPs (default: the model's max_seq_len; 4096 with --compare).
+    dtype: element type for weight and cache bytes.
+    compare: comma-separated presets or config files to show side by side.
+    """
+    from llmkit.analysis import analyze, format_compare, format_report
+
+    if compare is None:
+        if model is None:
+            raise LLMKitError("give a preset or config file to inspect, or --compare A,B,...")
+        name, cfg = _load_config(model)
+        report = analyze(cfg, name, seq_len, dtype)
+        print(json.dumps(report.to_dict(), indent=2) if json_ else format_report(report))
+        return 0
+    specs = [s.strip() for s in compare.split(",") if s.strip()]
+    if model is not None:
+        specs.insert(0, model)
+    if not specs:
+        raise LLMKitError(f"--compare {compare!r} names no model; give comma-separated presets or config files")
+    length = 4096 if seq_len is None else seq_len
+    reports = [analyze(cfg, name, length, dtype) for name, cfg in map(_load_config, specs)]
+    print(json.dumps([r.to_dict() for r in reports], indent=2) if json_ else format_compare(reports))
+    return 0
+
+
+def convert(
+    source: str,
+    target: str,
+    *,
+    to: Literal["hf", "llmkit"] | None = None,
+    dtype: DType | None = None,
+    model_type: str | None = None,
+) -> int:
+    """Convert a checkpoint between Hugging Face, GGUF and llmkit formats.
+
+    source: a Hugging Face directory, a .gguf file, or an llmkit checkpoint directory.
+    target: the directory to write.
+    to: output format (default: llmkit for Hugging Face and GGUF sources, hf for llmkit sources).
+    dtype: cast the floating-point weights (default: keep the source's; GGUF is dequantized to fp32).
+    model_type: the Hugging Face model_type to write (default: the source's, or the one the architecture matches).
+    """
+    from llmkit.analysis import human
+    from llmkit.interop.checkpoint import save_llmkit
+    from llmkit.interop.hf import save_hf
+    from llmkit.interop.load import load_model
+    from llmkit.models import RNNSeq2Seq
+
+    loaded = load_model(source, dtype=torch_dtype(dtype))
+    fmt = to or ("hf" if loaded.source == "llmkit" else "llmkit")
+    source_dir = Path(source) if Path(source).is_dir() else None
+    if fmt == "hf":
+        if isinstance(loaded.model, RNNSeq2Seq):
+            raise LLMKitError("the RNN encoder-decoder has no Hugging Face counterpart to convert to")
+        out = save_hf(
+            loaded.model,
+            target,
+            model_type=model_type or loaded.hf_model_type,
+            hf_config=loaded.hf_config,
+            generation_config=loaded.generation_config,
+            tokenizer_dir=source_dir,
+        )
+        if source_dir is None and loaded.tokenizer is not None:
+            loaded.tokenizer.save(out)
+    else:
+        out = save_llmkit(
+            loaded.model,
+            target,
+            tokenizer=loaded.tokenizer,
+            tokenizer_dir=source_dir,
+            hf_model_type=model_type or loaded.hf_model_type,
+            hf_config=loaded.hf_config,
+            generation_config=loaded.generation_config,
+        )
+    n = sum(p.numel() for p in loaded.model.parameters())
+    print(f"{loaded.source} {source} -> {fmt} {out} ({human(n)} parameters)")
+    return 0
+
+
+def compare(path: str, *, json_: bool = False, prompt: str | None = None) -> int:
+    """Run one input through transformers and llmkit and report where they differ, layer by layer.
+
+    path: a Hugging Face checkpoint directory or a .gguf file.
+    json_: print one JSON object (with logits_max_abs_diff and top1_agreement).
+    prompt: the text to run (default: a fixed English sentence).
+    """
+    from llmkit.interop.compare import compare as run_compare
+    from llmkit.interop.compare import format_compare_report
+
+    report = run_compare(path, prompt)
+    print(json.dumps(report, indent=2) if json_ else format_compare_report(report))
+    return 0

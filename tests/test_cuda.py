@@ -1,0 +1,123 @@
+"""CUDA: every tiny preset computes on the GPU what it computes on the CPU; decoding (eager, compiled, beam,
+speculative) gives the CPU's tokens; training runs in fp16 (with its gradient scaler) and bf16, and under DDP with
+NCCL. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmkit import build_model, get_preset
+from llmkit.generate import beam_search, generate, speculative_generate
+from llmkit.models import DecoderLM, EncoderDecoder
+from llmkit.presets import PRESETS
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+TINY = [n for n in PRESETS if n.endswith("-tiny")]
+PROMPTS = [[5, 17, 33, 2, 41, 9], [60, 12, 7], [3]]
+
+
+def pair(name: str, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The same weights on the CPU and on the GPU."""
+    cfg = get_preset(name)
+    if cfg.moe is not None:  # route every token: capacity limits would couple tokens across the batch
+        cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, capacity_factor=None))
+    torch.manual_seed(0)
+    cpu = build_model(cfg).eval()
+    gpu = build_model(cfg, device="cuda", dtype=dtype).eval()
+    gpu.load_state_dict(cpu.state_dict())
+    return cpu, gpu
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_gpu_forward_equals_cpu(name):
+    cpu, gpu = pair(name)
+    tokens = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        if isinstance(cpu, EncoderDecoder):
+            ref, out = cpu(tokens, tokens), gpu(tokens.cuda(), tokens.cuda())
+        else:
+            ref, out = cpu(tokens), gpu(tokens.cuda())
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-3, atol=1e-3)  # TF32 and kernel differences
+
+
+@pytest.mark.parametrize("name", [n for n in TINY if get_preset(n).encoder is None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gpu_cached_decoding_equals_full_forward(name, dtype):
+    _, gpu = pair(name, dtype)
+    assert isinstance(gpu, DecoderLM)
+    tokens = torch.randint(0, 256, (2, 10), device="cuda")
+    with torch.no_grad():
+        full = gpu(tokens).float()
+        cache = gpu.new_cache(2, 16)
+        steps = [gpu(tokens[:, :6], cache=cache)] + [gpu(tokens[:, t : t + 1], cache=cache) for t in range(6, 10)]
+    cached = torch.cat(steps, 1).float()
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    assert torch.isfinite(cached).all()
+    torch.testing.assert_close(cached, full, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("name", ["llama2-7b-tiny", "mixtral-8x7b-tiny", "deepseek-v3-tiny", "deepseek-v3.2-tiny"])
+def test_gpu_generation_compiled_beam_and_speculative(name):
+    torch.backends.cuda.matmul.allow_tf32 = False  # greedy tokens compared with the CPU's: no TF32 rounding
+    try:
+        cpu, gpu = pair(name)
+        expected = generate(cpu, PROMPTS, max_new_tokens=12).new_tokens
+        assert generate(gpu, PROMPTS, max_new_tokens=12).new_tokens == expected
+        assert generate(gpu, PROMPTS, max_new_tokens=12, compiled=True).new_tokens == expected
+        assert beam_search(gpu, PROMPTS, num_beams=1, max_new_tokens=12).sequences == expected
+        draft = gpu if not len(gpu.mtp) else None
+        assert speculative_generate(gpu, PROMPTS, draft=draft, max_new_tokens=12, k=3).new_tokens == expected
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+
+def _train(tmp_path: Path, precision: str, launcher: tuple[str, ...] = ("-m", "llmkit"), *extra: str) -> list[float]:
+    from llmkit.data.prepare import prepare
+
+    data = tmp_path / "data"
+    text = tmp_path / "corpus.txt"
+    text.write_text("to be, or not to be, that is the question:\nwhether 'tis nobler in the mind to suffer\n" * 200)
+    prepare(str(text), data, vocab_size=300, progress=False)
+    out = tmp_path / f"run-{precision}"
+    settings = {
+        "model.preset": "llama2-7b-tiny",
+        "data.dir": data,
+        "data.seq_len": 64,
+        "data.batch_size": 8,
+        "train.steps": 30,
+        "train.precision": precision,
+        "train.device": "cuda",
+        "train.progress": "false",
+        "train.out": out,
+        "train.eval_every": 30,
+        "optim.lr": 3e-3,
+        "schedule.warmup_steps": 5,
+    }
+    cmd = [sys.executable, *launcher, "train", *extra]
+    for key, value in settings.items():
+        cmd += ["--set", f"{key}={value}"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    subprocess.run(cmd, check=True, env=env, timeout=600)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_gpu_training_in_half_precision(tmp_path, precision):
+    losses = _train(tmp_path, precision)
+    assert all(x == x and abs(x) < 1e6 for x in losses) and losses[-1] < losses[0] - 1.0
+
+
+def test_ddp_with_nccl(tmp_path):
+    torchrun = ("-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29533", "-m", "llmkit")
+    losses = _train(tmp_path, "fp32", torchrun, "--parallel", "ddp")
+    assert losses[-1] < losses[0] - 1.0
