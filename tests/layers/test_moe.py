@@ -247,3 +247,14 @@ def test_standalone_layers_are_initialised():
     m = MoE(C, MoEConfig(n_experts=4, top_k=2, expert_hidden_dim=8))
     out = m(torch.randn(2, 3, C))
     assert torch.isfinite(out).all() and out.abs().max() < 10
+
+
+def test_the_three_ways_of_running_experts_agree():
+    # a grouped matmul (one call, slices given as a tensor), each row with its own expert's gathered weights (few
+    # rows, no host read-back), and one matmul per expert
+    m = moe(n_experts=4, top_k=2)
+    x = torch.randn(5, C)
+    counts = torch.tensor([2, 0, 3, 0])  # rows 0-1 for expert 0, rows 2-4 for expert 2
+    by_expert = m.experts._one_by_one(x, counts)
+    torch.testing.assert_close(m.experts(x, counts), by_expert, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(m.experts._gathered(x, counts), by_expert, rtol=1e-5, atol=1e-6)

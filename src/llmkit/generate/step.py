@@ -8,7 +8,9 @@ step itself reads nothing back from the device, and every shape in it is fixed b
 With `compiled=True` the step runs through `torch.compile` with inductor's weight freezing: the weights become
 constants, so the matmuls can use prepacked kernels and elementwise work is fused (BENCHMARKS.md has the figures).
 The compiled step is built once per model (the first call takes tens of seconds) and assumes the weights no longer
-change.
+change. Models with MoE layers or sparse attention decode eagerly even when asked to compile: their routing and key
+selection do not yet trace into one graph (prefill takes the experts one by one under torch.compile, and the
+selection recompiles), so compiling them would cost more than it gives.
 """
 
 from __future__ import annotations
@@ -51,6 +53,14 @@ def compiled_core(model: DecoderLM) -> Callable[..., tuple[Tensor, Tensor]]:
     return _COMPILED[model]
 
 
+def compilable(model: DecoderLM) -> bool:
+    """Whether compiling the step pays: not for MoE routing or sparse attention (see the module docstring)."""
+    from llmkit.layers.attention import DeepSeekSparseAttention
+    from llmkit.layers.moe import MoE
+
+    return not any(isinstance(m, (MoE, DeepSeekSparseAttention)) for m in model.modules())
+
+
 @torch.no_grad()
 def decode_step(
     model: DecoderLM, tokens: Tensor, cache: Cache, valid: Tensor | None = None, compiled: bool = False
@@ -58,6 +68,6 @@ def decode_step(
     """Append tokens (B, T) (valid (B, T): False at padding) to the cache; returns logits (B, T, V) and the last
     block's hidden states (B, T, C), before the final norm."""
     step = cache.state.advance(tokens.shape[1], valid)
-    core = compiled_core(model) if compiled else _core
+    core = compiled_core(model) if compiled and compilable(model) else _core
     assert step.mask.allowed is not None and step.slots is not None
     return core(model, tokens, step.positions, step.mask.allowed, step.slots, cache.layers)

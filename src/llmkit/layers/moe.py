@@ -44,11 +44,12 @@ _GROUPED_MM = hasattr(F, "grouped_mm")  # torch >= 2.9; older versions run the e
 
 
 def grouped_mm_applies(x: Tensor, dtype: torch.dtype) -> bool:
-    """Whether F.grouped_mm serves this call: every dtype on the CPU; bf16 on CUDA from compute capability 9.0."""
+    """Whether F.grouped_mm serves this call: every dtype on the CPU (bf16 only under torch.compile, whose shape
+    functions accept nothing else), bf16 on CUDA from compute capability 9.0."""
     if not _GROUPED_MM:
         return False
     if x.device.type == "cpu":
-        return True
+        return dtype == torch.bfloat16 or not torch.compiler.is_compiling()
     return x.device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
 
 
@@ -169,12 +170,25 @@ class GroupedExperts(nn.Module):
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         if not grouped_mm_applies(x, dtype):
-            return self._one_by_one(x, counts)
+            # a few assignments (decoding): each with its own expert's weights; many: one matmul per expert
+            return self._gathered(x, counts) if x.shape[0] <= self.w1.shape[0] else self._one_by_one(x, counts)
         offsets = counts.cumsum(0).to(torch.int32)  # (E,) where each expert's slice ends
         x = x.to(dtype)
 
         def matmul(inp: Tensor, w: Tensor) -> Tensor:  # (M, in) @ per-expert (E, out, in)^T -> (M, out)
             return F.grouped_mm(inp, w.to(dtype).transpose(1, 2), offs=offsets)
+
+        h = self.act(matmul(x, self.w1))
+        if self.w3 is not None:
+            h = h * matmul(x, self.w3)
+        return matmul(h, self.w2)
+
+    def _gathered(self, x: Tensor, counts: Tensor) -> Tensor:
+        """Each of the M rows times its own expert's weights (gathered: M matrices read), no host read-back."""
+        expert = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts, output_size=x.shape[0])
+
+        def matmul(inp: Tensor, w: Tensor) -> Tensor:  # (M, in), per-row (M, out, in) -> (M, out)
+            return torch.bmm(w[expert], inp.unsqueeze(-1)).squeeze(-1)
 
         h = self.act(matmul(x, self.w1))
         if self.w3 is not None:
