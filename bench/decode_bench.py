@@ -1,6 +1,6 @@
 """Decoding throughput: llmkit against transformers' `generate` (with its KV cache), same weights, one run.
 
-    .venv/bin/python bench/decode_bench.py [--model ref|smollm2] [--new 64] [--prompt 32] [--repeats 3]
+    .venv/bin/python bench/decode_bench.py [--model ref|smollm2] [--new 64] [--prompt 32] [--repeats 3] [--device cuda]
 
 Models: "ref", the reference LLaMA-style config (124.7M parameters, random weights, identical in both libraries
 through llmkit's converter), and "smollm2", the real SmolLM2-135M-Instruct GGUF file (dequantized). Greedy
@@ -44,25 +44,26 @@ def main() -> None:
     p.add_argument("--batches", default="1,8")
     p.add_argument("--dtypes", default="fp32,bf16")
     p.add_argument("--tmp", default=str(RUNS))
+    p.add_argument("--device", default="cpu", help="where both libraries run (cpu, cuda)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     from llmkit.generate import generate
     from llmkit.interop.hf import load_hf
 
     directory = MODELS[args.model](Path(args.tmp))
-    limits = measure_limits(precisions=())  # decoding is bound by memory reads, not by matmul FLOP/s
+    limits = measure_limits(precisions=(), device=args.device)  # decoding is bound by memory reads, not FLOP/s
     rows = []
     for name in args.dtypes.split(","):
         dtype = DTYPES[name]
-        ours = load_hf(directory, dtype=dtype).model.eval()
-        theirs = hf_model(directory, dtype)
+        ours = load_hf(directory, dtype=dtype, device=args.device).model.eval()
+        theirs = hf_model(directory, dtype).to(args.device)
         weight_bytes = sum(t.numel() * t.element_size() for t in ours.state_dict().values())
         embed_bytes = ours.embed.weight.numel() * ours.embed.weight.element_size()
         # an embedding lookup reads one row per token: untied, the table is not read per step
         read_per_step = weight_bytes - (0 if ours.cfg.tie_embeddings else embed_bytes)
         for batch in map(int, args.batches.split(",")):
             g = torch.Generator().manual_seed(batch)
-            prompt = torch.randint(0, ours.cfg.vocab_size, (batch, args.prompt), generator=g)
+            prompt = torch.randint(0, ours.cfg.vocab_size, (batch, args.prompt), generator=g).to(args.device)
 
             def run_ours(ours: Any = ours, prompt: torch.Tensor = prompt) -> list[list[int]]:
                 return generate(ours, prompt, max_new_tokens=args.new).tokens.tolist()
@@ -100,6 +101,7 @@ def main() -> None:
         **limits.as_dict(),
         "prompt": args.prompt,
         "new_tokens": args.new,
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "rows": rows,
     }
     report(summary, args.json, lambda: print_table(summary, limits, args))

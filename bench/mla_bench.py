@@ -12,6 +12,8 @@ absorbed path) and attends over the latents directly, like MQA with one 576-dim 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -87,13 +89,31 @@ def main() -> None:
     def run_theirs() -> list[int]:
         return hf_greedy(theirs, prompt, args.new)[0, args.context :].tolist()
 
-    seconds, outs = alternate({"llmkit": run_ours, "transformers": run_theirs}, args.repeats)
-    # decode alone: time the prefill once and subtract it
-    with torch.no_grad():
-        ours_prefill, _ = timed(lambda: ours(prompt, cache=ours.new_cache(1, args.context + 1)))
-        hf_prefill, _ = timed(lambda: theirs(prompt, use_cache=True))
-    t_ours = seconds["llmkit"] - ours_prefill
-    t_hf = seconds["transformers"] - hf_prefill
+    def decode_ours() -> tuple[float, float]:
+        """(prefill seconds, seconds of the args.new - 1 greedy steps after it), through the public forward."""
+        with torch.no_grad():
+            cache = ours.new_cache(1, args.context + args.new)
+            prefill, logits = timed(lambda: ours(prompt, cache=cache)[:, -1])
+            start = time.perf_counter()
+            for _ in range(args.new - 1):
+                logits = ours(logits.argmax(-1, keepdim=True), cache=cache)[:, -1]
+            return prefill, time.perf_counter() - start
+
+    def decode_theirs() -> tuple[float, float]:
+        with torch.no_grad():
+            prefill, out = timed(lambda: theirs(prompt, use_cache=True))
+            start = time.perf_counter()
+            for _ in range(args.new - 1):
+                nxt = out.logits[:, -1:].argmax(-1)
+                out = theirs(nxt, past_key_values=out.past_key_values, use_cache=True)
+            return prefill, time.perf_counter() - start
+
+    _, outs = alternate({"llmkit": run_ours, "transformers": run_theirs}, 1)
+    # prefill and decoding timed apart (a shared machine's noise in the prefill would swamp the decode steps), the
+    # libraries taking turns; medians of the rounds
+    rounds = [(decode_ours(), decode_theirs()) for _ in range(args.repeats)]
+    ours_prefill, t_ours = (statistics.median(r[0][i] for r in rounds) for i in (0, 1))
+    hf_prefill, t_hf = (statistics.median(r[1][i] for r in rounds) for i in (0, 1))
     print(
         f"MLA config: d_model 512, 16 heads, kv_lora_rank 256 + rope 32, 4 layers; context {args.context}, "
         f"{args.new} new tokens, fp32, greedy; median of {args.repeats}"
@@ -102,9 +122,9 @@ def main() -> None:
         f"cache bytes per token: llmkit {ours_per_token:,.0f} (llmkit inspect predicts {predicted:,}), "
         f"transformers {hf_per_token:,.0f}"
     )
+    steps = args.new - 1
     print(
-        f"decode tokens/s (prefill subtracted): llmkit {args.new / t_ours:.1f}, "
-        f"transformers {args.new / t_hf:.1f}, ratio {t_hf / t_ours:.2f}x; "
+        f"decode tokens/s: llmkit {steps / t_ours:.1f}, transformers {steps / t_hf:.1f}, ratio {t_hf / t_ours:.2f}x; "
         f"prefill s: llmkit {ours_prefill:.2f}, transformers {hf_prefill:.2f}"
     )
     # Random weights leave near-ties between the top logits, and transformers' generate() scores differ from its own
