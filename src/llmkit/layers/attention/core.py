@@ -67,8 +67,9 @@ def attend(
 
 
 def _one_query(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float) -> Tensor:
-    """Decoding: one query per row attends to every cached key it may see, with two small grouped matmuls (for a
-    single query they beat the fused SDPA kernels on CPU; BENCHMARKS.md has the measurement).
+    """Decoding: one query per row attends to every cached key it may see, with two small grouped matmuls. They
+    trace into the compiled decode step as one graph, where SDPA with shared kv heads does not (BENCHMARKS.md has
+    the measurement).
     q (B, H, 1, D), k (B, K, S, D), v (B, K, S, Dv) -> (B, H, 1, Dv)."""
     B, H, _, D = q.shape
     K, S = k.shape[1], k.shape[2]
