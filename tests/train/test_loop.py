@@ -233,3 +233,16 @@ def test_encoder_decoder_tiny_presets_learn(name):
         opt.zero_grad()
         first, last = (out.ce.item() if step == 0 else first), out.ce.item()
     assert last < first - 1.0
+
+
+def test_auto_precision_takes_bf16_only_where_it_is_fast(monkeypatch):
+    from llmkit.train import control
+
+    cpu = torch.device("cpu")
+    assert control.resolve_precision("fp32", cpu) == "fp32"
+    assert control.resolve_precision("bf16", cpu) == "bf16"  # asked for explicitly: kept
+    monkeypatch.setattr(control, "fast_bf16", lambda device: False)
+    assert control.resolve_precision("auto", cpu) == "fp32"
+    monkeypatch.setattr(control, "fast_bf16", lambda device: True)
+    assert control.resolve_precision("auto", cpu) == "bf16"
+    assert TrainConfig.from_dict({"train": {"precision": "auto"}}).train.precision == "auto"

@@ -31,7 +31,7 @@ from llmkit.errors import ConfigError
 from llmkit.models.rnn import RNNConfig
 
 DEFAULT_PRESET = "llama2-7b-tiny"
-Precision = Literal["fp32", "bf16", "fp16"]
+Precision = Literal["fp32", "bf16", "fp16", "auto"]
 ScheduleKind = Literal["cosine", "wsd", "noam", "constant"]
 Parallel = Literal["none", "ddp", "fsdp"]
 

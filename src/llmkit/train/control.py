@@ -33,6 +33,21 @@ class StopSignal:
             signal.signal(sig, handler)
 
 
+def fast_bf16(device: torch.device) -> bool:
+    """Whether the device multiplies bf16 matrices natively (a GPU with bf16, a CPU with AVX-512 or AMX): without
+    that, bf16 autocast on a CPU is emulated and many times slower than fp32."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """'auto' becomes bf16 where the device has fast bf16 and fp32 elsewhere; the others stay as they are."""
+    if precision != "auto":
+        return precision
+    return "bf16" if fast_bf16(device) else "fp32"
+
+
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager[Any]:
     """bf16 / fp16 autocast on the device, or nothing for fp32."""
     if precision == "fp32":

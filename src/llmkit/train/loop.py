@@ -29,7 +29,7 @@ from llmkit.perf import matmul_flops, tune_allocator
 from llmkit.runs import latest_checkpoint
 from llmkit.train import checkpoint as ckpt
 from llmkit.train.config import TrainConfig
-from llmkit.train.control import StopSignal, autocast, checkpoint_keys, wrapper_keys
+from llmkit.train.control import StopSignal, autocast, checkpoint_keys, resolve_precision, wrapper_keys
 from llmkit.train.metrics import MetricsLog, bits_per_char
 from llmkit.train.optim import build_optimizer
 from llmkit.train.parallel import (
@@ -73,6 +73,7 @@ class Trainer:
             raise TrainingError("train.precision='fp16' needs CUDA (its gradient scaling); use 'bf16' on CPU")
         tune_allocator()  # reuse the large per-step buffers instead of faulting in fresh pages each step
         self.rt = setup(t.parallel, t.device)
+        self.precision = resolve_precision(t.precision, self.rt.device)  # "auto": bf16 only where it is fast
         self.out = Path(t.out)
         self.task = build_task(cfg, self.rt)
         if self.task.model_config.vocab_size < self.task.vocab_size:
@@ -99,7 +100,7 @@ class Trainer:
         # not the groups' lr: a resumed optimizer holds the learning rate of its last step
         self.base_lr = cfg.optim.lr
         self.lr_at = lr_multiplier(cfg.schedule, t.steps)
-        self.scaler = torch.amp.GradScaler("cuda") if t.precision == "fp16" else None
+        self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
         self.metrics = MetricsLog(self.out, enabled=self.rt.main)
         self.metrics.truncate(self.state.step)  # a fresh run starts a fresh log; a resumed one drops what it redoes
         self.flops_per_token = self.task.flops_per_token()  # model FLOPs per training token, for MFU
@@ -151,7 +152,7 @@ class Trainer:
             no_sync = getattr(self.wrapped, "no_sync", None)
             sync = no_sync() if no_sync is not None and not last else contextlib.nullcontext()
             with sync:
-                with autocast(t.precision, self.rt.device):
+                with autocast(self.precision, self.rt.device):
                     out = self.wrapped(*args, **options)
                 loss = out["loss"] / t.grad_accum
                 (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
@@ -194,7 +195,7 @@ class Trainer:
         self.model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=self.rt.device)
         for args in self.task.eval_batches(full):
-            with autocast(self.cfg.train.precision, self.rt.device):
+            with autocast(self.precision, self.rt.device):
                 out = self.wrapped(*args, evaluate=True)
             total += torch.stack([out["nll"].double(), out["count"].double()])
         self.model.train()
@@ -232,7 +233,7 @@ class Trainer:
     def run(self) -> Result:
         t = self.cfg.train
         if self.rt.main and self.flops_per_token:
-            self.peak_flops = matmul_flops(_DTYPES[t.precision], self.rt.device, seconds=0.3) * self.rt.world
+            self.peak_flops = matmul_flops(_DTYPES[self.precision], self.rt.device, seconds=0.3) * self.rt.world
         bar = tqdm(
             total=t.steps,
             initial=self.state.step,

@@ -26,13 +26,19 @@ from torch import Tensor
 
 
 def causal_tril(T: int, S: int, device: torch.device | None = None, query_slots: Tensor | None = None) -> Tensor:
-    """(T, S) bool: query t (in slot query_slots[t], or S - T + t) may see key s <= its own slot."""
-    q_slot = _query_slots(T, S, device, query_slots).unsqueeze(1)  # (T, 1)
-    return torch.arange(S, device=device).unsqueeze(0) <= q_slot  # (T, S)
+    """(T, S) bool, or (B, T, S) with per-row query_slots (B, T): query t (in slot query_slots[.., t], or
+    S - T + t) may see key s <= its own slot."""
+    q_slot = _query_slots(T, S, device, query_slots).unsqueeze(-1)  # (T, 1) or (B, T, 1)
+    return torch.arange(S, device=device) <= q_slot  # (T, S) or (B, T, S)
 
 
 def _query_slots(T: int, S: int, device: torch.device | None, query_slots: Tensor | None) -> Tensor:
     return query_slots if query_slots is not None else torch.arange(S - T, S, device=device)
+
+
+def _heads_axis(rule: Tensor) -> Tensor:
+    """(T, S) -> (1, 1, T, S); (B, T, S) -> (B, 1, T, S)."""
+    return rule[None, None] if rule.dim() == 2 else rule.unsqueeze(1)
 
 
 @dataclass(frozen=True)
@@ -40,7 +46,8 @@ class AttentionMask:
     """allowed: (B | 1, 1, T | 1, S) bool, True where attention is allowed; None allows every key.
     causal: additionally restrict each query to keys up to its own slot.
     window: additionally restrict each query to the `window` most recent slots (itself included).
-    query_slots: (T,) long, the queries' slots among the keys (a cache's write slots); None: the last T."""
+    query_slots: (T,) long, the queries' slots among the keys (a cache's write slots), or (B, T) when each row's
+    queries sit elsewhere (a serving batch of sequences of different lengths); None: the last T."""
 
     allowed: Tensor | None = None
     causal: bool = False
@@ -54,11 +61,11 @@ class AttentionMask:
         """The mask as a (B | 1, 1, T, S) bool tensor, or None when every key is allowed."""
         mask = self.allowed
         if self.causal:
-            tril = causal_tril(T, S, device, self.query_slots)[None, None]  # (1, 1, T, S)
+            tril = _heads_axis(causal_tril(T, S, device, self.query_slots))  # (B | 1, 1, T, S)
             mask = tril if mask is None else mask & tril
         if self.window is not None:
-            q_slot = _query_slots(T, S, device, self.query_slots).unsqueeze(1)  # (T, 1)
-            band = (q_slot - torch.arange(S, device=device).unsqueeze(0) < self.window)[None, None]  # (1, 1, T, S)
+            q_slot = _query_slots(T, S, device, self.query_slots).unsqueeze(-1)  # (T, 1) or (B, T, 1)
+            band = _heads_axis(q_slot - torch.arange(S, device=device) < self.window)  # (B | 1, 1, T, S)
             mask = band if mask is None else mask & band
         return mask
 

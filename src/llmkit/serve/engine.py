@@ -1,0 +1,277 @@
+"""The serving engine: requests join the running batch at the next step and leave it the step they finish.
+
+    add(request) ─► Scheduler.plan() ─► model over paged cache ─► sampler ─► text / stops ─► Delta per sequence
+                        ▲                                                                          │
+                        └──────────────── finished sequences give their blocks back ◄──────────────┘
+
+`step()` does one iteration: the scheduler picks the work (every decoding sequence's newest token, plus prompt
+chunks up to the step's token budget), the model computes it through a view of the paged cache, and every sequence
+that reached the end of its known tokens gets its next token. Decoding rows run as one batch (B, 1); each prompt
+chunk runs as its own (1, T) call. Nothing here is threaded: `llmkit.serve.runner` drives an engine from a thread
+for the HTTP server, and `generate` drives it to completion for a Python caller.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from llmkit.errors import InputError, LLMKitError
+from llmkit.layers.attention.mask import AttentionMask
+from llmkit.models.cache import Step
+from llmkit.models.decoder import DecoderLM
+from llmkit.serve.blocks import BlockPool
+from llmkit.serve.paged import PagedCache, Pages
+from llmkit.serve.request import Completion, Delta, FinishReason, Request, SamplingParams, Sequence, Status
+from llmkit.serve.sampler import sample
+from llmkit.serve.scheduler import Scheduler, Work
+from llmkit.serve.text import TextStops
+from llmkit.tokenizer import IncrementalDecoder, Tokenizer
+
+
+class QueueFull(LLMKitError):
+    """The engine's waiting queue is full; the request was not taken (HTTP 429)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """kv_memory: bytes for the paged cache (all layers); block_size: token slots per block; max_batch: sequences
+    running at once; step_tokens: tokens computed per step (decoding rows plus prompt chunks); max_queue: requests
+    waiting before new ones are refused; prefix_caching: reuse cached blocks of shared prompt prefixes."""
+
+    kv_memory: int = 1 << 30
+    block_size: int = 16
+    max_batch: int = 32
+    step_tokens: int = 512
+    max_queue: int = 256
+    prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("kv_memory", "block_size", "max_batch", "step_tokens", "max_queue"):
+            if getattr(self, name) < 1:
+                raise InputError(f"{name}={getattr(self, name)} must be >= 1")
+
+
+@dataclass
+class EngineStats:
+    """Counters since start (what /metrics reports)."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    finished: int = 0
+    steps: int = 0
+
+
+class Engine:
+    """A decoder-only model, its paged cache and the requests in flight."""
+
+    def __init__(self, model: DecoderLM, tokenizer: Tokenizer | None = None, config: EngineConfig | None = None):
+        if not isinstance(model, DecoderLM):
+            raise InputError(f"the engine serves decoder-only models, got {type(model).__name__}")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = config = config or EngineConfig()
+        weight = model.embed.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        per_block = PagedCache.bytes_per_block(model, config.block_size, self.dtype)
+        n_blocks = config.kv_memory // per_block
+        if n_blocks < 1:
+            raise InputError(f"kv_memory={config.kv_memory} bytes is less than one block ({per_block} bytes)")
+        self.cache = PagedCache(model, n_blocks, config.block_size, self.device, self.dtype)
+        self.pool = BlockPool(n_blocks, config.block_size, config.prefix_caching)
+        self.scheduler = Scheduler(self.pool, config.max_batch, config.step_tokens)
+        self.max_len = model.max_seq_len
+        self.eos_ids = {tokenizer.eos_id} if tokenizer is not None and tokenizer.eos_id is not None else set()
+        self.requests: dict[str, list[Sequence]] = {}
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+
+    # ---- requests
+
+    @property
+    def capacity_sequences(self) -> float:
+        """How many sequences of the model's full context the cache holds at once."""
+        return self.pool.n_blocks * self.pool.block_size / self.max_len
+
+    def add(self, prompt: list[int], params: SamplingParams, request_id: str | None = None, timeout: float | None = None) -> str:
+        """Queue a request (token ids); returns its id. Raises InputError for a request that can never run and
+        QueueFull when too many are waiting."""
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise InputError(f"request id {request_id!r} is already in flight")
+        self.check(prompt, params)
+        if len(self.scheduler.waiting) >= self.config.max_queue:
+            raise QueueFull(f"{len(self.scheduler.waiting)} requests are waiting; try again later")
+        deadline = time.monotonic() + timeout if timeout is not None else None
+        request = Request(request_id, list(prompt), params, deadline=deadline)
+        seqs = [self._sequence(request, i) for i in range(params.n)]
+        self.requests[request_id] = seqs
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return request_id
+
+    def check(self, prompt: list[int], params: SamplingParams) -> None:
+        if not prompt:
+            raise InputError("the prompt is empty")
+        V = self.model.cfg.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < V for t in prompt):
+            raise InputError(f"prompt token ids must be integers in [0, {V})")
+        if len(prompt) + params.max_tokens > self.max_len:
+            raise InputError(
+                f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's "
+                f"context of {self.max_len} tokens"
+            )
+        blocks = -(-(len(prompt) + params.max_tokens) // self.pool.block_size)
+        if blocks > self.pool.n_blocks:
+            raise InputError(
+                f"the request needs {blocks} cache blocks and the cache has {self.pool.n_blocks}: "
+                "give the server more kv memory or ask for fewer tokens"
+            )
+
+    def _sequence(self, request: Request, index: int) -> Sequence:
+        seed = request.params.seed
+        generator = None
+        if not request.params.sampling.greedy:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed + index if seed is not None else int(torch.randint(2**62, ()).item()))
+        decoder = IncrementalDecoder(self.tokenizer, request.prompt) if self.tokenizer is not None else None
+        return Sequence(request, index, list(request.prompt), generator, decoder)
+
+    def abort(self, request_id: str) -> None:
+        """End a request now (a client went away); its blocks go back to the pool. Unknown ids are ignored."""
+        for seq in self.requests.pop(request_id, []):
+            if not seq.finished:
+                self.scheduler.remove(seq)
+                seq.status, seq.finish_reason = Status.FINISHED, "abort"
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
+    # ---- one step
+
+    @torch.inference_mode()
+    def step(self) -> list[Delta]:
+        """Run one iteration; returns what it added to each sequence that got a token or finished."""
+        deltas = self._expire()
+        work = self.scheduler.plan()
+        if not work:
+            return deltas
+        self.stats.steps += 1
+        rows = [w for w in work if w.count == 1]
+        logits: dict[int, Tensor] = {}
+        if rows:
+            out = self._forward(rows)  # (B, V)
+            logits.update({id(w): out[i] for i, w in enumerate(rows)})
+        for w in work:
+            if w.count > 1:
+                logits[id(w)] = self._forward([w])[0]
+        for w in work:
+            self.scheduler.computed(w)
+            if w.start < w.seq.prompt_len:
+                self.stats.prompt_tokens += min(w.start + w.count, w.seq.prompt_len) - w.start
+        ready = [w for w in work if w.samples]
+        if ready:
+            ids, logprobs = sample(torch.stack([logits[id(w)] for w in ready]), [w.seq for w in ready])
+            for w, token, logprob in zip(ready, ids, logprobs, strict=True):
+                deltas.append(self._append(w.seq, token, logprob))
+        return deltas
+
+    def _forward(self, work: list[Work]) -> Tensor:
+        """The model over the given rows (all with the same count T) -> logits of each row's last token (B, V)."""
+        T = work[0].count
+        bs = self.pool.block_size
+        dev = self.device
+        tokens = torch.tensor([w.seq.tokens[w.start : w.start + T] for w in work], device=dev)  # (B, T)
+        starts = torch.tensor([w.start for w in work], device=dev)
+        slots = starts[:, None] + torch.arange(T, device=dev)  # (B, T)
+        nb = max(len(w.seq.blocks) for w in work)
+        table = torch.tensor([w.seq.blocks + w.seq.blocks[:1] * (nb - len(w.seq.blocks)) for w in work], device=dev)
+        filled = torch.arange(nb * bs, device=dev) < (starts + T)[:, None]  # (B, S): slots holding tokens
+        mask = AttentionMask(allowed=filled[:, None, None, :], causal=T > 1, query_slots=slots)
+        layers = self.cache.views(Pages.of(table, slots, bs))
+        h = self.model.run(tokens, Step(slots, mask, slots), layers)  # (B, T, C)
+        return self.model.logits(self.model.norm(h[:, -1]))  # (B, V)
+
+    def _append(self, seq: Sequence, token: int, logprob: float) -> Delta:
+        now = time.monotonic()
+        seq.tokens.append(token)
+        seq.logprobs.append(logprob)
+        seq.first_token_at = seq.first_token_at or now
+        seq.last_token_at = now
+        self.stats.generated_tokens += 1
+        p = seq.request.params
+        stops = TextStops(p.stop)
+        reason: FinishReason | None = None
+        if token in self.eos_ids and not p.ignore_eos:
+            reason = "stop"
+            piece = ""
+        else:
+            piece = seq.decoder.push(token) if seq.decoder is not None else ""
+        if reason is None and (len(seq.generated) >= p.max_tokens or len(seq.tokens) >= self.max_len):
+            reason = "length"
+        if reason is not None and seq.decoder is not None:
+            piece += seq.decoder.finish()
+        text, seq.held, stopped = stops.release(seq.held + piece, final=reason is not None)
+        if stopped:
+            reason = "stop"
+        seq.text += text
+        if reason is not None:
+            self._finish(seq, reason)
+        return self._delta(seq, [token], text, [logprob])
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.scheduler.remove(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        self.stats.finished += 1
+        seqs = self.requests.get(seq.request.id, [])
+        if all(s.finished for s in seqs):
+            self.requests.pop(seq.request.id, None)
+
+    def _expire(self) -> list[Delta]:
+        """End the requests past their deadline."""
+        now = time.monotonic()
+        deltas = []
+        for seqs in list(self.requests.values()):
+            deadline = seqs[0].request.deadline
+            if deadline is not None and now > deadline:
+                for seq in seqs:
+                    if not seq.finished:
+                        self._finish(seq, "timeout")
+                        deltas.append(self._delta(seq, [], "", []))
+        return deltas
+
+    def _delta(self, seq: Sequence, ids: list[int], text: str, logprobs: list[float]) -> Delta:
+        return Delta(
+            seq.request.id, seq.index, ids, text, logprobs, seq.finish_reason, seq.prompt_len, len(seq.generated)
+        )
+
+    # ---- whole requests from Python
+
+    def generate(self, prompts: Iterable[list[int]], params: SamplingParams) -> list[Completion]:
+        """Run the prompts to completion together (continuous batching inside); one Completion per sequence, in
+        the order of the prompts (and of n within each)."""
+        ids = [self.add(list(p), params) for p in prompts]
+        done: dict[tuple[str, int], Completion] = {}
+        pending = {(i, k) for i in ids for k in range(params.n)}
+        texts: dict[tuple[str, int], list[str]] = {}
+        tokens: dict[tuple[str, int], list[int]] = {}
+        lps: dict[tuple[str, int], list[float]] = {}
+        while pending:
+            for d in self.step():
+                key = (d.request_id, d.index)
+                texts.setdefault(key, []).append(d.text)
+                tokens.setdefault(key, []).extend(d.token_ids)
+                lps.setdefault(key, []).extend(d.logprobs)
+                if d.finish_reason is not None and key in pending:
+                    pending.discard(key)
+                    done[key] = Completion(
+                        d.request_id, d.index, tokens[key], "".join(texts[key]), lps[key], d.finish_reason,
+                        d.prompt_tokens,
+                    )
+        return [done[(i, k)] for i in ids for k in range(params.n)]

@@ -1,0 +1,117 @@
+"""The paged KV cache's tensors: one pool of blocks per layer, in that layer's own cache layout, and per-step views
+that let an unchanged attention layer write its new keys into the blocks and read back its sequences' keys.
+
+    GQA / MHA / MQA   k, v           (N, K, block, D)          the layout of KVCache with batch = N blocks
+    MLA               c_kv, k_pe     (N, block, r), (N, block, d_rope)
+    DSA               + index_k      (N, block, d_index)
+
+Each attention variant builds its pool with its own `new_cache(batch=N, max_len=block_size)`, so a variant's cache
+layout is written down once, and MLA's 576-element latent takes 576 elements per token here too: more blocks, so
+more concurrent sequences, in the same memory.
+
+A step's view gathers each row's blocks into one contiguous (B, .., S, ..) tensor of S = blocks x block_size slots
+and writes the new tokens at (physical block, offset); the attention mask hides the slots a row has not filled.
+Shapes: B rows, T new tokens per row, nb blocks per row, N blocks in the pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+from torch import Tensor
+
+from llmkit.layers.attention import SelfAttention
+from llmkit.layers.attention.cache import KVCache, LatentCache
+from llmkit.models.decoder import DecoderLM
+
+
+@dataclass(frozen=True)
+class Pages:
+    """Where a step's rows live in the pool: table (B, nb) physical blocks of each row (padded with any valid
+    block), and for each new token (B, T) its physical block and the offset inside it."""
+
+    table: Tensor
+    block: Tensor
+    offset: Tensor
+
+    @classmethod
+    def of(cls, table: Tensor, slots: Tensor, block_size: int) -> Pages:
+        """table (B, nb) and the new tokens' logical slots (B, T) -> where they go."""
+        return cls(table, table.gather(1, slots // block_size), slots % block_size)
+
+
+class PagedKV:
+    """A grouped-query layer's view of the pool for one step (what KVCache.update is to a contiguous cache)."""
+
+    def __init__(self, store: KVCache, pages: Pages) -> None:
+        self.store, self.pages = store, pages
+
+    def update(self, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """k (B, K, T, D), v (B, K, T, Dv) -> each row's slots (B, K, S, D), (B, K, S, Dv)."""
+        p = self.pages
+        self.store.k[p.block, :, p.offset] = k.transpose(1, 2).to(self.store.k.dtype)  # (B, T, K, D)
+        self.store.v[p.block, :, p.offset] = v.transpose(1, 2).to(self.store.v.dtype)
+        return _rows(self.store.k, p.table), _rows(self.store.v, p.table)
+
+
+class PagedLatent:
+    """A latent-attention layer's view of the pool for one step (what LatentCache is to a contiguous cache)."""
+
+    def __init__(self, store: LatentCache, pages: Pages) -> None:
+        self.store, self.pages = store, pages
+
+    def update(self, slots: Tensor, c_kv: Tensor, k_pe: Tensor) -> tuple[Tensor, Tensor]:
+        """c_kv (B, T, r), k_pe (B, T, d_rope) -> each row's slots (B, S, r), (B, S, d_rope)."""
+        p = self.pages
+        self.store.c_kv[p.block, p.offset] = c_kv.to(self.store.c_kv.dtype)
+        self.store.k_pe[p.block, p.offset] = k_pe.to(self.store.k_pe.dtype)
+        return _latent_rows(self.store.c_kv, p.table), _latent_rows(self.store.k_pe, p.table)
+
+    def update_index(self, slots: Tensor, index_k: Tensor) -> Tensor:
+        """index_k (B, T, d_index) -> each row's slots (B, S, d_index)."""
+        store = self.store.index_k
+        assert store is not None, "this pool was made for a layer without an indexer"
+        store[self.pages.block, self.pages.offset] = index_k.to(store.dtype)
+        return _latent_rows(store, self.pages.table)
+
+
+def _rows(pool: Tensor, table: Tensor) -> Tensor:
+    """pool (N, K, bs, D), table (B, nb) -> (B, K, nb * bs, D)."""
+    B, nb = table.shape
+    _, K, bs, D = pool.shape
+    return pool[table].transpose(1, 2).reshape(B, K, nb * bs, D)
+
+
+def _latent_rows(pool: Tensor, table: Tensor) -> Tensor:
+    """pool (N, bs, r), table (B, nb) -> (B, nb * bs, r)."""
+    B, nb = table.shape
+    return pool[table].reshape(B, nb * pool.shape[1], pool.shape[2])
+
+
+class PagedCache:
+    """Every layer's pool of `n_blocks` blocks of `block_size` slots."""
+
+    def __init__(
+        self, model: DecoderLM, n_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        self.n_blocks, self.block_size = n_blocks, block_size
+        self.layers = [_attention(b).new_cache(n_blocks, block_size, device, dtype) for b in model.blocks]
+
+    @staticmethod
+    def bytes_per_block(model: DecoderLM, block_size: int, dtype: torch.dtype) -> int:
+        elements = sum(_attention(b).cache_elements_per_token() for b in model.blocks)
+        return elements * block_size * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    def views(self, pages: Pages) -> list[object]:
+        """Each layer's view of its pool for one step over `pages`."""
+        return [PagedKV(c, pages) if isinstance(c, KVCache) else PagedLatent(c, pages) for c in self.layers]
+
+
+def _attention(block: torch.nn.Module) -> SelfAttention:
+    return cast(SelfAttention, block.attn)

@@ -1,0 +1,146 @@
+"""What a client asks the engine for, and the state of each sequence the engine generates for it.
+
+A request is a prompt (token ids) and its own sampling settings; with n > 1 it becomes n sequences that share the
+prompt (and, through the prefix cache, its cached blocks). A sequence's tokens are its prompt followed by what it
+has generated; `computed` counts the tokens whose keys are in the cache. Prefill, decoding and recomputation after
+preemption are then one operation: compute tokens[computed:] (or a chunk of them), and when that reaches the end,
+sample the next token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Literal
+
+import torch
+
+from llmkit.errors import InputError
+from llmkit.generate.sampling import Sampling
+from llmkit.tokenizer import IncrementalDecoder
+
+FinishReason = Literal["stop", "length", "abort", "timeout"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's generation settings, as OpenAI's API names them (temperature 0 is greedy).
+
+    presence_penalty / frequency_penalty subtract from the logits of tokens already generated (once, or per
+    occurrence); repetition_penalty divides them (CTRL) and counts the prompt too. stop: strings that end the text
+    (not included in it). n: independent completions of the same prompt. seed: makes sampling repeatable."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    n: int = 1
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        self.sampling  # validates the shared settings  # noqa: B018
+        if self.max_tokens < 1:
+            raise InputError(f"max_tokens={self.max_tokens} must be >= 1")
+        if self.n < 1:
+            raise InputError(f"n={self.n} must be >= 1")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InputError(f"{name}={getattr(self, name)} must be in [-2, 2]")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InputError("stop strings must be non-empty strings")
+
+    @property
+    def sampling(self) -> Sampling:
+        top_k = None if self.top_k is None or self.top_k <= 0 else self.top_k  # OpenAI-style servers: -1 is off
+        return Sampling(self.temperature, top_k, self.top_p, self.min_p, self.repetition_penalty)
+
+
+class Status(Enum):
+    WAITING = "waiting"  # not admitted yet, or preempted (its blocks given back; it will be recomputed)
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """A prompt and its settings, as the engine received it."""
+
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.monotonic)
+    deadline: float | None = None  # monotonic time after which the request is ended with finish reason "timeout"
+
+
+@dataclass
+class Sequence:
+    """One completion of a request: its tokens, its place in the cache and what it has given out so far."""
+
+    request: Request
+    index: int  # which of the request's n completions
+    tokens: list[int]
+    generator: torch.Generator | None
+    decoder: IncrementalDecoder | None
+    status: Status = Status.WAITING
+    computed: int = 0  # tokens[:computed] have their keys in the cache
+    blocks: list[int] = field(default_factory=list)
+    digest: bytes = b""  # digest of the prefix held by the last full registered block
+    registered: int = 0  # full blocks whose digest has been registered
+    text: str = ""  # generated text given out so far (after stop-string truncation)
+    held: str = ""  # decoded text held back because it may be the start of a stop string
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    admitted_at: float | None = None  # when it was (last) admitted: preemption picks the newest
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.request.id, self.index)
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one step added to one sequence: new token ids, the text they complete (stop strings withheld), their
+    log-probabilities, and the finish reason once the sequence is done."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class Completion:
+    """A finished sequence, as `Engine.generate` returns it."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    finish_reason: FinishReason
+    prompt_tokens: int

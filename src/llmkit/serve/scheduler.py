@@ -1,0 +1,143 @@
+"""Which sequences run in the next step, and on which tokens (iteration-level scheduling: Yu et al. 2022, Orca;
+continuous batching with a paged cache: Kwon et al. 2023, vLLM).
+
+Every step:
+  1. each running sequence that is decoding computes its one newest token; if it needs a new block and the pool is
+     empty, the newest running sequence is preempted (its blocks go back; it waits, first in line, to be computed
+     again from its tokens), so the oldest requests always make progress and memory never runs out with an error;
+  2. the rest of the step's token budget goes to prompts: first those already being prefilled, then new sequences
+     from the queue, in order, while the batch has room. A long prompt is cut into chunks across steps, so
+     sequences that are decoding are never stalled for more than one budget's worth of prefill.
+A new sequence first takes whatever cached blocks hold its prompt's prefix, and computes only the rest.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from llmkit.serve.blocks import BlockPool, PrefixStats, block_digest
+from llmkit.serve.request import Sequence, Status
+
+
+@dataclass(frozen=True)
+class Work:
+    """Compute tokens[start : start + count] of `seq` in this step."""
+
+    seq: Sequence
+    start: int
+    count: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this reaches the end of the known tokens, so the step samples the sequence's next token."""
+        return self.start + self.count == len(self.seq.tokens)
+
+
+class Scheduler:
+    """The waiting queue, the running batch and the block pool they share."""
+
+    def __init__(self, pool: BlockPool, max_batch: int, step_tokens: int) -> None:
+        self.pool, self.max_batch, self.step_tokens = pool, max_batch, step_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+        self.prefix = PrefixStats()
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out (finished or aborted) and give its blocks back."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.pool.release(seq.blocks)
+        seq.blocks = []
+
+    def plan(self) -> list[Work]:
+        """The work of the next step (possibly none)."""
+        work: list[Work] = []
+        preempted = False
+        i = 0
+        while i < len(self.running):  # 1. decoding: one token each, oldest first
+            seq = self.running[i]
+            if len(seq.tokens) - seq.computed != 1:
+                i += 1
+                continue
+            if self._reserve(seq, seq.computed + 1):
+                work.append(Work(seq, seq.computed, 1))
+                i += 1
+                continue
+            self._preempt(self.running[-1])  # the newest; possibly seq itself
+            preempted = True
+        budget = self.step_tokens - len(work)
+        for seq in self.running:  # 2a. prompts already being prefilled
+            need = len(seq.tokens) - seq.computed
+            if need > 1 and budget > 0:
+                count = min(need, budget)
+                if not self._reserve(seq, seq.computed + count):
+                    break
+                work.append(Work(seq, seq.computed, count))
+                budget -= count
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch and not preempted:  # 2b. new ones
+            seq = self.waiting[0]
+            self._take_prefix(seq)
+            count = min(len(seq.tokens) - seq.computed, budget)
+            if not self._reserve(seq, seq.computed + count):
+                self._unadmit(seq)  # no room yet: it stays first in line and holds nothing while it waits
+                break
+            self.waiting.popleft()
+            self.prefix.queried += (len(seq.tokens) - 1) // self.pool.block_size
+            self.prefix.hit += seq.computed // self.pool.block_size  # the blocks its prefix lookup found
+            seq.status, seq.admitted_at = Status.RUNNING, time.monotonic()
+            self.running.append(seq)
+            work.append(Work(seq, seq.computed, count))
+            budget -= count
+        return work
+
+    def computed(self, work: Work) -> None:
+        """After the model ran `work`: its tokens are cached, and the blocks it filled can be shared."""
+        seq = work.seq
+        seq.computed = work.start + work.count
+        bs = self.pool.block_size
+        while (seq.registered + 1) * bs <= seq.computed:
+            k = seq.registered
+            seq.digest = block_digest(seq.digest, seq.tokens[k * bs : (k + 1) * bs])
+            self.pool.register(seq.blocks[k], seq.digest)
+            seq.registered += 1
+
+    def _take_prefix(self, seq: Sequence) -> None:
+        blocks, digest = self.pool.match(seq.tokens, limit=len(seq.tokens) - 1)  # at least one token to compute
+        seq.blocks, seq.digest = blocks, digest
+        seq.registered = len(blocks)
+        seq.computed = len(blocks) * self.pool.block_size
+
+    def _reserve(self, seq: Sequence, length: int) -> bool:
+        """Make `seq` hold enough blocks for `length` tokens; on failure it keeps what it had."""
+        bs = self.pool.block_size
+        need = -(-length // bs) - len(seq.blocks)
+        if need > self.pool.free:
+            return False
+        for _ in range(need):
+            block = self.pool.allocate()
+            assert block is not None
+            seq.blocks.append(block)
+        return True
+
+    def _unadmit(self, seq: Sequence) -> None:
+        """Give back all of `seq`'s blocks: a waiting sequence holds none, so whatever waits can never keep the
+        running ones from the memory they need. It will be computed again from its tokens (what was cached of
+        them is found again through the prefix cache unless the pool needed those blocks meanwhile)."""
+        self.pool.release(seq.blocks)
+        seq.blocks, seq.computed, seq.digest, seq.registered = [], 0, b"", 0
+        seq.status = Status.WAITING
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Stop running `seq`, give back its blocks and put it first in line."""
+        self.running.remove(seq)
+        self._unadmit(seq)
+        self.waiting.appendleft(seq)
+        self.preemptions += 1

@@ -1,0 +1,38 @@
+"""Stop strings over text that arrives piece by piece.
+
+A stop string may arrive split over several tokens ("\\n\\n" as "\\n" then "\\n"), so text that could be the start of
+one is held back until the next piece shows whether it is. The output ends just before the first stop string found,
+and never contains it (OpenAI's convention).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class TextStops:
+    """The stop strings of one request."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(stops)
+
+    def release(self, pending: str, final: bool = False) -> tuple[str, str, bool]:
+        """pending: text not given out yet. Returns (text to give out now, text to keep holding, stopped).
+        With `final` nothing is held back (the sequence ends)."""
+        hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            return pending[: min(hits)], "", True
+        if final or not self.stops:
+            return pending, "", False
+        keep = self._partial(pending)
+        return pending[: len(pending) - keep], pending[len(pending) - keep :], False
+
+    def _partial(self, text: str) -> int:
+        """Length of the longest end of `text` that is the beginning of some stop string."""
+        longest = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest
