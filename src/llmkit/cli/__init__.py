@@ -6,6 +6,7 @@ generation.py.
     llmkit inspect PRESET_OR_CONFIG [--json] [--seq-len N] [--dtype fp32|bf16|fp16]
     llmkit inspect --compare llama2-7b,mixtral-8x7b,deepseek-v3
     llmkit generate RUN_OR_CHECKPOINT --prompt TEXT [--temperature T] [--beams N | --draft MODEL | --mtp]
+    llmkit serve CHECKPOINT [--port 8000] [--api-key KEY] [--kv-memory 2GiB]   an OpenAI-compatible server
 """
 
 from __future__ import annotations
@@ -16,10 +17,23 @@ from llmkit.cli.app import Command, run
 from llmkit.cli.data import prepare
 from llmkit.cli.generation import chat, generate
 from llmkit.cli.models import compare, convert, inspect, presets
+from llmkit.cli.serving import serve
 from llmkit.cli.training import average, train
 from llmkit.cli.translation import translate
 
-COMMANDS: tuple[Command, ...] = (presets, inspect, convert, compare, prepare, train, translate, average, generate, chat)
+COMMANDS: tuple[Command, ...] = (
+    presets,
+    inspect,
+    convert,
+    compare,
+    prepare,
+    train,
+    translate,
+    average,
+    generate,
+    chat,
+    serve,
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -45,13 +45,13 @@ def print_streamed(
     return tokens
 
 
-def load_decoder(checkpoint: str, dtype: DType | None) -> tuple[DecoderLM, Tokenizer]:
+def load_decoder(checkpoint: str, dtype: DType | None, device: str | None = None) -> tuple[DecoderLM, Tokenizer]:
     """A decoder-only model, in eval mode, and its tokenizer; a run folder gives its latest checkpoint."""
     from llmkit.interop.load import load_model
     from llmkit.models import DecoderLM
     from llmkit.runs import resolve_checkpoint
 
-    loaded = load_model(resolve_checkpoint(checkpoint, averaged=False), dtype=torch_dtype(dtype))
+    loaded = load_model(resolve_checkpoint(checkpoint, averaged=False), dtype=torch_dtype(dtype), device=device)
     if loaded.tokenizer is None:
         raise LLMKitError(f"{checkpoint} has no tokenizer to turn text into tokens")
     if not isinstance(loaded.model, DecoderLM):

@@ -98,7 +98,9 @@ class Engine:
         """How many sequences of the model's full context the cache holds at once."""
         return self.pool.n_blocks * self.pool.block_size / self.max_len
 
-    def add(self, prompt: list[int], params: SamplingParams, request_id: str | None = None, timeout: float | None = None) -> str:
+    def add(
+        self, prompt: list[int], params: SamplingParams, request_id: str | None = None, timeout: float | None = None
+    ) -> str:
         """Queue a request (token ids); returns its id. Raises InputError for a request that can never run and
         QueueFull when too many are waiting."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -271,7 +273,12 @@ class Engine:
                 if d.finish_reason is not None and key in pending:
                     pending.discard(key)
                     done[key] = Completion(
-                        d.request_id, d.index, tokens[key], "".join(texts[key]), lps[key], d.finish_reason,
+                        d.request_id,
+                        d.index,
+                        tokens[key],
+                        "".join(texts[key]),
+                        lps[key],
+                        d.finish_reason,
                         d.prompt_tokens,
                     )
         return [done[(i, k)] for i in ids for k in range(params.n)]

@@ -20,7 +20,7 @@ from llmkit.errors import InputError
 from llmkit.generate.sampling import Sampling
 from llmkit.tokenizer import IncrementalDecoder
 
-FinishReason = Literal["stop", "length", "abort", "timeout"]
+FinishReason = Literal["stop", "length", "abort", "timeout", "error"]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,68 @@
+"""`llmkit serve`: an OpenAI-compatible HTTP server for a decoder-only checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llmkit.cli.common import DType, load_decoder
+from llmkit.errors import LLMKitError
+
+
+def serve(
+    checkpoint: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    model_name: str | None = None,
+    max_batch: int = 32,
+    kv_memory: str = "1GiB",
+    block_size: int = 16,
+    step_tokens: int = 512,
+    max_queue: int = 256,
+    no_prefix_cache: bool = False,
+    request_timeout: float = 600.0,
+    dtype: DType | None = None,
+    device: str | None = None,
+) -> int:
+    """Serve a model over OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics):
+    a run folder, an llmkit checkpoint, a Hugging Face directory or a GGUF file. Requests are batched continuously
+    over a paged KV cache that shares prompt prefixes.
+
+    checkpoint: the model to serve.
+    host: the address to bind (127.0.0.1: this machine only).
+    port: the port to listen on.
+    api_key: when given, clients must send it as "Authorization: Bearer KEY".
+    model_name: the name clients ask for (default: the checkpoint's file or folder name).
+    max_batch: sequences decoded together at most.
+    kv_memory: memory for the paged KV cache, e.g. 512MiB, 2GiB.
+    block_size: token slots per cache block.
+    step_tokens: tokens computed per step (decoding rows plus prompt chunks): bounds how long a long prompt
+      holds up the sequences that are decoding.
+    max_queue: requests waiting before new ones get HTTP 429.
+    no_prefix_cache: do not reuse the cache blocks of shared prompt prefixes.
+    request_timeout: seconds a request may run before it is ended.
+    dtype: load the weights in this precision.
+    device: cpu, cuda, cuda:1, ... (default: where the checkpoint loads).
+    """
+    try:
+        from llmkit.serve.engine import EngineConfig
+        from llmkit.serve.server import ServeOptions, Server, parse_size
+    except ImportError as e:  # fastapi / uvicorn / prometheus_client are the `serve` extra
+        raise LLMKitError(f"serving needs {e.name}: pip install 'llmkit[serve]'") from e
+
+    model, tok = load_decoder(checkpoint, dtype, device)
+    name = model_name or Path(checkpoint).name
+    config = EngineConfig(parse_size(kv_memory), block_size, max_batch, step_tokens, max_queue, not no_prefix_cache)
+    server = Server(model, tok, ServeOptions(name, api_key, request_timeout), config, host, port)
+    e = server.engine
+    n_params = sum(p.numel() for p in model.parameters())
+    print(
+        f"llmkit serve: {name} ({n_params / 1e6:.1f}M parameters, {str(e.dtype).removeprefix('torch.')}, {e.device}); "
+        f"KV cache {e.pool.n_blocks} blocks x {e.pool.block_size} tokens = {e.cache.nbytes / 2**20:.0f} MiB, "
+        f"{e.capacity_sequences:.1f} sequences of the full {e.max_len}-token context; "
+        f"listening on {server.url}/v1",
+        flush=True,
+    )
+    server.run_foreground()
+    return 0

@@ -1,0 +1,105 @@
+"""The request bodies of OpenAI's completions and chat-completions APIs, as far as llmkit serves them.
+
+Each is a pydantic model that forbids unknown fields, so a misspelt or unsupported parameter is a 400 naming it
+rather than something silently ignored. Parameters that other OpenAI-compatible servers accept as extensions
+(top_k, min_p, repetition_penalty, ignore_eos) are accepted too.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from llmkit.serve.request import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _stops(self) -> _Sampling:
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop: at most 4 non-empty strings")
+        return self
+
+    def sampling(self, max_tokens: int) -> SamplingParams:
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p if self.top_p < 1.0 else None,
+            top_k=self.top_k if self.top_k > 0 else None,
+            min_p=self.min_p if self.min_p > 0 else None,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            seed=self.seed,
+            stop=tuple(stops),
+            n=self.n,
+            ignore_eos=self.ignore_eos,
+        )
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions. prompt: a string, several, a list of token ids, or several such lists."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatRequest(_Sampling):
+    """POST /v1/chat/completions: the conversation is rendered with the checkpoint's chat template."""
+
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    def limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -1,0 +1,150 @@
+"""An engine driven by its own thread, for callers that must not block (the HTTP server's event loop).
+
+The loop thread owns the engine: new requests and aborts reach it through a queue of commands, applied between
+steps, so a caller never waits for a step to end. A request's deltas go to the callback given with it (the server
+passes one that hands them to its event loop). Validation happens in the caller's thread, so a bad request fails
+at once with the engine's message.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from llmkit.serve.engine import Engine, QueueFull
+from llmkit.serve.metrics import Metrics
+from llmkit.serve.request import Delta, SamplingParams
+
+log = logging.getLogger("llmkit.serve")
+
+OnDelta = Callable[[Delta], None]
+
+
+@dataclass
+class _Flight:
+    on_delta: OnDelta
+    n: int
+    arrival: float = field(default_factory=time.monotonic)
+    last: dict[int, float] = field(default_factory=dict)  # per sequence: when its previous tokens came
+    done: set[int] = field(default_factory=set)
+
+
+class EngineRunner:
+    """Runs `engine.step()` in a background thread while there is work; `submit` and `abort` from any thread."""
+
+    def __init__(self, engine: Engine, metrics: Metrics | None = None, idle_wait: float = 0.05) -> None:
+        self.engine = engine
+        self.metrics = metrics or Metrics()
+        self.idle_wait = idle_wait
+        self._commands: deque[Callable[[], None]] = deque()
+        self._flights: dict[str, _Flight] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._ids = 0
+        self._id_lock = threading.Lock()
+        self._pending = 0  # submitted requests the loop has not taken yet (counted against the queue)
+        self.thread = threading.Thread(target=self._loop, name="llmkit-engine", daemon=True)
+
+    def start(self) -> EngineRunner:
+        self.thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self.thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def submit(self, prompt: list[int], params: SamplingParams, on_delta: OnDelta, timeout: float | None) -> str:
+        """Queue a request; returns its id. Raises InputError (bad request) or QueueFull at once."""
+        self.engine.check(prompt, params)
+        with self._id_lock:
+            if len(self.engine.scheduler.waiting) + self._pending >= self.engine.config.max_queue:
+                raise QueueFull("the server's queue is full; try again later")
+            self._ids += 1
+            self._pending += 1
+            request_id = f"r{self._ids}"
+
+        def add() -> None:
+            with self._id_lock:
+                self._pending -= 1
+            self._flights[request_id] = _Flight(on_delta, params.n)
+            try:
+                self.engine.add(prompt, params, request_id, timeout)
+            except Exception as e:  # anything the engine refuses ends this request only
+                log.warning("request %s refused: %s", request_id, e)
+                self._flights.pop(request_id, None)
+                for i in range(params.n):
+                    on_delta(Delta(request_id, i, [], "", [], "error", len(prompt), 0))
+
+        self._commands.append(add)
+        self._wake.set()
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """End a request (its client went away); its cache blocks go back to the pool."""
+
+        def cancel() -> None:
+            self._flights.pop(request_id, None)
+            self.engine.abort(request_id)
+
+        self._commands.append(cancel)
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            while self._commands:
+                self._commands.popleft()()
+            if not self.engine.has_work:
+                self.metrics.observe_engine(self.engine)
+                self._wake.wait(self.idle_wait)
+                self._wake.clear()
+                continue
+            try:
+                deltas = self.engine.step()
+            except Exception:  # a failed step must not take the server down
+                log.exception("engine step failed; ending the requests in flight")
+                deltas = self._fail_all()
+            self.metrics.observe_engine(self.engine)
+            for delta in deltas:
+                self._deliver(delta)
+
+    def _deliver(self, d: Delta) -> None:
+        flight = self._flights.get(d.request_id)
+        if flight is None:
+            return
+        now = time.monotonic()
+        if d.token_ids:
+            previous = flight.last.get(d.index)
+            if previous is None:
+                self.metrics.ttft.observe(now - flight.arrival)
+            else:
+                self.metrics.itl.observe((now - previous) / len(d.token_ids))
+            flight.last[d.index] = now
+            self.metrics.generated.inc(len(d.token_ids))
+        if d.finish_reason is not None:
+            flight.done.add(d.index)
+            if len(flight.done) == flight.n:
+                self._flights.pop(d.request_id, None)
+                self.metrics.requests.labels(d.finish_reason).inc()
+        try:
+            flight.on_delta(d)
+        except Exception:  # a consumer's failure ends its own request only
+            log.exception("delivering to request %s failed", d.request_id)
+            self.abort(d.request_id)
+
+    def _fail_all(self) -> list[Delta]:
+        deltas = []
+        for request_id in list(self.engine.requests):
+            for seq in self.engine.requests[request_id]:
+                if not seq.finished:
+                    deltas.append(Delta(request_id, seq.index, [], "", [], "error", seq.prompt_len, len(seq.generated)))
+            self.engine.abort(request_id)
+        return deltas
