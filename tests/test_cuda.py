@@ -121,3 +121,22 @@ def test_ddp_with_nccl(tmp_path):
     torchrun = ("-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29533", "-m", "llmkit")
     losses = _train(tmp_path, "fp32", torchrun, "--parallel", "ddp")
     assert losses[-1] < losses[0] - 1.0
+
+
+@pytest.mark.parametrize("name", [n for n in TINY if PRESETS[n].config.encoder is None])
+def test_gpu_serving_engine_equals_generate(name):
+    """The serving engine on the GPU (paged cache, continuous batching, prefix cache, preemption) gives the tokens of
+    `generate` on the same device."""
+    from llmkit.serve.engine import Engine, EngineConfig
+    from llmkit.serve.paged import PagedCache
+    from llmkit.serve.request import SamplingParams
+
+    _, gpu = pair(name)
+    prompts = [[7, 8, 9, 10, 11, 12, 13, 14, *p] for p in PROMPTS]
+    per_block = PagedCache.bytes_per_block(gpu, 4, torch.float32)
+    engine = Engine(gpu, None, EngineConfig(kv_memory=per_block * 12, block_size=4, step_tokens=8))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0))
+    for prompt, out in zip(prompts, outs, strict=True):
+        expected = generate(gpu, torch.tensor([prompt], device="cuda"), max_new_tokens=12).tokens[0, len(prompt) :]
+        assert out.token_ids == expected.tolist()
+    assert engine.pool.used == 0 and not any(engine.pool.refs)

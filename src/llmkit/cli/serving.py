@@ -48,8 +48,8 @@ def serve(
     try:
         from llmkit.serve.engine import EngineConfig
         from llmkit.serve.server import ServeOptions, Server, parse_size
-    except ImportError as e:  # fastapi / uvicorn / prometheus_client are the `serve` extra
-        raise LLMKitError(f"serving needs {e.name}: pip install 'llmkit[serve]'") from e
+    except ImportError as missing:  # fastapi / uvicorn / prometheus_client are the `serve` extra
+        raise LLMKitError(f"serving needs {missing.name}: pip install 'llmkit[serve]'") from missing
 
     model, tok = load_decoder(checkpoint, dtype, device)
     name = model_name or Path(checkpoint).name

@@ -123,6 +123,8 @@ class Engine:
         V = self.model.cfg.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < V for t in prompt):
             raise InputError(f"prompt token ids must be integers in [0, {V})")
+        if any(not 0 <= t < V for t, _ in params.logit_bias):
+            raise InputError(f"logit_bias: token ids must be in [0, {V})")
         if len(prompt) + params.max_tokens > self.max_len:
             raise InputError(
                 f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's "

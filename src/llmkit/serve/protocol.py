@@ -36,6 +36,7 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    logit_bias: dict[int, float] | None = None
     user: str | None = None
 
     @model_validator(mode="after")
@@ -60,6 +61,7 @@ class _Sampling(BaseModel):
             stop=tuple(stops),
             n=self.n,
             ignore_eos=self.ignore_eos,
+            logit_bias=tuple((self.logit_bias or {}).items()),
         )
 
 

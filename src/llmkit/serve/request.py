@@ -27,9 +27,10 @@ FinishReason = Literal["stop", "length", "abort", "timeout", "error"]
 class SamplingParams:
     """One request's generation settings, as OpenAI's API names them (temperature 0 is greedy).
 
-    presence_penalty / frequency_penalty subtract from the logits of tokens already generated (once, or per
-    occurrence); repetition_penalty divides them (CTRL) and counts the prompt too. stop: strings that end the text
-    (not included in it). n: independent completions of the same prompt. seed: makes sampling repeatable."""
+    logit_bias adds to the logits of given tokens before anything else; presence_penalty / frequency_penalty
+    subtract from the logits of tokens already generated (once, or per occurrence); repetition_penalty divides
+    them (CTRL) and counts the prompt too. stop: strings that end the text (not included in it). n: independent
+    completions of the same prompt. seed: makes sampling repeatable."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -43,6 +44,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     n: int = 1
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); -100 bans, 100 forces
 
     def __post_init__(self) -> None:
         self.sampling  # validates the shared settings  # noqa: B018
@@ -53,6 +55,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise InputError(f"{name}={getattr(self, name)} must be in [-2, 2]")
+        if any(not -100.0 <= bias <= 100.0 for _, bias in self.logit_bias):
+            raise InputError("logit_bias values must be in [-100, 100]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InputError("stop strings must be non-empty strings")
 

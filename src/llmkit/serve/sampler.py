@@ -32,10 +32,14 @@ def sample(logits: Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]
     for row, seq in enumerate(seqs):
         p = seq.request.params
         s = p.sampling
-        plain = s.greedy and s.repetition_penalty == 1.0 and p.presence_penalty == 0 and p.frequency_penalty == 0
-        if plain:
+        penalties = s.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0
+        if s.greedy and not penalties and not p.logit_bias:
             continue
-        x = penalize_presence(logits[row], seq.generated, p.presence_penalty, p.frequency_penalty)
+        x = logits[row]
+        if p.logit_bias:
+            ids, bias = zip(*p.logit_bias, strict=True)
+            x = x.index_add(0, torch.tensor(ids, device=x.device), torch.tensor(bias, device=x.device))
+        x = penalize_presence(x, seq.generated, p.presence_penalty, p.frequency_penalty)
         history = torch.tensor([seq.tokens], device=logits.device) if s.repetition_penalty != 1.0 else None
         probs = distribution(x.unsqueeze(0), s, history)  # (1, V)
         chosen[row] = draw(probs, s.greedy, seq.generator)[0]

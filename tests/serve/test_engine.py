@@ -1,0 +1,194 @@
+"""The serving engine against the plain decoding path: paged cache = contiguous cache, prefix hits = misses,
+preemption loses nothing, a request's output does not depend on what else is in the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import llmkit
+from llmkit.errors import InputError
+from llmkit.generate import generate
+from llmkit.presets import PRESETS
+from llmkit.serve.blocks import BlockPool
+from llmkit.serve.engine import Engine, EngineConfig, QueueFull
+from llmkit.serve.paged import PagedCache
+from llmkit.serve.request import SamplingParams
+from llmkit.serve.text import TextStops
+
+DECODERS = [n for n, p in PRESETS.items() if n.endswith("-tiny") and p.config.encoder is None]
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
+
+
+def _model(name: str) -> llmkit.DecoderLM:
+    torch.manual_seed(0)
+    return llmkit.build_model(llmkit.get_preset(name)).eval()
+
+
+def _prompts(model: llmkit.DecoderLM, lengths: list[int], prefix: int = 0, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    V = model.cfg.vocab_size
+    shared = torch.randint(0, V, (prefix,), generator=g).tolist()
+    return [shared + torch.randint(0, V, (n,), generator=g).tolist() for n in lengths]
+
+
+def _engine(model: llmkit.DecoderLM, blocks: int = 400, **kw: object) -> Engine:
+    per_block = PagedCache.bytes_per_block(model, 4, torch.float32)
+    return Engine(model, None, EngineConfig(kv_memory=per_block * blocks, block_size=4, step_tokens=16, **kw))
+
+
+def _reference(model: llmkit.DecoderLM, prompt: list[int], n: int) -> list[int]:
+    return generate(model, torch.tensor([prompt]), max_new_tokens=n).tokens[0, len(prompt) :].tolist()
+
+
+def _assert_pool_empty(engine: Engine) -> None:
+    assert engine.pool.used == 0 and not any(engine.pool.refs)
+    assert not engine.has_work and not engine.requests
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_paged_cache_gives_the_logits_of_the_contiguous_cache(name):
+    """Every attention variant (MHA/GQA/MQA, sliding window, MLA, sparse attention, MoE): the engine's greedy tokens
+    are the ones `generate` picks with its contiguous cache, and the log-probabilities it reports are those of
+    one uncached forward over the whole sequence."""
+    model = _model(name)
+    prompts = _prompts(model, [5, 17, 30, 3, 9])
+    outs = _engine(model).generate(prompts, GREEDY)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == _reference(model, prompt, 10)
+        full = torch.tensor([prompt + out.token_ids])
+        with torch.no_grad():
+            lp = torch.log_softmax(model(full)[0, len(prompt) - 1 : -1].float(), -1)
+        expected = lp.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=1e-4)
+        assert out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("name", ["llama2-70b-tiny", "deepseek-v3.2-tiny"])
+def test_prefix_cache_hits_give_the_output_of_misses(name):
+    model = _model(name)
+    prompts = _prompts(model, [5, 17, 3, 9, 12], prefix=24)
+    cold = _engine(model, prefix_caching=False).generate(prompts, GREEDY)
+    engine = _engine(model)
+    engine.generate(prompts[:1], GREEDY)  # the shared prefix is cached now
+    warm = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in warm] == [o.token_ids for o in cold]
+    assert engine.scheduler.prefix.hit >= 5 * (24 // 4)  # every prompt found the whole shared prefix
+    _assert_pool_empty(engine)
+
+
+def test_tiny_memory_preempts_and_still_completes_every_request():
+    model = _model("llama2-70b-tiny")
+    prompts = _prompts(model, [5, 17, 40, 3, 33, 8, 9, 10], prefix=12)
+    params = SamplingParams(max_tokens=30, temperature=0.0)
+    engine = _engine(model, blocks=25)  # one request needs up to 21 blocks
+    outs = engine.generate(prompts, params)
+    assert engine.scheduler.preemptions > 0
+    assert [o.token_ids for o in outs] == [_reference(model, p, 30) for p in prompts]
+    _assert_pool_empty(engine)
+
+
+def test_requests_joining_at_different_steps_equal_their_single_outputs():
+    """16 requests of mixed lengths and settings, added while others run: each equals its run alone (greedy and
+    seeded sampling; fp32 batched rows round like single rows here, so tokens are compared exactly)."""
+    model = _model("llama2-7b-tiny")
+    prompts = _prompts(model, [3 + (7 * i) % 29 for i in range(16)])
+    settings = [
+        SamplingParams(max_tokens=4 + i % 9, temperature=0.0 if i % 2 else 0.8, top_k=20, seed=i) for i in range(16)
+    ]
+    alone = [_engine(model).generate([p], s)[0].token_ids for p, s in zip(prompts, settings, strict=True)]
+    engine = _engine(model)
+    got: dict[str, list[int]] = {}
+    ids: list[str] = []
+    for i, (p, s) in enumerate(zip(prompts, settings, strict=True)):
+        ids.append(engine.add(p, s))
+        for _ in range(i % 3):  # later requests join a batch that is already decoding
+            for d in engine.step():
+                got.setdefault(d.request_id, []).extend(d.token_ids)
+    while engine.has_work:
+        for d in engine.step():
+            got.setdefault(d.request_id, []).extend(d.token_ids)
+    assert [got[i] for i in ids] == alone
+    _assert_pool_empty(engine)
+
+
+def test_n_choices_and_seeds():
+    model = _model("llama2-7b-tiny")
+    prompt = _prompts(model, [6])[0]
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=7, n=3)
+    a = _engine(model).generate([prompt], params)
+    b = _engine(model).generate([prompt], params)
+    assert [o.index for o in a] == [0, 1, 2]
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]  # a seed makes sampling repeatable
+    assert len({tuple(o.token_ids) for o in a}) > 1  # the n choices are seeded apart
+
+
+def test_abort_and_bad_requests():
+    model = _model("llama2-7b-tiny")
+    engine = _engine(model, max_queue=2, max_batch=1)
+    with pytest.raises(InputError, match="empty"):
+        engine.add([], GREEDY)
+    with pytest.raises(InputError, match="context"):
+        engine.add([1, 2], SamplingParams(max_tokens=model.max_seq_len))
+    with pytest.raises(InputError, match=r"\[0, "):
+        engine.add([model.cfg.vocab_size], GREEDY)
+    first = engine.add([1, 2, 3], SamplingParams(max_tokens=50, temperature=0.0))
+    engine.step()
+    engine.add([4, 5], GREEDY)
+    engine.add([6, 7], GREEDY)
+    with pytest.raises(QueueFull):
+        engine.add([8, 9], GREEDY)
+    engine.abort(first)
+    while engine.has_work:
+        engine.step()
+    _assert_pool_empty(engine)
+
+
+def test_stop_strings_across_pieces():
+    stops = TextStops(["\n\n", "END"])
+    out, held, stopped = stops.release("hello\n")
+    assert (out, held, stopped) == ("hello", "\n", False)  # may be the start of "\n\n": held back
+    assert stops.release(held + "\nworld") == ("", "", True)  # the caller passes what it held plus the new piece
+    assert stops.release("the EN") == ("the ", "EN", False)
+    assert stops.release("ENDING") == ("", "", True)
+    assert stops.release("the EN", final=True) == ("the EN", "", False)
+    assert TextStops([]).release("a\n") == ("a\n", "", False)
+
+
+def test_block_pool_shares_and_evicts_least_recently_used():
+    pool = BlockPool(n_blocks=3, block_size=2)
+    a, b = pool.allocate(), pool.allocate()
+    assert a is not None and b is not None
+    from llmkit.serve.blocks import block_digest
+
+    d1 = block_digest(b"", [1, 2])
+    d2 = block_digest(d1, [3, 4])
+    pool.register(a, d1)
+    pool.register(b, d2)
+    pool.release([a, b])  # both idle, still cached
+    assert pool.free == 3
+    found, digest = pool.match([1, 2, 3, 4, 5], limit=4)
+    assert found == [a, b] and digest == d2 and pool.refs[a] == pool.refs[b] == 1
+    assert pool.match([1, 2, 9, 9], limit=3)[0] == [a]  # a second user of the first block
+    pool.release([a, b, a])
+    c, d, e = pool.allocate(), pool.allocate(), pool.allocate()  # the fresh block first, then the oldest idle
+    assert {c, d, e} == {0, 1, 2} and pool.allocate() is None
+    assert pool.match([1, 2, 3, 4], limit=4)[0] == []  # evicted blocks no longer match
+
+
+def test_logit_bias_and_penalties():
+    model = _model("llama2-7b-tiny")
+    prompt = _prompts(model, [6])[0]
+    forced = _engine(model).generate([prompt], SamplingParams(max_tokens=5, temperature=0.0, logit_bias=((42, 100.0),)))
+    assert forced[0].token_ids == [42] * 5
+    free = _engine(model).generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0].token_ids
+    banned = (
+        _engine(model)
+        .generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, logit_bias=((free[0], -100.0),)))[0]
+        .token_ids
+    )
+    assert free[0] not in banned
+    fresh = _engine(model).generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, presence_penalty=2.0))
+    assert len(set(fresh[0].token_ids)) >= len(set(free))  # penalised repeats: at least as many distinct tokens
+    with pytest.raises(InputError, match="logit_bias"):
+        SamplingParams(logit_bias=((1, 500.0),))
