@@ -37,8 +37,8 @@ def sample(logits: Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]
             continue
         x = logits[row]
         if p.logit_bias:
-            ids, bias = zip(*p.logit_bias, strict=True)
-            x = x.index_add(0, torch.tensor(ids, device=x.device), torch.tensor(bias, device=x.device))
+            index = torch.tensor([t for t, _ in p.logit_bias], device=x.device)
+            x = x.index_add(0, index, torch.tensor([b for _, b in p.logit_bias], device=x.device))
         x = penalize_presence(x, seq.generated, p.presence_penalty, p.frequency_penalty)
         history = torch.tensor([seq.tokens], device=logits.device) if s.repetition_penalty != 1.0 else None
         probs = distribution(x.unsqueeze(0), s, history)  # (1, V)
