@@ -1,7 +1,7 @@
 """The paged KV cache's tensors: one pool of blocks per layer, in that layer's own cache layout, and per-step views
 that let an unchanged attention layer write its new keys into the blocks and read back its sequences' keys.
 
-    GQA / MHA / MQA   k, v           (N, K, block, D)          the layout of KVCache with batch = N blocks
+    GQA / MHA / MQA   k, v           (K, N, block, D)          KVCache's with batch = N blocks, heads first
     MLA               c_kv, k_pe     (N, block, r), (N, block, d_rope)
     DSA               + index_k      (N, block, d_index)
 
@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from llmkit.layers.attention import SelfAttention
-from llmkit.layers.attention.cache import KVCache, LatentCache
+from llmkit.layers.attention.cache import KVCache, LatentCache, LayerCache
 from llmkit.models.decoder import DecoderLM
 
 
@@ -49,10 +49,11 @@ class PagedKV:
         self.store, self.pages = store, pages
 
     def update(self, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """k (B, K, T, D), v (B, K, T, Dv) -> each row's slots (B, K, S, D), (B, K, S, Dv)."""
+        """k (B, K, T, D), v (B, K, T, Dv) -> each row's slots (B, K, S, D), (B, K, S, Dv): views of (K, B, S, D)
+        tensors (see heads_first)."""
         p = self.pages
-        self.store.k[p.block, :, p.offset] = k.transpose(1, 2).to(self.store.k.dtype)  # (B, T, K, D)
-        self.store.v[p.block, :, p.offset] = v.transpose(1, 2).to(self.store.v.dtype)
+        self.store.k[:, p.block, p.offset] = k.transpose(0, 1).to(self.store.k.dtype)  # (K, B, T, D)
+        self.store.v[:, p.block, p.offset] = v.transpose(0, 1).to(self.store.v.dtype)
         return _rows(self.store.k, p.table), _rows(self.store.v, p.table)
 
 
@@ -78,16 +79,18 @@ class PagedLatent:
 
 
 def _rows(pool: Tensor, table: Tensor) -> Tensor:
-    """pool (N, K, bs, D), table (B, nb) -> (B, K, nb * bs, D)."""
+    """pool (K, N, bs, D), table (B, nb) -> (B, K, nb * bs, D), a view of a contiguous (K, B, nb * bs, D) gather:
+    one copy of whole blocks, and each (head, row) pair's slots lie in one run of memory, so attention multiplies
+    them without copying them again (llmkit.layers.attention.core attends in that order)."""
     B, nb = table.shape
-    _, K, bs, D = pool.shape
-    return pool[table].transpose(1, 2).reshape(B, K, nb * bs, D)
+    K, _, bs, D = pool.shape
+    return pool.index_select(1, table.reshape(-1)).view(K, B, nb * bs, D).transpose(0, 1)
 
 
 def _latent_rows(pool: Tensor, table: Tensor) -> Tensor:
     """pool (N, bs, r), table (B, nb) -> (B, nb * bs, r)."""
     B, nb = table.shape
-    return pool[table].reshape(B, nb * pool.shape[1], pool.shape[2])
+    return pool.index_select(0, table.reshape(-1)).view(B, nb * pool.shape[1], pool.shape[2])
 
 
 class PagedCache:
@@ -97,7 +100,7 @@ class PagedCache:
         self, model: DecoderLM, n_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype
     ) -> None:
         self.n_blocks, self.block_size = n_blocks, block_size
-        self.layers = [_attention(b).new_cache(n_blocks, block_size, device, dtype) for b in model.blocks]
+        self.layers = [_heads_first(_attention(b).new_cache(n_blocks, block_size, device, dtype)) for b in model.blocks]
 
     @staticmethod
     def bytes_per_block(model: DecoderLM, block_size: int, dtype: torch.dtype) -> int:
@@ -111,6 +114,14 @@ class PagedCache:
     def views(self, pages: Pages) -> list[object]:
         """Each layer's view of its pool for one step over `pages`."""
         return [PagedKV(c, pages) if isinstance(c, KVCache) else PagedLatent(c, pages) for c in self.layers]
+
+
+def _heads_first(cache: LayerCache) -> LayerCache:
+    """A grouped-query pool stored (K, N, block, D) rather than KVCache's (N, K, block, D), so that a step's gather
+    lays each kv head's rows out contiguously (see _rows). Latent pools keep their layout."""
+    if isinstance(cache, KVCache):
+        cache.k, cache.v = cache.k.transpose(0, 1).contiguous(), cache.v.transpose(0, 1).contiguous()
+    return cache
 
 
 def _attention(block: torch.nn.Module) -> SelfAttention:

@@ -74,14 +74,20 @@ def _one_query(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: floa
     B, H, _, D = q.shape
     K, S = k.shape[1], k.shape[2]
     qg = q.view(B, K, H // K, D)  # (B, K, G, D): the query heads that share each kv head
-    scores = (qg @ k.transpose(-1, -2)).float() * scale  # (B, K, G, S)
     allowed = mask.dense(1, S, q.device)  # (B | 1, 1, 1, S) or None
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed[:, :, 0, :].unsqueeze(2), float("-inf"))
+    visible = None if allowed is None else allowed[:, :, 0, :].unsqueeze(2)  # (B | 1, 1, 1, S)
+    heads_first = K > 1 and B > 1 and not k.is_contiguous() and k.transpose(0, 1).is_contiguous()
+    if heads_first:  # keys stored (K, B, S, D) (a paged cache's gather): attend in that order, copying no key
+        qg, k, v = qg.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        visible = None if visible is None else visible.transpose(0, 1)
+    scores = (qg @ k.transpose(-1, -2)).float() * scale  # (B, K, G, S), or (K, B, G, S)
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
     weights = torch.softmax(scores, dim=-1)
-    if allowed is not None:  # a row with no visible key gives zeros, as SDPA does
-        weights = weights.masked_fill(~allowed[:, :, 0, :].unsqueeze(2).any(-1, keepdim=True), 0.0)
-    return (weights.to(v.dtype) @ v).view(B, H, 1, -1)
+    if visible is not None:  # a row with no visible key gives zeros, as SDPA does
+        weights = weights.masked_fill(~visible.any(-1, keepdim=True), 0.0)
+    out = weights.to(v.dtype) @ v  # (B, K, G, Dv), or (K, B, G, Dv)
+    return (out.transpose(0, 1) if heads_first else out).reshape(B, H, 1, -1)
 
 
 def gather_keys(x: Tensor, index: Tensor) -> Tensor:

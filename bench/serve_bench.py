@@ -1,0 +1,299 @@
+"""Serving throughput and latency: `llmkit serve` against itself one request at a time and against llama.cpp's
+server, on the same GGUF file (SmolLM2-135M-Instruct, Q4_1), over HTTP, in one run.
+
+    .venv/bin/python bench/serve_bench.py --llama-server /path/to/llama-server [--requests 32] [--json]
+
+Request set (seeded): prompts of 32 to 512 tokens cut from Shakespeare's plays, outputs of 16 to 256 tokens
+(greedy, `ignore_eos` so every server generates exactly that many). Load: a closed loop at concurrency 1, 4 and 16
+(each client sends its next request when the last one ends) and Poisson arrivals. Reported per server and load:
+output tokens/s, requests/s, time to first token and inter-token latency (p50, p99). Then the prefix cache: requests
+sharing a 400-token system prompt, one at a time, with llmkit's prefix cache on and off.
+
+Every server runs in its own process with the same number of threads (the machine's cores); llama.cpp's server gets
+as many parallel slots as the highest concurrency. llmkit serves the file dequantized to fp32 (it has no quantized
+kernels yet); llama.cpp computes on the Q4_1 blocks directly. The llama-server binary is built from the llama.cpp
+sources vendored in the PyPI sdist of llama-cpp-python (see BENCHMARKS.md for the commands).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import itertools
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from common import ROOT, measure_limits, report, smollm2_gguf
+
+MODEL = "smollm2"
+
+
+@dataclass
+class Sample:
+    """One request's timings: seconds to the first token, gaps between later tokens, tokens received."""
+
+    ttft: float
+    gaps: list[float]
+    tokens: int
+
+
+@dataclass
+class Load:
+    name: str
+    samples: list[Sample] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def row(self) -> dict[str, Any]:
+        tokens = sum(s.tokens for s in self.samples)
+        ttft = sorted(s.ttft for s in self.samples)
+        gaps = sorted(g for s in self.samples for g in s.gaps)
+        return {
+            "load": self.name,
+            "requests": len(self.samples),
+            "output_tok_s": tokens / self.seconds,
+            "requests_s": len(self.samples) / self.seconds,
+            "ttft_p50": _pct(ttft, 50),
+            "ttft_p99": _pct(ttft, 99),
+            "itl_p50": _pct(gaps, 50),
+            "itl_p99": _pct(gaps, 99),
+        }
+
+
+def _pct(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    return values[min(len(values) - 1, round(p / 100 * (len(values) - 1)))]
+
+
+class ServerProcess:
+    """A server started as a subprocess on 127.0.0.1, stopped on exit."""
+
+    def __init__(self, name: str, command: list[str], port: int) -> None:
+        self.name, self.command, self.port = name, command, port
+        self.log = open(ROOT / f"runs/bench/serve-{name}.log", "w")  # noqa: SIM115 - closed in __exit__
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> ServerProcess:
+        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited; see {self.log.name}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError(f"{self.name} did not become healthy in 300 s")
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.process is not None
+        self.process.terminate()
+        self.process.wait(30)
+        self.log.close()
+
+
+def stream(port: int, prompt: str, max_tokens: int) -> Sample:
+    """One streamed greedy completion; times its tokens as they arrive."""
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    start = time.perf_counter()
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
+    times: list[float] = []
+    for raw in response:
+        line = raw.strip()
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        if event.get("choices"):
+            times.append(time.perf_counter())
+    conn.close()
+    if not times:
+        raise RuntimeError("no tokens came back")
+    return Sample(times[0] - start, [b - a for a, b in itertools.pairwise(times)], len(times))
+
+
+def closed_loop(port: int, requests: list[tuple[str, int]], concurrency: int) -> Load:
+    load = Load(f"concurrency {concurrency}")
+    queue: Iterator[tuple[str, int]] = iter(requests)
+    lock = threading.Lock()
+
+    def client() -> None:
+        while True:
+            with lock:
+                item = next(queue, None)
+            if item is None:
+                return
+            sample = stream(port, *item)
+            with lock:
+                load.samples.append(sample)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    load.seconds = time.perf_counter() - start
+    return load
+
+
+def poisson(port: int, requests: list[tuple[str, int]], rate: float, seed: int = 0) -> Load:
+    load = Load(f"Poisson {rate:g}/s")
+    rng = random.Random(seed)
+    threads = []
+    lock = threading.Lock()
+
+    def one(item: tuple[str, int]) -> None:
+        sample = stream(port, *item)
+        with lock:
+            load.samples.append(sample)
+
+    start = time.perf_counter()
+    for item in requests:
+        t = threading.Thread(target=one, args=(item,))
+        t.start()
+        threads.append(t)
+        time.sleep(rng.expovariate(rate))
+    for t in threads:
+        t.join()
+    load.seconds = time.perf_counter() - start
+    return load
+
+
+def request_set(n: int, seed: int = 0) -> tuple[list[tuple[str, int]], Any]:
+    """n (prompt text, output tokens) pairs: 32-512 prompt tokens cut from the plays, 16-256 output tokens."""
+    from llmkit.data.corpus import shakespeare
+    from llmkit.interop.load import load_model
+
+    tok = load_model(smollm2_gguf()).tokenizer
+    ids = tok.encode("\n".join(d.text for d in shakespeare()[:3]))
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length = rng.randint(32, 512)
+        start = rng.randrange(len(ids) - length)
+        out.append((tok.decode(ids[start : start + length]), rng.randint(16, 256)))
+    return out, tok
+
+
+def prefix_ttft(port: int, tok: Any, n: int = 8) -> float:
+    """Median time to first token of one-at-a-time requests that share a 400-token system prompt (after one
+    request that caches it)."""
+    from llmkit.data.corpus import shakespeare
+
+    ids = tok.encode(shakespeare()[5].text)
+    system = tok.decode(ids[:400])
+    times = [stream(port, system + f"\nQuestion {i}: who speaks next?", 1).ttft for i in range(n + 1)]
+    return statistics.median(times[1:])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--llama-server", default=None, help="path to llama.cpp's llama-server binary")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second")
+    p.add_argument("--concurrency", default="1,4,16")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    threads = os.cpu_count() or 1
+    gguf = str(smollm2_gguf())
+    levels = [int(c) for c in args.concurrency.split(",")]
+    requests, tok = request_set(args.requests)
+    limits = measure_limits(("fp32",))
+    (ROOT / "runs/bench").mkdir(parents=True, exist_ok=True)
+    llmkit = [str(Path(sys.executable).parent / "llmkit"), "serve", gguf, "--model-name", MODEL, "--kv-memory", "2GiB"]
+    servers: list[tuple[str, list[str], int]] = [
+        ("llmkit", [*llmkit, "--port", "8711", "--max-batch", str(max(levels))], 8711),
+        ("llmkit, one at a time", [*llmkit, "--port", "8712", "--max-batch", "1"], 8712),
+    ]
+    if args.llama_server:
+        slots = max(levels)
+        servers.append(
+            (
+                "llama.cpp server",
+                [
+                    args.llama_server,
+                    "-m",
+                    gguf,
+                    "--port",
+                    "8713",
+                    "--host",
+                    "127.0.0.1",
+                    "-t",
+                    str(threads),
+                    "-tb",
+                    str(threads),
+                    "--parallel",
+                    str(slots),
+                    "-c",
+                    str(slots * 1024),
+                    "--alias",
+                    MODEL,
+                ],
+                8713,
+            )
+        )
+    rows = []
+    for name, command, port in servers:
+        with ServerProcess(name.split(",")[0].replace(" ", "-") + str(port), command, port):
+            stream(port, "Warm up.", 4)
+            if name.endswith("one at a time"):  # the baseline for the highest concurrency only
+                loads = [closed_loop(port, requests, max(levels))]
+            else:
+                loads = [closed_loop(port, requests, c) for c in levels]
+                loads.append(poisson(port, requests, args.rate))
+            for load in loads:
+                rows.append({"server": name, **load.row()})
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    prefix = {}
+    for label, extra, port in (("on", [], 8714), ("off", ["--no-prefix-cache"], 8715)):
+        with ServerProcess(f"llmkit-prefix-{label}", [*llmkit, "--port", str(port), *extra], port):
+            stream(port, "Warm up.", 4)
+            prefix[label] = prefix_ttft(port, tok)
+    summary = {**limits.as_dict(), "threads": threads, "rows": rows, "prefix_ttft": prefix}
+    report(summary, args.json, lambda: print_table(summary, limits))
+
+
+def print_table(summary: dict[str, Any], limits: Any) -> None:
+    print(f"SmolLM2-135M-Instruct Q4_1; {summary['threads']} threads; {limits}")
+    print(
+        f"{'server':24s} {'load':16s} {'out tok/s':>9s} {'req/s':>6s} "
+        f"{'TTFT p50':>9s} {'p99':>7s} {'ITL p50':>8s} {'p99':>7s}"
+    )
+    for r in summary["rows"]:
+        print(
+            f"{r['server']:24s} {r['load']:16s} {r['output_tok_s']:9.1f} {r['requests_s']:6.2f} "
+            f"{r['ttft_p50']:8.2f}s {r['ttft_p99']:6.2f}s {r['itl_p50'] * 1e3:6.1f}ms {r['itl_p99'] * 1e3:5.0f}ms"
+        )
+    on, off = summary["prefix_ttft"]["on"], summary["prefix_ttft"]["off"]
+    print(
+        f"shared 400-token system prompt, one at a time: TTFT {off * 1e3:.0f} ms without the prefix cache, "
+        f"{on * 1e3:.0f} ms with it ({off / on:.1f}x)"
+    )
+
+
+if __name__ == "__main__":
+    main()
