@@ -1,7 +1,8 @@
 """Serving throughput and latency: `llmkit serve` against itself one request at a time and against llama.cpp's
 server, on the same GGUF file (SmolLM2-135M-Instruct, Q4_1), over HTTP, in one run.
 
-    .venv/bin/python bench/serve_bench.py --llama-server /path/to/llama-server [--requests 32] [--json]
+    bash bench/build_llama_server.sh     # once: builds runs/llama.cpp/build/bin/llama-server (~7 minutes)
+    .venv/bin/python bench/serve_bench.py --llama-server runs/llama.cpp/build/bin/llama-server [--requests 24]
 
 Request set (seeded): prompts of 32 to 512 tokens cut from Shakespeare's plays, outputs of 16 to 256 tokens
 (greedy, `ignore_eos` so every server generates exactly that many). Load: a closed loop at concurrency 1, 4 and 16
@@ -12,7 +13,7 @@ sharing a 400-token system prompt, one at a time, with llmkit's prefix cache on 
 Every server runs in its own process with the same number of threads (the machine's cores); llama.cpp's server gets
 as many parallel slots as the highest concurrency. llmkit serves the file dequantized to fp32 (it has no quantized
 kernels yet); llama.cpp computes on the Q4_1 blocks directly. The llama-server binary is built from the llama.cpp
-sources vendored in the PyPI sdist of llama-cpp-python (see BENCHMARKS.md for the commands).
+sources vendored in the PyPI sdist of llama-cpp-python (bench/build_llama_server.sh).
 """
 
 from __future__ import annotations
