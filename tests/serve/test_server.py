@@ -205,3 +205,21 @@ def test_soak_with_disconnects_and_malformed_requests(tiny):
         while server.engine.pool.used and time.monotonic() < stop:
             time.sleep(0.05)
         assert server.engine.pool.used == 0 and not any(server.engine.pool.refs)
+
+
+def test_time_limit_and_metrics(tiny):
+    with _server(tiny, options={"request_timeout": 0.2}) as server:
+        body = {"model": "m", "prompt": "hi", "max_tokens": server.engine.max_len - 8, "ignore_eos": True}
+        code, answer = post(server.url + "/v1/completions", body)
+        assert code == 504 and "time limit" in answer["error"]["message"]
+        assert post(server.url + "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 3})[0] == 200
+        with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        assert 'llmkit_requests_finished_total{finish_reason="timeout"} 1.0' in text
+        counts = [
+            line.split()[-1]
+            for line in text.splitlines()
+            if line.startswith("llmkit_time_to_first_token_seconds_count")
+        ]
+        assert float(counts[0]) >= 1  # the answered request's first token, and the timed-out one's if it had one
+        assert "llmkit_kv_blocks_total" in text and "llmkit_prefix_cache_hit_blocks" in text
