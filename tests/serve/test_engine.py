@@ -192,3 +192,15 @@ def test_logit_bias_and_penalties():
     assert len(set(fresh[0].token_ids)) >= len(set(free))  # penalised repeats: at least as many distinct tokens
     with pytest.raises(InputError, match="logit_bias"):
         SamplingParams(logit_bias=((1, 500.0),))
+
+
+def test_fail_ends_every_request_and_frees_the_pool():
+    model = _model("llama2-7b-tiny")
+    engine = _engine(model)
+    for p in _prompts(model, [5, 9, 30]):
+        engine.add(p, SamplingParams(max_tokens=20, temperature=0.0, n=2))
+    engine.step()
+    deltas = engine.fail()
+    assert len(deltas) == 6 and {d.finish_reason for d in deltas} == {"error"}
+    _assert_pool_empty(engine)
+    assert engine.generate(_prompts(model, [4]), GREEDY)[0].finish_reason == "length"  # still usable

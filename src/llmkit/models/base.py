@@ -7,6 +7,7 @@ stay where they are); this base class only holds the steps they take the same wa
 
 from __future__ import annotations
 
+import abc
 from typing import cast
 
 import torch
@@ -23,7 +24,7 @@ from llmkit.models.cache import Cache, SequenceState, Step, whole_sequence
 from llmkit.models.checks import check_cache_args, check_mask, check_positions, check_tokens
 
 
-class TokenModel(nn.Module):
+class TokenModel(nn.Module, abc.ABC):
     """Base of the Transformer models: embedding table `embed`, additive positions `inputs`, `rope`, output head."""
 
     cfg: ModelConfig
@@ -83,9 +84,9 @@ class TokenModel(nn.Module):
         check_positions(step.positions, self.cfg)
         return step
 
+    @abc.abstractmethod
     def decoding_blocks(self) -> nn.ModuleList:
         """The blocks whose self-attention a cache serves (the decoder's)."""
-        raise NotImplementedError
 
     def new_cache(
         self, batch: int, max_len: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None

@@ -12,6 +12,7 @@ input checks, `forward` and the loss are here, once.
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +35,7 @@ class DecoderCall:
     target_mask: Tensor | None
 
 
-class Seq2SeqModel(nn.Module):
+class Seq2SeqModel(nn.Module, abc.ABC):
     """Base of the encoder-decoder models."""
 
     cfg: Any
@@ -50,17 +51,17 @@ class Seq2SeqModel(nn.Module):
     def source_vocab_size(self) -> int:
         return self.source_embedding.num_embeddings
 
+    @abc.abstractmethod
     def encode(self, source: Tensor, source_mask: Tensor | None = None, extras: Extras | None = None) -> Tensor:
         """source (B, S) int, source_mask (B, S) bool (True = real token) -> memory (B, S, width)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def decoder_states(self, call: DecoderCall, cache: Any = None, extras: Extras | None = None) -> Tensor:
         """The decoder's final states (B, T, H) for checked inputs; a cache carries state between calls."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def logits(self, h: Tensor) -> Tensor:
         """Final decoder states (B, T, H) -> logits (B, T, V)."""
-        raise NotImplementedError
 
     def decode(
         self,

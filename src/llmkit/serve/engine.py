@@ -240,14 +240,20 @@ class Engine:
     def _expire(self) -> list[Delta]:
         """End the requests past their deadline."""
         now = time.monotonic()
+        late = [seqs for seqs in self.requests.values() if (d := seqs[0].request.deadline) is not None and now > d]
+        return self._end(late, "timeout")
+
+    def fail(self) -> list[Delta]:
+        """End every request in flight with finish reason "error" (a step failed; the engine stays usable)."""
+        return self._end(list(self.requests.values()), "error")
+
+    def _end(self, requests: list[list[Sequence]], reason: FinishReason) -> list[Delta]:
         deltas = []
-        for seqs in list(self.requests.values()):
-            deadline = seqs[0].request.deadline
-            if deadline is not None and now > deadline:
-                for seq in seqs:
-                    if not seq.finished:
-                        self._finish(seq, "timeout")
-                        deltas.append(self._delta(seq, [], "", []))
+        for seqs in requests:
+            for seq in seqs:
+                if not seq.finished:
+                    self._finish(seq, reason)
+                    deltas.append(self._delta(seq, [], "", []))
         return deltas
 
     def _delta(self, seq: Sequence, ids: list[int], text: str, logprobs: list[float]) -> Delta:

@@ -39,15 +39,16 @@ class _Sampling(BaseModel):
     logit_bias: dict[int, float] | None = None
     user: str | None = None
 
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else self.stop or []
+
     @model_validator(mode="after")
-    def _stops(self) -> _Sampling:
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        if len(stops) > 4 or any(not s for s in stops):
+    def _check_stops(self) -> _Sampling:
+        if len(self.stops()) > 4 or any(not s for s in self.stops()):
             raise ValueError("stop: at most 4 non-empty strings")
         return self
 
     def sampling(self, max_tokens: int) -> SamplingParams:
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
@@ -58,7 +59,7 @@ class _Sampling(BaseModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             seed=self.seed,
-            stop=tuple(stops),
+            stop=tuple(self.stops()),
             n=self.n,
             ignore_eos=self.ignore_eos,
             logit_bias=tuple((self.logit_bias or {}).items()),

@@ -111,7 +111,7 @@ class EngineRunner:
                 deltas = self.engine.step()
             except Exception:  # a failed step must not take the server down
                 log.exception("engine step failed; ending the requests in flight")
-                deltas = self._fail_all()
+                deltas = self.engine.fail()
             self.metrics.observe_engine(self.engine)
             for delta in deltas:
                 self._deliver(delta)
@@ -139,12 +139,3 @@ class EngineRunner:
         except Exception:  # a consumer's failure ends its own request only
             log.exception("delivering to request %s failed", d.request_id)
             self.abort(d.request_id)
-
-    def _fail_all(self) -> list[Delta]:
-        deltas = []
-        for request_id in list(self.engine.requests):
-            for seq in self.engine.requests[request_id]:
-                if not seq.finished:
-                    deltas.append(Delta(request_id, seq.index, [], "", [], "error", seq.prompt_len, len(seq.generated)))
-            self.engine.abort(request_id)
-        return deltas

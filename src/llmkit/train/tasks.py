@@ -14,6 +14,7 @@ forward call per micro-batch. `build_task` picks the task from the prepared data
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,7 +45,7 @@ class TrainingError(LLMKitError, RuntimeError):
     """Training cannot go on (a non-finite loss, an unusable configuration)."""
 
 
-class Task:
+class Task(abc.ABC):
     """What the loop needs of a task; the subclasses fill it in."""
 
     terms: tuple[str, ...] = TERMS  # the loss terms the training module returns and the loop logs
@@ -58,18 +59,18 @@ class Task:
         self.generation_config = {}
 
     @property
+    @abc.abstractmethod
     def vocab_size(self) -> int:
         """The data's vocabulary size (the model's must be at least this)."""
-        raise NotImplementedError
 
     @property
+    @abc.abstractmethod
     def chars_per_token(self) -> float:
         """Characters per token of the evaluation split (for bits per character)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def attach(self, model: Model) -> nn.Module:
         """The module the loop calls: forward(*batch, **hook options) -> loss terms (see the module docstring)."""
-        raise NotImplementedError
 
     def hooks(self, model: Model) -> list[Hook]:
         """The training strategies this model needs."""
@@ -79,13 +80,13 @@ class Task:
         """Model FLOPs per training token (forward and backward) for MFU, or None when not counted."""
         return None
 
+    @abc.abstractmethod
     def batch(self, step: int, micro: int) -> tuple[tuple[Tensor, ...], int]:
         """This process's batch for (step, micro-step), and the tokens it holds."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def eval_batches(self, full: bool) -> Iterator[tuple[Tensor, ...]]:
         """The evaluation batches of this process (all of the split when `full`)."""
-        raise NotImplementedError
 
 
 def build_task(cfg: TrainConfig, rt: Runtime) -> Task:
