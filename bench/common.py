@@ -174,7 +174,7 @@ def smollm2_hf(directory: Path = RUNS) -> Path:
 
     out = directory / "smollm2-hf"
     if not (out / "config.json").is_file():
-        save_hf(load_gguf(smollm2_gguf()).model, out)
+        save_hf(load_gguf(smollm2_gguf(), quantized=False).model, out)
     return out
 
 

@@ -140,3 +140,28 @@ def test_gpu_serving_engine_equals_generate(name):
         expected = generate(gpu, torch.tensor([prompt], device="cuda"), max_new_tokens=12).tokens[0, len(prompt) :]
         assert out.token_ids == expected.tolist()
     assert engine.pool.used == 0 and not any(engine.pool.refs)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["llama2-7b-tiny", "deepseek-v3-tiny", "mixtral-8x7b-tiny"])
+def test_gpu_quantized_models_match_the_cpu(name, method):
+    """A quantized model on the GPU (torch's int8 / int4 weight-only kernels where they apply, bf16 for int4)
+    computes what the same quantized model computes on the CPU, and decodes with its cache."""
+    from llmkit.quant import QuantizedLinear, quantize
+
+    cpu, _ = pair(name)
+    quantize(cpu, method, group_size=32 if method == "int4" else None)
+    gpu = __import__("copy").deepcopy(cpu).to("cuda")
+    tokens = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        expected = cpu(tokens)
+        got = gpu(tokens.cuda()).cpu()
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        if method == "int4":  # the bf16 int4 kernel
+            bf16 = gpu.to(torch.bfloat16)
+            assert any(m._prepared is not None for m in bf16.modules() if isinstance(m, QuantizedLinear))
+            out = bf16(tokens.cuda()).float().cpu()
+            assert (out - expected).abs().max() < 0.05 * expected.abs().max() + 0.05
+            gpu = gpu.float()
+    out = generate(gpu, tokens.cuda(), max_new_tokens=6).tokens.cpu()
+    assert torch.equal(out, generate(cpu, tokens, max_new_tokens=6).tokens)

@@ -29,7 +29,7 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def ours():
-    return load_gguf(FILE)
+    return load_gguf(FILE, quantized=False)
 
 
 @pytest.fixture(scope="module")

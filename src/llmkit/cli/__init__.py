@@ -6,6 +6,7 @@ generation.py.
     llmkit inspect PRESET_OR_CONFIG [--json] [--seq-len N] [--dtype fp32|bf16|fp16]
     llmkit inspect --compare llama2-7b,mixtral-8x7b,deepseek-v3
     llmkit generate RUN_OR_CHECKPOINT --prompt TEXT [--temperature T] [--beams N | --draft MODEL | --mtp]
+    llmkit quantize CHECKPOINT OUT --to int8|int4 [--group-size N] [--include-head]
     llmkit serve CHECKPOINT [--port 8000] [--api-key KEY] [--kv-memory 2GiB]   an OpenAI-compatible server
 """
 
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 from llmkit.cli.app import Command, run
 from llmkit.cli.data import prepare
 from llmkit.cli.generation import chat, generate
-from llmkit.cli.models import compare, convert, inspect, presets
+from llmkit.cli.models import compare, convert, inspect, presets, quantize
 from llmkit.cli.serving import serve
 from llmkit.cli.training import average, train
 from llmkit.cli.translation import translate
@@ -25,6 +26,7 @@ COMMANDS: tuple[Command, ...] = (
     presets,
     inspect,
     convert,
+    quantize,
     compare,
     prepare,
     train,

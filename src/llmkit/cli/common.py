@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Literal
 
@@ -57,4 +58,12 @@ def load_decoder(checkpoint: str, dtype: DType | None, device: str | None = None
     if not isinstance(loaded.model, DecoderLM):
         raise LLMKitError(f"{checkpoint} is an encoder-decoder model; `llmkit generate` continues decoder-only models")
     loaded.model.eval()
+    from llmkit.quant import describe, parameter_count
+
+    print(
+        f"loaded {checkpoint} ({loaded.source}): {parameter_count(loaded.model) / 1e6:.1f}M parameters, "
+        f"{describe(loaded.model)}" + "".join(f"; {n}" for n in loaded.notes),
+        file=sys.stderr,
+        flush=True,
+    )
     return loaded.model, loaded.tokenizer

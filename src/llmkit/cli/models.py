@@ -113,7 +113,7 @@ def convert(
     from llmkit.interop.load import load_model
     from llmkit.models import RNNSeq2Seq
 
-    loaded = load_model(source, dtype=torch_dtype(dtype))
+    loaded = load_model(source, dtype=torch_dtype(dtype), quantized=False)
     fmt = to or ("hf" if loaded.source == "llmkit" else "llmkit")
     source_dir = Path(source) if Path(source).is_dir() else None
     if fmt == "hf":
@@ -141,6 +141,49 @@ def convert(
         )
     n = sum(p.numel() for p in loaded.model.parameters())
     print(f"{loaded.source} {source} -> {fmt} {out} ({human(n)} parameters)")
+    return 0
+
+
+def quantize(
+    checkpoint: str,
+    out: str,
+    *,
+    to: Literal["int8", "int4"],
+    group_size: int | None = None,
+    include_head: bool = False,
+) -> int:
+    """Quantize a checkpoint's weights to int8 or int4 and write an llmkit checkpoint that every command loads.
+
+    checkpoint: a Hugging Face directory, a .gguf file (dequantized first), an llmkit checkpoint or a run folder.
+    out: the directory to write.
+    to: int8 (one scale per output row, or per group with --group-size) or int4 (groups, default 32).
+    group_size: inputs per scale: 32, 64, 128 or 256 (must divide every layer's input width).
+    include_head: quantize the output head too (a tied head gets a quantized copy of the embedding).
+    """
+    from llmkit.interop.checkpoint import save_llmkit
+    from llmkit.interop.load import load_model
+    from llmkit.models import RNNSeq2Seq
+    from llmkit.quant import describe, quantize as quantize_model
+    from llmkit.runs import resolve_checkpoint
+
+    source = resolve_checkpoint(checkpoint, averaged=False)
+    loaded = load_model(source, quantized=False)
+    if isinstance(loaded.model, RNNSeq2Seq):
+        raise LLMKitError("the RNN encoder-decoder has no linear layers to quantize")
+    before = describe(loaded.model)
+    quantize_model(loaded.model, to, group_size, include_head)
+    source_dir = Path(source) if Path(source).is_dir() else None
+    save_llmkit(
+        loaded.model,
+        out,
+        tokenizer=loaded.tokenizer,
+        tokenizer_dir=source_dir if loaded.source == "hf" else None,
+        source_tokenizer=loaded.source_tokenizer,
+        hf_model_type=loaded.hf_model_type,
+        hf_config=loaded.hf_config,
+        generation_config=loaded.generation_config,
+    )
+    print(f"{checkpoint} ({before}) -> {out} ({describe(loaded.model)})")
     return 0
 
 

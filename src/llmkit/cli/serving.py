@@ -56,9 +56,11 @@ def serve(
     config = EngineConfig(parse_size(kv_memory), block_size, max_batch, step_tokens, max_queue, not no_prefix_cache)
     server = Server(model, tok, ServeOptions(name, api_key, request_timeout), config, host, port)
     e = server.engine
-    n_params = sum(p.numel() for p in model.parameters())
+    from llmkit.quant import describe, parameter_count
+
     print(
-        f"llmkit serve: {name} ({n_params / 1e6:.1f}M parameters, {str(e.dtype).removeprefix('torch.')}, {e.device}); "
+        f"llmkit serve: {name} ({parameter_count(model) / 1e6:.1f}M parameters, {describe(model)}, "
+        f"computing in {str(e.dtype).removeprefix('torch.')} on {e.device}); "
         f"KV cache {e.pool.n_blocks} blocks x {e.pool.block_size} tokens = {e.cache.nbytes / 2**20:.0f} MiB, "
         f"{e.capacity_sequences:.1f} sequences of the full {e.max_len}-token context; "
         f"listening on {server.url}/v1",

@@ -1,7 +1,9 @@
 """llmkit's own checkpoint format (`load_model` in interop/load.py opens it and every other format).
 
-    DIR/llmkit.json          {"format": "llmkit", "version": 1, "config": ModelConfig, "hf": {...} | null, ...}
-    DIR/model.safetensors    weights under llmkit's own names (sharded with an index when large)
+    DIR/llmkit.json          {"format": "llmkit", "version": 1, "config": ModelConfig, "hf": {...} | null, ...,
+                              "quantization": QuantSpec (only for a quantized model, see llmkit.quant)}
+    DIR/model.safetensors    weights under llmkit's own names (sharded with an index when large); a quantized
+                             layer's as NAME.qweight (int8 / packed int4 codes), NAME.scales, NAME.zeros
     DIR/tokenizer.json ...   the tokenizer, when there is one (the target side's, for translation)
     DIR/source_tokenizer/    a translation model's source tokenizer, when the two sides have separate vocabularies
 
@@ -20,13 +22,14 @@ import torch
 from torch import nn
 
 from llmkit.config import ModelConfig
-from llmkit.errors import ConfigError
+from llmkit.errors import ConfigError, InputError
 from llmkit.interop.keymap import IDENTITY, Concrete
 from llmkit.interop.loaded import Loaded
 from llmkit.interop.safetensors_io import CheckpointError, open_tensors, save_tensors
-from llmkit.interop.weights import build_with_weights, expected_shapes
+from llmkit.interop.weights import build_quantized, build_with_weights, expected_shapes
 from llmkit.layers.precision import cast_state, fp32_state
 from llmkit.models import DecoderLM, EncoderDecoder, RNNConfig, RNNSeq2Seq, build_rnn
+from llmkit.quant import QuantSpec, quantized_spec
 from llmkit.tokenizer import Tokenizer
 
 FORMAT_FILE = "llmkit.json"
@@ -68,6 +71,9 @@ def save_llmkit(
         "hf": {"model_type": hf_model_type, "config": hf_config} if hf_model_type else None,
         "generation_config": generation_config or {},
     }
+    spec = quantized_spec(model) if isinstance(model, nn.Module) else None
+    if spec is not None:
+        meta["quantization"] = spec.to_dict()
     if tokenizer_dir is not None:
         from llmkit.interop.hf import copy_tokenizer_files
 
@@ -106,6 +112,12 @@ def load_llmkit(
     model: DecoderLM | EncoderDecoder | RNNSeq2Seq
     if isinstance(cfg, RNNConfig):
         model = _load_rnn(cfg, tensors, dtype, device, d)
+    elif meta.get("quantization"):
+        try:
+            spec = QuantSpec.from_dict(meta["quantization"])
+        except (InputError, TypeError) as e:
+            raise CheckpointError(f"{d / FORMAT_FILE} holds an invalid quantization record: {e}") from None
+        model = build_quantized(cfg, spec, lambda _: {n: tensors[n] for n in tensors.shapes}, dtype, device, str(d))
     else:
         concrete = [Concrete((n,), (n,), IDENTITY) for n in expected_shapes(cfg)]
         model = build_with_weights(

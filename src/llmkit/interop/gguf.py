@@ -22,10 +22,10 @@ from torch import Tensor
 
 from llmkit.config import AttentionConfig, FFNConfig, ModelConfig, NormConfig, PositionConfig, RopeScaling
 from llmkit.errors import ConfigError
-from llmkit.interop.keymap import Concrete, RopeToHalf, Rule, expand
+from llmkit.interop.keymap import Concrete, RopeToHalf, Rule, check_against, expand
 from llmkit.interop.loaded import Loaded
 from llmkit.interop.safetensors_io import CheckpointError
-from llmkit.interop.weights import build_with_weights
+from llmkit.interop.weights import build_quantized, build_with_weights, expected_shapes
 from llmkit.tokenizer import Tokenizer
 
 SUPPORTED = ("llama",)
@@ -108,9 +108,18 @@ def gguf_rules(cfg: ModelConfig) -> list[Rule]:
 
 
 def load_gguf(
-    path: str | os.PathLike[str], *, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    path: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    quantized: bool | None = None,
 ) -> Loaded:
-    """Load a llama-architecture GGUF file: weights dequantized to `dtype` (default fp32) and its tokenizer."""
+    """Load a llama-architecture GGUF file and its tokenizer.
+
+    quantized: keep the Q4_0 / Q4_1 / Q8_0 tensors in their exact llmkit formats (int4 / int8, groups of 32; other
+    types are dequantized, and `Loaded.notes` says which); False: dequantize every tensor to `dtype` (default fp32);
+    None: keep them when no dtype is asked for and the device has a fast kernel for them (llmkit.quant.kernels),
+    else dequantize."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -131,11 +140,89 @@ def load_gguf(
         t = tensors[name]
         return torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).reshape(shapes[name])
 
-    model = build_with_weights(cfg, concrete, get, shapes, lambda n: False, dtype or torch.float32, device, str(p))
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if quantized is None:
+        quantized = dtype is None and fast_kernels(dev, torch.float32)
+    notes: list[str] = []
+    if quantized:
+        spec, notes = _quantized_spec(concrete, tensors, cfg)
+        check_against(concrete, expected_shapes(cfg), shapes, lambda n: False, str(p))
+
+        def read(expected: dict[str, tuple[int, ...]]) -> dict[str, Tensor]:
+            return _quantized_state(concrete, tensors, shapes, spec, get)
+
+        model = build_quantized(cfg, spec, read, dtype or torch.float32, device, str(p))
+    else:
+        model = build_with_weights(cfg, concrete, get, shapes, lambda n: False, dtype or torch.float32, device, str(p))
     tokenizer = Tokenizer.from_gguf_metadata(meta) if "tokenizer.ggml.tokens" in meta else None
     generation = {}
     if tokenizer is not None:
         generation = {
             k: v for k, v in (("bos_token_id", tokenizer.bos_id), ("eos_token_id", tokenizer.eos_id)) if v is not None
         }
-    return Loaded(model, tokenizer, "gguf", p, "llama", None, generation)
+    return Loaded(model, tokenizer, "gguf", p, "llama", None, generation, notes=notes)
+
+
+def fast_kernels(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `device` has a quantized int4 kernel faster than dequantizing (see llmkit.quant.kernels)."""
+    from llmkit.quant.kernels import choose
+
+    return choose(4, device, torch.bfloat16 if device.type == "cuda" else dtype, False, 4096) != "dequant"
+
+
+def _quantized_spec(concrete: list[Concrete], tensors: dict[str, Any], cfg: ModelConfig) -> tuple[Any, list[str]]:
+    """Which of our layers take a GGUF tensor over exactly (name -> [method, 32]), and notes on the ones that do
+    not. A tied head is quantized from the embedding table when that is stored in an exact format."""
+    from llmkit.quant import QuantSpec
+    from llmkit.quant.formats import GGUF_KINDS
+
+    from torch import nn
+
+    from llmkit.models import build_model
+
+    linears = {n for n, m in build_model(cfg, device="meta").named_modules() if isinstance(m, nn.Linear)}
+    layers: dict[str, list[Any]] = {}
+    fallback: dict[str, list[str]] = {}
+    for c in concrete:
+        name, theirs = c.ours[0], c.theirs[0]
+        kind = tensors[theirs].tensor_type.name
+        if name.removesuffix(".weight") not in linears:
+            continue
+        if kind in GGUF_KINDS:
+            layers[name.removesuffix(".weight")] = [GGUF_KINDS[kind], 32]
+        else:
+            fallback.setdefault(kind, []).append(theirs)
+    embed_kind = tensors["token_embd.weight"].tensor_type.name
+    include_head = "head" in layers or (cfg.tie_embeddings and embed_kind in GGUF_KINDS)
+    if cfg.tie_embeddings and embed_kind in GGUF_KINDS:
+        layers["head"] = [GGUF_KINDS[embed_kind], 32]
+    notes = [f"{len(v)} {k} tensors dequantized (no exact llmkit format), e.g. {v[0]}" for k, v in fallback.items()]
+    return QuantSpec("int4", 32, include_head, layers), notes
+
+
+def _quantized_state(
+    concrete: list[Concrete], tensors: dict[str, Any], shapes: dict[str, tuple[int, ...]], spec: Any, get: Any
+) -> dict[str, Tensor]:
+    """Our state dict: quantized layers' codes and scales from the raw blocks (with the rule's row transform
+    applied to each), everything else dequantized by `get`."""
+    from llmkit.quant.formats import from_gguf_blocks
+
+    def raw(theirs: str) -> dict[str, Tensor]:
+        t = tensors[theirs]
+        N, K = shapes[theirs]
+        return from_gguf_blocks(t.tensor_type.name, t.data, (N, K))
+
+    state: dict[str, Tensor] = {}
+    for c in concrete:
+        name = c.ours[0]
+        layer = name.removesuffix(".weight")
+        if spec.layers is not None and layer in spec.layers and name.endswith(".weight"):
+            for part, t in raw(c.theirs[0]).items():
+                state[f"{layer}.{part}"] = c.transform.to_ours([t])[0]
+        else:
+            for ours, t in zip(c.ours, c.transform.to_ours([get(n) for n in c.theirs]), strict=True):
+                state[ours] = t
+    if spec.layers is not None and "head" in spec.layers and "head.weight" not in {c.ours[0] for c in concrete}:
+        for part, t in raw("token_embd.weight").items():
+            state[f"head.{part}"] = t
+    return state

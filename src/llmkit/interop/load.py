@@ -34,14 +34,19 @@ def detect_format(path: str | os.PathLike[str]) -> Format:
 
 
 def load_model(
-    path: str | os.PathLike[str], *, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    path: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    quantized: bool | None = None,
 ) -> Loaded:
-    """Load any supported checkpoint: a Hugging Face directory, a GGUF file, or an llmkit checkpoint."""
+    """Load any supported checkpoint: a Hugging Face directory, a GGUF file, or an llmkit checkpoint (quantized
+    ones too). `quantized` applies to GGUF files (see load_gguf)."""
     kind = detect_format(path)
     if kind == "llmkit":
         return load_llmkit(path, dtype=dtype, device=device)
     if kind == "gguf":
-        return load_gguf(path, dtype=dtype, device=device)
+        return load_gguf(path, dtype=dtype, device=device, quantized=quantized)
     ck = load_hf(path, dtype=dtype, device=device)
     return Loaded(
         ck.model, Tokenizer.from_dir(path), "hf", Path(path), ck.model_type, ck.hf_config, ck.generation_config

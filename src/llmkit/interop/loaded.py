@@ -24,3 +24,4 @@ class Loaded:
     hf_config: dict[str, Any] | None = None
     generation_config: dict[str, Any] = field(default_factory=dict)
     source_tokenizer: Tokenizer | None = None  # a translation model's, when it differs from `tokenizer`
+    notes: list[str] = field(default_factory=list)  # what loading changed (e.g. GGUF tensors dequantized)

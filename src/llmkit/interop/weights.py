@@ -8,6 +8,7 @@ model being filled plus one rule's inputs.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -15,8 +16,12 @@ from torch import Tensor
 from llmkit.config import ModelConfig
 from llmkit.errors import LLMKitError
 from llmkit.interop.keymap import Concrete, check_against, convert_to_ours
+from llmkit.interop.safetensors_io import CheckpointError
 from llmkit.layers.precision import fp32_state
 from llmkit.models import DecoderLM, EncoderDecoder, build_model
+
+if TYPE_CHECKING:
+    from llmkit.quant import QuantSpec
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -62,6 +67,43 @@ def build_with_weights(
         state[name] = t.to(dev)
     model.load_state_dict(state, strict=True, assign=True)
     materialize_buffers(model, dev)
+    return model
+
+
+def build_quantized(
+    cfg: ModelConfig,
+    spec: QuantSpec,
+    read: Callable[[dict[str, tuple[int, ...]]], dict[str, Tensor]],
+    dtype: torch.dtype | None,
+    device: torch.device | str | None,
+    where: str,
+) -> DecoderLM | EncoderDecoder:
+    """A model for `cfg` with the quantized structure of `spec`, holding the tensors `read(expected names and
+    shapes)` returns (codes, scales, and the float weights left unquantized). Floats are cast to `dtype` (default:
+    the first float weight's), scales stay fp32."""
+    from llmkit.quant import apply_spec
+
+    model = build_model(cfg, device="meta")
+    apply_spec(model, spec)
+    expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    state = read(expected)
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"{where}: quantized weights missing {missing[:5]}, unexpected {unexpected[:5]}")
+    bad = [n for n in expected if tuple(state[n].shape) != expected[n]]
+    if bad:
+        raise CheckpointError(f"{where}: {bad[0]} has shape {tuple(state[bad[0]].shape)}, expected {expected[bad[0]]}")
+    keep = fp32_state(model)
+    floats = [t.dtype for n, t in state.items() if t.is_floating_point() and n not in keep]
+    target = dtype or (floats[0] if floats else torch.float32)
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    for name, t in state.items():
+        if t.is_floating_point():
+            t = t.to(torch.float32 if name in keep else target)
+        state[name] = t.to(dev)
+    model.load_state_dict(state, strict=True, assign=True)
+    materialize_buffers(model, dev)
+    model.to(target)  # the dtype the quantized layers compute in (codes and scales keep theirs)
     return model
 
 

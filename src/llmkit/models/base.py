@@ -31,7 +31,7 @@ class TokenModel(nn.Module, abc.ABC):
     embed: nn.Embedding
     inputs: InputEmbedding
     rope: RotaryEmbedding | None
-    head: nn.Linear | None
+    head: nn.Module | None  # nn.Linear, or a quantized linear (llmkit.quant) applied from outside
     head_bias: nn.Parameter | None
 
     @property
@@ -41,8 +41,10 @@ class TokenModel(nn.Module, abc.ABC):
 
     def logits(self, h: Tensor) -> Tensor:
         """Final hidden states after the norm (B, T, C) -> logits (B, T, V). A tied head reuses the embedding."""
-        weight = self.embed.weight if self.head is None else self.head.weight
-        return F.linear(h, weight, self.head_bias)
+        if self.head is None:
+            return F.linear(h, self.embed.weight, self.head_bias)
+        logits = self.head(h)
+        return logits + self.head_bias if self.head_bias is not None else logits
 
     def attention_inputs(self, step: Step) -> AttentionInputs:
         """The attention inputs of a step: its mask and slots, and the RoPE tables of its positions."""

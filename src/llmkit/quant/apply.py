@@ -1,0 +1,177 @@
+"""Quantizing a model from outside, like parallelism: `quantize(model, "int8")` swaps its linear layers (and MoE
+experts) for quantized ones in place. The model's code does not change; a `QuantSpec` records what was done, so that
+a checkpoint can rebuild the same structure before loading (`apply_spec`).
+
+What is quantized: every nn.Linear inside the blocks (attention projections, MLA's down/up projections, whose
+absorbed form reads the dequantized `weight`, the sparse indexer's, the MTP modules'), MoE experts' stacked weights,
+and with include_head the output head (for a tied head, a quantized copy of the embedding; the embedding lookup
+itself stays in float: it reads one row per token). Routers and norms stay in float.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from llmkit.errors import InputError
+from llmkit.layers.moe import GroupedExperts
+from llmkit.quant.experts import QuantizedExperts
+from llmkit.quant.kernels import Kernel
+from llmkit.quant.linear import Int4Linear, Int8Linear, QuantizedLinear
+
+Method = Literal["int8", "int4"]
+METHODS: tuple[Method, ...] = ("int8", "int4")
+GROUP_SIZES = (32, 64, 128, 256)  # the ones torch's int4 kernels take; other sizes run dequantized
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """method: "int8" or "int4"; group_size: inputs per scale (None: one per output row, int8 only);
+    include_head: the output head too; layers: when given, exactly the layers quantized, each with its own [method,
+    group size] (a GGUF file's: only the tensors it stores in an exact format), overriding method and group_size."""
+
+    method: Method
+    group_size: int | None = None
+    include_head: bool = False
+    layers: dict[str, list[Any]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise InputError(f"quantization method {self.method!r} is not one of {', '.join(METHODS)}")
+        if self.method == "int4" and self.group_size is None:
+            raise InputError("int4 needs a group size: one of " + ", ".join(map(str, GROUP_SIZES)))
+        if self.group_size is not None and (self.group_size < 2 or self.group_size % 2):
+            raise InputError(f"group_size={self.group_size} must be an even number of inputs (32, 64, 128 are usual)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> QuantSpec:
+        unknown = set(d) - {"method", "group_size", "include_head", "layers"}
+        if unknown:
+            raise InputError(f"unknown quantization fields {sorted(unknown)}")
+        return cls(**d)
+
+    def for_layer(self, name: str) -> tuple[Method, int | None]:
+        if self.layers and name in self.layers:
+            method, group = self.layers[name]
+            return method, group
+        return self.method, self.group_size
+
+
+def quantized_spec(model: nn.Module) -> QuantSpec | None:
+    """The spec a model was quantized with (None: not quantized)."""
+    spec = getattr(model, "quantization", None)
+    return spec if isinstance(spec, QuantSpec) else None
+
+
+def _targets(model: nn.Module, spec: QuantSpec) -> list[tuple[str, nn.Module]]:
+    """(qualified name, module) of every layer the spec quantizes, in the order of named_modules."""
+    out = []
+    for name, module in model.named_modules():
+        if (name == "head" and not spec.include_head) or (spec.layers is not None and name not in spec.layers):
+            continue
+        if isinstance(module, (nn.Linear, GroupedExperts)) and not isinstance(module, QuantizedExperts):
+            out.append((name, module))
+    return out
+
+
+def _set(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, attr, module)
+
+
+@torch.no_grad()
+def quantize(
+    model: nn.Module,
+    method: Method,
+    group_size: int | None = None,
+    include_head: bool = False,
+    kernel: Kernel = "auto",
+) -> nn.Module:
+    """Replace `model`'s linear layers (and MoE experts; and the head with include_head) by quantized ones, in
+    place; returns the model. int8 defaults to one scale per output row, int4 to groups of 32."""
+    if quantized_spec(model) is not None or any(isinstance(m, QuantizedLinear) for m in model.modules()):
+        raise InputError("the model is already quantized (quantize a float model, or load the float checkpoint)")
+    if method == "int4" and group_size is None:
+        group_size = 32
+    spec = QuantSpec(method, group_size, include_head)
+    for name, module in _targets(model, spec):
+        _set(model, name, _quantized(module, spec, name, kernel))
+    if include_head and getattr(model, "head", "absent") is None:  # tied: a quantized copy of the embedding
+        embed = model.get_submodule("embed")
+        head = nn.Linear(embed.weight.shape[1], embed.weight.shape[0], bias=False, device=embed.weight.device)
+        head.weight.data = embed.weight.detach()
+        model.head = _quantized(head, spec, "head", kernel)
+    model.quantization = spec
+    return model
+
+
+def _quantized(module: nn.Module, spec: QuantSpec, name: str, kernel: Kernel) -> nn.Module:
+    method, group = spec.for_layer(name)
+    if isinstance(module, GroupedExperts):
+        return QuantizedExperts.from_experts(module, method, group)
+    assert isinstance(module, nn.Linear)
+    if method == "int8":
+        return Int8Linear.from_linear(module, group, kernel)
+    return Int4Linear.from_linear(module, group or 32, kernel)
+
+
+def apply_spec(model: nn.Module, spec: QuantSpec, device: torch.device | str | None = "meta") -> nn.Module:
+    """Give a freshly built (meta-device) model the quantized structure of `spec`, with empty weights, so that a
+    quantized checkpoint's state dict loads into it."""
+    for name, module in _targets(model, spec):
+        method, group = spec.for_layer(name)
+        shell: nn.Module
+        if isinstance(module, GroupedExperts):
+            shell = QuantizedExperts.empty(module, method, group, device)
+        else:
+            assert isinstance(module, nn.Linear)
+            cls = Int8Linear if method == "int8" else Int4Linear
+            shell = cls(module.in_features, module.out_features, module.bias is not None, group, device=device)  # type: ignore[arg-type]
+        _set(model, name, shell)
+    if spec.include_head and getattr(model, "head", "absent") is None:
+        vocab, dim = model.get_submodule("embed").weight.shape
+        method, group = spec.for_layer("head")
+        cls = Int8Linear if method == "int8" else Int4Linear
+        model.head = cls(dim, vocab, False, group, device=device)  # type: ignore[arg-type]
+    model.quantization = spec
+    return model
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer a forward pass reads as weights (codes and scales for quantized layers;
+    non-persistent buffers such as rotary tables excluded)."""
+    total = 0
+    for module in model.modules():
+        persistent = {n for n in module._buffers if n not in module._non_persistent_buffers_set}
+        total += sum(p.numel() * p.element_size() for p in module._parameters.values() if p is not None)
+        total += sum(b.numel() * b.element_size() for n, b in module._buffers.items() if b is not None and n in persistent)
+    return total
+
+
+def parameter_count(model: nn.Module) -> int:
+    """The model's parameters counted as weights, quantized or not (a quantized (N, K) layer counts N * K)."""
+    total = sum(p.numel() for p in model.parameters())
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            total += module.in_features * module.out_features
+    return total
+
+
+def describe(model: nn.Module) -> str:
+    """'225.0 MB of weights (int4 g32: 210 layers, int8 g32: 1 layer)', or '538.1 MB of weights (fp32)'."""
+    kinds: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            g = "" if module.group_size is None else f" g{module.group_size}"
+            key = f"int{module.bits}{g}"
+            kinds[key] = kinds.get(key, 0) + 1
+    floats = {str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()}
+    parts = [f"{k}: {n} layer{'s' if n > 1 else ''}" for k, n in kinds.items()] or sorted(floats)
+    return f"{weight_bytes(model) / 1e6:.1f} MB of weights ({', '.join(parts)})"

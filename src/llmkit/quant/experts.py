@@ -1,0 +1,73 @@
+"""MoE experts with quantized weights: GroupedExperts' computation over weights held as int8 or int4 codes.
+
+The stacked expert weights (E, out, in) are quantized row by row, each stack as one (E * out, in) quantized matrix,
+so every expert row gets its own scales exactly as a linear layer's rows do. `w1`, `w2`, `w3` read back the
+dequantized stacks, which GroupedExperts' grouped, gathered and one-by-one paths then use unchanged: the weights are
+small at rest, and each forward dequantizes the stacks it reads (no fused quantized grouped kernel yet).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from llmkit.layers.moe import ACTIVATIONS, GroupedExperts
+from llmkit.quant.linear import Int4Linear, Int8Linear, QuantizedLinear
+
+
+def _stack(method: str, rows: int, cols: int, group: int | None, device: torch.device | str | None) -> QuantizedLinear:
+    if method == "int8":
+        return Int8Linear(cols, rows, False, group, kernel="dequant", device=device)
+    return Int4Linear(cols, rows, False, group or 32, kernel="dequant", device=device)
+
+
+class QuantizedExperts(GroupedExperts):
+    """GroupedExperts whose w1, w3 (E, I, C) and w2 (E, C, I) are stored quantized (q1, q3, q2)."""
+
+    def __init__(self, experts: GroupedExperts, method: str, group: int | None, device: torch.device | str | None):
+        nn.Module.__init__(self)  # GroupedExperts' own __init__ would allocate the float stacks
+        self.kind, self.activation = experts.kind, experts.activation
+        self.act = ACTIVATIONS[experts.activation]
+        E, hidden, dim = experts.w1.shape
+        self.shape = (E, hidden, dim)
+        self.q1 = _stack(method, E * hidden, dim, group, device)
+        self.q2 = _stack(method, E * dim, hidden, group, device)
+        self.q3 = _stack(method, E * hidden, dim, group, device) if experts.w3 is not None else None
+
+    @classmethod
+    @torch.no_grad()
+    def from_experts(cls, experts: GroupedExperts, method: str, group: int | None) -> QuantizedExperts:
+        out = cls(experts, method, group, experts.w1.device)
+        for q, w in ((out.q1, experts.w1), (out.q2, experts.w2), (out.q3, experts.w3)):
+            if q is not None and w is not None:
+                q.load_weight(w.detach().reshape(-1, w.shape[2]))
+                q.to(w.dtype)
+        return out
+
+    @classmethod
+    def empty(
+        cls, experts: GroupedExperts, method: str, group: int | None, device: torch.device | str | None
+    ) -> QuantizedExperts:
+        return cls(experts, method, group, device)
+
+    def _stacked(self, q: QuantizedLinear, out: int, inp: int) -> Tensor:
+        return q.dequantize(q.compute_dtype).view(self.shape[0], out, inp)
+
+    @property  # type: ignore[override]
+    def w1(self) -> Tensor:
+        E, hidden, dim = self.shape
+        return self._stacked(self.q1, hidden, dim)
+
+    @property  # type: ignore[override]
+    def w2(self) -> Tensor:
+        E, hidden, dim = self.shape
+        return self._stacked(self.q2, dim, hidden)
+
+    @property  # type: ignore[override]
+    def w3(self) -> Tensor | None:
+        E, hidden, dim = self.shape
+        return self._stacked(self.q3, hidden, dim) if self.q3 is not None else None
+
+    def extra_repr(self) -> str:
+        E, hidden, dim = self.shape
+        return f"n_experts={E}, dim={dim}, hidden={hidden}, kind={self.kind}, int{self.q1.bits}"

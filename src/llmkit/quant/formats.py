@@ -1,0 +1,113 @@
+"""Weight formats: how a float matrix becomes int8 or int4 codes with scales, and back. Pure tensor functions.
+
+int8, symmetric:   w[n, k] ~= q[n, k] * scale[n, g(k)]               q in [-127, 127]
+int4, asymmetric:  w[n, k] ~= q[n, k] * scale[n, g(k)] + zero[n, g(k)]    q in [0, 15]
+
+g(k) = k // group_size is the group of column k; group_size None means one group per output row (per-channel).
+int4 codes are stored two to a byte, (N, K // 2) uint8: column 2j in the low nibble, 2j + 1 in the high one.
+
+llama.cpp's blocks of 32 weights are exactly these formats with group_size 32 (`from_gguf_blocks`):
+    Q8_0  (fp16 d, 32 x int8 q):              w = d * q
+    Q4_0  (fp16 d, 16 bytes of nibbles):      w = d * (q - 8)         -> scale d, zero -8 d
+    Q4_1  (fp16 d, fp16 m, 16 bytes):         w = d * q + m           -> scale d, zero m
+with a block's 32 codes stored as 16 bytes holding q[j] in the low and q[j + 16] in the high nibble of byte j.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from llmkit.errors import InputError
+
+GGUF_BLOCK = 32
+
+
+def groups_of(in_features: int, group_size: int | None) -> int:
+    """How many scale groups a row of `in_features` has; a group size that does not divide it is an error."""
+    if group_size is None:
+        return 1
+    if group_size < 1 or in_features % group_size:
+        raise InputError(f"group_size={group_size} does not divide the input width {in_features}")
+    return in_features // group_size
+
+
+def _grouped(w: Tensor, group_size: int | None) -> Tensor:
+    """(N, K) -> (N, G, K // G) float32."""
+    N, K = w.shape
+    return w.float().reshape(N, groups_of(K, group_size), -1)
+
+
+def quantize_int8(w: Tensor, group_size: int | None = None) -> tuple[Tensor, Tensor]:
+    """(N, K) float -> codes (N, K) int8 and scales (N, G) float32, symmetric, rounding to nearest."""
+    g = _grouped(w, group_size)
+    scale = g.abs().amax(-1) / 127  # (N, G)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero group: any scale gives zeros
+    q = torch.round(g / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.reshape(w.shape), scale
+
+
+def dequantize_int8(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """codes (N, K) int8, scales (N, G) -> (N, K) in `dtype`."""
+    N, K = q.shape
+    return (q.float().reshape(N, scale.shape[1], -1) * scale[..., None]).reshape(N, K).to(dtype)
+
+
+def quantize_int4(w: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(N, K) float -> codes (N, K // 2) uint8 (packed), scales and zeros (N, G) float32: each group's range
+    [min, max] split into 15 steps."""
+    g = _grouped(w, group_size)
+    lo, hi = g.amin(-1), g.amax(-1)  # (N, G)
+    scale = (hi - lo) / 15
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    return pack_int4(q.reshape(w.shape)), scale, lo
+
+
+def dequantize_int4(packed: Tensor, scale: Tensor, zero: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """codes (N, K // 2) packed uint8, scales and zeros (N, G) -> (N, K) in `dtype`."""
+    q = unpack_int4(packed)
+    N, K = q.shape
+    g = q.float().reshape(N, scale.shape[1], -1)
+    return (g * scale[..., None] + zero[..., None]).reshape(N, K).to(dtype)
+
+
+def pack_int4(q: Tensor) -> Tensor:
+    """(N, K) codes in [0, 15] -> (N, K // 2) uint8: even columns in the low nibble."""
+    if q.shape[-1] % 2:
+        raise InputError(f"int4 needs an even input width, got {q.shape[-1]}")
+    q = q.to(torch.uint8)
+    return q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def unpack_int4(packed: Tensor) -> Tensor:
+    """(N, K // 2) uint8 -> (N, K) uint8 codes in [0, 15]."""
+    return torch.stack((packed & 15, packed >> 4), dim=-1).reshape(*packed.shape[:-1], -1)
+
+
+# ---- llama.cpp's blocks
+
+GGUF_KINDS = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}
+
+
+def from_gguf_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> dict[str, Tensor]:
+    """The raw bytes of a GGUF tensor of type Q8_0, Q4_0 or Q4_1 with logical shape (N, K) -> our tensors, exactly:
+    {"qweight", "scales"} for int8, {"qweight", "scales", "zeros"} for int4, group size 32."""
+    N, K = shape
+    G = K // GGUF_BLOCK
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(N, G, -1)  # (N, G, bytes per block)
+
+    def f16(start: int) -> Tensor:  # a half-precision field of every block -> (N, G) float32
+        return torch.from_numpy(blocks[..., start : start + 2].copy().view(np.float16)[..., 0].astype(np.float32))
+
+    d = f16(0)
+    if kind == "Q8_0":
+        q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).reshape(N, K)
+        return {"qweight": q, "scales": d}
+    if kind not in ("Q4_0", "Q4_1"):
+        raise InputError(f"GGUF type {kind} has no exact llmkit format")
+    nibbles = torch.from_numpy(blocks[..., -16:].copy())  # (N, G, 16)
+    codes = torch.cat((nibbles & 15, nibbles >> 4), dim=-1)  # (N, G, 32): ggml's order, low nibbles first
+    zero = -8 * d if kind == "Q4_0" else f16(2)
+    return {"qweight": pack_int4(codes.reshape(N, K)), "scales": d, "zeros": zero}

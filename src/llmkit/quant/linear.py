@@ -1,0 +1,214 @@
+"""Linear layers with quantized weights: nn.Linear's interface (in_features, out_features, bias, forward(x), and a
+`weight` that reads back the dequantized matrix), weights held as int8 or int4 codes with fp32 scales.
+
+    Int8Linear(in, out, bias, group_size=None)   qweight (N, K) int8, scales (N, G)
+    Int4Linear(in, out, bias, group_size=32)     qweight (N, K // 2) uint8, scales and zeros (N, G)
+
+The state dict holds exactly those tensors (and bias), so a quantized model saves and loads like any other. The
+forms a kernel wants (FBGEMM's packed int8, torch's int4 tile layout) are derived, never saved: they are rebuilt
+whenever the layer is loaded or moved, never inside forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from llmkit.errors import InputError
+from llmkit.layers.precision import FP32Buffers
+from llmkit.quant import kernels
+from llmkit.quant.formats import dequantize_int4, dequantize_int8, groups_of, quantize_int4, quantize_int8
+from llmkit.quant.kernels import Kernel
+
+
+class QuantizedLinear(FP32Buffers):
+    """What Int8Linear and Int4Linear share: shapes, bias, the compute dtype, the kernel choice."""
+
+    bits: ClassVar[int]
+    fp32_buffers = ("scales", "zeros")
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        group_size: int | None,
+        kernel: Kernel = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if kernel not in kernels.KERNELS:
+            raise InputError(f"kernel={kernel!r} is not one of {', '.join(kernels.KERNELS)}")
+        self.in_features, self.out_features = in_features, out_features
+        self.group_size = group_size
+        self.n_groups = groups_of(in_features, group_size)
+        self.kernel: Kernel = kernel
+        dtype = dtype or torch.get_default_dtype()
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
+        # follows the model's casts (model.to(torch.bfloat16)): the dtype `weight` dequantizes to
+        self.register_buffer("dtype_probe", torch.empty(0, device=device, dtype=dtype), persistent=False)
+        self._prepared: Any = None
+        self.register_load_state_dict_post_hook(lambda module, _: module.prepare())
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.dtype_probe.dtype
+
+    @property
+    def weight(self) -> Tensor:
+        """The dequantized (N, K) matrix in the compute dtype (for code that reads a linear layer's weight)."""
+        return self.dequantize(self.compute_dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        raise NotImplementedError
+
+    def prepare(self) -> None:
+        """Build the kernel's form of the weights for the current device (after loading or moving)."""
+
+    def weight_bytes(self) -> int:
+        """Bytes of codes and scales (what a matrix product reads), bias excluded."""
+        return sum(b.numel() * b.element_size() for n, b in self._buffers.items() if b is not None and n != "dtype_probe")
+
+    def _apply(self, fn: Any, recurse: bool = True) -> QuantizedLinear:
+        super()._apply(fn, recurse)
+        if not self.dtype_probe.is_meta:
+            self.prepare()
+        return self
+
+    def _kernel(self, x: Tensor) -> Kernel:
+        if self.kernel != "auto":
+            return self.kernel
+        return kernels.choose(
+            self.bits, x.device, x.dtype, self.group_size is None, self.in_features, self.group_size or 32
+        )
+
+    def extra_repr(self) -> str:
+        g = "per-channel" if self.group_size is None else f"group_size={self.group_size}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"int{self.bits}, {g}, kernel={self.kernel}"
+        )
+
+
+class Int8Linear(QuantizedLinear):
+    """int8 codes, symmetric, one scale per output row (group_size None) or per group of inputs."""
+
+    bits = 8
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        group_size: int | None = None,
+        kernel: Kernel = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias, group_size, kernel, device, dtype)
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("scales", torch.ones(out_features, self.n_groups, device=device))
+        self.zeros: Tensor | None = None
+        if self.qweight.device.type != "meta":
+            self.prepare()
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int | None = None, kernel: Kernel = "auto") -> Int8Linear:
+        w = linear.weight.detach()
+        out = cls(linear.in_features, linear.out_features, linear.bias is not None, group_size, kernel, w.device, w.dtype)
+        out.load_weight(w, linear.bias)
+        return out
+
+    @torch.no_grad()
+    def load_weight(self, w: Tensor, bias: Tensor | None = None) -> None:
+        q, s = quantize_int8(w, self.group_size)
+        self.qweight.copy_(q)
+        self.scales.copy_(s)
+        if bias is not None and self.bias is not None:
+            self.bias.copy_(bias)
+        self.prepare()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        return dequantize_int8(self.qweight, self.scales, dtype)
+
+    def prepare(self) -> None:
+        self._prepared = None
+        if self.qweight.device.type == "cpu" and self.group_size is None and kernels.fbgemm_available():
+            if self.kernel == "int8-dyn":
+                self._prepared = kernels.prepack_int8_dynamic(self.qweight, self.scales, self.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        kernel = self._kernel(x)
+        if kernel == "int8-dyn" and self._prepared is not None and x.dtype == torch.float32:
+            return kernels.int8_dynamic(x, self._prepared)
+        if kernel == "int8-wo" and self.group_size is None:
+            return kernels.int8_weight_only(x, self.qweight, self.scales, self.bias)
+        return kernels.dequantized(x, self.dequantize(x.dtype), self.bias)
+
+
+class Int4Linear(QuantizedLinear):
+    """int4 codes, asymmetric, a scale and a zero per group of `group_size` inputs."""
+
+    bits = 4
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        group_size: int = 32,
+        kernel: Kernel = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if group_size is None:
+            raise InputError("int4 needs a group size (32, 64 or 128)")
+        super().__init__(in_features, out_features, bias, group_size, kernel, device, dtype)
+        if in_features % 2:
+            raise InputError(f"int4 needs an even input width, got {in_features}")
+        self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("scales", torch.ones(out_features, self.n_groups, device=device))
+        self.register_buffer("zeros", torch.zeros(out_features, self.n_groups, device=device))
+        if self.qweight.device.type != "meta":
+            self.prepare()
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = 32, kernel: Kernel = "auto") -> Int4Linear:
+        w = linear.weight.detach()
+        out = cls(linear.in_features, linear.out_features, linear.bias is not None, group_size, kernel, w.device, w.dtype)
+        out.load_weight(w, linear.bias)
+        return out
+
+    @torch.no_grad()
+    def load_weight(self, w: Tensor, bias: Tensor | None = None) -> None:
+        q, s, z = quantize_int4(w, self.group_size or 32)
+        self.qweight.copy_(q)
+        self.scales.copy_(s)
+        self.zeros.copy_(z)
+        if bias is not None and self.bias is not None:
+            self.bias.copy_(bias)
+        self.prepare()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        return dequantize_int4(self.qweight, self.scales, self.zeros, dtype)
+
+    def prepare(self) -> None:
+        self._prepared = None
+        dev = self.qweight.device
+        want = self.kernel == "int4-wo" or (
+            self.kernel == "auto"
+            and kernels.choose(4, dev, self.compute_dtype, False, self.in_features, self.group_size or 32) == "int4-wo"
+        )
+        if want and self.group_size in kernels.INT4_GROUPS and (dev.type == "cpu" or self.in_features % 128 == 0):
+            self._prepared = kernels.prepack_int4(self.qweight, self.scales, self.zeros, dev)
+
+    def forward(self, x: Tensor) -> Tensor:
+        kernel = self._kernel(x)
+        ok_dtype = x.dtype == torch.bfloat16 if x.device.type == "cuda" else True
+        if kernel == "int4-wo" and self._prepared is not None and ok_dtype:
+            w, sz = self._prepared
+            return kernels.int4_weight_only(x, w, sz, self.group_size or 32, self.bias)
+        return kernels.dequantized(x, self.dequantize(x.dtype), self.bias)

@@ -1,0 +1,177 @@
+"""Weight quantization: the formats round-trip within half a step, every kernel equals the dequantized reference
+within its precision, every tiny preset quantizes and decodes with its cache exactly as its own uncached forward,
+and a quantized checkpoint saves and loads to identical outputs."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmkit import build_model, get_preset
+from llmkit.errors import InputError
+from llmkit.generate import generate
+from llmkit.interop.checkpoint import load_llmkit, save_llmkit
+from llmkit.models import DecoderLM, EncoderDecoder
+from llmkit.presets import PRESETS
+from llmkit.quant import Int4Linear, Int8Linear, QuantizedExperts, describe, parameter_count, quantize, weight_bytes
+from llmkit.quant.formats import (
+    dequantize_int4,
+    dequantize_int8,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
+)
+
+TINY = [n for n in PRESETS if n.endswith("-tiny")]
+
+
+def tiny(name: str) -> torch.nn.Module:
+    cfg = get_preset(name)
+    if cfg.moe is not None:  # route every token: capacity limits couple tokens across a batch
+        cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, capacity_factor=None))
+    torch.manual_seed(0)
+    return build_model(cfg).eval()
+
+
+# ---- formats
+
+
+@pytest.mark.parametrize("group", [None, 32])
+def test_int8_round_trip_is_within_half_a_step(group):
+    w = torch.randn(48, 128) * torch.logspace(-2, 1, 48)[:, None]  # rows of very different ranges
+    q, s = quantize_int8(w, group)
+    assert q.dtype == torch.int8 and s.shape == (48, 1 if group is None else 128 // group)
+    err = (dequantize_int8(q, s) - w).abs().reshape(48, s.shape[1], -1)
+    assert (err <= s[..., None] / 2 + 1e-7).all()
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_round_trip_is_within_half_a_step(group):
+    w = torch.randn(40, 256)
+    packed, s, z = quantize_int4(w, group)
+    assert packed.shape == (40, 128) and packed.dtype == torch.uint8
+    err = (dequantize_int4(packed, s, z) - w).abs().reshape(40, 256 // group, -1)
+    assert (err <= s[..., None] / 2 + 1e-6).all()
+    # the ends of each group's range are represented exactly (up to rounding of the arithmetic)
+    deq = dequantize_int4(packed, s, z).reshape(40, 256 // group, -1)
+    g = w.reshape(40, 256 // group, -1)
+    torch.testing.assert_close(deq.amin(-1), g.amin(-1))
+
+
+def test_int4_packing_is_invertible_and_low_nibble_first():
+    q = torch.randint(0, 16, (5, 64), dtype=torch.uint8)
+    assert torch.equal(unpack_int4(pack_int4(q)), q)
+    assert pack_int4(torch.tensor([[3, 12]])).item() == 3 | (12 << 4)
+
+
+# ---- kernels against the dequantized reference
+
+
+@pytest.mark.parametrize(
+    ("cls", "kernel", "tol"),
+    [
+        (Int8Linear, "dequant", 0.0),
+        (Int8Linear, "int8-wo", 1e-5),  # torch's weight-only kernel: same products, another summation order
+        (Int4Linear, "dequant", 0.0),
+        (Int4Linear, "int4-wo", 1e-5),
+        (Int8Linear, "int8-dyn", 0.05),  # activations rounded to 7 bits per call: ~1-2% of the output's range
+    ],
+)
+def test_every_kernel_equals_the_dequantized_reference(cls, kernel, tol):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 96, bias=True)
+    layer = cls.from_linear(linear, kernel=kernel)
+    x = torch.randn(3, 5, 256)
+    reference = F.linear(x, layer.dequantize(), linear.bias)
+    out = layer(x)
+    assert out.shape == reference.shape
+    scale = reference.abs().max()
+    assert (out - reference).abs().max() <= tol * scale + 1e-6
+
+
+def test_weight_reads_back_the_dequantized_matrix_in_the_compute_dtype():
+    layer = Int4Linear.from_linear(torch.nn.Linear(64, 32))
+    assert layer.weight.dtype == torch.float32
+    layer.to(torch.bfloat16)
+    assert layer.weight.dtype == torch.bfloat16 and layer.scales.dtype == torch.float32
+    assert layer.qweight.dtype == torch.uint8
+
+
+# ---- models
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("name", TINY)
+def test_every_tiny_preset_quantizes_and_its_cache_matches_its_uncached_forward(name, method):
+    model = tiny(name)
+    float_bytes = weight_bytes(model)
+    n_params = parameter_count(model)
+    quantize(model, method, group_size=16 if method == "int4" else None)
+    left = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "head"]
+    assert not left, f"every linear layer but the head is quantized, not {left}"
+    if model.cfg.moe is not None:
+        assert any(isinstance(m, QuantizedExperts) for m in model.modules())
+    assert weight_bytes(model) < float_bytes and parameter_count(model) == n_params
+    torch.manual_seed(1)
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 6))
+    if isinstance(model, EncoderDecoder):
+        with torch.no_grad():
+            assert torch.isfinite(model(tokens, tokens)).all()
+        return
+    assert isinstance(model, DecoderLM)
+    out = generate(model, tokens, max_new_tokens=5).tokens
+    seq = tokens
+    with torch.no_grad():
+        for _ in range(5):  # greedy by recomputing the whole sequence each step, no cache
+            seq = torch.cat((seq, model(seq)[:, -1].argmax(-1, keepdim=True)), dim=1)
+    assert torch.equal(out, seq)
+
+
+@pytest.mark.parametrize(
+    ("name", "method", "group", "head"),
+    [("llama2-7b-tiny", "int8", None, True), ("gpt2-tiny", "int4", 32, True), ("mixtral-8x7b-tiny", "int4", 16, False)],
+)
+def test_quantize_save_load_gives_identical_outputs(tmp_path, name, method, group, head):
+    model = quantize(tiny(name), method, group_size=group, include_head=head)
+    save_llmkit(model, tmp_path / "q")
+    loaded = load_llmkit(tmp_path / "q").model.eval()
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(model(tokens), loaded(tokens))
+    assert describe(loaded) == describe(model)
+    with torch.no_grad():  # and in bf16 when asked
+        bf16 = load_llmkit(tmp_path / "q", dtype=torch.bfloat16).model.eval()
+        assert bf16(tokens).dtype == torch.bfloat16
+
+
+def test_a_tied_head_is_quantized_from_the_embedding():
+    model = tiny("gpt2-tiny")
+    assert model.cfg.tie_embeddings and model.head is None
+    reference = copy.deepcopy(model)
+    quantize(model, "int8", include_head=True)
+    assert isinstance(model.head, Int8Linear)
+    assert torch.equal(model.embed.weight, reference.embed.weight), "the embedding lookup stays in float"
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 7))
+    with torch.no_grad():
+        a, b = model(tokens), reference(tokens)
+    assert (a - b).abs().max() < 0.05 * b.abs().max()
+
+
+def test_bad_requests_are_clear_errors():
+    model = tiny("llama2-7b-tiny")
+    with pytest.raises(InputError, match="does not divide"):
+        quantize(copy.deepcopy(model), "int4", group_size=128)  # widths are 64
+    with pytest.raises(InputError, match="even"):
+        quantize(copy.deepcopy(model), "int4", group_size=3)
+    with pytest.raises(InputError, match="method"):
+        quantize(copy.deepcopy(model), "int3")  # type: ignore[arg-type]
+    quantize(model, "int8")
+    with pytest.raises(InputError, match="already quantized"):
+        quantize(model, "int4")
+    with pytest.raises(InputError, match="kernel"):
+        Int8Linear(8, 8, kernel="fast")  # type: ignore[arg-type]
