@@ -147,7 +147,7 @@ def test_gpu_serving_engine_equals_generate(name):
 def test_gpu_quantized_models_match_the_cpu(name, method):
     """A quantized model on the GPU (torch's int8 / int4 weight-only kernels where they apply, bf16 for int4)
     computes what the same quantized model computes on the CPU, and decodes with its cache."""
-    from llmkit.quant import QuantizedLinear, quantize
+    from llmkit.quant import quantize
 
     cpu, _ = pair(name)
     quantize(cpu, method, group_size=32 if method == "int4" else None)
@@ -157,11 +157,25 @@ def test_gpu_quantized_models_match_the_cpu(name, method):
         expected = cpu(tokens)
         got = gpu(tokens.cuda()).cpu()
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-        if method == "int4":  # the bf16 int4 kernel
-            bf16 = gpu.to(torch.bfloat16)
-            assert any(m._prepared is not None for m in bf16.modules() if isinstance(m, QuantizedLinear))
-            out = bf16(tokens.cuda()).float().cpu()
-            assert (out - expected).abs().max() < 0.05 * expected.abs().max() + 0.05
-            gpu = gpu.float()
+        bf16 = __import__("copy").deepcopy(gpu).to(torch.bfloat16)
+        out = bf16(tokens.cuda()).float().cpu()
+        assert (out - expected).abs().max() < 0.05 * expected.abs().max() + 0.05
     out = generate(gpu, tokens.cuda(), max_new_tokens=6).tokens.cpu()
     assert torch.equal(out, generate(cpu, tokens, max_new_tokens=6).tokens)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_gpu_quantized_kernels_match_the_dequantized_reference(bits):
+    """torch's CUDA weight-only kernels (int8: fp32/bf16; int4: bf16 with widths a multiple of 128), as `auto`
+    picks them, against F.linear with the dequantized weight."""
+    from llmkit.quant import Int4Linear, Int8Linear
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 384, bias=True)
+    layer = (Int8Linear if bits == 8 else Int4Linear).from_linear(linear).to("cuda", torch.bfloat16)
+    assert layer.resolved == ("int8-wo" if bits == 8 else "int4-wo")
+    x = torch.randn(5, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        reference = torch.nn.functional.linear(x.float(), layer.dequantize(), layer.bias.float())
+        out = layer(x).float()
+    assert (out - reference).abs().max() < 0.02 * reference.abs().max()

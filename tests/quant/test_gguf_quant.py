@@ -71,12 +71,29 @@ def test_the_file_loads_kept_quantized_with_identical_logits(pair):
     tokens = torch.randint(0, q.model.cfg.vocab_size, (2, 12))
     with torch.no_grad():
         assert torch.equal(q.model(tokens), f.model(tokens))
-    # the fast path where this machine has one (auto), greedy, against the dequantized model
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+
+
+def test_greedy_output_of_the_fast_path_equals_the_dequantized_model_or_differs_at_a_near_tie(pair):
+    """The kernels `auto` picks on this machine (llmkit's AVX2 ones round activations to int8 per block of 32, as
+    llama.cpp does) against exact fp32 arithmetic on the same weights: each continuation is the same, or the first
+    token where it differs was a near-tie for the exact model (top two logits within 2% of the logit range)."""
+    q, f = pair
     _kernels(q.model, "auto")
-    prompt = torch.tensor([q.tokenizer.encode("The capital of France is")])
-    a = generate(q.model, prompt, max_new_tokens=12).tokens
-    b = generate(f.model, prompt, max_new_tokens=12).tokens
-    assert torch.equal(a, b)
+    for text in PROMPTS:
+        prompt = torch.tensor([q.tokenizer.encode(text)])
+        a = generate(q.model, prompt, max_new_tokens=24).tokens[0]
+        b = generate(f.model, prompt, max_new_tokens=24).tokens[0]
+        if torch.equal(a, b):
+            continue
+        first = int((a != b).nonzero()[0])
+        with torch.no_grad():
+            logits = f.model(b[None, :first])[0, -1]
+        top = logits.topk(2).values
+        margin = float((top[0] - top[1]) / (logits.max() - logits.min()))
+        assert margin < 0.02, f"{text!r}: differs at token {first - prompt.shape[1]} with margin {margin:.4f}"
 
 
 def test_torch_int4_kernel_matches_within_its_precision(pair):
@@ -102,9 +119,15 @@ def test_int8_perplexity_is_within_one_percent_of_fp32(pair):
     ids = torch.tensor([f.tokenizer.encode(text)[:513]])
 
     def perplexity(model: torch.nn.Module) -> float:
+        """Fed 32 tokens at a time through the cache: the row counts of decoding and chunked prefill, where the
+        fast kernels run."""
+        cache = model.new_cache(1, 513)
+        nll = 0.0
         with torch.no_grad():
-            logits = model(ids[:, :-1])
-        return math.exp(F.cross_entropy(logits[0].float(), ids[0, 1:]).item())
+            for s in range(0, 512, 32):
+                logits = model(ids[:, s : s + 32], cache=cache)[0]
+                nll += F.cross_entropy(logits.float(), ids[0, s + 1 : s + 33], reduction="sum").item()
+        return math.exp(nll / 512)
 
     base = perplexity(f.model)
     import copy

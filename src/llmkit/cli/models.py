@@ -163,7 +163,8 @@ def quantize(
     from llmkit.interop.checkpoint import save_llmkit
     from llmkit.interop.load import load_model
     from llmkit.models import RNNSeq2Seq
-    from llmkit.quant import describe, quantize as quantize_model
+    from llmkit.quant import describe
+    from llmkit.quant import quantize as quantize_model
     from llmkit.runs import resolve_checkpoint
 
     source = resolve_checkpoint(checkpoint, averaged=False)

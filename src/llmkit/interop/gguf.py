@@ -173,12 +173,11 @@ def fast_kernels(device: torch.device, dtype: torch.dtype) -> bool:
 def _quantized_spec(concrete: list[Concrete], tensors: dict[str, Any], cfg: ModelConfig) -> tuple[Any, list[str]]:
     """Which of our layers take a GGUF tensor over exactly (name -> [method, 32]), and notes on the ones that do
     not. A tied head is quantized from the embedding table when that is stored in an exact format."""
-    from llmkit.quant import QuantSpec
-    from llmkit.quant.formats import GGUF_KINDS
-
     from torch import nn
 
     from llmkit.models import build_model
+    from llmkit.quant import QuantSpec
+    from llmkit.quant.formats import GGUF_KINDS
 
     linears = {n for n, m in build_model(cfg, device="meta").named_modules() if isinstance(m, nn.Linear)}
     layers: dict[str, list[Any]] = {}

@@ -71,7 +71,7 @@ def quantized_spec(model: nn.Module) -> QuantSpec | None:
 
 def _targets(model: nn.Module, spec: QuantSpec) -> list[tuple[str, nn.Module]]:
     """(qualified name, module) of every layer the spec quantizes, in the order of named_modules."""
-    out = []
+    out: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         if (name == "head" and not spec.include_head) or (spec.layers is not None and name not in spec.layers):
             continue
@@ -104,12 +104,18 @@ def quantize(
     for name, module in _targets(model, spec):
         _set(model, name, _quantized(module, spec, name, kernel))
     if include_head and getattr(model, "head", "absent") is None:  # tied: a quantized copy of the embedding
-        embed = model.get_submodule("embed")
-        head = nn.Linear(embed.weight.shape[1], embed.weight.shape[0], bias=False, device=embed.weight.device)
-        head.weight.data = embed.weight.detach()
+        table = _embedding(model)
+        head = nn.Linear(table.shape[1], table.shape[0], bias=False, device=table.device)
+        head.weight.data = table.detach()
         model.head = _quantized(head, spec, "head", kernel)
-    model.quantization = spec
+    model.quantization = spec  # type: ignore[assignment]  # a plain attribute: the record of what was done
     return model
+
+
+def _embedding(model: nn.Module) -> torch.Tensor:
+    weight = model.get_submodule("embed").weight
+    assert isinstance(weight, torch.Tensor)
+    return weight
 
 
 def _quantized(module: nn.Module, spec: QuantSpec, name: str, kernel: Kernel) -> nn.Module:
@@ -136,11 +142,11 @@ def apply_spec(model: nn.Module, spec: QuantSpec, device: torch.device | str | N
             shell = cls(module.in_features, module.out_features, module.bias is not None, group, device=device)  # type: ignore[arg-type]
         _set(model, name, shell)
     if spec.include_head and getattr(model, "head", "absent") is None:
-        vocab, dim = model.get_submodule("embed").weight.shape
+        vocab, dim = _embedding(model).shape
         method, group = spec.for_layer("head")
         cls = Int8Linear if method == "int8" else Int4Linear
         model.head = cls(dim, vocab, False, group, device=device)  # type: ignore[arg-type]
-    model.quantization = spec
+    model.quantization = spec  # type: ignore[assignment]  # a plain attribute: the record of what was done
     return model
 
 
@@ -151,7 +157,9 @@ def weight_bytes(model: nn.Module) -> int:
     for module in model.modules():
         persistent = {n for n in module._buffers if n not in module._non_persistent_buffers_set}
         total += sum(p.numel() * p.element_size() for p in module._parameters.values() if p is not None)
-        total += sum(b.numel() * b.element_size() for n, b in module._buffers.items() if b is not None and n in persistent)
+        total += sum(
+            b.numel() * b.element_size() for n, b in module._buffers.items() if b is not None and n in persistent
+        )
     return total
 
 

@@ -53,19 +53,19 @@ class QuantizedExperts(GroupedExperts):
     def _stacked(self, q: QuantizedLinear, out: int, inp: int) -> Tensor:
         return q.dequantize(q.compute_dtype).view(self.shape[0], out, inp)
 
-    @property  # type: ignore[override]
-    def w1(self) -> Tensor:
-        E, hidden, dim = self.shape
+    @property
+    def w1(self) -> Tensor:  # type: ignore[override]
+        _, hidden, dim = self.shape
         return self._stacked(self.q1, hidden, dim)
 
-    @property  # type: ignore[override]
-    def w2(self) -> Tensor:
-        E, hidden, dim = self.shape
+    @property
+    def w2(self) -> Tensor:  # type: ignore[override]
+        _, hidden, dim = self.shape
         return self._stacked(self.q2, dim, hidden)
 
-    @property  # type: ignore[override]
-    def w3(self) -> Tensor | None:
-        E, hidden, dim = self.shape
+    @property
+    def w3(self) -> Tensor | None:  # type: ignore[override]
+        _, hidden, dim = self.shape
         return self._stacked(self.q3, hidden, dim) if self.q3 is not None else None
 
     def extra_repr(self) -> str:

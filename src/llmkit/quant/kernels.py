@@ -9,6 +9,8 @@ picks by device, dtype and CPU capability; a layer's `kernel` can force one (tes
 dequantized reference):
 
     "dequant"     dequantize W to x's dtype, then F.linear: exact in x's dtype, every device; no speed-up
+    "avx2"        llmkit's own kernels (native.py, cpu_kernel.cpp), x86 CPUs with AVX2, fp32, up to AVX2_MAX_ROWS
+                  rows: x rounded to int8 per block of 32 (llama.cpp's method), integer dot products
     "int8-dyn"    CPU, fp32, int8 per-channel: FBGEMM, activations quantized to 7 bits per call (opt-in: inexact)
     "int8-wo"     torch's weight-only int8 kernel (_weight_int8pack_mm): CUDA, and CPUs with AVX-512
     "int4-wo"     torch's weight-only int4 kernels (_weight_int4pack_mm[_for_cpu]): CUDA bf16, CPUs with AVX-512
@@ -23,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-Kernel = Literal["auto", "dequant", "int8-dyn", "int8-wo", "int4-wo"]
-KERNELS: tuple[Kernel, ...] = ("auto", "dequant", "int8-dyn", "int8-wo", "int4-wo")
+Kernel = Literal["auto", "dequant", "avx2", "int8-dyn", "int8-wo", "int4-wo"]
+KERNELS: tuple[Kernel, ...] = ("auto", "dequant", "avx2", "int8-dyn", "int8-wo", "int4-wo")
+AVX2_MAX_ROWS = 48  # beyond this many rows of x, dequantizing and one fp32 matmul is as fast (measured)
 
 INT4_TILES = 8  # inner k tiles of the CUDA int4 layout: K must be a multiple of 16 * INT4_TILES = 128
 
@@ -44,6 +47,8 @@ def choose(
     bits: int, device: torch.device, dtype: torch.dtype, per_channel: bool, in_features: int, group_size: int = 32
 ) -> Kernel:
     """The fastest exact-enough kernel for a layer on `device` computing in `dtype` (see the module docstring)."""
+    if device.type == "cpu" and dtype == torch.float32 and avx2_applies(per_channel, in_features, group_size):
+        return "avx2"
     if bits == 8:
         if per_channel and (device.type == "cuda" or _avx512()) and hasattr(torch.ops.aten, "_weight_int8pack_mm"):
             return "int8-wo"
@@ -55,6 +60,16 @@ def choose(
     if device.type == "cpu" and _avx512() and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         return "int4-wo"
     return "dequant"
+
+
+def avx2_applies(per_channel: bool, in_features: int, group_size: int) -> bool:
+    """Whether llmkit's AVX2 kernels take this layer: input width a multiple of 32, groups of 32 x 2^k, and the
+    kernels built on this machine (compiled on the first call)."""
+    if in_features % 32 or (not per_channel and group_size not in INT4_GROUPS):
+        return False
+    from llmkit.quant import native
+
+    return native.available()
 
 
 # ---- preparing a layer's weights for a kernel (once, outside forward)

@@ -18,9 +18,20 @@ from torch import Tensor, nn
 
 from llmkit.errors import InputError
 from llmkit.layers.precision import FP32Buffers
-from llmkit.quant import kernels
+from llmkit.quant import kernels, native
 from llmkit.quant.formats import dequantize_int4, dequantize_int8, groups_of, quantize_int4, quantize_int8
 from llmkit.quant.kernels import Kernel
+
+
+def _avx2_rows(x: Tensor) -> bool:
+    """llmkit's AVX2 kernels take fp32 on the CPU, up to kernels.AVX2_MAX_ROWS rows."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and x.numel() <= kernels.AVX2_MAX_ROWS * x.shape[-1]
+
+
+def _rows_apply(x: Tensor, fn: Any, bias: Tensor | None) -> Tensor:
+    """fn over x as a contiguous (M, K) matrix, reshaped back, plus the bias."""
+    y = fn(x.reshape(-1, x.shape[-1]).contiguous()).reshape(*x.shape[:-1], -1)
+    return y + bias if bias is not None else y
 
 
 class QuantizedLinear(FP32Buffers):
@@ -28,6 +39,10 @@ class QuantizedLinear(FP32Buffers):
 
     bits: ClassVar[int]
     fp32_buffers = ("scales", "zeros")
+    qweight: Tensor
+    scales: Tensor
+    zeros: Tensor | None
+    dtype_probe: Tensor
 
     def __init__(
         self,
@@ -51,6 +66,7 @@ class QuantizedLinear(FP32Buffers):
         # follows the model's casts (model.to(torch.bfloat16)): the dtype `weight` dequantizes to
         self.register_buffer("dtype_probe", torch.empty(0, device=device, dtype=dtype), persistent=False)
         self._prepared: Any = None
+        self.resolved: Kernel = "dequant"  # set by prepare()
         self.register_load_state_dict_post_hook(lambda module, _: module.prepare())
 
     @property
@@ -63,6 +79,11 @@ class QuantizedLinear(FP32Buffers):
         return self.dequantize(self.compute_dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The (N, K) matrix the codes stand for."""
+        raise NotImplementedError
+
+    def load_weight(self, w: Tensor, bias: Tensor | None = None) -> None:
+        """Quantize the float matrix `w` (N, K) into this layer (and copy the bias)."""
         raise NotImplementedError
 
     def prepare(self) -> None:
@@ -70,7 +91,9 @@ class QuantizedLinear(FP32Buffers):
 
     def weight_bytes(self) -> int:
         """Bytes of codes and scales (what a matrix product reads), bias excluded."""
-        return sum(b.numel() * b.element_size() for n, b in self._buffers.items() if b is not None and n != "dtype_probe")
+        return sum(
+            b.numel() * b.element_size() for n, b in self._buffers.items() if b is not None and n != "dtype_probe"
+        )
 
     def _apply(self, fn: Any, recurse: bool = True) -> QuantizedLinear:
         super()._apply(fn, recurse)
@@ -78,11 +101,20 @@ class QuantizedLinear(FP32Buffers):
             self.prepare()
         return self
 
-    def _kernel(self, x: Tensor) -> Kernel:
+    def _resolve(self) -> Kernel:
+        """The kernel for the current device and compute dtype (decided when the layer is prepared, not per call,
+        so that forward stays cheap and traceable)."""
+        if self.kernel == "avx2" and not native.available():
+            raise InputError("kernel='avx2' needs an x86 CPU with AVX2 and a C++ compiler (see llmkit.quant.native)")
         if self.kernel != "auto":
             return self.kernel
         return kernels.choose(
-            self.bits, x.device, x.dtype, self.group_size is None, self.in_features, self.group_size or 32
+            self.bits,
+            self.qweight.device,
+            self.compute_dtype,
+            self.group_size is None,
+            self.in_features,
+            self.group_size or 32,
         )
 
     def extra_repr(self) -> str:
@@ -118,7 +150,9 @@ class Int8Linear(QuantizedLinear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int | None = None, kernel: Kernel = "auto") -> Int8Linear:
         w = linear.weight.detach()
-        out = cls(linear.in_features, linear.out_features, linear.bias is not None, group_size, kernel, w.device, w.dtype)
+        out = cls(
+            linear.in_features, linear.out_features, linear.bias is not None, group_size, kernel, w.device, w.dtype
+        )
         out.load_weight(w, linear.bias)
         return out
 
@@ -136,12 +170,15 @@ class Int8Linear(QuantizedLinear):
 
     def prepare(self) -> None:
         self._prepared = None
-        if self.qweight.device.type == "cpu" and self.group_size is None and kernels.fbgemm_available():
-            if self.kernel == "int8-dyn":
-                self._prepared = kernels.prepack_int8_dynamic(self.qweight, self.scales, self.bias)
+        self.resolved = self._resolve()
+        fbgemm = self.qweight.device.type == "cpu" and self.group_size is None and kernels.fbgemm_available()
+        if fbgemm and self.resolved == "int8-dyn":
+            self._prepared = kernels.prepack_int8_dynamic(self.qweight, self.scales, self.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        kernel = self._kernel(x)
+        kernel = self.resolved
+        if kernel == "avx2" and _avx2_rows(x):
+            return _rows_apply(x, lambda x2: native.int8_linear(x2, self.qweight, self.scales), self.bias)
         if kernel == "int8-dyn" and self._prepared is not None and x.dtype == torch.float32:
             return kernels.int8_dynamic(x, self._prepared)
         if kernel == "int8-wo" and self.group_size is None:
@@ -172,13 +209,16 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
         self.register_buffer("scales", torch.ones(out_features, self.n_groups, device=device))
         self.register_buffer("zeros", torch.zeros(out_features, self.n_groups, device=device))
+        self.zeros: Tensor
         if self.qweight.device.type != "meta":
             self.prepare()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 32, kernel: Kernel = "auto") -> Int4Linear:
         w = linear.weight.detach()
-        out = cls(linear.in_features, linear.out_features, linear.bias is not None, group_size, kernel, w.device, w.dtype)
+        out = cls(
+            linear.in_features, linear.out_features, linear.bias is not None, group_size, kernel, w.device, w.dtype
+        )
         out.load_weight(w, linear.bias)
         return out
 
@@ -197,16 +237,19 @@ class Int4Linear(QuantizedLinear):
 
     def prepare(self) -> None:
         self._prepared = None
+        self.resolved = self._resolve()
         dev = self.qweight.device
-        want = self.kernel == "int4-wo" or (
-            self.kernel == "auto"
-            and kernels.choose(4, dev, self.compute_dtype, False, self.in_features, self.group_size or 32) == "int4-wo"
-        )
-        if want and self.group_size in kernels.INT4_GROUPS and (dev.type == "cpu" or self.in_features % 128 == 0):
+        if (
+            self.resolved == "int4-wo"
+            and self.group_size in kernels.INT4_GROUPS
+            and (dev.type == "cpu" or self.in_features % 128 == 0)
+        ):
             self._prepared = kernels.prepack_int4(self.qweight, self.scales, self.zeros, dev)
 
     def forward(self, x: Tensor) -> Tensor:
-        kernel = self._kernel(x)
+        kernel = self.resolved
+        if kernel == "avx2" and _avx2_rows(x):
+            return _rows_apply(x, lambda x2: native.int4_linear(x2, self.qweight, self.scales, self.zeros), self.bias)
         ok_dtype = x.dtype == torch.bfloat16 if x.device.type == "cuda" else True
         if kernel == "int4-wo" and self._prepared is not None and ok_dtype:
             w, sz = self._prepared

@@ -1,0 +1,81 @@
+"""llmkit's own CPU kernels for quantized weights (cpu_kernel.cpp: int4 and int8 products for AVX2 CPUs, the
+method of llama.cpp), compiled with torch.utils.cpp_extension on first use and cached by torch (under
+~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR).
+
+`module()` is None where they cannot run: a CPU without AVX2 and FMA, no C++ compiler, or LLMKIT_NATIVE=0 in the
+environment; the callers then use torch's kernels or dequantize. A failed build is reported once, as a warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_kernel.cpp")
+
+
+def cpu_has_avx2() -> bool:
+    """AVX2 and FMA, read from /proc/cpuinfo (Linux x86); False elsewhere."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    words = set(flags.split())
+    return {"avx2", "fma"} <= words
+
+
+@functools.cache
+def module() -> Any | None:
+    """The compiled kernels, or None (see the module docstring)."""
+    if os.environ.get("LLMKIT_NATIVE", "1") == "0" or not cpu_has_avx2():
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(
+            name="llmkit_quant_cpu",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as e:  # no compiler, no ninja, headers missing: the portable kernels still work
+        warnings.warn(
+            f"llmkit's AVX2 kernels could not be built ({type(e).__name__}: {e}); using torch's", stacklevel=2
+        )
+        return None
+
+
+def available() -> bool:
+    return module() is not None
+
+
+# Registered as torch operators (opaque to torch.compile, which then compiles everything around them instead of
+# breaking its graph at every layer), with shape-only implementations for tracing.
+
+
+@torch.library.custom_op("llmkit::int4_linear", mutates_args=())
+def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """x (M, K) fp32 contiguous @ int4 W^T -> (M, N)."""
+    return module().int4_linear(x.contiguous(), qweight, scales, zeros)  # type: ignore[union-attr]
+
+
+@int4_linear.register_fake
+def _(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], qweight.shape[0])
+
+
+@torch.library.custom_op("llmkit::int8_linear", mutates_args=())
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x (M, K) fp32 contiguous @ int8 W^T -> (M, N)."""
+    return module().int8_linear(x.contiguous(), qweight, scales)  # type: ignore[union-attr]
+
+
+@int8_linear.register_fake
+def _(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], qweight.shape[0])
