@@ -1,0 +1,169 @@
+"""Quantized decoding on the CPU: SmolLM2-135M-Instruct's Q4_1 GGUF file in llmkit (fp32 dequantized, int8, the
+file kept as int4) against llama.cpp on the same file, in one run.
+
+    bash bench/build_llama_server.sh     # once: builds runs/llama.cpp/build/bin/llama-server (~7 minutes)
+    .venv/bin/python bench/quant_bench.py --llama-server runs/llama.cpp/build/bin/llama-server [--new 128]
+
+Greedy decoding of --new tokens after a 32-token prompt (random ids), batch 1 and 8, every row generating exactly
+--new tokens. llmkit runs eager `generate` (and, with --compiled, `generate(compiled=True)`; its one-time
+compilation is reported apart). llama.cpp runs as its server (llama-server, same threads, --parallel 8): batch 1 is
+one request, batch 8 eight concurrent ones; its tokens/s is generated tokens over wall time, like llmkit's (the
+prompt's prefill included on both sides). Also reported: bytes of weights read per token (codes, scales and the
+head; an untied embedding table is not read), the fraction of the memory-bandwidth ceiling that reaches (measured
+in the same run), and perplexity on a held-out Shakespeare play (the last one; 1024 tokens fed 32 at a time through
+the cache, as decoding and chunked prefill feed them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import threading
+import time
+import urllib.request
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from common import measure_limits, report, smollm2_gguf, timed
+from serve_bench import ServerProcess
+
+THREADS = os.cpu_count() or 1
+
+
+def bytes_per_token(model: Any) -> int:
+    """Bytes of weights one decoding step reads: everything but an embedding table (one row per token)."""
+    from llmkit.quant import weight_bytes
+
+    embed = model.embed.weight
+    return weight_bytes(model) - embed.numel() * embed.element_size()
+
+
+def perplexity(model: Any, ids: torch.Tensor) -> float:
+    T = ids.shape[1] - 1
+    cache = model.new_cache(1, T + 1)
+    nll = 0.0
+    with torch.inference_mode():
+        for s in range(0, T, 32):
+            logits = model(ids[:, s : min(s + 32, T)], cache=cache)[0]
+            nll += F.cross_entropy(logits.float(), ids[0, s + 1 : s + 1 + logits.shape[0]], reduction="sum").item()
+    return math.exp(nll / T)
+
+
+def llama_rate(port: int, prompt: list[int], new: int, batch: int) -> float:
+    """Generated tokens/s of `batch` concurrent greedy requests to llama-server."""
+    body = json.dumps(
+        {"prompt": prompt, "n_predict": new, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
+    ).encode()
+
+    def one() -> None:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            out = json.loads(r.read())
+        assert out["tokens_predicted"] == new, out.get("tokens_predicted")
+
+    threads = [threading.Thread(target=one) for _ in range(batch)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return batch * new / (time.perf_counter() - start)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--llama-server", default=None, help="path to llama.cpp's llama-server binary")
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--compiled", action="store_true", help="add compiled llmkit rows (minutes of compilation)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    from llmkit.data.corpus import shakespeare
+    from llmkit.generate import generate
+    from llmkit.interop.gguf import load_gguf
+    from llmkit.quant import describe, quantize
+
+    gguf = smollm2_gguf()
+    limits = measure_limits(precisions=())
+    fp32 = load_gguf(gguf, quantized=False)
+    models = {
+        "fp32": fp32.model.eval(),
+        "int8": quantize(copy.deepcopy(fp32.model), "int8", include_head=True).eval(),
+        "int4 (Q4_1 file)": load_gguf(gguf, quantized=True).model.eval(),
+    }
+    text_ids = fp32.tokenizer.encode(shakespeare()[-1].text)[:1025]
+    ppl = {name: perplexity(m, torch.tensor([text_ids])) for name, m in models.items()}
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, 49152, (1, 32), generator=g)
+    rows: list[dict[str, Any]] = []
+    for name, model in models.items():
+        read = bytes_per_token(model)
+        for batch in (1, 8):
+            x = prompt.repeat(batch, 1)
+            generate(model, x, max_new_tokens=4)
+            seconds = sorted(timed(lambda: generate(model, x, max_new_tokens=args.new))[0] for _ in range(args.repeats))
+            rate = batch * args.new / seconds[len(seconds) // 2]
+            rows.append(_row(name, "eager", batch, rate, read, limits.memory_read, ppl[name], describe(model)))
+            if args.compiled:
+                compile_s, _ = timed(lambda: generate(model, x, max_new_tokens=4, compiled=True))
+                s, _ = timed(lambda: generate(model, x, max_new_tokens=args.new, compiled=True))
+                rows.append(_row(name, "compiled", batch, batch * args.new / s, read, limits.memory_read, ppl[name]))
+                rows[-1]["compile_seconds"] = compile_s
+    if args.llama_server:
+        port = 8714
+        command = [args.llama_server, "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1"]
+        command += ["-t", str(THREADS), "-tb", str(THREADS), "--parallel", "8", "-c", str(8 * 512), "--alias", "q"]
+        with ServerProcess("llama.cpp-decode", command, port):
+            version = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/props", timeout=10).read())
+            for batch in (1, 8):
+                llama_rate(port, prompt[0].tolist(), 4, batch)
+                rates = sorted(llama_rate(port, prompt[0].tolist(), args.new, batch) for _ in range(args.repeats))
+                row = _row("llama.cpp Q4_1", "server", batch, rates[len(rates) // 2], None, limits.memory_read, None)
+                row["build"] = version.get("build_info")
+                rows.append(row)
+    summary = {"threads": THREADS, **limits.as_dict(), "new_tokens": args.new, "prompt": 32, "rows": rows}
+    report(summary, args.json, lambda: print_table(summary, limits))
+
+
+def _row(
+    name: str, mode: str, batch: int, rate: float, read: int | None, bandwidth: float, ppl: float | None, what: str = ""
+) -> dict[str, Any]:
+    return {
+        "weights": name,
+        "mode": mode,
+        "batch": batch,
+        "tokens_per_s": rate,
+        "bytes_per_token": read,
+        "bandwidth_fraction": None if read is None else rate / batch * read / bandwidth,
+        "perplexity": ppl,
+        "describe": what,
+    }
+
+
+def print_table(summary: dict[str, Any], limits: Any) -> None:
+    """The table BENCHMARKS.md quotes."""
+    print(f"SmolLM2-135M-Instruct, {summary['threads']} threads; {limits}; prompt 32, {summary['new_tokens']} new tokens")
+    print(f"{'weights':<17} {'mode':<8} {'batch':>5} {'tok/s':>7} {'MB/token':>9} {'of bandwidth':>12} {'perplexity':>10}")
+    fp32 = {r["batch"]: r["tokens_per_s"] for r in summary["rows"] if r["weights"] == "fp32" and r["mode"] == "eager"}
+    llama = {r["batch"]: r["tokens_per_s"] for r in summary["rows"] if r["weights"].startswith("llama")}
+    for r in summary["rows"]:
+        mb = "" if r["bytes_per_token"] is None else f"{r['bytes_per_token'] / 1e6:.0f}"
+        bw = "" if r["bandwidth_fraction"] is None else f"{100 * r['bandwidth_fraction']:.0f}%"
+        pp = "" if r["perplexity"] is None else f"{r['perplexity']:.2f}"
+        vs = f"  {r['tokens_per_s'] / fp32[r['batch']]:.2f}x fp32" if r["batch"] in fp32 else ""
+        if r["batch"] in llama and not r["weights"].startswith("llama"):
+            vs += f", {r['tokens_per_s'] / llama[r['batch']]:.2f}x llama.cpp"
+        print(
+            f"{r['weights']:<17} {r['mode']:<8} {r['batch']:>5} {r['tokens_per_s']:>7.1f} {mb:>9} {bw:>12} {pp:>10}{vs}"
+        )
+    builds = {r["build"] for r in summary["rows"] if r.get("build")}
+    if builds:
+        print("llama.cpp build:", ", ".join(sorted(builds)))
+
+
+if __name__ == "__main__":
+    main()
