@@ -105,12 +105,13 @@ def main() -> None:
         for batch in (1, 8):
             x = prompt.repeat(batch, 1)
             generate(model, x, max_new_tokens=4)
-            seconds = sorted(timed(lambda: generate(model, x, max_new_tokens=args.new))[0] for _ in range(args.repeats))
+            runs = [timed(lambda m=model, x=x: generate(m, x, max_new_tokens=args.new))[0] for _ in range(args.repeats)]
+            seconds = sorted(runs)
             rate = batch * args.new / seconds[len(seconds) // 2]
             rows.append(_row(name, "eager", batch, rate, read, limits.memory_read, ppl[name], describe(model)))
             if args.compiled:
-                compile_s, _ = timed(lambda: generate(model, x, max_new_tokens=4, compiled=True))
-                s, _ = timed(lambda: generate(model, x, max_new_tokens=args.new, compiled=True))
+                compile_s, _ = timed(lambda m=model, x=x: generate(m, x, max_new_tokens=4, compiled=True))
+                s, _ = timed(lambda m=model, x=x: generate(m, x, max_new_tokens=args.new, compiled=True))
                 rows.append(_row(name, "compiled", batch, batch * args.new / s, read, limits.memory_read, ppl[name]))
                 rows[-1]["compile_seconds"] = compile_s
     if args.llama_server:
@@ -146,8 +147,11 @@ def _row(
 
 def print_table(summary: dict[str, Any], limits: Any) -> None:
     """The table BENCHMARKS.md quotes."""
-    print(f"SmolLM2-135M-Instruct, {summary['threads']} threads; {limits}; prompt 32, {summary['new_tokens']} new tokens")
-    print(f"{'weights':<17} {'mode':<8} {'batch':>5} {'tok/s':>7} {'MB/token':>9} {'of bandwidth':>12} {'perplexity':>10}")
+    new = summary["new_tokens"]
+    print(f"SmolLM2-135M-Instruct, {summary['threads']} threads; {limits}; prompt 32, {new} new tokens")
+    print(
+        f"{'weights':<17} {'mode':<8} {'batch':>5} {'tok/s':>7} {'MB/token':>9} {'of bandwidth':>12} {'perplexity':>10}"
+    )
     fp32 = {r["batch"]: r["tokens_per_s"] for r in summary["rows"] if r["weights"] == "fp32" and r["mode"] == "eager"}
     llama = {r["batch"]: r["tokens_per_s"] for r in summary["rows"] if r["weights"].startswith("llama")}
     for r in summary["rows"]:

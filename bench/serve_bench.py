@@ -11,8 +11,9 @@ output tokens/s, requests/s, time to first token and inter-token latency (p50, p
 sharing a 400-token system prompt, one at a time, with llmkit's prefix cache on and off.
 
 Every server runs in its own process with the same number of threads (the machine's cores); llama.cpp's server gets
-as many parallel slots as the highest concurrency. llmkit serves the file dequantized to fp32 (it has no quantized
-kernels yet); llama.cpp computes on the Q4_1 blocks directly. The llama-server binary is built from the llama.cpp
+as many parallel slots as the highest concurrency. llmkit keeps the file's Q4_1 tensors as int4 where it has fast
+kernels for them (llmkit.quant: its AVX2 kernels on x86 CPUs), else dequantizes to fp32; llama.cpp computes on the
+Q4_1 blocks directly. The llama-server binary is built from the llama.cpp
 sources vendored in the PyPI sdist of llama-cpp-python (bench/build_llama_server.sh).
 """
 

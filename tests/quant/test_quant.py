@@ -188,3 +188,27 @@ def test_bad_requests_are_clear_errors():
         quantize(model, "int4")
     with pytest.raises(InputError, match="kernel"):
         Int8Linear(8, 8, kernel="fast")  # type: ignore[arg-type]
+
+
+def test_the_quantize_command_writes_a_checkpoint_every_command_loads(tmp_path, capsys):
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1]))
+    from helpers import tiny_tokenizer
+
+    from llmkit.cli import main
+
+    torch.manual_seed(0)
+    model = build_model(dataclasses.replace(get_preset("llama2-7b-tiny"), vocab_size=320))
+    save_llmkit(model, tmp_path / "float", tokenizer=tiny_tokenizer())
+    assert main(["quantize", str(tmp_path / "float"), str(tmp_path / "q4"), "--to", "int4", "--group-size", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "int4 g32: 14 layers" in out, out  # 2 blocks x (q, k, v, o, gate, up, down); the head stays float
+    loaded = load_llmkit(tmp_path / "q4").model
+    assert isinstance(loaded.blocks[0].attn.wq, Int4Linear)
+    argv = ["generate", str(tmp_path / "q4"), "--prompt", "to be", "--max-new-tokens", "6", "--temperature", "0"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("to be") and "int4 g32" in captured.err
+    assert main(["quantize", str(tmp_path / "q4"), str(tmp_path / "again"), "--to", "int8"]) != 0
+    assert "already quantized" in capsys.readouterr().err

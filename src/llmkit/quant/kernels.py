@@ -9,8 +9,9 @@ picks by device, dtype and CPU capability; a layer's `kernel` can force one (tes
 dequantized reference):
 
     "dequant"     dequantize W to x's dtype, then F.linear: exact in x's dtype, every device; no speed-up
-    "avx2"        llmkit's own kernels (native.py, cpu_kernel.cpp), x86 CPUs with AVX2, fp32, up to AVX2_MAX_ROWS
-                  rows: x rounded to int8 per block of 32 (llama.cpp's method), integer dot products
+    "avx2"        llmkit's own kernels (native.py, cpu_kernel.cpp), x86 CPUs with AVX2, fp32: x rounded to int8 per
+                  block of 32 (llama.cpp's method), integer dot products. At every row count they were as fast as
+                  dequantizing and one fp32 matmul or faster (bench/quant_kernel_bench.py), so they take all rows
     "int8-dyn"    CPU, fp32, int8 per-channel: FBGEMM, activations quantized to 7 bits per call (opt-in: inexact)
     "int8-wo"     torch's weight-only int8 kernel (_weight_int8pack_mm): CUDA, and CPUs with AVX-512
     "int4-wo"     torch's weight-only int4 kernels (_weight_int4pack_mm[_for_cpu]): CUDA bf16, CPUs with AVX-512
@@ -27,7 +28,6 @@ from torch import Tensor
 
 Kernel = Literal["auto", "dequant", "avx2", "int8-dyn", "int8-wo", "int4-wo"]
 KERNELS: tuple[Kernel, ...] = ("auto", "dequant", "avx2", "int8-dyn", "int8-wo", "int4-wo")
-AVX2_MAX_ROWS = 48  # beyond this many rows of x, dequantizing and one fp32 matmul is as fast (measured)
 
 INT4_TILES = 8  # inner k tiles of the CUDA int4 layout: K must be a multiple of 16 * INT4_TILES = 128
 

@@ -24,8 +24,8 @@ from llmkit.quant.kernels import Kernel
 
 
 def _avx2_rows(x: Tensor) -> bool:
-    """llmkit's AVX2 kernels take fp32 on the CPU, up to kernels.AVX2_MAX_ROWS rows."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and x.numel() <= kernels.AVX2_MAX_ROWS * x.shape[-1]
+    """llmkit's AVX2 kernels take fp32 on the CPU."""
+    return x.device.type == "cpu" and x.dtype == torch.float32
 
 
 def _rows_apply(x: Tensor, fn: Any, bias: Tensor | None) -> Tensor:
