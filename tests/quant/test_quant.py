@@ -212,3 +212,6 @@ def test_the_quantize_command_writes_a_checkpoint_every_command_loads(tmp_path, 
     assert captured.out.startswith("to be") and "int4 g32" in captured.err
     assert main(["quantize", str(tmp_path / "q4"), str(tmp_path / "again"), "--to", "int8"]) != 0
     assert "already quantized" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path / "q4"), "--json"]) == 0  # inspect reads checkpoints, bytes as loaded
+    report = __import__("json").loads(capsys.readouterr().out)
+    assert report["quantization"]["method"] == "int4" and report["weight_bytes_loaded"] == weight_bytes(loaded)

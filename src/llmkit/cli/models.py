@@ -45,6 +45,26 @@ def presets(*, json_: bool = False) -> int:
     return 0
 
 
+def _checkpoint(spec: str) -> Any:
+    """The loaded checkpoint when `spec` is one (a GGUF file, an llmkit or Hugging Face directory), else None."""
+    from llmkit.interop.load import detect_format, load_model
+    from llmkit.interop.safetensors_io import CheckpointError
+
+    p = Path(spec)
+    if not p.exists() or p.suffix == ".json":
+        return None
+    try:
+        detect_format(p)
+    except CheckpointError:
+        return None
+    from llmkit.config import ModelConfig
+
+    loaded = load_model(p)
+    if not isinstance(loaded.model.cfg, ModelConfig):
+        raise LLMKitError(f"{spec}: inspect reports Transformer configs; this is an RNN checkpoint")
+    return loaded
+
+
 def _load_config(spec: str) -> tuple[str, ModelConfig]:
     """A preset name or a ModelConfig JSON file -> (its name, its config)."""
     from llmkit.config import ModelConfig
@@ -63,9 +83,10 @@ def inspect(
     dtype: DType = "bf16",
     compare: str | None = None,
 ) -> int:
-    """Parameters (total, active, by component), weight memory, KV cache and FLOPs of a preset or config file.
+    """Parameters (total, active, by component), weight memory, KV cache and FLOPs of a preset, config file or
+    checkpoint (whose weights in memory are reported as loaded: quantized layers at their own size).
 
-    model: a preset name (see `llmkit presets`) or a ModelConfig JSON file.
+    model: a preset name (see `llmkit presets`), a ModelConfig JSON file, or a checkpoint (llmkit, Hugging Face, GGUF).
     json_: print one JSON object (with --compare, a list).
     seq_len: context length for the KV-cache size and FLOPs (default: the model's max_seq_len; 4096 with --compare).
     dtype: element type for weight and cache bytes.
@@ -76,9 +97,26 @@ def inspect(
     if compare is None:
         if model is None:
             raise LLMKitError("give a preset or config file to inspect, or --compare A,B,...")
-        name, cfg = _load_config(model)
+        loaded = _checkpoint(model)
+        name, cfg = (Path(model).name, loaded.model.cfg) if loaded is not None else _load_config(model)
         report = analyze(cfg, name, seq_len, dtype)
-        print(json.dumps(report.to_dict(), indent=2) if json_ else format_report(report))
+        if loaded is None:
+            print(json.dumps(report.to_dict(), indent=2) if json_ else format_report(report))
+            return 0
+        from llmkit.quant import describe, quantized_spec, weight_bytes
+
+        spec = quantized_spec(loaded.model)
+        extra = {
+            "format": loaded.source,
+            "weight_bytes_loaded": weight_bytes(loaded.model),
+            "weights_loaded": describe(loaded.model),
+            "quantization": spec.to_dict() if spec is not None else None,
+        }
+        if json_:
+            print(json.dumps({**report.to_dict(), **extra}, indent=2))
+        else:
+            print(format_report(report))
+            print(f"  loaded ({loaded.source})  {extra['weights_loaded']}")
         return 0
     specs = [s.strip() for s in compare.split(",") if s.strip()]
     if model is not None:
