@@ -45,7 +45,7 @@ def attend(
     B, H, T, _ = q.shape
     K, S = k.shape[1], k.shape[2]
     mask = mask or AttentionMask()
-    if T == 1 and not need_weights and dropout_p == 0.0:
+    if T == 1 and not need_weights and dropout_p == 0.0 and (torch.compiler.is_compiling() or _heads_first(k)):
         return _one_query(q, k, v, mask, scale), None
     if not need_weights:
         attn_mask, is_causal = mask.for_sdpa(T, S, q.device)
@@ -66,17 +66,23 @@ def attend(
     return out.reshape(B, H, T, -1), weights.reshape(B, H, T, S)
 
 
+def _heads_first(k: Tensor) -> bool:
+    """Keys stored (K, B, S, D) and viewed as (B, K, S, D) (a paged cache's gather)."""
+    return k.shape[1] > 1 and k.shape[0] > 1 and not k.is_contiguous() and k.transpose(0, 1).is_contiguous()
+
+
 def _one_query(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float) -> Tensor:
     """Decoding: one query per row attends to every cached key it may see, with two small grouped matmuls. They
     trace into the compiled decode step as one graph, where SDPA with shared kv heads does not (BENCHMARKS.md has
-    the measurement).
+    the measurement), and they read a paged cache's heads-first keys without a copy. Eager decoding otherwise takes
+    SDPA, one call instead of about a dozen (178 -> 46 us a layer at one row and 100 keys on the 2-core CPU).
     q (B, H, 1, D), k (B, K, S, D), v (B, K, S, Dv) -> (B, H, 1, Dv)."""
     B, H, _, D = q.shape
     K, S = k.shape[1], k.shape[2]
     qg = q.view(B, K, H // K, D)  # (B, K, G, D): the query heads that share each kv head
     allowed = mask.dense(1, S, q.device)  # (B | 1, 1, 1, S) or None
     visible = None if allowed is None else allowed[:, :, 0, :].unsqueeze(2)  # (B | 1, 1, 1, S)
-    heads_first = K > 1 and B > 1 and not k.is_contiguous() and k.transpose(0, 1).is_contiguous()
+    heads_first = _heads_first(k)
     if heads_first:  # keys stored (K, B, S, D) (a paged cache's gather): attend in that order, copying no key
         qg, k, v = qg.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         visible = None if visible is None else visible.transpose(0, 1)
