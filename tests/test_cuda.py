@@ -67,6 +67,7 @@ def test_gpu_cached_decoding_equals_full_forward(name, dtype):
 
 @pytest.mark.parametrize("name", ["llama2-7b-tiny", "mixtral-8x7b-tiny", "deepseek-v3-tiny", "deepseek-v3.2-tiny"])
 def test_gpu_generation_compiled_beam_and_speculative(name):
+    tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False  # greedy tokens compared with the CPU's: no TF32 rounding
     try:
         cpu, gpu = pair(name)
@@ -77,7 +78,7 @@ def test_gpu_generation_compiled_beam_and_speculative(name):
         draft = gpu if not len(gpu.mtp) else None
         assert speculative_generate(gpu, PROMPTS, draft=draft, max_new_tokens=12, k=3).new_tokens == expected
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cuda.matmul.allow_tf32 = tf32  # as it was (the default is off; later tests compare fp32)
 
 
 def _train(tmp_path: Path, precision: str, launcher: tuple[str, ...] = ("-m", "llmkit"), *extra: str) -> list[float]:
