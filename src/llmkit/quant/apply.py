@@ -123,9 +123,11 @@ def _quantized(module: nn.Module, spec: QuantSpec, name: str, kernel: Kernel) ->
     if isinstance(module, GroupedExperts):
         return QuantizedExperts.from_experts(module, method, group)
     assert isinstance(module, nn.Linear)
-    if method == "int8":
-        return Int8Linear.from_linear(module, group, kernel)
-    return Int4Linear.from_linear(module, group or 32, kernel)
+    return _layer_class(method).from_linear(module, group, kernel)
+
+
+def _layer_class(method: str) -> type[QuantizedLinear]:
+    return Int8Linear if method == "int8" else Int4Linear
 
 
 def apply_spec(model: nn.Module, spec: QuantSpec, device: torch.device | str | None = "meta") -> nn.Module:
@@ -138,14 +140,13 @@ def apply_spec(model: nn.Module, spec: QuantSpec, device: torch.device | str | N
             shell = QuantizedExperts.empty(module, method, group, device)
         else:
             assert isinstance(module, nn.Linear)
-            cls = Int8Linear if method == "int8" else Int4Linear
-            shell = cls(module.in_features, module.out_features, module.bias is not None, group, device=device)  # type: ignore[arg-type]
+            bias = module.bias is not None
+            shell = _layer_class(method)(module.in_features, module.out_features, bias, group, device=device)
         _set(model, name, shell)
     if spec.include_head and getattr(model, "head", "absent") is None:
         vocab, dim = _embedding(model).shape
         method, group = spec.for_layer("head")
-        cls = Int8Linear if method == "int8" else Int4Linear
-        model.head = cls(dim, vocab, False, group, device=device)  # type: ignore[arg-type]
+        model.head = _layer_class(method)(dim, vocab, False, group, device=device)
     model.quantization = spec  # type: ignore[assignment]  # a plain attribute: the record of what was done
     return model
 

@@ -11,6 +11,7 @@ whenever the layer is loaded or moved, never inside forward.
 
 from __future__ import annotations
 
+import abc
 from typing import Any, ClassVar
 
 import torch
@@ -34,10 +35,12 @@ def _rows_apply(x: Tensor, fn: Any, bias: Tensor | None) -> Tensor:
     return y + bias if bias is not None else y
 
 
-class QuantizedLinear(FP32Buffers):
-    """What Int8Linear and Int4Linear share: shapes, bias, the compute dtype, the kernel choice."""
+class QuantizedLinear(FP32Buffers, abc.ABC):
+    """What Int8Linear and Int4Linear share: shapes, bias, the compute dtype, the kernel choice, quantizing a float
+    layer. A subclass says how codes are made (`_encode`) and read back (`dequantize`), and which kernels it runs."""
 
     bits: ClassVar[int]
+    default_group_size: ClassVar[int | None]
     fp32_buffers = ("scales", "zeros")
     qweight: Tensor
     scales: Tensor
@@ -78,22 +81,35 @@ class QuantizedLinear(FP32Buffers):
         """The dequantized (N, K) matrix in the compute dtype (for code that reads a linear layer's weight)."""
         return self.dequantize(self.compute_dtype)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """The (N, K) matrix the codes stand for."""
-        raise NotImplementedError
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int | None = None, kernel: Kernel = "auto") -> QuantizedLinear:
+        """A quantized copy of `linear` (group_size None: the class's default)."""
+        w = linear.weight.detach()
+        group = group_size if group_size is not None else cls.default_group_size
+        out = cls(linear.in_features, linear.out_features, linear.bias is not None, group, kernel, w.device, w.dtype)
+        out.load_weight(w, linear.bias)
+        return out
 
+    @torch.no_grad()
     def load_weight(self, w: Tensor, bias: Tensor | None = None) -> None:
         """Quantize the float matrix `w` (N, K) into this layer (and copy the bias)."""
-        raise NotImplementedError
+        for name, t in self._encode(w).items():
+            self._buffers[name].copy_(t)  # type: ignore[union-attr]
+        if bias is not None and self.bias is not None:
+            self.bias.copy_(bias)
+        self.prepare()
 
+    @abc.abstractmethod
+    def _encode(self, w: Tensor) -> dict[str, Tensor]:
+        """The codes and scales of `w` (N, K), by buffer name."""
+
+    @abc.abstractmethod
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The (N, K) matrix the codes stand for."""
+
+    @abc.abstractmethod
     def prepare(self) -> None:
         """Build the kernel's form of the weights for the current device (after loading or moving)."""
-
-    def weight_bytes(self) -> int:
-        """Bytes of codes and scales (what a matrix product reads), bias excluded."""
-        return sum(
-            b.numel() * b.element_size() for n, b in self._buffers.items() if b is not None and n != "dtype_probe"
-        )
 
     def _apply(self, fn: Any, recurse: bool = True) -> QuantizedLinear:
         super()._apply(fn, recurse)
@@ -129,6 +145,7 @@ class Int8Linear(QuantizedLinear):
     """int8 codes, symmetric, one scale per output row (group_size None) or per group of inputs."""
 
     bits = 8
+    default_group_size = None  # one scale per output row
 
     def __init__(
         self,
@@ -147,23 +164,9 @@ class Int8Linear(QuantizedLinear):
         if self.qweight.device.type != "meta":
             self.prepare()
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int | None = None, kernel: Kernel = "auto") -> Int8Linear:
-        w = linear.weight.detach()
-        out = cls(
-            linear.in_features, linear.out_features, linear.bias is not None, group_size, kernel, w.device, w.dtype
-        )
-        out.load_weight(w, linear.bias)
-        return out
-
-    @torch.no_grad()
-    def load_weight(self, w: Tensor, bias: Tensor | None = None) -> None:
+    def _encode(self, w: Tensor) -> dict[str, Tensor]:
         q, s = quantize_int8(w, self.group_size)
-        self.qweight.copy_(q)
-        self.scales.copy_(s)
-        if bias is not None and self.bias is not None:
-            self.bias.copy_(bias)
-        self.prepare()
+        return {"qweight": q, "scales": s}
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         return dequantize_int8(self.qweight, self.scales, dtype)
@@ -190,6 +193,7 @@ class Int4Linear(QuantizedLinear):
     """int4 codes, asymmetric, a scale and a zero per group of `group_size` inputs."""
 
     bits = 4
+    default_group_size = 32
 
     def __init__(
         self,
@@ -213,24 +217,9 @@ class Int4Linear(QuantizedLinear):
         if self.qweight.device.type != "meta":
             self.prepare()
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int = 32, kernel: Kernel = "auto") -> Int4Linear:
-        w = linear.weight.detach()
-        out = cls(
-            linear.in_features, linear.out_features, linear.bias is not None, group_size, kernel, w.device, w.dtype
-        )
-        out.load_weight(w, linear.bias)
-        return out
-
-    @torch.no_grad()
-    def load_weight(self, w: Tensor, bias: Tensor | None = None) -> None:
+    def _encode(self, w: Tensor) -> dict[str, Tensor]:
         q, s, z = quantize_int4(w, self.group_size or 32)
-        self.qweight.copy_(q)
-        self.scales.copy_(s)
-        self.zeros.copy_(z)
-        if bias is not None and self.bias is not None:
-            self.bias.copy_(bias)
-        self.prepare()
+        return {"qweight": q, "scales": s, "zeros": z}
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         return dequantize_int4(self.qweight, self.scales, self.zeros, dtype)
