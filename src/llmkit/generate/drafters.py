@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from llmkit.generate.native import NativeDecoder
 from llmkit.generate.prompts import pad
 from llmkit.generate.sampling import Sampling, distribution, draw
 from llmkit.generate.step import decode_step
@@ -46,17 +47,18 @@ class ModelDrafter:
 
     def __init__(self, model: DecoderLM, k: int, batch: int, room: int, compiled: bool = False) -> None:
         self.model, self.k, self.compiled = model, k, compiled
+        self.native = None if compiled else NativeDecoder.of(model)  # its single-token steps, in C++ where it can
         self.cache = model.new_cache(batch, room)
         self.carry: list[list[int]] = [[] for _ in range(batch)]  # accepted drafts the cache has not seen yet
 
     def start(self, prefix: Tensor, valid: Tensor, hidden: Tensor | None) -> None:
         if prefix.shape[1]:
-            decode_step(self.model, prefix, self.cache, valid, self.compiled)
+            decode_step(self.model, prefix, self.cache, valid, self.compiled, last=True)
 
     def propose(self, cur: Tensor, sampling: Sampling, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
         rows = [[*carry, c] for carry, c in zip(self.carry, cur.tolist(), strict=True)]
         tokens, valid = pad(rows, "left", device=cur.device)
-        logits, _ = decode_step(self.model, tokens, self.cache, valid, self.compiled)
+        logits, _ = decode_step(self.model, tokens, self.cache, valid, self.compiled, self.native, last=True)
         qs, ds = [], []
         for i in range(self.k):
             probs = distribution(logits[:, -1], sampling)  # (B, V)
@@ -64,7 +66,7 @@ class ModelDrafter:
             qs.append(probs)
             ds.append(nxt)
             if i < self.k - 1:
-                logits, _ = decode_step(self.model, nxt.unsqueeze(1), self.cache, compiled=self.compiled)
+                logits, _ = decode_step(self.model, nxt.unsqueeze(1), self.cache, None, self.compiled, self.native)
         return torch.stack(qs, 1), torch.stack(ds, 1)
 
     def settle(self, cur: Tensor, drafts: Tensor, accepted: Tensor, hidden: Tensor) -> None:

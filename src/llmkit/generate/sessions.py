@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from llmkit.errors import InputError
+from llmkit.generate.native import NativeDecoder
 from llmkit.generate.step import decode_step
 from llmkit.models import DecoderLM, EncoderDecoder, RNNSeq2Seq
 
@@ -30,18 +31,20 @@ class DecoderSession:
         self, model: DecoderLM, tokens: Tensor, mask: Tensor, room: int, compiled: bool = False, copies: int = 1
     ) -> None:
         self.model, self.compiled = model, compiled
+        self.native = None if compiled else NativeDecoder.of(model)
         tokens, mask = tokens.repeat_interleave(copies, dim=0), mask.repeat_interleave(copies, dim=0)
         self.cache = model.new_cache(tokens.shape[0], tokens.shape[1] + max(room, 1))
         self.logits = torch.empty(0)
-        self.feed(tokens, mask)
+        self.feed(tokens, mask, last=True)
 
     @property
     def device(self) -> torch.device:
         return self.cache.state.valid.device
 
-    def feed(self, tokens: Tensor, valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Append tokens (B, T) (valid: False at padding); returns their logits (B, T, V) and hidden states."""
-        logits, hidden = decode_step(self.model, tokens, self.cache, valid, self.compiled)
+    def feed(self, tokens: Tensor, valid: Tensor | None = None, last: bool = False) -> tuple[Tensor, Tensor]:
+        """Append tokens (B, T) (valid: False at padding); returns their logits (B, T, V) (with `last`, the last
+        position's only) and hidden states (B, T, C)."""
+        logits, hidden = decode_step(self.model, tokens, self.cache, valid, self.compiled, self.native, last)
         self.logits = logits[:, -1]
         return logits, hidden
 

@@ -109,7 +109,7 @@ def speculative_generate(
     cache = target.new_cache(B, room)
     drafter: Drafter = MTPDrafter(target, B, room) if draft is None else ModelDrafter(draft, k, B, room, compiled)
     prefix, valid = tokens[:, :-1], mask[:, :-1]
-    hidden = decode_step(target, prefix, cache, valid, compiled)[1] if prefix.shape[1] else None
+    hidden = decode_step(target, prefix, cache, valid, compiled, last=True)[1] if prefix.shape[1] else None
     drafter.start(prefix, valid, hidden)
     rows = Rows(StopRule.of(eos_id, max_new_tokens=max_new_tokens), B)
     result = SpeculativeGeneration(tokens.cpu(), rows.tokens)

@@ -11,6 +11,9 @@ The compiled step is built once per model (the first call takes tens of seconds)
 change. Models with MoE layers or sparse attention decode eagerly even when asked to compile: their routing and key
 selection do not yet trace into one graph (prefill takes the experts one by one under torch.compile, and the
 selection recompiles), so compiling them would cost more than it gives.
+
+Without compilation, steps of one token per row on an AVX2 CPU run each block in one C++ call where the model's
+parts allow it (`native`, see native.py): the same arithmetic without per-operator dispatch.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from llmkit.generate.native import NativeDecoder
 from llmkit.layers.attention import AttentionMask
 from llmkit.models import Cache, DecoderLM, Step
 
@@ -29,11 +33,17 @@ _COMPILED: weakref.WeakKeyDictionary[DecoderLM, Callable[..., tuple[Tensor, Tens
 
 
 def _core(
-    model: DecoderLM, tokens: Tensor, positions: Tensor, allowed: Tensor, slots: Tensor, layers: list[Any]
+    model: DecoderLM,
+    tokens: Tensor,
+    positions: Tensor,
+    allowed: Tensor,
+    slots: Tensor,
+    layers: list[Any],
+    last: bool = False,
 ) -> tuple[Tensor, Tensor]:
     mask = AttentionMask(allowed=allowed, causal=True, query_slots=slots)
     h = model.run(tokens, Step(positions, mask, slots), layers)
-    return model.logits(model.norm(h)), h
+    return model.logits(model.norm(h[:, -1:] if last else h)), h
 
 
 def compiled_core(model: DecoderLM) -> Callable[..., tuple[Tensor, Tensor]]:
@@ -63,11 +73,22 @@ def compilable(model: DecoderLM) -> bool:
 
 @torch.no_grad()
 def decode_step(
-    model: DecoderLM, tokens: Tensor, cache: Cache, valid: Tensor | None = None, compiled: bool = False
+    model: DecoderLM,
+    tokens: Tensor,
+    cache: Cache,
+    valid: Tensor | None = None,
+    compiled: bool = False,
+    native: NativeDecoder | None = None,
+    last: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """Append tokens (B, T) (valid (B, T): False at padding) to the cache; returns logits (B, T, V) and the last
-    block's hidden states (B, T, C), before the final norm."""
+    """Append tokens (B, T) (valid (B, T): False at padding) to the cache; returns logits (B, T, V) (with `last`,
+    only the last position's (B, 1, V): a prompt's prefill needs no more) and the last block's hidden states
+    (B, T, C), before the final norm. `native` (NativeDecoder.of(model)) runs the blocks of the steps it applies
+    to in C++."""
     step = cache.state.advance(tokens.shape[1], valid)
+    if native is not None and native.applies(tokens, step, cache.layers):
+        h = native.run(tokens, step, cache.layers)
+        return model.logits(model.norm(h)), h
     core = compiled_core(model) if compiled and compilable(model) else _core
     assert step.mask.allowed is not None and step.slots is not None
-    return core(model, tokens, step.positions, step.mask.allowed, step.slots, cache.layers)
+    return core(model, tokens, step.positions, step.mask.allowed, step.slots, cache.layers, last)

@@ -81,8 +81,12 @@ def _targets(model: nn.Module, spec: QuantSpec) -> list[tuple[str, nn.Module]]:
 
 
 def _set(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put `module` where `name` is, in the train / eval mode of the module it replaces (or of its parent, for a
+    tied head that had no module)."""
     parent_name, _, attr = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
+    old = getattr(parent, attr, None)
+    module.train(old.training if isinstance(old, nn.Module) else parent.training)
     setattr(parent, attr, module)
 
 
@@ -107,7 +111,7 @@ def quantize(
         table = _embedding(model)
         head = nn.Linear(table.shape[1], table.shape[0], bias=False, device=table.device)
         head.weight.data = table.detach()
-        model.head = _quantized(head, spec, "head", kernel)
+        _set(model, "head", _quantized(head, spec, "head", kernel))
     model.quantization = spec  # type: ignore[assignment]  # a plain attribute: the record of what was done
     return model
 

@@ -11,26 +11,23 @@
 // once. Weights are unpacked once per block and used for every row of x, so small batches cost little more than
 // one row. For int4 the zero term zero * sum(x) of each group uses the exact float sum of x.
 //
-// Work is split over output rows with at::parallel_for (torch's threads, torch.set_num_threads).
+// Work is split over output rows with at::parallel_for (torch's threads, torch.set_num_threads). Several matrices
+// that read the same x (a layer's q, k and v) go in one pass: x is quantized once and the threads start once.
 
-#include <torch/extension.h>
+#include "cpu_kernel.h"
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
-#include <vector>
 
-namespace {
+namespace llmkit {
 
-constexpr int64_t BLOCK = 32;
-constexpr int64_t ROWS = 4;  // rows of x computed together (registers: ROWS accumulators per output)
-
-// x rows -> int8 codes per block of 32 (for int4, reordered within each block as the 16 even then the 16 odd
-// columns, the order in which the nibbles unpack), the block scales, and the float sum of each block.
-void quantize_rows(const float* x, int64_t M, int64_t K, bool even_odd, int8_t* q, float* d, float* sums) {
+void quantize_rows(const float* x, int64_t M, int64_t K, bool even_odd, QuantizedRows& out) {
   const int64_t nb = K / BLOCK;
+  out.M = M, out.K = K;
+  out.q.resize(M * K), out.d.resize(M * nb), out.sums.resize(M * nb);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* src = x + m * K + b * BLOCK;
@@ -41,22 +38,38 @@ void quantize_rows(const float* x, int64_t M, int64_t K, bool even_odd, int8_t* 
       }
       const float scale = amax / 127.f;
       const float inv = scale > 0.f ? 1.f / scale : 0.f;
-      int8_t* dst = q + (m * nb + b) * BLOCK;
+      // int4 order: each span of 64 columns (two blocks; the last block alone when nb is odd) holds its even
+      // columns, then its odd ones: the order of the low, then the high nibbles of the span's 32 code bytes
+      const int64_t span = b / 2, span_len = (2 * span + 1 < nb) ? 2 * BLOCK : BLOCK;
+      int8_t* row = out.q.data() + m * K;
       for (int64_t i = 0; i < BLOCK; ++i) {
-        const int64_t at = even_odd ? (i % 2) * 16 + i / 2 : i;
-        dst[at] = static_cast<int8_t>(std::nearbyint(src[i] * inv));
+        const int64_t c = b * BLOCK + i, within = c - span * 2 * BLOCK;
+        const int64_t at = even_odd ? span * 2 * BLOCK + (within % 2) * (span_len / 2) + within / 2 : c;
+        row[at] = static_cast<int8_t>(std::nearbyint(src[i] * inv));
       }
-      d[m * nb + b] = scale;
-      sums[m * nb + b] = sum;
+      out.d[m * nb + b] = scale;
+      out.sums[m * nb + b] = sum;
     }
   }
 }
+
+namespace {
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// sum of a[i] * b[i] over n floats
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float out = hsum(acc);
+  for (; i < n; ++i) out += a[i] * b[i];
+  return out;
 }
 
 // 32 int4 codes of one block (16 bytes) -> 32 unsigned bytes: the low nibbles, then the high ones.
@@ -74,108 +87,286 @@ inline __m256i dot_u8s8(__m256i w, __m256i x) {
   return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
-void check(const torch::Tensor& x, const torch::Tensor& scales, int64_t N, int64_t K) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be (M, K) fp32");
-  TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, the weights ", K);
-  TORCH_CHECK(K % BLOCK == 0, "the input width must be a multiple of 32");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.size(0) == N, "bad scales");
-  TORCH_CHECK((K / scales.size(1)) % BLOCK == 0, "the group size must be a multiple of 32");
-}
+// What every column of one matrix reads: its codes, scales, zeros, x's codes and block scales, and the float sum
+// of x over each of the matrix's groups (the int4 zero term).
+struct Pass {
+  const QuantizedMatrix& w;  // (the caller's, alive for the pass)
+  const int8_t* xq;
+  const float* xd;
+  const float* xgs;  // (M, G)
+  int64_t nb;
+  int shift;  // log2 of the blocks per scale group (G > 1), so a block's group is b >> shift
+};
 
-}  // namespace
+// The scale group of block b: one per row (G == 1) or 2^shift blocks each.
+inline int64_t group_of(const Pass& p, int64_t b) { return p.w.G == 1 ? 0 : b >> p.shift; }
 
-// Block b of one output column for R rows of x, into accumulator set A (0 or 1: consecutive blocks alternate,
+// int8: block b of one output column for R rows of x, into accumulator set A (0 or 1: consecutive blocks alternate,
 // so that two chains of FMAs hide each other's latency). All indices the compiler sees are constants, so the
 // accumulators stay in registers.
-template <int R, int A, bool INT4>
-inline void block(__m256 (&acc)[R][2], const uint8_t* wrow, float sw, const int8_t* xq, const float* xd, int64_t nb,
-                  int64_t m0, int64_t b) {
-  __m256i w, wu;
-  if constexpr (INT4) {
-    wu = unpack_int4(wrow + b * (BLOCK / 2));
-  } else {
-    w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow + b * BLOCK));
-    wu = _mm256_sign_epi8(w, w);  // |w| as unsigned bytes; the sign moves onto x
-  }
+template <int R, int A>
+inline void block8(__m256 (&acc)[R][2], const uint8_t* wrow, float sw, const Pass& p, int64_t m0, int64_t b) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow + b * BLOCK));
+  const __m256i wu = _mm256_sign_epi8(w, w);  // |w| as unsigned bytes; the sign moves onto x
   for (int r = 0; r < R; ++r) {
-    const int64_t row = (m0 + r) * nb + b;
-    __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + row * BLOCK));
-    if constexpr (!INT4) xv = _mm256_sign_epi8(xv, w);
+    const int64_t row = (m0 + r) * p.nb + b;
+    const __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.xq + row * BLOCK)), w);
     const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wu, xv));
-    acc[r][A] = _mm256_fmadd_ps(dot, _mm256_set1_ps(sw * xd[row]), acc[r][A]);
+    acc[r][A] = _mm256_fmadd_ps(dot, _mm256_set1_ps(sw * p.xd[row]), acc[r][A]);
   }
 }
 
-// One output column n for R rows of x starting at m0. INT4: codes unpacked from nibbles, plus the zero term; else
-// int8 codes (signed). `shift`: log2 of the blocks per scale group (G > 1), so a block's group is b >> shift.
+// int4, the last block of a row with an odd number of blocks: its 16 code bytes alone.
+template <int R>
+inline void block4(__m256 (&acc)[R][2], const uint8_t* wrow, float sw, const Pass& p, int64_t m0, int64_t b) {
+  const __m256i wu = unpack_int4(wrow + b * (BLOCK / 2));
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = (m0 + r) * p.nb + b;
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.xq + row * BLOCK));
+    const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wu, xv));
+    acc[r][0] = _mm256_fmadd_ps(dot, _mm256_set1_ps(sw * p.xd[row]), acc[r][0]);
+  }
+}
+
+// int4, blocks b and b + 1 (b even) at once: their 32 code bytes split into low nibbles (the 32 even columns) and
+// high ones (the odd columns), each multiplied with x's codes in the same order; two products of codes <= 15 and
+// <= 127 in magnitude sum to at most 7620, so the two halves add in int16 before widening. The low 128 bits of the
+// result belong to block b and the high ones to b + 1, scaled by [s_b x 4, s_b+1 x 4].
+template <int R, int A>
+inline void pair4(__m256 (&acc)[R][2], const uint8_t* wrow, const float* srow, const Pass& p, int64_t m0, int64_t b) {
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow + b * (BLOCK / 2)));
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i lo = _mm256_and_si256(bytes, mask);
+  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+  const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  const bool two_scales = p.w.G != 1 && p.shift == 0;
+  const __m128 sw = two_scales ? _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(srow + b)))
+                               : _mm_set1_ps(srow[group_of(p, b)]);
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = (m0 + r) * p.nb + b;
+    const int8_t* xr = p.xq + row * BLOCK;
+    const __m256i even = _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr)));
+    const __m256i odd = _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32)));
+    const __m256i dot = _mm256_madd_epi16(_mm256_add_epi16(even, odd), _mm256_set1_epi16(1));
+    const __m128 xd = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p.xd + row)));
+    const __m256 s = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_mul_ps(sw, xd)), spread);
+    acc[r][A] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[r][A]);
+  }
+}
+
+// Output column n of the pass's matrix for R rows of x starting at m0, into Y (row stride ldy).
 template <int R, bool INT4>
-inline void column(const uint8_t* wrow, const float* S, const float* Z, int64_t n, int64_t G, int shift,
-                   const int8_t* xq, const float* xd, const float* xgs, int64_t nb, int64_t m0, float* Y, int64_t N) {
+inline void column(const Pass& p, int64_t n, int64_t m0, float* Y, int64_t ldy) {
+  const QuantizedMatrix& w = p.w;
+  const uint8_t* wrow = w.codes + n * (INT4 ? w.K / 2 : w.K);
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const float* srow = S + n * G;
-  auto scale = [&](int64_t b) { return G == 1 ? srow[0] : srow[b >> shift]; };
+  const float* srow = w.scales + n * w.G;
   int64_t b = 0;
-  for (; b + 1 < nb; b += 2) {
-    block<R, 0, INT4>(acc, wrow, scale(b), xq, xd, nb, m0, b);
-    block<R, 1, INT4>(acc, wrow, scale(b + 1), xq, xd, nb, m0, b + 1);
+  if constexpr (INT4) {
+    for (; b + 3 < p.nb; b += 4) {
+      pair4<R, 0>(acc, wrow, srow, p, m0, b);
+      pair4<R, 1>(acc, wrow, srow, p, m0, b + 2);
+    }
+    if (b + 1 < p.nb) pair4<R, 0>(acc, wrow, srow, p, m0, b), b += 2;
+    if (b < p.nb) block4<R>(acc, wrow, srow[group_of(p, b)], p, m0, b);
+  } else {
+    for (; b + 1 < p.nb; b += 2) {
+      block8<R, 0>(acc, wrow, srow[group_of(p, b)], p, m0, b);
+      block8<R, 1>(acc, wrow, srow[group_of(p, b + 1)], p, m0, b + 1);
+    }
+    if (b < p.nb) block8<R, 0>(acc, wrow, srow[group_of(p, b)], p, m0, b);
   }
-  if (b < nb) block<R, 0, INT4>(acc, wrow, scale(b), xq, xd, nb, m0, b);
   for (int r = 0; r < R; ++r) {
-    float zero_term = 0.f;
-    if constexpr (INT4)
-      for (int64_t g = 0; g < G; ++g) zero_term += Z[n * G + g] * xgs[(m0 + r) * G + g];
-    Y[(m0 + r) * N + n] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + zero_term;
+    const float zero_term = INT4 ? dot(w.zeros + n * w.G, p.xgs + (m0 + r) * w.G, w.G) : 0.f;
+    Y[(m0 + r) * ldy + n] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + zero_term;
+  }
+}
+
+constexpr int ROWS = 4;  // rows of x computed together (registers: ROWS accumulators per output)
+
+// Columns [n0, n1) of the pass's matrix for every row of x.
+// Batch-1 int4: output columns n and n + 1 of one row of x together, so that x's codes and scales are loaded once
+// for both (and the two columns' FMA chains overlap).
+inline void two_columns4(const Pass& p, int64_t n, float* Y) {
+  const QuantizedMatrix& w = p.w;
+  const uint8_t* wr[2] = {w.codes + n * (w.K / 2), w.codes + (n + 1) * (w.K / 2)};
+  const float* sr[2] = {w.scales + n * w.G, w.scales + (n + 1) * w.G};
+  const bool two_scales = w.G != 1 && p.shift == 0;
+  const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  int64_t b = 0;
+  for (; b + 1 < p.nb; b += 2) {
+    const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.xq + b * BLOCK));
+    const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.xq + b * BLOCK + 32));
+    const __m128 xd = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p.xd + b)));
+    for (int c = 0; c < 2; ++c) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[c] + b * (BLOCK / 2)));
+      const __m256i lo = _mm256_and_si256(bytes, mask), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+      const __m256i dot = _mm256_madd_epi16(
+          _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo)), ones);
+      const __m128 sw = two_scales ? _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sr[c] + b)))
+                                   : _mm_set1_ps(sr[c][group_of(p, b)]);
+      const __m256 s = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_mul_ps(sw, xd)), spread);
+      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[c]);
+    }
+  }
+  for (int c = 0; c < 2; ++c) {
+    __m256 a[1][2] = {{acc[c], _mm256_setzero_ps()}};
+    if (b < p.nb) block4<1>(a, wr[c], sr[c][group_of(p, b)], p, 0, b);  // an odd last block
+    Y[n + c] = hsum(_mm256_add_ps(a[0][0], a[0][1])) + dot(w.zeros + (n + c) * w.G, p.xgs, w.G);
   }
 }
 
 template <bool INT4>
-torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor zeros) {
-  const int64_t M = x.size(0), N = qweight.size(0), K = INT4 ? qweight.size(1) * 2 : qweight.size(1);
-  check(x, scales, N, K);
-  TORCH_CHECK(qweight.scalar_type() == (INT4 ? torch::kUInt8 : torch::kInt8) && qweight.is_contiguous(),
-              "qweight must be ", INT4 ? "uint8 (packed int4)" : "int8");
-  if (INT4) TORCH_CHECK(zeros.sizes() == scales.sizes() && zeros.is_contiguous(), "zeros must match scales");
-  const int64_t nb = K / BLOCK, G = scales.size(1), per_group = nb / G;
-  TORCH_CHECK(G == 1 || (per_group & (per_group - 1)) == 0, "the group size must be 32 times a power of two");
-  const int shift = __builtin_ctzll(per_group);
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> xd(M * nb), xs(M * nb), xgs(M * G, 0.f);
-  quantize_rows(x.data_ptr<float>(), M, K, INT4, xq.data(), xd.data(), xs.data());
-  for (int64_t m = 0; m < M; ++m)  // each group's float sum of x, for the int4 zero term
-    for (int64_t b = 0; b < nb; ++b) xgs[m * G + b / per_group] += xs[m * nb + b];
-  auto y = torch::empty({M, N}, x.options());
-  const uint8_t* W = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
-  const int64_t row_bytes = INT4 ? K / 2 : K;
-  const float* S = scales.data_ptr<float>();
-  const float* Z = INT4 ? zeros.data_ptr<float>() : nullptr;
-  float* Y = y.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {  // the weight row stays in L1 while every tile of x rows passes
-      const uint8_t* wrow = W + n * row_bytes;
-      int64_t m0 = 0;
-      for (; m0 + ROWS <= M; m0 += ROWS)
-        column<ROWS, INT4>(wrow, S, Z, n, G, shift, xq.data(), xd.data(), xgs.data(), nb, m0, Y, N);
-      switch (M - m0) {
-        case 3: column<3, INT4>(wrow, S, Z, n, G, shift, xq.data(), xd.data(), xgs.data(), nb, m0, Y, N); break;
-        case 2: column<2, INT4>(wrow, S, Z, n, G, shift, xq.data(), xd.data(), xgs.data(), nb, m0, Y, N); break;
-        case 1: column<1, INT4>(wrow, S, Z, n, G, shift, xq.data(), xd.data(), xgs.data(), nb, m0, Y, N); break;
-        default: break;
-      }
+void columns(const Pass& p, int64_t M, int64_t n0, int64_t n1, float* Y, int64_t ldy) {
+  if (INT4 && M == 1) {
+    for (; n0 + 1 < n1; n0 += 2) two_columns4(p, n0, Y);
+  }
+  for (int64_t n = n0; n < n1; ++n) {  // the weight row stays in L1 while every tile of x rows passes
+    int64_t m0 = 0;
+    for (; m0 + ROWS <= M; m0 += ROWS) column<ROWS, INT4>(p, n, m0, Y, ldy);
+    switch (M - m0) {
+      case 3: column<3, INT4>(p, n, m0, Y, ldy); break;
+      case 2: column<2, INT4>(p, n, m0, Y, ldy); break;
+      case 1: column<1, INT4>(p, n, m0, Y, ldy); break;
+      default: break;
     }
-  });
+  }
+}
+
+void check_matrix(const torch::Tensor& qweight, const torch::Tensor& scales, int64_t K, c10::ScalarType type) {
+  TORCH_CHECK(qweight.scalar_type() == type && qweight.is_contiguous() && qweight.dim() == 2, "bad qweight");
+  TORCH_CHECK(K % BLOCK == 0, "the input width must be a multiple of 32");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 2 &&
+                  scales.size(0) == qweight.size(0),
+              "bad scales");
+  const int64_t per_group = K / BLOCK / scales.size(1);
+  TORCH_CHECK(K % (BLOCK * scales.size(1)) == 0 && (scales.size(1) == 1 || (per_group & (per_group - 1)) == 0),
+              "the group size must be 32 times a power of two, or the whole row");
+}
+
+}  // namespace
+
+QuantizedMatrix int4_matrix(const torch::Tensor& qweight, const torch::Tensor& scales, const torch::Tensor& zeros) {
+  const int64_t K = qweight.size(1) * 2;
+  check_matrix(qweight, scales, K, torch::kUInt8);
+  TORCH_CHECK(zeros.sizes() == scales.sizes() && zeros.is_contiguous() && zeros.scalar_type() == torch::kFloat32,
+              "zeros must match scales");
+  return {qweight.data_ptr<uint8_t>(), scales.data_ptr<float>(), zeros.data_ptr<float>(), qweight.size(0), K,
+          scales.size(1), true};
+}
+
+QuantizedMatrix int8_matrix(const torch::Tensor& qweight, const torch::Tensor& scales) {
+  const int64_t K = qweight.size(1);
+  check_matrix(qweight, scales, K, torch::kInt8);
+  return {reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>()), scales.data_ptr<float>(), nullptr,
+          qweight.size(0), K, scales.size(1), false};
+}
+
+void Product::prepare(const float* x, int64_t M, int64_t K, const std::vector<QuantizedMatrix>& ws) {
+  TORCH_CHECK(!ws.empty(), "a product needs a matrix");
+  const bool int4 = ws[0].int4;
+  quantize_rows(x, M, K, int4, x_);
+  const int64_t nb = K / BLOCK;
+  ws_ = ws;
+  group_sums_.assign(ws.size(), {});
+  starts_.assign(1, 0);
+  for (size_t i = 0; i < ws.size(); ++i) {
+    const QuantizedMatrix& w = ws[i];
+    TORCH_CHECK(w.K == K && w.int4 == int4, "matrices in one product share K and kind");
+    std::vector<float>& xgs = group_sums_[i];
+    xgs.assign(M * w.G, 0.f);
+    if (int4)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t b = 0; b < nb; ++b) xgs[m * w.G + b / (nb / w.G)] += x_.sums[m * nb + b];
+    starts_.push_back(starts_.back() + w.N);
+  }
+}
+
+void Product::columns(int64_t j0, int64_t j1, float* y, int64_t ldy) const {
+  const int64_t nb = x_.K / BLOCK;
+  for (size_t i = 0; i < ws_.size(); ++i) {  // the part of [j0, j1) that falls in matrix i
+    const int64_t a = std::max(j0, starts_[i]) - starts_[i], e = std::min(j1, starts_[i + 1]) - starts_[i];
+    if (a >= e) continue;
+    const Pass p{ws_[i], x_.q.data(), x_.d.data(), group_sums_[i].data(), nb, __builtin_ctzll(nb / ws_[i].G)};
+    if (p.w.int4)
+      llmkit::columns<true>(p, x_.M, a, e, y + starts_[i], ldy);
+    else
+      llmkit::columns<false>(p, x_.M, a, e, y + starts_[i], ldy);
+  }
+}
+
+namespace {
+
+// Output column n of an fp32 W for R rows of x starting at m0; 16 inputs a step in two chains of FMAs.
+template <int R>
+inline void float_column(const float* x, const float* wrow, int64_t K, int64_t m0, float* Y, int64_t ldy, int64_t n) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m256 w0 = _mm256_loadu_ps(wrow + k), w1 = _mm256_loadu_ps(wrow + k + 8);
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + (m0 + r) * K + k;
+      acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float out = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+    for (int64_t kk = k; kk < K; ++kk) out += wrow[kk] * x[(m0 + r) * K + kk];
+    Y[(m0 + r) * ldy + n] = out;
+  }
+}
+
+}  // namespace
+
+void float_columns(const float* x, int64_t M, const float* w, int64_t K, int64_t n0, int64_t n1, float* y,
+                   int64_t ldy) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* wrow = w + n * K;
+    int64_t m0 = 0;
+    for (; m0 + ROWS <= M; m0 += ROWS) float_column<ROWS>(x, wrow, K, m0, y, ldy, n);
+    switch (M - m0) {
+      case 3: float_column<3>(x, wrow, K, m0, y, ldy, n); break;
+      case 2: float_column<2>(x, wrow, K, m0, y, ldy, n); break;
+      case 1: float_column<1>(x, wrow, K, m0, y, ldy, n); break;
+      default: break;
+    }
+  }
+}
+
+}  // namespace llmkit
+
+namespace {
+
+torch::Tensor run(const torch::Tensor& x, const llmkit::QuantizedMatrix& w) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be (M, K) fp32");
+  TORCH_CHECK(x.size(1) == w.K, "x has ", x.size(1), " columns, the weights ", w.K);
+  llmkit::Product product;
+  product.prepare(x.data_ptr<float>(), x.size(0), w.K, {w});
+  auto y = torch::empty({x.size(0), w.N}, x.options());
+  float* Y = y.data_ptr<float>();
+  at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) { product.columns(n0, n1, Y, w.N); });
   return y;
 }
 
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor zeros) {
-  return quantized_linear<true>(x, qweight, scales, zeros);
+  return run(x, llmkit::int4_matrix(qweight, scales, zeros));
 }
 
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales) {
-  return quantized_linear<false>(x, qweight, scales, scales);
+  return run(x, llmkit::int8_matrix(qweight, scales));
 }
+
+}  // namespace
+
+void bind_decode(pybind11::module& m);  // cpu_decode.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "x (M, K) fp32 @ int4 W^T -> (M, N)");
   m.def("int8_linear", &int8_linear, "x (M, K) fp32 @ int8 W^T -> (M, N)");
+  bind_decode(m);
 }

@@ -1,6 +1,7 @@
-"""llmkit's own CPU kernels for quantized weights (cpu_kernel.cpp: int4 and int8 products for AVX2 CPUs, the
-method of llama.cpp), compiled with torch.utils.cpp_extension on first use and cached by torch (under
-~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR).
+"""llmkit's own CPU kernels (cpu_kernel.cpp: int4 and int8 products for AVX2 CPUs, the method of llama.cpp;
+cpu_decode.cpp: decoder blocks' decode step in one call, which llmkit.generate.native drives), compiled with
+torch.utils.cpp_extension on first use and cached by torch (under ~/.cache/torch_extensions, or
+$TORCH_EXTENSIONS_DIR).
 
 `module()` is None where they cannot run: a CPU without AVX2 and FMA, no C++ compiler, or LLMKIT_NATIVE=0 in the
 environment; the callers then use torch's kernels or dequantize. A failed build is reported once, as a warning.
@@ -16,7 +17,8 @@ from typing import Any
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_kernel.cpp")
+HERE = Path(__file__).parent
+SOURCES = [HERE / "cpu_kernel.cpp", HERE / "cpu_decode.cpp"]  # and their shared header, cpu_kernel.h
 
 
 def cpu_has_avx2() -> bool:
@@ -39,7 +41,7 @@ def module() -> Any | None:
 
         return load(
             name="llmkit_quant_cpu",
-            sources=[str(SOURCE)],
+            sources=[str(s) for s in SOURCES],
             extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,

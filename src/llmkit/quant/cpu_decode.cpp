@@ -1,0 +1,437 @@
+// Pre-norm decoder blocks' decode step in one C++ call (llmkit/generate/native.py drives it).
+//
+// Decoding one token runs about twenty small operations per block (norm, three projections, RoPE, a cache write,
+// attention over the cached keys, the output projection, a residual, norm, the feed-forward's three projections, a
+// residual). From Python each costs 5-50 us of dispatch, so a 30-layer model at batch 1 spends more time calling
+// than computing. Here the same arithmetic runs in one call per block, over fp32 activations:
+//
+//   x (B, C) ─► norm ─► [wq | wk | wv] (one pass) ─► RoPE on q, k ─► k, v into cache slot `slot`
+//            ─► each query head attends to its kv head's visible slots ─► wo ─► + x
+//            ─► norm ─► [w1 | w3] (one pass) ─► act(gate) * up ─► w2 ─► + x
+//
+// Projections are int4 or int8 codes (cpu_kernel.cpp's Product, x quantized once per group of projections) or
+// fp32 matrices (cpu_kernel.cpp's float_columns).
+//
+// Threads: a step runs inside one OpenMP parallel region of torch's thread count, as llama.cpp's graph does. The
+// serial parts (norms, RoPE, residuals, quantizing x) run on thread 0; products and attention split their output
+// columns / heads over every thread; barriers separate the phases. Starting the threads once per step instead of
+// once per product saves ~150 fork-joins per token on a 30-layer model. The result equals the PyTorch modules' up to float rounding (tests/quant/test_native_decode.py).
+// Shapes: B rows (one new token each), C model width, H query heads, KH kv heads, D head dim, Dv value head dim,
+// S cache slots, F feed-forward width.
+
+#include "cpu_kernel.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <utility>
+
+#include <omp.h>
+
+namespace {
+
+using torch::Tensor;
+
+// A linear layer as the step reads it: an fp32 matrix (N, K), or int4 / int8 codes; and an optional bias (N,).
+struct Projection {
+  enum Kind { FLOAT = 0, INT4 = 1, INT8 = 2 };
+
+  int kind = FLOAT;
+  Tensor weight, scales, zeros;  // FLOAT: weight (N, K); INT4 / INT8: weight = the codes (formats.py)
+  std::optional<Tensor> bias;
+  llmkit::QuantizedMatrix matrix;
+  int64_t N = 0, K = 0;
+
+  Projection(int kind_, Tensor weight_, std::optional<Tensor> scales_, std::optional<Tensor> zeros_,
+             std::optional<Tensor> bias_)
+      : kind(kind_), weight(std::move(weight_)), bias(std::move(bias_)) {
+    TORCH_CHECK(kind >= FLOAT && kind <= INT8, "unknown projection kind ", kind);
+    if (kind == FLOAT) {
+      TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32 && weight.is_contiguous(),
+                  "a float projection's weight must be (N, K) fp32");
+      N = weight.size(0), K = weight.size(1);
+    } else {
+      TORCH_CHECK(scales_.has_value(), "a quantized projection needs scales");
+      scales = *scales_;
+      if (kind == INT4) {
+        TORCH_CHECK(zeros_.has_value(), "an int4 projection needs zeros");
+        zeros = *zeros_;
+        matrix = llmkit::int4_matrix(weight, scales, zeros);
+      } else {
+        matrix = llmkit::int8_matrix(weight, scales);
+      }
+      N = matrix.N, K = matrix.K;
+    }
+    if (bias) TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == torch::kFloat32 &&
+                              bias->is_contiguous(),
+                          "the bias must be (N,) fp32");
+  }
+};
+
+using ProjectionPtr = std::shared_ptr<Projection>;
+
+// The threads of the step's parallel region, and each one's share of n items.
+struct Team {
+  int id = 0, size = 1;
+  std::pair<int64_t, int64_t> share(int64_t n) const { return {n * id / size, n * (id + 1) / size}; }
+};
+
+// Projections of one input side by side in one output (M, width): x @ W_i^T + b_i in columns [offset_i, offset_i + N_i).
+// Thread 0 prepares (quantizes x once per run of quantized projections of one kind); then every thread computes its
+// share of the columns; then thread 0 adds the biases.
+class ProjectionGroup {
+ public:
+  void prepare(const std::vector<const Projection*>& ps, const float* x, int64_t M) {
+    ps_ = ps, x_ = x, M_ = M;
+    segments_.clear();
+    int64_t offset = 0;
+    for (size_t i = 0; i < ps.size();) {
+      Segment seg;
+      seg.offset = offset;
+      if (ps[i]->kind == Projection::FLOAT) {
+        seg.fp32 = ps[i++];
+        seg.width = seg.fp32->N;
+      } else {
+        std::vector<llmkit::QuantizedMatrix> ms;
+        const int kind = ps[i]->kind;
+        for (; i < ps.size() && ps[i]->kind == kind; ++i) ms.push_back(ps[i]->matrix), seg.width += ps[i]->N;
+        seg.product = std::make_shared<llmkit::Product>();
+        seg.product->prepare(x, M, ms[0].K, ms);
+      }
+      offset += seg.width;
+      segments_.push_back(std::move(seg));
+    }
+    width_ = offset;
+  }
+
+  void compute(const Team& team, float* y, int64_t ldy) const {
+    const auto [j0, j1] = team.share(width_);
+    for (const Segment& seg : segments_) {
+      const int64_t a = std::max(j0, seg.offset) - seg.offset, e = std::min(j1, seg.offset + seg.width) - seg.offset;
+      if (a >= e) continue;
+      if (seg.product)
+        seg.product->columns(a, e, y + seg.offset, ldy);
+      else
+        llmkit::float_columns(x_, M_, seg.fp32->weight.data_ptr<float>(), seg.fp32->K, a, e, y + seg.offset, ldy);
+    }
+  }
+
+  void add_bias(float* y, int64_t ldy) const {
+    int64_t offset = 0;
+    for (const Projection* p : ps_) {
+      if (p->bias) {
+        const float* b = p->bias->data_ptr<float>();
+        for (int64_t m = 0; m < M_; ++m)
+          for (int64_t n = 0; n < p->N; ++n) y[m * ldy + offset + n] += b[n];
+      }
+      offset += p->N;
+    }
+  }
+
+ private:
+  struct Segment {
+    int64_t offset = 0, width = 0;
+    std::shared_ptr<llmkit::Product> product;  // quantized projections, or
+    const Projection* fp32 = nullptr;          // one fp32 matrix
+  };
+  std::vector<const Projection*> ps_;
+  std::vector<Segment> segments_;
+  const float* x_ = nullptr;
+  int64_t M_ = 0, width_ = 0;
+};
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  float out = _mm_cvtss_f32(s);
+  for (; i < n; ++i) out += a[i] * b[i];
+  return out;
+}
+
+enum Activation { RELU = 0, GELU = 1, GELU_TANH = 2, SILU = 3 };
+
+inline float activate(float v, int act) {
+  switch (act) {
+    case RELU: return v > 0.f ? v : 0.f;
+    case GELU: return 0.5f * v * (1.f + std::erf(v * static_cast<float>(M_SQRT1_2)));
+    case GELU_TANH: {
+      const float c = 0.7978845608028654f;  // sqrt(2 / pi)
+      return 0.5f * v * (1.f + std::tanh(c * (v + 0.044715f * v * v * v)));
+    }
+    default: return v / (1.f + std::exp(-v));  // silu
+  }
+}
+
+struct DecodeBlock {
+  // norms before attention (1) and the feed-forward (2): RMSNorm, or LayerNorm (bias optional)
+  bool rms = true;
+  double eps = 1e-6;
+  Tensor norm1_weight, norm2_weight;
+  std::optional<Tensor> norm1_bias, norm2_bias;
+  // attention
+  int64_t n_heads = 0, n_kv_heads = 0, head_dim = 0, v_head_dim = 0;
+  int64_t rope_dim = 0;           // the first rope_dim dims of each q / k head rotate (0: no RoPE)
+  bool rope_interleaved = false;  // pairs (2i, 2i + 1); else (i, i + rope_dim / 2)
+  int64_t window = 0;             // sliding window in slots (0: none)
+  double scale = 1.0;
+  ProjectionPtr wq, wk, wv, wo;
+  // feed-forward: w2(act(w1 x) * w3 x) when gated (SwiGLU / GeGLU), else w2(act(w1 x))
+  bool gated = true;
+  int activation = SILU;
+  ProjectionPtr w1, w2, w3;
+
+  void norm(const float* x, float* h, int64_t M, int64_t C, const Tensor& w, const std::optional<Tensor>& b) const {
+    const float* W = w.data_ptr<float>();
+    const float* Bv = b ? b->data_ptr<float>() : nullptr;
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xr = x + m * C;
+      float* hr = h + m * C;
+      if (rms) {
+        double ss = 0;
+        for (int64_t c = 0; c < C; ++c) ss += static_cast<double>(xr[c]) * xr[c];
+        const float r = 1.f / std::sqrt(static_cast<float>(ss / C) + static_cast<float>(eps));
+        for (int64_t c = 0; c < C; ++c) hr[c] = W[c] * (xr[c] * r);
+      } else {
+        double s = 0, ss = 0;
+        for (int64_t c = 0; c < C; ++c) s += xr[c];
+        const double mean = s / C;
+        for (int64_t c = 0; c < C; ++c) ss += (xr[c] - mean) * (xr[c] - mean);
+        const float r = 1.f / std::sqrt(static_cast<float>(ss / C) + static_cast<float>(eps));
+        for (int64_t c = 0; c < C; ++c)
+          hr[c] = (xr[c] - static_cast<float>(mean)) * r * W[c] + (Bv ? Bv[c] : 0.f);
+      }
+    }
+  }
+
+  // rotate the first rope_dim dims of one head by the angles whose cos and sin are c, s (rope_dim / 2 each)
+  void rotate(float* v, const float* c, const float* s) const {
+    const int64_t F = rope_dim / 2;
+    for (int64_t i = 0; i < F; ++i) {
+      const int64_t ia = rope_interleaved ? 2 * i : i, ib = rope_interleaved ? 2 * i + 1 : i + F;
+      const float a = v[ia], b = v[ib];
+      v[ia] = a * c[i] - b * s[i];
+      v[ib] = b * c[i] + a * s[i];
+    }
+  }
+
+  // Arguments of one step, checked before the threads start.
+  void check_step(const Tensor& x, const Tensor& k_cache, const Tensor& v_cache, int64_t slot, const Tensor& allowed,
+                  const std::optional<Tensor>& cos, const std::optional<Tensor>& sin) const {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() &&
+                    x.size(1) == norm1_weight.size(0),
+                "x must be (B, C) fp32");
+    const int64_t B = x.size(0), S = k_cache.dim() == 4 ? k_cache.size(2) : 0;
+    for (const Tensor* t : {&k_cache, &v_cache})
+      TORCH_CHECK(t->dim() == 4 && t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->size(0) == B &&
+                      t->size(1) == n_kv_heads && t->size(2) == S,
+                  "the caches must be (B, KH, S, D) fp32, contiguous");
+    TORCH_CHECK(k_cache.size(3) == head_dim && v_cache.size(3) == v_head_dim, "cache head dims do not match the layer");
+    TORCH_CHECK(slot >= 0 && slot < S, "slot ", slot, " is outside the cache's ", S, " slots");
+    TORCH_CHECK(allowed.dim() == 2 && allowed.size(0) == B && allowed.size(1) == S &&
+                    allowed.scalar_type() == torch::kBool && allowed.is_contiguous(),
+                "allowed must be (B, S) bool");
+    if (rope_dim)
+      TORCH_CHECK(cos && sin && cos->dim() == 2 && cos->sizes() == sin->sizes() && cos->size(1) == rope_dim / 2 &&
+                      (cos->size(0) == 1 || cos->size(0) == B) && cos->is_contiguous() && sin->is_contiguous() &&
+                      cos->scalar_type() == torch::kFloat32 && sin->scalar_type() == torch::kFloat32,
+                  "cos and sin must be (1 | B, rope_dim / 2) fp32");
+  }
+
+  // Buffers one step of a block passes between its phases (shared by the threads).
+  struct Workspace {
+    std::vector<float> h, qkv, att, y, gate_up, hidden;
+    ProjectionGroup group;
+  };
+
+  // x (B, C) += this block's output, for the new tokens in cache slot `slot`. Called by every thread of the team
+  // (the barriers are the team's); thread 0 does the serial parts.
+  void forward(const Team& team, Workspace& w, float* X, int64_t B, Tensor& k_cache, Tensor& v_cache, int64_t slot,
+               const bool* A, const std::optional<Tensor>& cos, const std::optional<Tensor>& sin) const {
+    const int64_t C = norm1_weight.size(0), H = n_heads, KH = n_kv_heads, D = head_dim, Dv = v_head_dim;
+    const int64_t S = k_cache.size(2), Nq = H * D, Nqkv = Nq + KH * D + KH * Dv, Fw = w1->N;
+    const bool lead = team.id == 0;
+    // ---- attention: norm, q | k | v
+    if (lead) {
+      w.h.resize(B * C), w.qkv.resize(B * Nqkv), w.att.assign(B * H * Dv, 0.f), w.y.resize(B * C);
+      norm(X, w.h.data(), B, C, norm1_weight, norm1_bias);
+      w.group.prepare({wq.get(), wk.get(), wv.get()}, w.h.data(), B);
+    }
+#pragma omp barrier
+    w.group.compute(team, w.qkv.data(), Nqkv);
+#pragma omp barrier
+    float* K = k_cache.data_ptr<float>();
+    float* V = v_cache.data_ptr<float>();
+    if (lead) {  // biases, RoPE on q and k, k and v into the cache
+      w.group.add_bias(w.qkv.data(), Nqkv);
+      for (int64_t b = 0; b < B; ++b) {
+        float* row = w.qkv.data() + b * Nqkv;
+        if (rope_dim) {
+          const int64_t r = cos->size(0) == 1 ? 0 : b;
+          const float* c = cos->data_ptr<float>() + r * (rope_dim / 2);
+          const float* s = sin->data_ptr<float>() + r * (rope_dim / 2);
+          for (int64_t hh = 0; hh < H + KH; ++hh) rotate(row + hh * D, c, s);  // q heads, then k heads
+        }
+        for (int64_t g = 0; g < KH; ++g) {
+          std::memcpy(K + ((b * KH + g) * S + slot) * D, row + Nq + g * D, D * sizeof(float));
+          std::memcpy(V + ((b * KH + g) * S + slot) * Dv, row + Nq + KH * D + g * Dv, Dv * sizeof(float));
+        }
+      }
+    }
+#pragma omp barrier
+    {  // each (row, query head) pair over the visible slots of its kv head: softmax(q k / sqrt(D)) v
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, slot - window + 1) : 0, n = slot - lo + 1;
+      std::vector<float> p(n);
+      const auto [i0, i1] = team.share(B * H);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t b = i / H, hh = i % H, g = hh / (H / KH);
+        const float* q = w.qkv.data() + b * Nqkv + hh * D;
+        const float* Kg = K + (b * KH + g) * S * D;
+        const float* Vg = V + (b * KH + g) * S * Dv;
+        float* o = w.att.data() + i * Dv;
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t s = lo + j;
+          p[j] = A[b * S + s] ? dot(q, Kg + s * D, D) * static_cast<float>(scale)
+                              : -std::numeric_limits<float>::infinity();
+          top = std::max(top, p[j]);
+        }
+        if (top == -std::numeric_limits<float>::infinity()) continue;  // no visible key: zeros
+        float total = 0.f;
+        for (int64_t j = 0; j < n; ++j) total += (p[j] = std::exp(p[j] - top));
+        for (int64_t j = 0; j < n; ++j) {
+          const float pj = p[j];
+          if (pj == 0.f) continue;
+          const float* vr = Vg + (lo + j) * Dv;
+          for (int64_t d = 0; d < Dv; ++d) o[d] += pj * vr[d];
+        }
+        const float inv = 1.f / total;
+        for (int64_t d = 0; d < Dv; ++d) o[d] *= inv;
+      }
+    }
+#pragma omp barrier
+    if (lead) w.group.prepare({wo.get()}, w.att.data(), B);
+#pragma omp barrier
+    w.group.compute(team, w.y.data(), C);
+#pragma omp barrier
+    // ---- feed-forward: residual, norm, w1 | w3
+    if (lead) {
+      w.group.add_bias(w.y.data(), C);
+      for (int64_t i = 0; i < B * C; ++i) X[i] += w.y[i];
+      norm(X, w.h.data(), B, C, norm2_weight, norm2_bias);
+      w.gate_up.resize(B * (gated ? 2 * Fw : Fw)), w.hidden.resize(B * Fw);
+      if (gated)
+        w.group.prepare({w1.get(), w3.get()}, w.h.data(), B);
+      else
+        w.group.prepare({w1.get()}, w.h.data(), B);
+    }
+#pragma omp barrier
+    const int64_t width = gated ? 2 * Fw : Fw;
+    w.group.compute(team, w.gate_up.data(), width);
+#pragma omp barrier
+    if (lead) {  // act(gate) * up (or act(h)), then w2
+      w.group.add_bias(w.gate_up.data(), width);
+      for (int64_t b = 0; b < B; ++b) {
+        const float* row = w.gate_up.data() + b * width;
+        for (int64_t f = 0; f < Fw; ++f)
+          w.hidden[b * Fw + f] = gated ? activate(row[f], activation) * row[Fw + f] : activate(row[f], activation);
+      }
+      w.group.prepare({w2.get()}, w.hidden.data(), B);
+    }
+#pragma omp barrier
+    w.group.compute(team, w.y.data(), C);
+#pragma omp barrier
+    if (lead) {
+      w.group.add_bias(w.y.data(), C);
+      for (int64_t i = 0; i < B * C; ++i) X[i] += w.y[i];
+    }
+#pragma omp barrier
+  }
+
+  // the shapes the projections must have, checked once when the block is built
+  void check() const {
+    TORCH_CHECK(wq && wk && wv && wo && w1 && w2 && (!gated || w3), "a projection is missing");
+    TORCH_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0, "bad head counts");
+    TORCH_CHECK(rope_dim % 2 == 0 && rope_dim <= head_dim, "bad rope_dim");
+    const int64_t C = norm1_weight.size(0);
+    TORCH_CHECK(wq->N == n_heads * head_dim && wk->N == n_kv_heads * head_dim && wv->N == n_kv_heads * v_head_dim,
+                "q, k, v widths do not match the heads");
+    TORCH_CHECK(wq->K == C && wk->K == C && wv->K == C && wo->K == n_heads * v_head_dim && wo->N == C,
+                "attention projections do not match the model width");
+    TORCH_CHECK(w1->K == C && w2->N == C && w2->K == w1->N && (!gated || (w3->K == C && w3->N == w1->N)),
+                "feed-forward projections do not match");
+  }
+};
+
+// x (B, C) through blocks[0], blocks[1], ... for one new token per row in cache slot `slot`; ks[i], vs[i]: block
+// i's caches (B, KH, S, D); allowed (B, S): the slots each row may attend to (besides the causal rule and the
+// window); cos, sin (1 | B, rope_dim / 2) for the new tokens' positions. Returns the last block's output (B, C).
+Tensor decode(const std::vector<DecodeBlock*>& blocks, const Tensor& x, std::vector<Tensor> ks, std::vector<Tensor> vs,
+              int64_t slot, const Tensor& allowed, const std::optional<Tensor>& cos,
+              const std::optional<Tensor>& sin) {
+  TORCH_CHECK(!blocks.empty() && ks.size() == blocks.size() && vs.size() == blocks.size(),
+              "one k and one v cache per block");
+  for (size_t i = 0; i < blocks.size(); ++i) blocks[i]->check_step(x, ks[i], vs[i], slot, allowed, cos, sin);
+  Tensor out = x.clone();  // the residual stream
+  float* X = out.data_ptr<float>();
+  const bool* A = allowed.data_ptr<bool>();
+  const int64_t B = x.size(0);
+  DecodeBlock::Workspace w;
+  const int threads = std::max(1, at::get_num_threads());
+#pragma omp parallel num_threads(threads)
+  {
+    const Team team{omp_get_thread_num(), omp_get_num_threads()};
+    for (size_t i = 0; i < blocks.size(); ++i) blocks[i]->forward(team, w, X, B, ks[i], vs[i], slot, A, cos, sin);
+  }
+  return out;
+}
+
+}  // namespace
+
+void bind_decode(pybind11::module& m) {
+  namespace py = pybind11;
+  py::class_<Projection, ProjectionPtr>(m, "Projection")
+      .def(py::init<int, Tensor, std::optional<Tensor>, std::optional<Tensor>, std::optional<Tensor>>(),
+           py::arg("kind"), py::arg("weight"), py::arg("scales") = py::none(), py::arg("zeros") = py::none(),
+           py::arg("bias") = py::none())
+      .def_readonly("N", &Projection::N)
+      .def_readonly("K", &Projection::K);
+  py::class_<DecodeBlock>(m, "DecodeBlock")
+      .def(py::init<>())
+      .def_readwrite("rms", &DecodeBlock::rms)
+      .def_readwrite("eps", &DecodeBlock::eps)
+      .def_readwrite("norm1_weight", &DecodeBlock::norm1_weight)
+      .def_readwrite("norm2_weight", &DecodeBlock::norm2_weight)
+      .def_readwrite("norm1_bias", &DecodeBlock::norm1_bias)
+      .def_readwrite("norm2_bias", &DecodeBlock::norm2_bias)
+      .def_readwrite("n_heads", &DecodeBlock::n_heads)
+      .def_readwrite("n_kv_heads", &DecodeBlock::n_kv_heads)
+      .def_readwrite("head_dim", &DecodeBlock::head_dim)
+      .def_readwrite("v_head_dim", &DecodeBlock::v_head_dim)
+      .def_readwrite("rope_dim", &DecodeBlock::rope_dim)
+      .def_readwrite("rope_interleaved", &DecodeBlock::rope_interleaved)
+      .def_readwrite("window", &DecodeBlock::window)
+      .def_readwrite("scale", &DecodeBlock::scale)
+      .def_readwrite("wq", &DecodeBlock::wq)
+      .def_readwrite("wk", &DecodeBlock::wk)
+      .def_readwrite("wv", &DecodeBlock::wv)
+      .def_readwrite("wo", &DecodeBlock::wo)
+      .def_readwrite("gated", &DecodeBlock::gated)
+      .def_readwrite("activation", &DecodeBlock::activation)
+      .def_readwrite("w1", &DecodeBlock::w1)
+      .def_readwrite("w2", &DecodeBlock::w2)
+      .def_readwrite("w3", &DecodeBlock::w3)
+      .def("check", &DecodeBlock::check);
+  m.def("decode", &decode, py::arg("blocks"), py::arg("x"), py::arg("k_caches"), py::arg("v_caches"),
+        py::arg("slot"), py::arg("allowed"), py::arg("cos") = py::none(), py::arg("sin") = py::none(),
+        "x (B, C) through the blocks for one new token per row; returns the last block's output (B, C)");
+}

@@ -1,0 +1,59 @@
+// What the two C++ files of llmkit's CPU extension share (native.py builds them into one module):
+// cpu_kernel.cpp, quantized matrix products; cpu_decode.cpp, a decoder block's decode step built on them.
+
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace llmkit {
+
+constexpr int64_t BLOCK = 32;  // inputs per block of x's int8 codes (and per smallest weight group)
+
+// Rows of x rounded to int8 per block of 32, with one fp32 scale and the float sum of each block.
+struct QuantizedRows {
+  int64_t M = 0, K = 0;
+  std::vector<int8_t> q;       // (M, K); for int4 each span of 64 columns holds its even, then its odd columns
+  std::vector<float> d, sums;  // (M, K / 32)
+};
+
+// x (M, K) fp32 -> `out`. even_odd: the int4 order, in which packed nibbles unpack.
+void quantize_rows(const float* x, int64_t M, int64_t K, bool even_odd, QuantizedRows& out);
+
+// A weight matrix in llmkit's formats (formats.py), borrowed from its tensors (which must outlive it).
+struct QuantizedMatrix {
+  const uint8_t* codes = nullptr;  // int4: (N, K / 2) packed, low nibble first; int8: (N, K)
+  const float* scales = nullptr;   // (N, G)
+  const float* zeros = nullptr;    // (N, G), int4 only
+  int64_t N = 0, K = 0, G = 1;
+  bool int4 = true;
+};
+
+QuantizedMatrix int4_matrix(const torch::Tensor& qweight, const torch::Tensor& scales, const torch::Tensor& zeros);
+QuantizedMatrix int8_matrix(const torch::Tensor& qweight, const torch::Tensor& scales);
+
+// x @ W_i^T for one or more matrices W_i of one kind (int4 or int8) and the same K, as one output of width
+// sum(N_i) (a layer's q, k and v side by side). `prepare` quantizes x once and sums it per scale group; then any
+// range of output columns can be computed on its own, so callers split the columns over threads as they like.
+class Product {
+ public:
+  void prepare(const float* x, int64_t M, int64_t K, const std::vector<QuantizedMatrix>& ws);
+  int64_t width() const { return starts_.back(); }
+  // y[m, j] for j in [j0, j1) of the side-by-side output; y (M, ldy) row-major
+  void columns(int64_t j0, int64_t j1, float* y, int64_t ldy) const;
+
+ private:
+  QuantizedRows x_;
+  std::vector<QuantizedMatrix> ws_;
+  std::vector<std::vector<float>> group_sums_;  // per matrix (M, G): x summed over each scale group (int4 zeros)
+  std::vector<int64_t> starts_{0};             // each matrix's first output column
+};
+
+// y[m, n] = (x @ W^T)[m, n] for n in [n0, n1), an fp32 W (N, K) and a few rows of x (M, K): a plain FMA loop over
+// W's rows (MKL runs such small products on one thread, and 5x slower per byte beyond one row). y: (M, ldy).
+void float_columns(const float* x, int64_t M, const float* w, int64_t K, int64_t n0, int64_t n1, float* y,
+                   int64_t ldy);
+
+}  // namespace llmkit

@@ -1,0 +1,180 @@
+"""The C++ decode step (llmkit/quant/cpu_decode.cpp via llmkit.generate.native) against the PyTorch modules it
+stands in for: the same logits and caches from every block variant it accepts (fp32 to float rounding; int4/int8
+within the activation rounding both paths share), the same greedy and beam outputs, padding and sliding windows
+respected, and every model it does not accept left to PyTorch."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from llmkit import build_model, get_preset
+from llmkit.config import ModelConfig
+from llmkit.generate import beam_search, generate
+from llmkit.generate import sessions as sessions_module
+from llmkit.generate.native import NativeDecoder
+from llmkit.generate.prompts import pad_prompts
+from llmkit.generate.step import decode_step
+from llmkit.quant import native, quantize
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="needs llmkit's AVX2 extension (x86 CPU, compiler)")
+
+
+def model_of(cfg: ModelConfig, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return build_model(cfg).eval()
+
+
+def variant(name: str, **changes: object) -> ModelConfig:
+    """A tiny preset with attention / position fields replaced."""
+    cfg = get_preset(name)
+    attention = {k: v for k, v in changes.items() if k in ("qkv_bias", "out_bias", "sliding_window")}
+    position = {k: v for k, v in changes.items() if k in ("layout", "rope_fraction")}
+    return dataclasses.replace(
+        cfg,
+        attention=dataclasses.replace(cfg.attention, **attention),
+        position=dataclasses.replace(cfg.position, **position),
+    )
+
+
+CONFIGS = {
+    "llama": get_preset("llama2-7b-tiny"),
+    "gqa-70b": get_preset("llama2-70b-tiny"),
+    "gpt2": get_preset("gpt2-tiny"),
+    "qwen-biases": variant("llama2-7b-tiny", qkv_bias=True, out_bias=True),
+    "interleaved-partial-rope": variant("llama2-7b-tiny", layout="interleaved", rope_fraction=0.5),
+    "sliding-window": variant("llama2-7b-tiny", sliding_window=5),
+}
+
+
+def run_both(model: torch.nn.Module, prompts: list[list[int]], steps: int) -> tuple[list, list, object, object]:
+    """Prefill both caches in PyTorch, then `steps` single-token steps through PyTorch and through the C++ blocks,
+    feeding both the PyTorch path's greedy tokens. Returns both lists of logits (B, V) and both caches."""
+    tokens, mask = pad_prompts(prompts)
+    B, T = tokens.shape
+    nd = NativeDecoder.of(model)
+    assert nd is not None
+    ref_cache, nat_cache = model.new_cache(B, T + steps), model.new_cache(B, T + steps)
+    ref, nat = [], []
+    with torch.inference_mode():
+        logits, _ = decode_step(model, tokens, ref_cache, mask)
+        decode_step(model, tokens, nat_cache, mask, native=nd)
+        tok = logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(steps):
+            a, _ = decode_step(model, tok, ref_cache)
+            b, _ = decode_step(model, tok, nat_cache, native=nd)
+            ref.append(a[:, -1])
+            nat.append(b[:, -1])
+            tok = a[:, -1].argmax(-1, keepdim=True)
+    return ref, nat, ref_cache, nat_cache
+
+
+PROMPTS = [[5, 17, 99, 3, 44, 12, 7, 250, 31], [8, 8, 1, 200], [60]]  # left-padded to 9: pads hidden by the mask
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_fp32_blocks_equal_pytorch(name):
+    model = model_of(CONFIGS[name])
+    ref, nat, ref_cache, nat_cache = run_both(model, PROMPTS, 8)
+    for a, b in zip(ref, nat, strict=True):
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4)
+    for la, lb in zip(ref_cache.layers, nat_cache.layers, strict=True):
+        torch.testing.assert_close(lb.k, la.k, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lb.v, la.v, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen-biases"])
+def test_quantized_blocks_equal_pytorch(name, method):
+    """Both paths run the same integer kernels; they differ only where float rounding in the norms moves an
+    activation across an int8 rounding boundary (one step of 1/127 of its block's largest value)."""
+    model = quantize(model_of(CONFIGS[name]), method, group_size=32, include_head=True)
+    ref, nat, _, _ = run_both(model, PROMPTS, 8)
+    for a, b in zip(ref, nat, strict=True):
+        spread = (a.amax(-1) - a.amin(-1)).max()
+        assert (a - b).abs().max() <= 0.02 * spread
+        assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 2 / 3
+
+
+def test_generate_and_beam_search_take_the_native_path_and_match(monkeypatch):
+    model = model_of(CONFIGS["llama"])
+    prompts = [[5, 17, 99, 3], [8, 8, 1]]
+    calls = {"n": 0}
+    real_run = NativeDecoder.run
+
+    def counting_run(self, *args):
+        calls["n"] += 1
+        return real_run(self, *args)
+
+    monkeypatch.setattr(NativeDecoder, "run", counting_run)
+    fast = generate(model, prompts, max_new_tokens=12)
+    beams = beam_search(model, [prompts[0]], num_beams=3, max_new_tokens=8)
+    assert calls["n"] >= 11 + 7
+    monkeypatch.setattr(sessions_module.NativeDecoder, "of", classmethod(lambda cls, m: None))
+    assert generate(model, prompts, max_new_tokens=12).new_tokens == fast.new_tokens
+    slow_beams = beam_search(model, [prompts[0]], num_beams=3, max_new_tokens=8)
+    assert slow_beams.sequences == beams.sequences
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x7b-tiny", "deepseek-v2-lite-tiny", "deepseek-v3.2-tiny"])
+def test_models_it_does_not_compute_are_left_to_pytorch(name):
+    assert NativeDecoder.of(model_of(get_preset(name))) is None
+
+
+def test_training_mode_bf16_and_other_kernels_are_left_to_pytorch():
+    model = model_of(CONFIGS["llama"])
+    assert NativeDecoder.of(model) is not None
+    assert NativeDecoder.of(copy.deepcopy(model).train()) is None
+    assert NativeDecoder.of(copy.deepcopy(model).to(torch.bfloat16)) is None
+    assert NativeDecoder.of(quantize(copy.deepcopy(model), "int4", kernel="dequant")) is None
+
+
+def test_prefill_and_bf16_caches_are_not_taken():
+    model = model_of(CONFIGS["llama"])
+    nd = NativeDecoder.of(model)
+    assert nd is not None
+    cache = model.new_cache(1, 8)
+    step = cache.state.advance(3)
+    assert not nd.applies(torch.zeros(1, 3, dtype=torch.long), step, cache.layers)
+    one = torch.zeros(1, 1, dtype=torch.long)
+    assert not nd.applies(one, cache.state.advance(1), cache.layers)  # gradients on: a training-time call
+    with torch.no_grad():
+        assert nd.applies(one, cache.state.advance(1), cache.layers)
+        bf16 = [block.attn.new_cache(1, 8, dtype=torch.bfloat16) for block in model.blocks]
+        assert not nd.applies(one, cache.state.advance(1), bf16)
+
+
+def test_the_cpp_step_checks_its_arguments():
+    model = model_of(CONFIGS["llama"])
+    nd = NativeDecoder.of(model)
+    assert nd is not None
+    cache = model.new_cache(1, 8)
+    k, v = cache.layers[0].k, cache.layers[0].v
+    allowed = torch.ones(1, 8, dtype=torch.bool)
+    F = model.cfg.rope_dim // 2
+    x = torch.randn(1, model.cfg.d_model)
+    cos, sin = torch.ones(1, F), torch.zeros(1, F)
+    decode, blocks = nd.ext.decode, nd.blocks[:1]
+    decode(blocks, x, [k], [v], 7, allowed, cos, sin)  # the last slot is fine
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        decode(blocks, x, [k], [v], 8, allowed, cos, sin)
+    with pytest.raises(RuntimeError, match="fp32"):
+        decode(blocks, x.double(), [k], [v], 0, allowed, cos, sin)
+    with pytest.raises(RuntimeError, match="allowed"):
+        decode(blocks, x, [k], [v], 0, allowed[:, :4], cos, sin)
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        decode(blocks, x, [k], [v], 0, allowed, None, None)
+    with pytest.raises(RuntimeError, match="one k and one v cache per block"):
+        decode(blocks, x, [k, k], [v], 0, allowed, cos, sin)
+
+
+def test_a_batch_beyond_the_small_row_kernel_equals_pytorch():
+    """17 rows: several tiles of rows in every product, and more (row, head) pairs than threads."""
+    model = model_of(CONFIGS["llama"])
+    prompts = [[(7 * i + j) % 250 + 1 for j in range(1 + i % 5)] for i in range(17)]
+    ref, nat, _, _ = run_both(model, prompts, 3)
+    for a, b in zip(ref, nat, strict=True):
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4)
