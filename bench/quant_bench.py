@@ -8,15 +8,18 @@ Greedy decoding of --new tokens after a 32-token prompt (random ids), batch 1 an
 --new tokens. llmkit runs eager `generate` (and, with --compiled, `generate(compiled=True)`; its one-time
 compilation is reported apart). llama.cpp runs as its server (llama-server, same threads, --parallel 8): batch 1 is
 one request, batch 8 eight concurrent ones; its tokens/s is generated tokens over wall time, like llmkit's (the
-prompt's prefill included on both sides). Also reported: bytes of weights read per token (codes, scales and the
+prompt's prefill included on both sides). Each of --repeats rounds runs every row once, llama.cpp's among ours, and
+the median round is reported (the runs are kept in --json), so that a slow minute on a shared machine does not fall
+on one side only. Also reported: bytes of weights read per token (codes, scales and the
 head; an untied embedding table is not read), the fraction of the memory-bandwidth ceiling that reaches (measured
 in the same run), and perplexity on a held-out Shakespeare play (the last one; 1024 tokens fed 32 at a time through
-the cache, as decoding and chunked prefill feed them).
+the cache, as decoding and chunked prefill feed them), also for the fp32 model run in bf16.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -78,7 +81,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--llama-server", default=None, help="path to llama.cpp's llama-server binary")
     p.add_argument("--new", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--compiled", action="store_true", help="add compiled llmkit rows (minutes of compilation)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
@@ -97,36 +100,62 @@ def main() -> None:
     }
     text_ids = fp32.tokenizer.encode(shakespeare()[-1].text)[:1025]
     ppl = {name: perplexity(m, torch.tensor([text_ids])) for name, m in models.items()}
+    ppl_bf16 = perplexity(copy.deepcopy(fp32.model).to(torch.bfloat16), torch.tensor([text_ids]))
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, 49152, (1, 32), generator=g)
-    rows: list[dict[str, Any]] = []
-    for name, model in models.items():
-        read = bytes_per_token(model)
-        for batch in (1, 8):
-            x = prompt.repeat(batch, 1)
-            generate(model, x, max_new_tokens=4)
-            runs = [timed(lambda m=model, x=x: generate(m, x, max_new_tokens=args.new))[0] for _ in range(args.repeats)]
-            seconds = sorted(runs)
-            rate = batch * args.new / seconds[len(seconds) // 2]
-            rows.append(_row(name, "eager", batch, rate, read, limits.memory_read, ppl[name], describe(model)))
-            if args.compiled:
-                compile_s, _ = timed(lambda m=model, x=x: generate(m, x, max_new_tokens=4, compiled=True))
-                s, _ = timed(lambda m=model, x=x: generate(m, x, max_new_tokens=args.new, compiled=True))
-                rows.append(_row(name, "compiled", batch, batch * args.new / s, read, limits.memory_read, ppl[name]))
-                rows[-1]["compile_seconds"] = compile_s
+    server = None
     if args.llama_server:
         port = 8714
         command = [args.llama_server, "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1"]
         command += ["-t", str(THREADS), "-tb", str(THREADS), "--parallel", "8", "-c", str(8 * 512), "--alias", "q"]
-        with ServerProcess("llama.cpp-decode", command, port):
-            version = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/props", timeout=10).read())
+        server = ServerProcess("llama.cpp-decode", command, port)
+    rows: list[dict[str, Any]] = []
+    with server if server is not None else contextlib.nullcontext():
+        build = None
+        if server is not None:
+            build = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/props", timeout=10).read())
+            build = build.get("build_info")
+        # every repeat runs every row once, llama.cpp's beside ours, so that a slow minute on a shared machine
+        # falls on all of them; the median of the repeats is reported
+        rates: dict[tuple[str, int], list[float]] = {}
+        for model in models.values():
+            for batch in (1, 8):
+                generate(model, prompt.repeat(batch, 1), max_new_tokens=4)
+        if server is not None:
             for batch in (1, 8):
                 llama_rate(port, prompt[0].tolist(), 4, batch)
-                rates = sorted(llama_rate(port, prompt[0].tolist(), args.new, batch) for _ in range(args.repeats))
-                row = _row("llama.cpp Q4_1", "server", batch, rates[len(rates) // 2], None, limits.memory_read, None)
-                row["build"] = version.get("build_info")
-                rows.append(row)
+        for _ in range(args.repeats):
+            for name, model in models.items():
+                for batch in (1, 8):
+                    x = prompt.repeat(batch, 1)
+                    seconds, _ = timed(lambda m=model, x=x: generate(m, x, max_new_tokens=args.new))
+                    rates.setdefault((name, batch), []).append(batch * args.new / seconds)
+            if server is not None:
+                for batch in (1, 8):
+                    rate = llama_rate(port, prompt[0].tolist(), args.new, batch)
+                    rates.setdefault(("llama.cpp Q4_1", batch), []).append(rate)
+        for (name, batch), runs in rates.items():
+            median = sorted(runs)[len(runs) // 2]
+            if name in models:
+                model = models[name]
+                row = _row(name, "eager", batch, median, bytes_per_token(model), limits.memory_read, ppl[name])
+                row["describe"] = describe(model)
+            else:
+                row = _row(name, "server", batch, median, None, limits.memory_read, None)
+                row["build"] = build
+            row["runs"] = runs
+            rows.append(row)
+        if args.compiled:
+            for name, model in models.items():
+                for batch in (1, 8):
+                    x = prompt.repeat(batch, 1)
+                    compile_s, _ = timed(lambda m=model, x=x: generate(m, x, max_new_tokens=4, compiled=True))
+                    s, _ = timed(lambda m=model, x=x: generate(m, x, max_new_tokens=args.new, compiled=True))
+                    rate, read = batch * args.new / s, bytes_per_token(model)
+                    rows.append(_row(name, "compiled", batch, rate, read, limits.memory_read, ppl[name]))
+                    rows[-1]["compile_seconds"] = compile_s
     summary = {"threads": THREADS, **limits.as_dict(), "new_tokens": args.new, "prompt": 32, "rows": rows}
+    summary["perplexity_bf16"] = ppl_bf16
     report(summary, args.json, lambda: print_table(summary, limits))
 
 
@@ -164,6 +193,7 @@ def print_table(summary: dict[str, Any], limits: Any) -> None:
         print(
             f"{r['weights']:<17} {r['mode']:<8} {r['batch']:>5} {r['tokens_per_s']:>7.1f} {mb:>9} {bw:>12} {pp:>10}{vs}"
         )
+    print(f"perplexity of the fp32 model run in bf16: {summary['perplexity_bf16']:.2f}")
     builds = {r["build"] for r in summary["rows"] if r.get("build")}
     if builds:
         print("llama.cpp build:", ", ".join(sorted(builds)))

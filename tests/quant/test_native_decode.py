@@ -178,3 +178,37 @@ def test_a_batch_beyond_the_small_row_kernel_equals_pytorch():
     ref, nat, _, _ = run_both(model, prompts, 3)
     for a, b in zip(ref, nat, strict=True):
         torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_the_serving_engine_takes_the_native_path_over_its_paged_pools(name, monkeypatch):
+    """Decoding rows of different lengths in one batch, each over its own blocks of the pool (a block size that
+    splits every prompt): the same tokens and log-probabilities as the engine's PyTorch path."""
+    from llmkit.serve.engine import Engine, EngineConfig
+    from llmkit.serve.paged import PagedCache
+    from llmkit.serve.request import SamplingParams
+
+    model = model_of(CONFIGS[name])
+    prompts = [[(5 * i + 3 * j) % 250 + 1 for j in range(n)] for i, n in enumerate([5, 17, 30, 3, 9])]
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    memory = PagedCache.bytes_per_block(model, 4, torch.float32) * 200
+
+    def run() -> list:
+        engine = Engine(model, None, EngineConfig(kv_memory=memory, block_size=4, step_tokens=16))
+        return engine.generate(prompts, params)
+
+    calls = {"n": 0}
+    real = NativeDecoder.run_paged
+
+    def counting(self, *args):
+        calls["n"] += 1
+        return real(self, *args)
+
+    monkeypatch.setattr(NativeDecoder, "run_paged", counting)
+    fast = run()
+    assert calls["n"] >= 9
+    monkeypatch.setattr(NativeDecoder, "applies_paged", lambda self, tokens, pools: False)
+    slow = run()
+    for a, b in zip(fast, slow, strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=1e-4)

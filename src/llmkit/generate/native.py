@@ -11,9 +11,9 @@ RoPE tables, the final norm, the head, sampling) stays in PyTorch.
 It applies to the common pre-norm decoder (GPT-2, LLaMA, Mistral, Qwen2, SmolLM2: RMSNorm or LayerNorm, grouped-query
 attention with or without RoPE and a sliding window, SwiGLU/GeGLU or a plain MLP) in fp32 on the CPU, with linear
 layers that are fp32 or llmkit's int4/int8 (quantized with `llmkit.quant.quantize` or kept from a GGUF file); and
-to steps of one new token per row into a plain KVCache. Anything else (MLA, MoE, sparse attention, bf16, CUDA,
-training, prefill, paged caches) takes the PyTorch modules, which remain the reference: tests/quant/
-test_native_decode.py checks that both give the same logits.
+to steps of one new token per row into a plain KVCache or the serving engine's paged pools. Anything else (MLA,
+MoE, sparse attention, bf16, CUDA, training, prefill) takes the PyTorch modules, which remain the reference:
+tests/quant/test_native_decode.py checks that both give the same logits.
 """
 
 from __future__ import annotations
@@ -133,16 +133,42 @@ class NativeDecoder:
     def run(self, tokens: Tensor, step: Step, layers: list[Any]) -> Tensor:
         """The blocks over tokens (B, 1) at `step`, writing into the caches: what `model.run` computes.
         Returns the last block's output (B, 1, C)."""
-        model = self.model
-        B = tokens.shape[0]
-        S = layers[0].k.shape[2]
-        rope = model.attention_inputs(step).rope
-        cos = sin = None
-        if rope is not None:
-            cos, sin = rope.cos.reshape(-1, rope.cos.shape[-1]), rope.sin.reshape(-1, rope.sin.shape[-1])  # (1|B, F)
-        x = model.inputs(model.embed, tokens, step.positions).reshape(B, -1).contiguous()  # (B, C)
         assert step.mask.allowed is not None and step.slots is not None
-        allowed = step.mask.allowed.reshape(B, S)
-        slot = int(step.slots[0])
+        B, S = tokens.shape[0], layers[0].k.shape[2]
+        x, cos, sin = self._inputs(tokens, step.positions)
         ks, vs = [c.k for c in layers], [c.v for c in layers]
-        return self.ext.decode(self.blocks, x, ks, vs, slot, allowed, cos, sin).view(B, 1, -1)
+        slot = int(step.slots[0])
+        return self.ext.decode(self.blocks, x, ks, vs, slot, step.mask.allowed.reshape(B, S), cos, sin).view(B, 1, -1)
+
+    def applies_paged(self, tokens: Tensor, pools: list[Any]) -> bool:
+        """Whether the serving engine's step over paged pools (llmkit.serve.paged) is one the C++ blocks take."""
+        first = pools[0] if pools else None
+        return (
+            tokens.shape[1] == 1
+            and type(first) is KVCache
+            and first.k.dtype == torch.float32
+            and first.k.is_contiguous()
+            and not torch.is_grad_enabled()
+        )
+
+    def run_paged(
+        self, tokens: Tensor, positions: Tensor, table: Tensor, slots: Tensor, allowed: Tensor, pools: list[Any]
+    ) -> Tensor:
+        """The blocks over tokens (B, 1) at `positions` (B, 1), row b's new token into its logical slot slots[b]
+        (B,) of the pools (KVCaches holding (K, N, bs, D) blocks) through block table (B, nb); allowed (B, nb * bs):
+        the slots each row may see. What the engine's `model.run` over the pools' views computes; returns the last
+        block's output (B, 1, C)."""
+        B = tokens.shape[0]
+        x, cos, sin = self._inputs(tokens, positions)
+        ks, vs = [c.k for c in pools], [c.v for c in pools]
+        out = self.ext.decode_paged(self.blocks, x, ks, vs, table, slots, allowed, cos, sin)
+        return out.view(B, 1, -1)
+
+    def _inputs(self, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """The embedded tokens (B, C) and the RoPE tables of their positions, (1 | B, F) each (None without)."""
+        model = self.model
+        x = model.inputs(model.embed, tokens, positions).reshape(tokens.shape[0], -1).contiguous()
+        if model.rope is None:
+            return x, None, None
+        rope = model.rope(positions)
+        return x, rope.cos.reshape(-1, rope.cos.shape[-1]), rope.sin.reshape(-1, rope.sin.shape[-1])

@@ -3,9 +3,9 @@
 // Decoding one token runs about twenty small operations per block (norm, three projections, RoPE, a cache write,
 // attention over the cached keys, the output projection, a residual, norm, the feed-forward's three projections, a
 // residual). From Python each costs 5-50 us of dispatch, so a 30-layer model at batch 1 spends more time calling
-// than computing. Here the same arithmetic runs in one call per block, over fp32 activations:
+// than computing. Here the same arithmetic runs in one call for all the blocks, over fp32 activations:
 //
-//   x (B, C) ─► norm ─► [wq | wk | wv] (one pass) ─► RoPE on q, k ─► k, v into cache slot `slot`
+//   x (B, C) ─► norm ─► [wq | wk | wv] (one pass) ─► RoPE on q, k ─► k, v into each row's cache slot
 //            ─► each query head attends to its kv head's visible slots ─► wo ─► + x
 //            ─► norm ─► [w1 | w3] (one pass) ─► act(gate) * up ─► w2 ─► + x
 //
@@ -15,9 +15,12 @@
 // Threads: a step runs inside one OpenMP parallel region of torch's thread count, as llama.cpp's graph does. The
 // serial parts (norms, RoPE, residuals, quantizing x) run on thread 0; products and attention split their output
 // columns / heads over every thread; barriers separate the phases. Starting the threads once per step instead of
-// once per product saves ~150 fork-joins per token on a 30-layer model. The result equals the PyTorch modules' up to float rounding (tests/quant/test_native_decode.py).
+// once per product saves ~150 fork-joins per token on a 30-layer model.
+//
+// Caches: a contiguous KVCache (generate) or the serving engine's paged pools with a block table (KVLayout).
+// The result equals the PyTorch modules' up to float rounding (tests/quant/test_native_decode.py).
 // Shapes: B rows (one new token each), C model width, H query heads, KH kv heads, D head dim, Dv value head dim,
-// S cache slots, F feed-forward width.
+// S logical cache slots a row, F feed-forward width, N blocks in a pool of blocks of bs slots.
 
 #include "cpu_kernel.h"
 
@@ -172,6 +175,22 @@ inline float activate(float v, int act) {
   }
 }
 
+// Where a layer's cached keys and values live: row b's slot s of kv head g is element index(b, g, s) of k (times D)
+// and of v (times Dv). Either a contiguous cache, k (B, KH, S, D), or a paged pool, k (KH, N, bs, D) with a block
+// table (B, nb) of each row's physical blocks (llmkit/serve/paged.py's heads-first layout).
+struct KVLayout {
+  float* k = nullptr;
+  float* v = nullptr;
+  int64_t KH = 0, S = 0;                                // contiguous
+  const int64_t* table = nullptr;                       // paged
+  int64_t N = 0, bs = 1, nb = 0;
+
+  int64_t index(int64_t b, int64_t g, int64_t s) const {
+    if (table == nullptr) return (b * KH + g) * S + s;
+    return (g * N + table[b * nb + s / bs]) * bs + s % bs;
+  }
+};
+
 struct DecodeBlock {
   // norms before attention (1) and the feed-forward (2): RMSNorm, or LayerNorm (bias optional)
   bool rms = true;
@@ -224,19 +243,20 @@ struct DecodeBlock {
     }
   }
 
-  // Arguments of one step, checked before the threads start.
-  void check_step(const Tensor& x, const Tensor& k_cache, const Tensor& v_cache, int64_t slot, const Tensor& allowed,
+  // Arguments of one step, checked before the threads start: x (B, C), k and v caches (contiguous (B, KH, S, D) or,
+  // with `paged`, pools (KH, N, bs, D)), allowed (B, S) over each row's S logical slots, cos and sin.
+  void check_step(const Tensor& x, const Tensor& k, const Tensor& v, bool paged, int64_t S, const Tensor& allowed,
                   const std::optional<Tensor>& cos, const std::optional<Tensor>& sin) const {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() &&
                     x.size(1) == norm1_weight.size(0),
                 "x must be (B, C) fp32");
-    const int64_t B = x.size(0), S = k_cache.dim() == 4 ? k_cache.size(2) : 0;
-    for (const Tensor* t : {&k_cache, &v_cache})
-      TORCH_CHECK(t->dim() == 4 && t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->size(0) == B &&
-                      t->size(1) == n_kv_heads && t->size(2) == S,
-                  "the caches must be (B, KH, S, D) fp32, contiguous");
-    TORCH_CHECK(k_cache.size(3) == head_dim && v_cache.size(3) == v_head_dim, "cache head dims do not match the layer");
-    TORCH_CHECK(slot >= 0 && slot < S, "slot ", slot, " is outside the cache's ", S, " slots");
+    const int64_t B = x.size(0);
+    for (const Tensor* t : {&k, &v})
+      TORCH_CHECK(t->dim() == 4 && t->scalar_type() == torch::kFloat32 && t->is_contiguous() &&
+                      t->size(paged ? 0 : 1) == n_kv_heads && (paged || (t->size(0) == B && t->size(2) == S)),
+                  paged ? "the pools must be (KH, N, bs, D) fp32, contiguous"
+                        : "the caches must be (B, KH, S, D) fp32, contiguous");
+    TORCH_CHECK(k.size(3) == head_dim && v.size(3) == v_head_dim, "cache head dims do not match the layer");
     TORCH_CHECK(allowed.dim() == 2 && allowed.size(0) == B && allowed.size(1) == S &&
                     allowed.scalar_type() == torch::kBool && allowed.is_contiguous(),
                 "allowed must be (B, S) bool");
@@ -253,12 +273,13 @@ struct DecodeBlock {
     ProjectionGroup group;
   };
 
-  // x (B, C) += this block's output, for the new tokens in cache slot `slot`. Called by every thread of the team
-  // (the barriers are the team's); thread 0 does the serial parts.
-  void forward(const Team& team, Workspace& w, float* X, int64_t B, Tensor& k_cache, Tensor& v_cache, int64_t slot,
-               const bool* A, const std::optional<Tensor>& cos, const std::optional<Tensor>& sin) const {
+  // x (B, C) += this block's output, for row b's new token in its logical slot slots[b] of `kv`; A (B, S): the
+  // slots each row may see. Called by every thread of the team (the barriers are the team's); thread 0 does the
+  // serial parts.
+  void forward(const Team& team, Workspace& w, float* X, int64_t B, const KVLayout& kv, const int64_t* slots,
+               int64_t S, const bool* A, const std::optional<Tensor>& cos, const std::optional<Tensor>& sin) const {
     const int64_t C = norm1_weight.size(0), H = n_heads, KH = n_kv_heads, D = head_dim, Dv = v_head_dim;
-    const int64_t S = k_cache.size(2), Nq = H * D, Nqkv = Nq + KH * D + KH * Dv, Fw = w1->N;
+    const int64_t Nq = H * D, Nqkv = Nq + KH * D + KH * Dv, Fw = w1->N;
     const bool lead = team.id == 0;
     // ---- attention: norm, q | k | v
     if (lead) {
@@ -269,8 +290,6 @@ struct DecodeBlock {
 #pragma omp barrier
     w.group.compute(team, w.qkv.data(), Nqkv);
 #pragma omp barrier
-    float* K = k_cache.data_ptr<float>();
-    float* V = v_cache.data_ptr<float>();
     if (lead) {  // biases, RoPE on q and k, k and v into the cache
       w.group.add_bias(w.qkv.data(), Nqkv);
       for (int64_t b = 0; b < B; ++b) {
@@ -282,26 +301,26 @@ struct DecodeBlock {
           for (int64_t hh = 0; hh < H + KH; ++hh) rotate(row + hh * D, c, s);  // q heads, then k heads
         }
         for (int64_t g = 0; g < KH; ++g) {
-          std::memcpy(K + ((b * KH + g) * S + slot) * D, row + Nq + g * D, D * sizeof(float));
-          std::memcpy(V + ((b * KH + g) * S + slot) * Dv, row + Nq + KH * D + g * Dv, Dv * sizeof(float));
+          const int64_t at = kv.index(b, g, slots[b]);
+          std::memcpy(kv.k + at * D, row + Nq + g * D, D * sizeof(float));
+          std::memcpy(kv.v + at * Dv, row + Nq + KH * D + g * Dv, Dv * sizeof(float));
         }
       }
     }
 #pragma omp barrier
     {  // each (row, query head) pair over the visible slots of its kv head: softmax(q k / sqrt(D)) v
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, slot - window + 1) : 0, n = slot - lo + 1;
-      std::vector<float> p(n);
+      std::vector<float> p;
       const auto [i0, i1] = team.share(B * H);
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t b = i / H, hh = i % H, g = hh / (H / KH);
+        const int64_t b = i / H, hh = i % H, g = hh / (H / KH), slot = slots[b];
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, slot - window + 1) : 0, n = slot - lo + 1;
+        p.resize(n);
         const float* q = w.qkv.data() + b * Nqkv + hh * D;
-        const float* Kg = K + (b * KH + g) * S * D;
-        const float* Vg = V + (b * KH + g) * S * Dv;
         float* o = w.att.data() + i * Dv;
         float top = -std::numeric_limits<float>::infinity();
         for (int64_t j = 0; j < n; ++j) {
           const int64_t s = lo + j;
-          p[j] = A[b * S + s] ? dot(q, Kg + s * D, D) * static_cast<float>(scale)
+          p[j] = A[b * S + s] ? dot(q, kv.k + kv.index(b, g, s) * D, D) * static_cast<float>(scale)
                               : -std::numeric_limits<float>::infinity();
           top = std::max(top, p[j]);
         }
@@ -311,7 +330,7 @@ struct DecodeBlock {
         for (int64_t j = 0; j < n; ++j) {
           const float pj = p[j];
           if (pj == 0.f) continue;
-          const float* vr = Vg + (lo + j) * Dv;
+          const float* vr = kv.v + kv.index(b, g, lo + j) * Dv;
           for (int64_t d = 0; d < Dv; ++d) o[d] += pj * vr[d];
         }
         const float inv = 1.f / total;
@@ -372,15 +391,13 @@ struct DecodeBlock {
   }
 };
 
-// x (B, C) through blocks[0], blocks[1], ... for one new token per row in cache slot `slot`; ks[i], vs[i]: block
-// i's caches (B, KH, S, D); allowed (B, S): the slots each row may attend to (besides the causal rule and the
-// window); cos, sin (1 | B, rope_dim / 2) for the new tokens' positions. Returns the last block's output (B, C).
-Tensor decode(const std::vector<DecodeBlock*>& blocks, const Tensor& x, std::vector<Tensor> ks, std::vector<Tensor> vs,
-              int64_t slot, const Tensor& allowed, const std::optional<Tensor>& cos,
-              const std::optional<Tensor>& sin) {
-  TORCH_CHECK(!blocks.empty() && ks.size() == blocks.size() && vs.size() == blocks.size(),
-              "one k and one v cache per block");
-  for (size_t i = 0; i < blocks.size(); ++i) blocks[i]->check_step(x, ks[i], vs[i], slot, allowed, cos, sin);
+// x (B, C) through every block for one new token per row, row b's in its logical slot slots[b] of layouts[i]
+// (block i's cache); allowed (B, S): the slots each row may attend to (besides the causal rule and the window);
+// cos, sin (1 | B, rope_dim / 2) for the new tokens' positions. Returns the last block's output (B, C).
+Tensor run(const std::vector<DecodeBlock*>& blocks, const Tensor& x, const std::vector<KVLayout>& layouts,
+           const std::vector<int64_t>& slots, int64_t S, const Tensor& allowed, const std::optional<Tensor>& cos,
+           const std::optional<Tensor>& sin) {
+  for (int64_t s : slots) TORCH_CHECK(s >= 0 && s < S, "slot ", s, " is outside the cache's ", S, " slots");
   Tensor out = x.clone();  // the residual stream
   float* X = out.data_ptr<float>();
   const bool* A = allowed.data_ptr<bool>();
@@ -390,9 +407,55 @@ Tensor decode(const std::vector<DecodeBlock*>& blocks, const Tensor& x, std::vec
 #pragma omp parallel num_threads(threads)
   {
     const Team team{omp_get_thread_num(), omp_get_num_threads()};
-    for (size_t i = 0; i < blocks.size(); ++i) blocks[i]->forward(team, w, X, B, ks[i], vs[i], slot, A, cos, sin);
+    for (size_t i = 0; i < blocks.size(); ++i)
+      blocks[i]->forward(team, w, X, B, layouts[i], slots.data(), S, A, cos, sin);
   }
   return out;
+}
+
+void check_lists(const std::vector<DecodeBlock*>& blocks, const std::vector<Tensor>& ks,
+                 const std::vector<Tensor>& vs) {
+  TORCH_CHECK(!blocks.empty() && ks.size() == blocks.size() && vs.size() == blocks.size(),
+              "one k and one v cache per block");
+}
+
+// Contiguous caches ks[i], vs[i] (B, KH, S, D); every row's new token in slot `slot`.
+Tensor decode(const std::vector<DecodeBlock*>& blocks, const Tensor& x, const std::vector<Tensor>& ks,
+              const std::vector<Tensor>& vs, int64_t slot, const Tensor& allowed, const std::optional<Tensor>& cos,
+              const std::optional<Tensor>& sin) {
+  check_lists(blocks, ks, vs);
+  const int64_t S = ks[0].dim() == 4 ? ks[0].size(2) : 0;
+  std::vector<KVLayout> layouts;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    blocks[i]->check_step(x, ks[i], vs[i], false, S, allowed, cos, sin);
+    layouts.push_back({ks[i].data_ptr<float>(), vs[i].data_ptr<float>(), blocks[i]->n_kv_heads, S});
+  }
+  return run(blocks, x, layouts, std::vector<int64_t>(x.size(0), slot), S, allowed, cos, sin);
+}
+
+// Paged pools ks[i], vs[i] (KH, N, bs, D) and the block table (B, nb) of each row's physical blocks; row b's new
+// token in its logical slot slots[b] (S = nb * bs logical slots a row).
+Tensor decode_paged(const std::vector<DecodeBlock*>& blocks, const Tensor& x, const std::vector<Tensor>& ks,
+                    const std::vector<Tensor>& vs, const Tensor& table, const Tensor& slots, const Tensor& allowed,
+                    const std::optional<Tensor>& cos, const std::optional<Tensor>& sin) {
+  check_lists(blocks, ks, vs);
+  const int64_t B = x.size(0);
+  TORCH_CHECK(table.dim() == 2 && table.size(0) == B && table.scalar_type() == torch::kInt64 && table.is_contiguous(),
+              "table must be (B, nb) int64");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == B && slots.scalar_type() == torch::kInt64 && slots.is_contiguous(),
+              "slots must be (B,) int64");
+  const int64_t nb = table.size(1), N = ks[0].dim() == 4 ? ks[0].size(1) : 0, bs = ks[0].dim() == 4 ? ks[0].size(2) : 1;
+  const int64_t* T = table.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B * nb; ++i) TORCH_CHECK(T[i] >= 0 && T[i] < N, "block ", T[i], " is not in the pool");
+  std::vector<KVLayout> layouts;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    blocks[i]->check_step(x, ks[i], vs[i], true, nb * bs, allowed, cos, sin);
+    TORCH_CHECK(ks[i].size(1) == N && ks[i].size(2) == bs && vs[i].size(1) == N && vs[i].size(2) == bs,
+                "every pool has the same blocks");
+    layouts.push_back({ks[i].data_ptr<float>(), vs[i].data_ptr<float>(), 0, 0, T, N, bs, nb});
+  }
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  return run(blocks, x, layouts, std::vector<int64_t>(sl, sl + B), nb * bs, allowed, cos, sin);
 }
 
 }  // namespace
@@ -434,4 +497,7 @@ void bind_decode(pybind11::module& m) {
   m.def("decode", &decode, py::arg("blocks"), py::arg("x"), py::arg("k_caches"), py::arg("v_caches"),
         py::arg("slot"), py::arg("allowed"), py::arg("cos") = py::none(), py::arg("sin") = py::none(),
         "x (B, C) through the blocks for one new token per row; returns the last block's output (B, C)");
+  m.def("decode_paged", &decode_paged, py::arg("blocks"), py::arg("x"), py::arg("k_pools"), py::arg("v_pools"),
+        py::arg("table"), py::arg("slots"), py::arg("allowed"), py::arg("cos") = py::none(),
+        py::arg("sin") = py::none(), "decode over paged pools (KH, N, bs, D) with a block table (B, nb)");
 }

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from llmkit.errors import InputError, LLMKitError
+from llmkit.generate.native import NativeDecoder
 from llmkit.layers.attention.mask import AttentionMask
 from llmkit.models.cache import Step
 from llmkit.models.decoder import DecoderLM
@@ -83,6 +84,7 @@ class Engine:
         if n_blocks < 1:
             raise InputError(f"kv_memory={config.kv_memory} bytes is less than one block ({per_block} bytes)")
         self.cache = PagedCache(model, n_blocks, config.block_size, self.device, self.dtype)
+        self.native = NativeDecoder.of(model)  # decoding rows' blocks in one C++ call, where the model allows
         self.pool = BlockPool(n_blocks, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_batch, config.step_tokens)
         self.max_len = model.max_seq_len
@@ -197,9 +199,12 @@ class Engine:
         nb = max(len(w.seq.blocks) for w in work)
         table = torch.tensor([w.seq.blocks + w.seq.blocks[:1] * (nb - len(w.seq.blocks)) for w in work], device=dev)
         filled = torch.arange(nb * bs, device=dev) < (starts + T)[:, None]  # (B, S): slots holding tokens
-        mask = AttentionMask(allowed=filled[:, None, None, :], causal=T > 1, query_slots=slots)
-        layers = self.cache.views(Pages.of(table, slots, bs))
-        h = self.model.run(tokens, Step(slots, mask, slots), layers)  # (B, T, C)
+        if self.native is not None and self.native.applies_paged(tokens, self.cache.layers):
+            h = self.native.run_paged(tokens, slots, table, starts, filled, self.cache.layers)  # (B, 1, C)
+        else:
+            mask = AttentionMask(allowed=filled[:, None, None, :], causal=T > 1, query_slots=slots)
+            layers = self.cache.views(Pages.of(table, slots, bs))
+            h = self.model.run(tokens, Step(slots, mask, slots), layers)  # (B, T, C)
         return self.model.logits(self.model.norm(h[:, -1]))  # (B, V)
 
     def _append(self, seq: Sequence, token: int, logprob: float) -> Delta:
