@@ -1,9 +1,12 @@
 """Decoding throughput: llmkit against transformers' `generate` (with its KV cache), same weights, one run.
 
-    .venv/bin/python bench/decode_bench.py [--model ref|smollm2] [--new 64] [--prompt 32] [--repeats 3] [--device cuda]
+    .venv/bin/python bench/decode_bench.py [--model ref|smollm2|mixtral|deepseek-v3] [--new 64] [--prompt 32]
+        [--repeats 3] [--device cuda]
 
 Models: "ref", the reference LLaMA-style config (124.7M parameters, random weights, identical in both libraries
-through llmkit's converter), and "smollm2", the real SmolLM2-135M-Instruct GGUF file (dequantized). Greedy
+through llmkit's converter), "smollm2", the real SmolLM2-135M-Instruct GGUF file (dequantized), and two mixtures of
+experts at tiny widths with their real expert counts: "mixtral" (8 experts, top-2) and "deepseek-v3" (MLA attention,
+256 routed experts in 8 groups, top-8 from the best 4 groups, one shared expert). Greedy
 decoding of --new tokens after a --prompt-token prompt, batch 1 and 8, in fp32 and bf16. The machine is shared and
 noisy, so the variants run alternately --repeats times and the median counts. llmkit runs eagerly and compiled
 (`generate(compiled=True)`: torch.compile with weight freezing; the one-time compilation is reported apart). The same
@@ -14,6 +17,8 @@ run measures memory bandwidth: the ceiling of decoding is bandwidth / bytes of w
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +37,33 @@ from common import (
     timed,
 )
 
-MODELS = {"ref": reference_hf, "smollm2": smollm2_hf}  # each saves its model in transformers' format, once
+
+def moe_hf(preset: str, model_type: str, **moe: Any) -> Callable[[Path], Path]:
+    """A tiny-width MoE preset with its expert counts set to the real model's (`moe` fields), random weights after
+    torch.manual_seed(0), saved once in transformers' format."""
+
+    def make(directory: Path) -> Path:
+        from llmkit import build_model, get_preset
+        from llmkit.interop.hf import save_hf
+
+        out = directory / f"{preset}-experts-hf"
+        if not (out / "config.json").is_file():
+            cfg = get_preset(preset)
+            assert cfg.moe is not None
+            cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, **moe))
+            torch.manual_seed(0)
+            save_hf(build_model(cfg), out, model_type=model_type)
+        return out
+
+    return make
+
+
+MODELS = {  # each saves its model in transformers' format, once
+    "ref": reference_hf,
+    "smollm2": smollm2_hf,
+    "mixtral": moe_hf("mixtral-8x7b-tiny", "mixtral"),  # 8 experts, top-2
+    "deepseek-v3": moe_hf("deepseek-v3-tiny", "deepseek_v3", n_experts=256, top_k=8, n_groups=8, topk_groups=4),
+}
 
 
 def main() -> None:

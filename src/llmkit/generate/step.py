@@ -8,9 +8,10 @@ step itself reads nothing back from the device, and every shape in it is fixed b
 With `compiled=True` the step runs through `torch.compile` with inductor's weight freezing: the weights become
 constants, so the matmuls can use prepacked kernels and elementwise work is fused (BENCHMARKS.md has the figures).
 The compiled step is built once per model (the first call takes tens of seconds) and assumes the weights no longer
-change. Models with MoE layers or sparse attention decode eagerly even when asked to compile: their routing and key
-selection do not yet trace into one graph (prefill takes the experts one by one under torch.compile, and the
-selection recompiles), so compiling them would cost more than it gives.
+change. MoE layers compile into the step: routing, sorting by expert and the experts' products trace into one graph
+(in fp32 each assignment's expert weights are gathered, within GATHER_LIMIT; bf16 takes F.grouped_mm), so a new
+routing never recompiles. Models with sparse attention decode eagerly even when asked to compile: the key selection
+does not yet trace into one graph.
 
 Without compilation, steps of one token per row on an AVX2 CPU run each block in one C++ call where the model's
 parts allow it (`native`, see native.py): the same arithmetic without per-operator dispatch.
@@ -64,11 +65,10 @@ def compiled_core(model: DecoderLM) -> Callable[..., tuple[Tensor, Tensor]]:
 
 
 def compilable(model: DecoderLM) -> bool:
-    """Whether compiling the step pays: not for MoE routing or sparse attention (see the module docstring)."""
+    """Whether compiling the step pays: not for sparse attention (see the module docstring)."""
     from llmkit.layers.attention import DeepSeekSparseAttention
-    from llmkit.layers.moe import MoE
 
-    return not any(isinstance(m, (MoE, DeepSeekSparseAttention)) for m in model.modules())
+    return not any(isinstance(m, DeepSeekSparseAttention) for m in model.modules())
 
 
 @torch.no_grad()

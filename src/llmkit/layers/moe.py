@@ -41,6 +41,7 @@ from llmkit.layers.mlp import ACTIVATIONS, build_ffn
 from llmkit.layers.precision import FP32Buffers
 
 _GROUPED_MM = hasattr(F, "grouped_mm")  # torch >= 2.9; older versions run the experts one by one
+GATHER_LIMIT = 1 << 26  # elements of expert weights a compiled step may gather per call (256 MB in fp32)
 
 
 def grouped_mm_applies(x: Tensor, dtype: torch.dtype) -> bool:
@@ -159,6 +160,10 @@ class GroupedExperts(nn.Module):
                 bound = w.shape[2] ** -0.5
                 nn.init.uniform_(w, -bound, bound)
 
+    def expert_elements(self) -> int:
+        """Weights of one expert (w1, w2 and w3)."""
+        return sum(w[0].numel() for w in (self.w1, self.w2, self.w3) if w is not None)
+
     def expert(self, e: int, x: Tensor) -> Tensor:
         """Expert e on its tokens x (n, C) -> (n, C)."""
         h = self.act(F.linear(x, self.w1[e]))
@@ -170,8 +175,12 @@ class GroupedExperts(nn.Module):
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         if not grouped_mm_applies(x, dtype):
-            # a few assignments (decoding): each with its own expert's weights; many: one matmul per expert
-            return self._gathered(x, counts) if x.shape[0] <= self.w1.shape[0] else self._one_by_one(x, counts)
+            # a few assignments (decoding): each with its own expert's weights; many: one matmul per expert, which
+            # reads the counts back to the host, so a compiled step gathers as long as the copies stay small
+            few = x.shape[0] <= self.w1.shape[0]
+            if few or (torch.compiler.is_compiling() and x.shape[0] * self.expert_elements() <= GATHER_LIMIT):
+                return self._gathered(x, counts)
+            return self._one_by_one(x, counts)
         offsets = counts.cumsum(0).to(torch.int32)  # (E,) where each expert's slice ends
         x = x.to(dtype)
 
