@@ -285,13 +285,9 @@ struct DecodeBlock {
     if (lead) {
       w.h.resize(B * C), w.qkv.resize(B * Nqkv), w.att.assign(B * H * Dv, 0.f), w.y.resize(B * C);
       norm(X, w.h.data(), B, C, norm1_weight, norm1_bias);
-      w.group.prepare({wq.get(), wk.get(), wv.get()}, w.h.data(), B);
     }
-#pragma omp barrier
-    w.group.compute(team, w.qkv.data(), Nqkv);
-#pragma omp barrier
-    if (lead) {  // biases, RoPE on q and k, k and v into the cache
-      w.group.add_bias(w.qkv.data(), Nqkv);
+    project(team, w, {wq.get(), wk.get(), wv.get()}, w.h, B, w.qkv, Nqkv);
+    if (lead) {  // RoPE on q and k, k and v into the cache
       for (int64_t b = 0; b < B; ++b) {
         float* row = w.qkv.data() + b * Nqkv;
         if (rope_dim) {
@@ -338,42 +334,40 @@ struct DecodeBlock {
       }
     }
 #pragma omp barrier
-    if (lead) w.group.prepare({wo.get()}, w.att.data(), B);
-#pragma omp barrier
-    w.group.compute(team, w.y.data(), C);
-#pragma omp barrier
-    // ---- feed-forward: residual, norm, w1 | w3
+    project(team, w, {wo.get()}, w.att, B, w.y, C);
+    // ---- feed-forward: residual, norm, w1 | w3, act(gate) * up (or act(h)), w2, residual
+    const int64_t width = gated ? 2 * Fw : Fw;
     if (lead) {
-      w.group.add_bias(w.y.data(), C);
       for (int64_t i = 0; i < B * C; ++i) X[i] += w.y[i];
       norm(X, w.h.data(), B, C, norm2_weight, norm2_bias);
-      w.gate_up.resize(B * (gated ? 2 * Fw : Fw)), w.hidden.resize(B * Fw);
-      if (gated)
-        w.group.prepare({w1.get(), w3.get()}, w.h.data(), B);
-      else
-        w.group.prepare({w1.get()}, w.h.data(), B);
+      w.gate_up.resize(B * width), w.hidden.resize(B * Fw);
     }
-#pragma omp barrier
-    const int64_t width = gated ? 2 * Fw : Fw;
-    w.group.compute(team, w.gate_up.data(), width);
-#pragma omp barrier
-    if (lead) {  // act(gate) * up (or act(h)), then w2
-      w.group.add_bias(w.gate_up.data(), width);
+    if (gated)
+      project(team, w, {w1.get(), w3.get()}, w.h, B, w.gate_up, width);
+    else
+      project(team, w, {w1.get()}, w.h, B, w.gate_up, width);
+    if (lead)
       for (int64_t b = 0; b < B; ++b) {
         const float* row = w.gate_up.data() + b * width;
         for (int64_t f = 0; f < Fw; ++f)
           w.hidden[b * Fw + f] = gated ? activate(row[f], activation) * row[Fw + f] : activate(row[f], activation);
       }
-      w.group.prepare({w2.get()}, w.hidden.data(), B);
-    }
-#pragma omp barrier
-    w.group.compute(team, w.y.data(), C);
-#pragma omp barrier
-    if (lead) {
-      w.group.add_bias(w.y.data(), C);
+    project(team, w, {w2.get()}, w.hidden, B, w.y, C);
+    if (lead)
       for (int64_t i = 0; i < B * C; ++i) X[i] += w.y[i];
-    }
 #pragma omp barrier
+  }
+
+  // y (B, width) = the projections ps of x (B rows), side by side, by the whole team: thread 0 prepares (quantizes
+  // x), every thread computes its share of the columns, thread 0 adds the biases. Only thread 0 touches y after it
+  // returns, until the next barrier. The buffers are read after the barrier: thread 0 may have just resized them.
+  void project(const Team& team, Workspace& w, const std::vector<const Projection*>& ps, const std::vector<float>& x,
+               int64_t B, std::vector<float>& y, int64_t width) const {
+    if (team.id == 0) w.group.prepare(ps, x.data(), B);
+#pragma omp barrier
+    w.group.compute(team, y.data(), width);
+#pragma omp barrier
+    if (team.id == 0) w.group.add_bias(y.data(), width);
   }
 
   // the shapes the projections must have, checked once when the block is built
