@@ -11,7 +11,10 @@ output tokens/s, requests/s, time to first token and inter-token latency (p50, p
 sharing a 400-token system prompt, one at a time, with llmkit's prefix cache on and off.
 
 Every server runs in its own process with the same number of threads (the machine's cores); llama.cpp's server gets
-as many parallel slots as the highest concurrency. llmkit keeps the file's Q4_1 tensors as int4 where it has fast
+as many parallel slots as the highest concurrency. All of them start first and stay up (an idle one sleeps); with
+`--rounds R` each round runs every server's loads once, a different server first each round, so that a busy moment
+on a shared machine falls on all of them alike; the table gives each figure's median over rounds, then llmkit's
+ratio to llama.cpp per round. llmkit keeps the file's Q4_1 tensors as int4 where it has fast
 kernels for them (llmkit.quant: its AVX2 kernels on x86 CPUs), else dequantizes to fp32; llama.cpp computes on the
 Q4_1 blocks directly. The llama-server binary is built from the llama.cpp
 sources vendored in the PyPI sdist of llama-cpp-python (bench/build_llama_server.sh).
@@ -20,6 +23,7 @@ sources vendored in the PyPI sdist of llama-cpp-python (bench/build_llama_server
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import itertools
 import json
@@ -218,8 +222,11 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second")
     p.add_argument("--concurrency", default="1,4,16")
+    p.add_argument("--rounds", type=int, default=1, help="run every server's loads this many times, interleaved")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     threads = os.cpu_count() or 1
     gguf = str(smollm2_gguf())
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -259,17 +266,21 @@ def main() -> None:
             )
         )
     rows = []
-    for name, command, port in servers:
-        with ServerProcess(name.split(",")[0].replace(" ", "-") + str(port), command, port):
+    with contextlib.ExitStack() as running:  # every server up at once; idle ones sleep
+        for name, command, port in servers:
+            running.enter_context(ServerProcess(name.split(",")[0].replace(" ", "-") + str(port), command, port))
             stream(port, "Warm up.", 4)
-            if name.endswith("one at a time"):  # the baseline for the highest concurrency only
-                loads = [closed_loop(port, requests, max(levels))]
-            else:
-                loads = [closed_loop(port, requests, c) for c in levels]
-                loads.append(poisson(port, requests, args.rate))
-            for load in loads:
-                rows.append({"server": name, **load.row()})
-                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        for r in range(args.rounds):
+            turn = servers[r % len(servers) :] + servers[: r % len(servers)]  # each round starts with another server
+            for name, _, port in turn:
+                if name.endswith("one at a time"):  # the baseline for the highest concurrency only
+                    loads = [lambda port=port: closed_loop(port, requests, max(levels))]
+                else:
+                    loads = [lambda port=port, c=c: closed_loop(port, requests, c) for c in levels]
+                    loads.append(lambda port=port: poisson(port, requests, args.rate))
+                for load in loads:
+                    rows.append({"server": name, "round": r, **load().row()})
+                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     prefix = {}
     for label, extra, port in (("on", [], 8714), ("off", ["--no-prefix-cache"], 8715)):
         with ServerProcess(f"llmkit-prefix-{label}", [*llmkit, "--port", str(port), *extra], port):
@@ -279,17 +290,45 @@ def main() -> None:
     report(summary, args.json, lambda: print_table(summary, limits))
 
 
+def median_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (server, load): the median over rounds of each figure."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["server"], r["load"]), []).append(r)
+    return [
+        {
+            "server": server,
+            "load": load,
+            **{k: statistics.median(g[k] for g in group) for k in group[0] if k not in ("server", "load", "round")},
+        }
+        for (server, load), group in groups.items()
+    ]
+
+
 def print_table(summary: dict[str, Any], limits: Any) -> None:
     print(f"SmolLM2-135M-Instruct Q4_1; {summary['threads']} threads; {limits}")
     print(
         f"{'server':24s} {'load':16s} {'out tok/s':>9s} {'req/s':>6s} "
         f"{'TTFT p50':>9s} {'p99':>7s} {'ITL p50':>8s} {'p99':>7s}"
     )
-    for r in summary["rows"]:
+    rounds = 1 + max(r["round"] for r in summary["rows"])
+    if rounds > 1:
+        print(f"median of {rounds} interleaved rounds (each round runs every server's loads once)")
+    for r in median_rows(summary["rows"]):
         print(
             f"{r['server']:24s} {r['load']:16s} {r['output_tok_s']:9.1f} {r['requests_s']:6.2f} "
             f"{r['ttft_p50']:8.2f}s {r['ttft_p99']:6.2f}s {r['itl_p50'] * 1e3:6.1f}ms {r['itl_p99'] * 1e3:5.0f}ms"
         )
+    if rounds > 1:
+        for load in sorted({r["load"] for r in summary["rows"]}):
+            by = {(r["server"], r["round"]): r["output_tok_s"] for r in summary["rows"] if r["load"] == load}
+            ratios = [
+                by["llmkit", i] / by["llama.cpp server", i]
+                for i in range(rounds)
+                if ("llmkit", i) in by and ("llama.cpp server", i) in by
+            ]
+            if ratios:
+                print(f"{load}: llmkit / llama.cpp output tokens/s per round: " + ", ".join(f"{x:.2f}" for x in ratios))
     on, off = summary["prefix_ttft"]["on"], summary["prefix_ttft"]["off"]
     print(
         f"shared 400-token system prompt, one at a time: TTFT {off * 1e3:.0f} ms without the prefix cache, "

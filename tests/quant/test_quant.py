@@ -107,6 +107,23 @@ def test_every_kernel_equals_the_dequantized_reference(cls, kernel, tol):
     assert (out - reference).abs().max() <= tol * scale + 1e-6
 
 
+@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
+@pytest.mark.parametrize(("rows", "width", "outputs"), [(96, 256, 96), (100, 64, (1 << 16) + 40)])
+def test_avx2_many_rows_dequantize_in_panels_and_are_exact(cls, rows, width, outputs):
+    """From 96 rows on the AVX2 products dequantize W (in panels of 2^22 weights: the second case spans two) and
+    multiply in fp32, so they equal the dequantized reference up to fp32 summation order."""
+    if not native.available():
+        pytest.skip("llmkit's AVX2 kernels are not built on this machine")
+    torch.manual_seed(0)
+    layer = cls.from_linear(torch.nn.Linear(width, outputs, bias=False), kernel="avx2")
+    x = torch.randn(rows, width)
+    reference = x @ layer.dequantize().t()
+    out = layer(x)
+    assert (out - reference).abs().max() <= 1e-5 * reference.abs().max()
+    few = layer(x[:95])  # below the threshold: activations rounded to int8, ~1% of the range
+    assert (few - reference[:95]).abs().max() > 1e-4 * reference.abs().max()
+
+
 def test_weight_reads_back_the_dequantized_matrix_in_the_compute_dtype():
     layer = Int4Linear.from_linear(torch.nn.Linear(64, 32))
     assert layer.weight.dtype == torch.float32

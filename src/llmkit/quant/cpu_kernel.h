@@ -51,6 +51,9 @@ class Product {
   std::vector<int64_t> starts_{0};             // each matrix's first output column
 };
 
+// Rows [n0, n1) of W as fp32: out (n1 - n0, K) row-major.
+void dequantize_rows(const QuantizedMatrix& w, int64_t n0, int64_t n1, float* out);
+
 // y[m, n] = (x @ W^T)[m, n] for n in [n0, n1), an fp32 W (N, K) and a few rows of x (M, K): a plain FMA loop over
 // W's rows (MKL runs such small products on one thread, and 5x slower per byte beyond one row). y: (M, ldy).
 void float_columns(const float* x, int64_t M, const float* w, int64_t K, int64_t n0, int64_t n1, float* y,
