@@ -12,7 +12,8 @@ sharing a 400-token system prompt, one at a time, with llmkit's prefix cache on 
 
 Every server runs in its own process with the same number of threads (the machine's cores); llama.cpp's server gets
 as many parallel slots as the highest concurrency. All of them start first and stay up (an idle one sleeps); with
-`--rounds R` each round runs every server's loads once, a different server first each round, so that a busy moment
+`--rounds R` each round runs every server's loads once (on a request set of its own, so that no prompt is already
+in a server's cache), a different server first each round, so that a busy moment
 on a shared machine falls on all of them alike; the table gives each figure's median over rounds, then llmkit's
 ratio to llama.cpp per round. llmkit keeps the file's Q4_1 tensors as int4 where it has fast
 kernels for them (llmkit.quant: its AVX2 kernels on x86 CPUs), else dequantizes to fp32; llama.cpp computes on the
@@ -189,20 +190,24 @@ def poisson(port: int, requests: list[tuple[str, int]], rate: float, seed: int =
     return load
 
 
-def request_set(n: int, seed: int = 0) -> tuple[list[tuple[str, int]], Any]:
-    """n (prompt text, output tokens) pairs: 32-512 prompt tokens cut from the plays, 16-256 output tokens."""
+def corpus_tokens() -> tuple[Any, list[int]]:
+    """SmolLM2's tokenizer and the token ids of the first three plays."""
     from llmkit.data.corpus import shakespeare
     from llmkit.interop.load import load_model
 
     tok = load_model(smollm2_gguf()).tokenizer
-    ids = tok.encode("\n".join(d.text for d in shakespeare()[:3]))
+    return tok, tok.encode("\n".join(d.text for d in shakespeare()[:3]))
+
+
+def request_set(ids: list[int], tok: Any, n: int, seed: int = 0) -> list[tuple[str, int]]:
+    """n (prompt text, output tokens) pairs: 32-512 prompt tokens cut from `ids`, 16-256 output tokens."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
         length = rng.randint(32, 512)
         start = rng.randrange(len(ids) - length)
         out.append((tok.decode(ids[start : start + length]), rng.randint(16, 256)))
-    return out, tok
+    return out
 
 
 def prefix_ttft(port: int, tok: Any, n: int = 8) -> float:
@@ -230,7 +235,15 @@ def main() -> None:
     threads = os.cpu_count() or 1
     gguf = str(smollm2_gguf())
     levels = [int(c) for c in args.concurrency.split(",")]
-    requests, tok = request_set(args.requests)
+    tok, ids = corpus_tokens()
+    # a request set of its own for every load of every round (the same for every server): a prompt seen before would
+    # hit the servers' prompt caches. The one-at-a-time baseline takes the highest concurrency's set.
+    kinds = [*(f"c{c}" for c in levels), "poisson"]
+    sets = {
+        (r, k): request_set(ids, tok, args.requests, seed=100 * r + i)
+        for r in range(args.rounds)
+        for i, k in enumerate(kinds)
+    }
     limits = measure_limits(("fp32",))
     (ROOT / "runs/bench").mkdir(parents=True, exist_ok=True)
     llmkit = [str(Path(sys.executable).parent / "llmkit"), "serve", gguf, "--model-name", MODEL, "--kv-memory", "2GiB"]
@@ -273,13 +286,16 @@ def main() -> None:
         for r in range(args.rounds):
             turn = servers[r % len(servers) :] + servers[: r % len(servers)]  # each round starts with another server
             for name, _, port in turn:
-                if name.endswith("one at a time"):  # the baseline for the highest concurrency only
-                    loads = [lambda port=port: closed_loop(port, requests, max(levels))]
-                else:
-                    loads = [lambda port=port, c=c: closed_loop(port, requests, c) for c in levels]
-                    loads.append(lambda port=port: poisson(port, requests, args.rate))
-                for load in loads:
-                    rows.append({"server": name, "round": r, **load().row()})
+                top = max(levels)
+                plan: list[tuple[str, int | None]] = (
+                    [(f"c{top}", top)]  # the one-at-a-time baseline: the highest concurrency only
+                    if name.endswith("one at a time")
+                    else [*((f"c{c}", c) for c in levels), ("poisson", None)]
+                )
+                for kind, c in plan:
+                    reqs = sets[r, kind]
+                    load = closed_loop(port, reqs, c) if c is not None else poisson(port, reqs, args.rate)
+                    rows.append({"server": name, "round": r, **load.row()})
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     prefix = {}
     for label, extra, port in (("on", [], 8714), ("off", ["--no-prefix-cache"], 8715)):
@@ -307,13 +323,13 @@ def median_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def print_table(summary: dict[str, Any], limits: Any) -> None:
     print(f"SmolLM2-135M-Instruct Q4_1; {summary['threads']} threads; {limits}")
+    rounds = 1 + max(r["round"] for r in summary["rows"])
+    if rounds > 1:
+        print(f"median of {rounds} interleaved rounds (each round runs every server's loads once)")
     print(
         f"{'server':24s} {'load':16s} {'out tok/s':>9s} {'req/s':>6s} "
         f"{'TTFT p50':>9s} {'p99':>7s} {'ITL p50':>8s} {'p99':>7s}"
     )
-    rounds = 1 + max(r["round"] for r in summary["rows"])
-    if rounds > 1:
-        print(f"median of {rounds} interleaved rounds (each round runs every server's loads once)")
     for r in median_rows(summary["rows"]):
         print(
             f"{r['server']:24s} {r['load']:16s} {r['output_tok_s']:9.1f} {r['requests_s']:6.2f} "
