@@ -1,12 +1,13 @@
 """Decoding throughput: llmkit against transformers' `generate` (with its KV cache), same weights, one run.
 
-    .venv/bin/python bench/decode_bench.py [--model ref|smollm2|mixtral|deepseek-v3] [--new 64] [--prompt 32]
+    .venv/bin/python bench/decode_bench.py [--model ref|smollm2|mixtral|deepseek-v3|deepseek-v3.2] [--new 64] [--prompt 32]
         [--repeats 3] [--device cuda]
 
 Models: "ref", the reference LLaMA-style config (124.7M parameters, random weights, identical in both libraries
 through llmkit's converter), "smollm2", the real SmolLM2-135M-Instruct GGUF file (dequantized), and two mixtures of
 experts at tiny widths with their real expert counts: "mixtral" (8 experts, top-2) and "deepseek-v3" (MLA attention,
-256 routed experts in 8 groups, top-8 from the best 4 groups, one shared expert). Greedy
+256 routed experts in 8 groups, top-8 from the best 4 groups, one shared expert), and "deepseek-v3.2", the latter
+with DeepSeek-V3.2's sparse attention (a lightning indexer picks each query's 8 keys). Greedy
 decoding of --new tokens after a --prompt-token prompt, batch 1 and 8, in fp32 and bf16. The machine is shared and
 noisy, so the variants run alternately --repeats times and the median counts. llmkit runs eagerly and compiled
 (`generate(compiled=True)`: torch.compile with weight freezing; the one-time compilation is reported apart). The same
@@ -63,6 +64,10 @@ MODELS = {  # each saves its model in transformers' format, once
     "smollm2": smollm2_hf,
     "mixtral": moe_hf("mixtral-8x7b-tiny", "mixtral"),  # 8 experts, top-2
     "deepseek-v3": moe_hf("deepseek-v3-tiny", "deepseek_v3", n_experts=256, top_k=8, n_groups=8, topk_groups=4),
+    # the same with DeepSeek-V3.2's sparse attention: the indexer keeps each query's 8 best keys
+    "deepseek-v3.2": moe_hf(
+        "deepseek-v3.2-tiny", "deepseek_v32", n_experts=256, top_k=8, n_groups=8, topk_groups=4
+    ),
 }
 
 

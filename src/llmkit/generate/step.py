@@ -10,8 +10,8 @@ constants, so the matmuls can use prepacked kernels and elementwise work is fuse
 The compiled step is built once per model (the first call takes tens of seconds) and assumes the weights no longer
 change. MoE layers compile into the step: routing, sorting by expert and the experts' products trace into one graph
 (in fp32 each assignment's expert weights are gathered, within GATHER_LIMIT; bf16 takes F.grouped_mm), so a new
-routing never recompiles. Models with sparse attention decode eagerly even when asked to compile: the key selection
-does not yet trace into one graph.
+routing never recompiles. Sparse attention (DSA) compiles too: the indexer's scores, the stable sort that picks each
+query's keys and the gather of the selected latents trace into the same graph.
 
 Without compilation, steps of one token per row on an AVX2 CPU run each block in one C++ call where the model's
 parts allow it (`native`, see native.py): the same arithmetic without per-operator dispatch.
@@ -48,27 +48,26 @@ def _core(
 
 
 def compiled_core(model: DecoderLM) -> Callable[..., tuple[Tensor, Tensor]]:
-    """The step compiled for `model`. Freezing must be on in inductor's global config when (re)compilation happens
+    """The step compiled for `model`. Freezing (and, on CPU, the C++ wrapper) must be on in inductor's global config
+    when (re)compilation happens
     (passing it through torch.compile's options does not give the prepacked kernels), and dynamic shapes avoid a
     recompilation per batch size or cache length."""
     if model not in _COMPILED:
         from torch._inductor import config as inductor_config
 
         core = torch.compile(_core, dynamic=True)
+        # on a CPU the graph's wrapper (allocations, kernel calls) is generated as C++ instead of Python: a tiny
+        # model's step is mostly that wrapper, and it goes from ~0.8 to ~0.6 ms (BENCHMARKS.md, MoE). Not on CUDA,
+        # whose Python wrapper is the tested path there.
+        cpu = next(model.parameters()).device.type == "cpu"
+        settings = {"freezing": True, "cpp_wrapper": cpu}
 
         def frozen(*args: Any) -> tuple[Tensor, Tensor]:
-            with inductor_config.patch(freezing=True):
+            with inductor_config.patch(settings):
                 return core(*args)
 
         _COMPILED[model] = frozen
     return _COMPILED[model]
-
-
-def compilable(model: DecoderLM) -> bool:
-    """Whether compiling the step pays: not for sparse attention (see the module docstring)."""
-    from llmkit.layers.attention import DeepSeekSparseAttention
-
-    return not any(isinstance(m, DeepSeekSparseAttention) for m in model.modules())
 
 
 @torch.no_grad()
@@ -89,6 +88,6 @@ def decode_step(
     if native is not None and native.applies(tokens, step, cache.layers):
         h = native.run(tokens, step, cache.layers)
         return model.logits(model.norm(h)), h
-    core = compiled_core(model) if compiled and compilable(model) else _core
+    core = compiled_core(model) if compiled else _core
     assert step.mask.allowed is not None and step.slots is not None
     return core(model, tokens, step.positions, step.mask.allowed, step.slots, cache.layers, last)

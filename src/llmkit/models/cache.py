@@ -82,12 +82,15 @@ class SequenceState:
                 f"the cache holds max_len={self.max_len} tokens and {start} are used; {T} more do not fit. "
                 "Create the cache with a larger max_len"
             )
-        if valid is None:
-            valid = torch.ones(self.batch, T, dtype=torch.bool, device=self.valid.device)
         slots = torch.arange(start, start + T, device=self.valid.device)  # (T,)
-        self.valid[:, start : start + T] = valid
-        positions = (self.next_position[:, None] + valid.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, T)
-        self.next_position = self.next_position + valid.long().sum(dim=1)
+        if valid is None:  # every new token is real (each decoding step): fewer small operations per step
+            self.valid[:, start : start + T] = True
+            positions = self.next_position[:, None] + slots.sub(start)  # (B, T)
+            self.next_position = self.next_position + T
+        else:
+            self.valid[:, start : start + T] = valid
+            positions = (self.next_position[:, None] + valid.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, T)
+            self.next_position = self.next_position + valid.long().sum(dim=1)
         self.length = start + T
         mask = AttentionMask(allowed=self.valid[:, None, None, :], causal=True, query_slots=slots)
         return Step(positions, mask, slots)
