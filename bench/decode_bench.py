@@ -65,9 +65,7 @@ MODELS = {  # each saves its model in transformers' format, once
     "mixtral": moe_hf("mixtral-8x7b-tiny", "mixtral"),  # 8 experts, top-2
     "deepseek-v3": moe_hf("deepseek-v3-tiny", "deepseek_v3", n_experts=256, top_k=8, n_groups=8, topk_groups=4),
     # the same with DeepSeek-V3.2's sparse attention: the indexer keeps each query's 8 best keys
-    "deepseek-v3.2": moe_hf(
-        "deepseek-v3.2-tiny", "deepseek_v32", n_experts=256, top_k=8, n_groups=8, topk_groups=4
-    ),
+    "deepseek-v3.2": moe_hf("deepseek-v3.2-tiny", "deepseek_v32", n_experts=256, top_k=8, n_groups=8, topk_groups=4),
 }
 
 

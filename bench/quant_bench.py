@@ -10,7 +10,9 @@ compilation is reported apart). llama.cpp runs as its server (llama-server, same
 one request, batch 8 eight concurrent ones; its tokens/s is generated tokens over wall time, like llmkit's (the
 prompt's prefill included on both sides). Each of --repeats rounds runs every row once, llama.cpp's among ours, and
 the median round is reported (the runs are kept in --json), so that a slow minute on a shared machine does not fall
-on one side only. Also reported: bytes of weights read per token (codes, scales and the
+on one side only. A second rate counts the decoding steps alone (llmkit: from the first generated token to the
+last; llama.cpp: its own `timings.predicted_per_second`): the bandwidth ceiling is a bound on those steps, while
+the prompt's prefill is bound by arithmetic. Also reported: bytes of weights read per token (codes, scales and the
 head; an untied embedding table is not read), the fraction of the memory-bandwidth ceiling that reaches (measured
 in the same run), and perplexity on a held-out Shakespeare play (the last one; 1024 tokens fed 32 at a time through
 the cache, as decoding and chunked prefill feed them), also for the fp32 model run in bf16.
@@ -45,6 +47,15 @@ def bytes_per_token(model: Any) -> int:
     return weight_bytes(model) - embed.numel() * embed.element_size()
 
 
+def gguf_bytes_per_token(path: Any) -> int:
+    """Bytes llama.cpp reads per decoding step from a GGUF file: every tensor as stored (Q4_1 blocks of 20 bytes per
+    32 weights, the Q8_0 embedding that is also the tied head), less the embedding unless it is the head."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    return sum(tensors.values()) - (tensors["token_embd.weight"] if "output.weight" in tensors else 0)
+
+
 def perplexity(model: Any, ids: torch.Tensor) -> float:
     T = ids.shape[1] - 1
     cache = model.new_cache(1, T + 1)
@@ -56,17 +67,21 @@ def perplexity(model: Any, ids: torch.Tensor) -> float:
     return math.exp(nll / T)
 
 
-def llama_rate(port: int, prompt: list[int], new: int, batch: int) -> float:
-    """Generated tokens/s of `batch` concurrent greedy requests to llama-server."""
+def llama_rate(port: int, prompt: list[int], new: int, batch: int) -> tuple[float, float]:
+    """Generated tokens/s of `batch` concurrent greedy requests to llama-server: over the wall time, and over the
+    decoding steps alone (the sum of the requests' `timings.predicted_per_second`, llama.cpp's own count, which
+    leaves out the prompt's prefill; the requests decode side by side)."""
     body = json.dumps(
         {"prompt": prompt, "n_predict": new, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
     ).encode()
+    decode_rates: list[float] = []
 
     def one() -> None:
         req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=600) as r:
             out = json.loads(r.read())
         assert out["tokens_predicted"] == new, out.get("tokens_predicted")
+        decode_rates.append(out["timings"]["predicted_per_second"])
 
     threads = [threading.Thread(target=one) for _ in range(batch)]
     start = time.perf_counter()
@@ -74,7 +89,23 @@ def llama_rate(port: int, prompt: list[int], new: int, batch: int) -> float:
         t.start()
     for t in threads:
         t.join()
-    return batch * new / (time.perf_counter() - start)
+    return batch * new / (time.perf_counter() - start), sum(decode_rates)
+
+
+def llmkit_rate(model: Any, x: torch.Tensor, new: int) -> tuple[float, float]:
+    """Generated tokens/s of greedy decoding of the rows of x (B, T): over the wall time, and over the decoding steps
+    alone (from the first generated token, which comes out of the prefill, to the last)."""
+    from llmkit.generate import stream
+
+    start = time.perf_counter()
+    first = None
+    steps = 0
+    for _ in stream(model, x, max_new_tokens=new):
+        first = first or time.perf_counter()
+        steps += 1
+    end = time.perf_counter()
+    assert first is not None and steps == new
+    return x.shape[0] * new / (end - start), x.shape[0] * (steps - 1) / (end - first)
 
 
 def main() -> None:
@@ -117,7 +148,7 @@ def main() -> None:
             build = build.get("build_info")
         # every repeat runs every row once, llama.cpp's beside ours, so that a slow minute on a shared machine
         # falls on all of them; the median of the repeats is reported
-        rates: dict[tuple[str, int], list[float]] = {}
+        rates: dict[tuple[str, int], list[tuple[float, float]]] = {}
         for model in models.values():
             for batch in (1, 8):
                 generate(model, prompt.repeat(batch, 1), max_new_tokens=4)
@@ -127,22 +158,24 @@ def main() -> None:
         for _ in range(args.repeats):
             for name, model in models.items():
                 for batch in (1, 8):
-                    x = prompt.repeat(batch, 1)
-                    seconds, _ = timed(lambda m=model, x=x: generate(m, x, max_new_tokens=args.new))
-                    rates.setdefault((name, batch), []).append(batch * args.new / seconds)
+                    rates.setdefault((name, batch), []).append(llmkit_rate(model, prompt.repeat(batch, 1), args.new))
             if server is not None:
                 for batch in (1, 8):
                     rate = llama_rate(port, prompt[0].tolist(), args.new, batch)
                     rates.setdefault(("llama.cpp Q4_1", batch), []).append(rate)
         for (name, batch), runs in rates.items():
-            median = sorted(runs)[len(runs) // 2]
+            median = sorted(r[0] for r in runs)[len(runs) // 2]
+            decoding = sorted(r[1] for r in runs)[len(runs) // 2]
             if name in models:
-                model = models[name]
-                row = _row(name, "eager", batch, median, bytes_per_token(model), limits.memory_read, ppl[name])
-                row["describe"] = describe(model)
+                read = bytes_per_token(models[name])
+                row = _row(name, "eager", batch, median, read, limits.memory_read, ppl[name])
+                row["describe"] = describe(models[name])
             else:
-                row = _row(name, "server", batch, median, None, limits.memory_read, None)
+                read = gguf_bytes_per_token(gguf)
+                row = _row(name, "server", batch, median, read, limits.memory_read, None)
                 row["build"] = build
+            row["decode_tokens_per_s"] = decoding
+            row["decode_bandwidth_fraction"] = decoding / batch * read / limits.memory_read
             row["runs"] = runs
             rows.append(row)
         if args.compiled:
@@ -179,7 +212,8 @@ def print_table(summary: dict[str, Any], limits: Any) -> None:
     new = summary["new_tokens"]
     print(f"SmolLM2-135M-Instruct, {summary['threads']} threads; {limits}; prompt 32, {new} new tokens")
     print(
-        f"{'weights':<17} {'mode':<8} {'batch':>5} {'tok/s':>7} {'MB/token':>9} {'of bandwidth':>12} {'perplexity':>10}"
+        f"{'weights':<17} {'mode':<8} {'batch':>5} {'tok/s':>7} {'MB/token':>9} {'of bandwidth':>12} "
+        f"{'decode tok/s':>12} {'of bandwidth':>12} {'perplexity':>10}"
     )
     fp32 = {r["batch"]: r["tokens_per_s"] for r in summary["rows"] if r["weights"] == "fp32" and r["mode"] == "eager"}
     llama = {r["batch"]: r["tokens_per_s"] for r in summary["rows"] if r["weights"].startswith("llama")}
@@ -187,11 +221,15 @@ def print_table(summary: dict[str, Any], limits: Any) -> None:
         mb = "" if r["bytes_per_token"] is None else f"{r['bytes_per_token'] / 1e6:.0f}"
         bw = "" if r["bandwidth_fraction"] is None else f"{100 * r['bandwidth_fraction']:.0f}%"
         pp = "" if r["perplexity"] is None else f"{r['perplexity']:.2f}"
+        dec, dbw = r.get("decode_tokens_per_s"), r.get("decode_bandwidth_fraction")
+        dec_s = "" if dec is None else f"{dec:.1f}"
+        dbw_s = "" if dbw is None else f"{100 * dbw:.0f}%"
         vs = f"  {r['tokens_per_s'] / fp32[r['batch']]:.2f}x fp32" if r["batch"] in fp32 else ""
         if r["batch"] in llama and not r["weights"].startswith("llama"):
             vs += f", {r['tokens_per_s'] / llama[r['batch']]:.2f}x llama.cpp"
         print(
-            f"{r['weights']:<17} {r['mode']:<8} {r['batch']:>5} {r['tokens_per_s']:>7.1f} {mb:>9} {bw:>12} {pp:>10}{vs}"
+            f"{r['weights']:<17} {r['mode']:<8} {r['batch']:>5} {r['tokens_per_s']:>7.1f} {mb:>9} {bw:>12} "
+            f"{dec_s:>12} {dbw_s:>12} {pp:>10}{vs}"
         )
     print(f"perplexity of the fp32 model run in bf16: {summary['perplexity_bf16']:.2f}")
     builds = {r["build"] for r in summary["rows"] if r.get("build")}
