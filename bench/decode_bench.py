@@ -1,7 +1,7 @@
 """Decoding throughput: llmkit against transformers' `generate` (with its KV cache), same weights, one run.
 
-    .venv/bin/python bench/decode_bench.py [--model ref|smollm2|mixtral|deepseek-v3|deepseek-v3.2] [--new 64] [--prompt 32]
-        [--repeats 3] [--device cuda]
+    .venv/bin/python bench/decode_bench.py [--model ref|smollm2|mixtral|deepseek-v3|deepseek-v3.2] [--new 64]
+        [--prompt 32] [--repeats 3] [--device cuda]
 
 Models: "ref", the reference LLaMA-style config (124.7M parameters, random weights, identical in both libraries
 through llmkit's converter), "smollm2", the real SmolLM2-135M-Instruct GGUF file (dequantized), and two mixtures of

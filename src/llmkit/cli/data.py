@@ -9,7 +9,8 @@ from dataclasses import dataclass
 class TextOptions:
     """A text corpus, for language models.
 
-    tokenizer: reuse this tokenizer (a folder with tokenizer.json) instead of training one.
+    tokenizer: reuse this tokenizer instead of training one: a checkpoint's (a folder with tokenizer.json, a run, a
+        GGUF file) or a tokenizer.json file; a run that starts from that checkpoint needs it.
     text_field: the field holding the text in a .jsonl file.
     """
 

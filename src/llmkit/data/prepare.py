@@ -43,13 +43,29 @@ def split_document(text: str, val_fraction: float) -> tuple[str, str]:
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
-    """A tokenizer from a directory (tokenizer.json, e.g. a converted checkpoint) or a tokenizer.json file."""
+    """A tokenizer from a checkpoint (a directory with tokenizer.json: Hugging Face, llmkit, a training run's latest
+    checkpoint), a GGUF file's metadata, or a tokenizer.json file: the data a run that starts from that checkpoint
+    trains on must be prepared with it."""
+    from llmkit.runs import resolve_checkpoint
+
     p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        from gguf import GGUFReader
+
+        from llmkit.interop.gguf import read_metadata
+
+        try:
+            meta = read_metadata(GGUFReader(str(p)))
+        except Exception as e:
+            raise InputError(f"{p} is not a readable GGUF file: {e}") from None
+        if "tokenizer.ggml.tokens" not in meta:
+            raise InputError(f"{p} holds no tokenizer")
+        return Tokenizer.from_gguf_metadata(meta)
     if p.is_file():
         from tokenizers import Tokenizer as Backend
 
         return Tokenizer(Backend.from_file(str(p)))
-    tok = Tokenizer.from_dir(p)
+    tok = Tokenizer.from_dir(resolve_checkpoint(p))
     if tok is None:
         raise InputError(f"{p} has no tokenizer.json")
     return tok

@@ -1,7 +1,9 @@
 """Training configuration: a YAML file plus command-line overrides (`--set optim.lr=3e-4`).
 
     model:     a preset and/or ModelConfig fields (nested), e.g. {preset: llama2-7b-tiny, d_model: 256}, or
-               {arch: rnn, ...} for the RNN encoder-decoder with attention (RNNConfig fields)
+               {arch: rnn, ...} for the RNN encoder-decoder with attention (RNNConfig fields), or
+               {checkpoint: PATH} to start from a checkpoint's weights (an llmkit run or checkpoint, a Hugging Face
+               directory, a GGUF file; language models only)
     data:      the prepared data folder (a token stream for language models, sentence pairs for translation),
                sequence length, micro-batch size per process, or tokens per batch for sentence pairs
     optim:     AdamW settings and gradient clipping
@@ -181,6 +183,11 @@ class TrainConfig(ConfigBase):
         from llmkit.presets import get_preset
 
         spec = copy.deepcopy(self.model)
+        if "checkpoint" in spec:
+            raise ConfigError(
+                "model.checkpoint: starting from a checkpoint is for language models on a token stream (decoder-only); "
+                "use model.preset or model fields here"
+            )
         if spec.get("arch") == "rnn":
             if vocab_size is not None:
                 spec.setdefault("vocab_size", vocab_size)
@@ -208,6 +215,31 @@ class TrainConfig(ConfigBase):
             return ModelConfig.from_dict(merged)
         except ConfigError as e:
             raise ConfigError(f"model: {e}") from None
+
+
+def pretrained_config(spec: dict[str, Any], base: ModelConfig, seq_len: int) -> ModelConfig:
+    """The config of a run that starts from a checkpoint whose config is `base`: the other `model` keys of `spec`
+    (next to `checkpoint`) may change the training-only settings (dropout, MoE loss coefficients), never what the
+    weights compute; the checkpoint's context must hold the training sequences."""
+    over = {k: v for k, v in spec.items() if k != "checkpoint"}
+    if "preset" in over:
+        raise ConfigError("model: give either checkpoint (start from its weights) or preset, not both")
+    try:
+        cfg = ModelConfig.from_dict(_merge(base.to_dict(), over))
+    except ConfigError as e:
+        raise ConfigError(f"model: {e}") from None
+    if cfg.architecture() != base.architecture():
+        changed = sorted(k for k in over if _merge(base.to_dict(), {k: over[k]}) != base.to_dict())
+        raise ConfigError(
+            f"model: {', '.join(changed)} would change the architecture of the checkpoint {spec['checkpoint']}; "
+            "next to model.checkpoint only training settings (dropout, loss coefficients) can be set"
+        )
+    if seq_len > cfg.position.max_seq_len:
+        raise ConfigError(
+            f"data.seq_len={seq_len} is longer than the checkpoint's context ({cfg.position.max_seq_len} tokens): "
+            f"set data.seq_len <= {cfg.position.max_seq_len}"
+        )
+    return cfg
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -257,9 +289,12 @@ def load_train_config(path: str | os.PathLike[str] | None, overrides: list[str] 
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{p} must hold a mapping of sections (model, data, optim, ...)")
         data = loaded or {}
+    default = "model" not in data
     data.setdefault("model", {"preset": DEFAULT_PRESET})  # so that --set model.x=... refines the default model
     for assignment in overrides or []:
         apply_override(data, assignment)
+    if default and isinstance(data["model"], dict) and "checkpoint" in data["model"]:
+        data["model"].pop("preset", None)  # --set model.checkpoint=PATH: the checkpoint is the model
     # YAML numbers such as 3e-4 parse as strings in YAML 1.1: accept them for float fields
     for section in ("optim", "schedule", "train", "loss", "translate"):
         for k, v in list((data.get(section) or {}).items()):

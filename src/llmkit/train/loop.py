@@ -83,6 +83,9 @@ class Trainer:
             )
         torch.manual_seed(t.seed)  # the same initial weights in every process
         self.model = build_any(self.task.model_config, device=self.rt.device)
+        if self.task.pretrained is not None:  # a run that starts from a checkpoint: its weights, not the init
+            self.model.load_state_dict(self.task.pretrained)
+            self.task.pretrained = None
         self.state = ckpt.TrainState(step=0, tokens=0, elapsed=0.0)
         resumed = self._resumed(resume)
         if t.activation_checkpointing:

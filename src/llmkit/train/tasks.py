@@ -31,7 +31,7 @@ from llmkit.layers.extras import Extras, IndexerMode
 from llmkit.models import DecoderLM, EncoderDecoder, RNNConfig, RNNSeq2Seq
 from llmkit.tokenizer import Tokenizer
 from llmkit.train.buckets import BucketedPairs
-from llmkit.train.config import TrainConfig
+from llmkit.train.config import TrainConfig, pretrained_config
 from llmkit.train.data import TokenData, eval_offsets, train_batch, window_batch
 from llmkit.train.hooks import Hook, IndexerWarmUp, RouterBiasUpdate, router_bias_layers
 from llmkit.train.parallel import Runtime
@@ -53,6 +53,7 @@ class Task(abc.ABC):
     tokenizer: Tokenizer | None
     source_tokenizer: Tokenizer | None = None  # a translation model's, with separate vocabularies
     generation_config: dict[str, Any]  # what a checkpoint tells decoders (start and end tokens)
+    pretrained: dict[str, Tensor] | None = None  # weights to start from instead of the initialisation
 
     def __init__(self, cfg: TrainConfig, rt: Runtime) -> None:
         self.cfg, self.rt = cfg, rt
@@ -134,13 +135,37 @@ class LanguageModelTask(Task):
         super().__init__(cfg, rt)
         self.data = TokenData(cfg.data.dir)
         self.data.check_window(cfg.data.seq_len)
-        self.model_config = cfg.model_config(vocab_size=self.data.vocab_size)
+        self.tokenizer = Tokenizer.from_dir(self.data.dir)
+        if "checkpoint" in cfg.model:
+            self.model_config, self.pretrained = self._from_checkpoint(cfg)
+        else:
+            self.model_config = cfg.model_config(vocab_size=self.data.vocab_size)
         if not isinstance(self.model_config, ModelConfig) or self.model_config.is_encoder_decoder:
             raise TrainingError(
                 f"{cfg.data.dir} holds a token stream: language-model training needs a decoder-only model (this "
                 "config has an encoder; encoder-decoder models train on sentence pairs)"
             )
-        self.tokenizer = Tokenizer.from_dir(self.data.dir)
+
+    def _from_checkpoint(self, cfg: TrainConfig) -> tuple[ModelConfig, dict[str, Tensor]]:
+        """The config and fp32 weights of the checkpoint `model.checkpoint` names (a GGUF file dequantized), after
+        checking that the data was prepared with its tokenizer."""
+        from llmkit.interop.load import load_model
+        from llmkit.quant import quantized_spec
+        from llmkit.runs import resolve_checkpoint
+
+        path = resolve_checkpoint(str(cfg.model["checkpoint"]))
+        loaded = load_model(path, dtype=torch.float32, quantized=False)
+        model = loaded.model
+        if not isinstance(model, DecoderLM):
+            raise TrainingError(f"model.checkpoint: {path} is not a decoder-only language model")
+        if quantized_spec(model) is not None:
+            raise TrainingError(
+                f"model.checkpoint: {path} holds quantized weights ({quantized_spec(model)}); training starts from "
+                "float weights: use the checkpoint it was quantized from"
+            )
+        check_same_tokenizer(loaded.tokenizer, self.tokenizer, path, cfg.data.dir)
+        model_cfg = pretrained_config(cfg.model, model.cfg, cfg.data.seq_len)
+        return model_cfg, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     @property
     def vocab_size(self) -> int:
@@ -216,6 +241,25 @@ class TranslationModule(nn.Module):
             return {"nll": out.ce.float() * count, "count": count}
         zero = out.ce.new_zeros(())
         return {"loss": out.total, "ce": out.ce, "aux": out.aux, "mtp": out.mtp, "indexer": zero}
+
+
+def check_same_tokenizer(model: Tokenizer | None, data: Tokenizer | None, checkpoint: object, data_dir: str) -> None:
+    """A run that starts from a checkpoint must see token ids as the checkpoint does: the data prepared with its
+    tokenizer (`llmkit prepare ... --tokenizer CHECKPOINT`). Compared on the vocabulary (token -> id)."""
+    if model is None:
+        raise TrainingError(
+            f"model.checkpoint: {checkpoint} has no tokenizer, so the data's token ids cannot be checked against it"
+        )
+    hint = f"prepare the data with its tokenizer: llmkit prepare ... --tokenizer {checkpoint}"
+    if data is None:
+        raise TrainingError(f"{data_dir} holds no tokenizer; {hint}")
+    a, b = model.backend.get_vocab(with_added_tokens=True), data.backend.get_vocab(with_added_tokens=True)
+    if a != b:
+        differ = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])[:3]
+        raise TrainingError(
+            f"the data in {data_dir} was prepared with another tokenizer than the checkpoint {checkpoint}'s "
+            f"({len(b)} against {len(a)} tokens; e.g. {differ}): {hint}"
+        )
 
 
 class TranslationTask(Task):
