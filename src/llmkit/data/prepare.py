@@ -50,17 +50,12 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
 
     p = Path(path)
     if p.is_file() and p.suffix == ".gguf":
-        from gguf import GGUFReader
+        from llmkit.interop.gguf import load_gguf_tokenizer
 
-        from llmkit.interop.gguf import read_metadata
-
-        try:
-            meta = read_metadata(GGUFReader(str(p)))
-        except Exception as e:
-            raise InputError(f"{p} is not a readable GGUF file: {e}") from None
-        if "tokenizer.ggml.tokens" not in meta:
+        gguf_tok = load_gguf_tokenizer(p)
+        if gguf_tok is None:
             raise InputError(f"{p} holds no tokenizer")
-        return Tokenizer.from_gguf_metadata(meta)
+        return gguf_tok
     if p.is_file():
         from tokenizers import Tokenizer as Backend
 

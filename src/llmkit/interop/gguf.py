@@ -31,6 +31,28 @@ from llmkit.tokenizer import Tokenizer
 SUPPORTED = ("llama",)
 
 
+def open_gguf(path: Path) -> Any:
+    """A GGUFReader over `path`; CheckpointError when it is missing or unreadable."""
+    from gguf import GGUFReader
+
+    if not path.is_file():
+        raise CheckpointError(f"{path} does not exist")
+    try:
+        return GGUFReader(str(path))
+    except Exception as e:
+        raise CheckpointError(f"{path} is not a readable GGUF file: {e}") from None
+
+
+def gguf_tokenizer(meta: dict[str, Any]) -> Tokenizer | None:
+    """The tokenizer a GGUF file's metadata describes, or None when it has none."""
+    return Tokenizer.from_gguf_metadata(meta) if "tokenizer.ggml.tokens" in meta else None
+
+
+def load_gguf_tokenizer(path: str | os.PathLike[str]) -> Tokenizer | None:
+    """Only the tokenizer of a GGUF file (its weights are not read)."""
+    return gguf_tokenizer(read_metadata(open_gguf(Path(path))))
+
+
 def read_metadata(reader: Any) -> dict[str, Any]:
     """Every key-value field of a GGUF file as plain Python values."""
     meta = {}
@@ -120,16 +142,10 @@ def load_gguf(
     types are dequantized, and `Loaded.notes` says which); False: dequantize every tensor to `dtype` (default fp32);
     None: keep them when no dtype is asked for and the device has a fast kernel for them (llmkit.quant.kernels),
     else dequantize."""
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
     p = Path(path)
-    if not p.is_file():
-        raise CheckpointError(f"{p} does not exist")
-    try:
-        reader = GGUFReader(str(p))
-    except Exception as e:
-        raise CheckpointError(f"{p} is not a readable GGUF file: {e}") from None
+    reader = open_gguf(p)
     meta = read_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
     cfg = config_from_gguf(meta, set(tensors))
@@ -154,7 +170,7 @@ def load_gguf(
         model = build_quantized(cfg, spec, read, dtype or torch.float32, device, str(p))
     else:
         model = build_with_weights(cfg, concrete, get, shapes, lambda n: False, dtype or torch.float32, device, str(p))
-    tokenizer = Tokenizer.from_gguf_metadata(meta) if "tokenizer.ggml.tokens" in meta else None
+    tokenizer = gguf_tokenizer(meta)
     generation = {}
     if tokenizer is not None:
         generation = {

@@ -165,7 +165,7 @@ class LanguageModelTask(Task):
             )
         check_same_tokenizer(loaded.tokenizer, self.tokenizer, path, cfg.data.dir)
         model_cfg = pretrained_config(cfg.model, model.cfg, cfg.data.seq_len)
-        return model_cfg, {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return model_cfg, model.state_dict()  # the loaded tensors themselves: the trainer copies them once
 
     @property
     def vocab_size(self) -> int:
