@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo translate test lint typecheck pytest clean
+.PHONY: demo translate finetune test lint typecheck pytest clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ translate: $(STAMP)
 	rm -rf runs/translate
 	$(BIN)/llmkit train configs/translate.yaml
 	$(BIN)/llmkit translate runs/translate "Und Gott sprach: Es werde Licht! und es ward Licht." --plot-attention runs/translate/attention.png
+
+# Fine-tuning: SmolLM2-135M-Instruct taught to translate German Bible verses through chat messages, with LoRA and
+# with full fine-tuning (20 minutes of training each), scored with sacreBLEU before and after (about 50 minutes).
+finetune: $(STAMP)
+	$(BIN)/python bench/finetune_translate.py --out runs/finetune-bible --minutes 20
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench

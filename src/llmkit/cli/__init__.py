@@ -7,6 +7,8 @@ generation.py.
     llmkit inspect --compare llama2-7b,mixtral-8x7b,deepseek-v3
     llmkit generate RUN_OR_CHECKPOINT --prompt TEXT [--temperature T] [--beams N | --draft MODEL | --mtp]
     llmkit quantize CHECKPOINT OUT --to int8|int4 [--group-size N] [--include-head]
+    llmkit prepare chat FILE.jsonl --tokenizer CHECKPOINT   conversations for chat fine-tuning
+    llmkit merge RUN OUT                    fold a LoRA run's adapters into its base checkpoint
     llmkit serve CHECKPOINT [--port 8000] [--api-key KEY] [--kv-memory 2GiB]   an OpenAI-compatible server
 """
 
@@ -19,7 +21,7 @@ from llmkit.cli.data import prepare
 from llmkit.cli.generation import chat, generate
 from llmkit.cli.models import compare, convert, inspect, presets, quantize
 from llmkit.cli.serving import serve
-from llmkit.cli.training import average, train
+from llmkit.cli.training import average, merge, train
 from llmkit.cli.translation import translate
 
 COMMANDS: tuple[Command, ...] = (
@@ -32,6 +34,7 @@ COMMANDS: tuple[Command, ...] = (
     train,
     translate,
     average,
+    merge,
     generate,
     chat,
     serve,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmkit.errors import InputError
+
 
 @dataclass(frozen=True)
 class TextOptions:
@@ -38,6 +40,7 @@ class PairOptions:
 
 def prepare(
     source: str = "shakespeare",
+    conversations: str | None = None,
     *,
     out: str | None = None,
     vocab_size: int | None = None,
@@ -46,20 +49,54 @@ def prepare(
     sentence_pairs: PairOptions = PairOptions(),
 ) -> int:
     """Turn a corpus into a tokenizer and memory-mapped token arrays with a deterministic split: a text corpus for
-    language models, or sentence pairs for translation.
+    language models, sentence pairs for translation, or conversations for chat fine-tuning.
 
     source: 'shakespeare' (the default corpus), a text file, a folder of text files or a .jsonl file; for translation
-        'bible:SRC-TGT' (e.g. bible:de-en, the default parallel corpus) or, with --parallel, a .tsv / .jsonl file.
-    out: the folder to write (default runs/data/shakespeare, or runs/data/bible-SRC-TGT for the Bible).
+        'bible:SRC-TGT' (e.g. bible:de-en, the default parallel corpus) or, with --parallel, a .tsv / .jsonl file;
+        'chat' for conversations (the file follows; needs --tokenizer CHECKPOINT for its chat template).
+    conversations: with 'chat': a .jsonl file with one {"messages": [{"role": ..., "content": ...}, ...]} per line;
+        the loss of fine-tuning counts only the assistant's tokens.
+    out: the folder to write (default runs/data/shakespeare, runs/data/bible-SRC-TGT for the Bible, runs/data/chat
+        for conversations).
     vocab_size: size of the byte-level BPE vocabulary to train (default 4096; 8000 for sentence pairs).
     val_fraction: language models: the share of every document, at its end, kept for validation (0.1);
-        sentence pairs: the share of pairs, chosen by a hash of the source sentence (0.01).
+        sentence pairs: the share of pairs, chosen by a hash of the source sentence (0.01); conversations: the
+        share of lines, chosen by a hash of the line (0.05).
     """
-    if sentence_pairs.parallel or source == "bible" or source.startswith("bible:"):
+    if source == "chat":
+        prepare_conversations(conversations, out, val_fraction, text_corpus)
+    elif conversations is not None:
+        raise InputError(f"a second argument ({conversations!r}) is only for 'llmkit prepare chat FILE.jsonl'")
+    elif sentence_pairs.parallel or source == "bible" or source.startswith("bible:"):
         prepare_pairs(source, out, vocab_size, val_fraction, sentence_pairs)
     else:
         prepare_text(source, out, vocab_size, val_fraction, text_corpus)
     return 0
+
+
+def prepare_conversations(
+    conversations: str | None, out: str | None, val_fraction: float | None, options: TextOptions
+) -> None:
+    """Prepare a .jsonl file of conversations with a checkpoint's chat template and print what it came to."""
+    from llmkit.data.chat import prepare_chat
+
+    if conversations is None:
+        raise InputError("llmkit prepare chat needs the .jsonl file of conversations: llmkit prepare chat FILE.jsonl")
+    if options.tokenizer is None:
+        raise InputError(
+            "llmkit prepare chat needs --tokenizer CHECKPOINT: the conversations are rendered with its chat template"
+        )
+    target = out or "runs/data/chat"
+    meta = prepare_chat(
+        conversations, target, tokenizer=options.tokenizer, val_fraction=0.05 if val_fraction is None else val_fraction
+    )
+    s = meta["splits"]
+    print(
+        f"prepared {conversations} -> {target}: train {s['train']['examples']:,} conversations "
+        f"({s['train']['tokens']:,} tokens, {s['train']['target_tokens']:,} of them the assistant's), "
+        f"val {s['val']['examples']:,}; longest {max(v['longest'] for v in s.values()):,} tokens, "
+        f"{meta['seconds']:.1f} s"
+    )
 
 
 def prepare_text(

@@ -1,4 +1,4 @@
-"""Training commands: train a model from a YAML config, and average a run's last checkpoints."""
+"""Training commands: train a model from a YAML config, average a run's last checkpoints, merge LoRA adapters."""
 
 from __future__ import annotations
 
@@ -54,4 +54,34 @@ def average(run: str, *, last: int = 5, out: str | None = None) -> int:
 
     path = average_run(run, last, out)
     print(f"averaged the last {last} checkpoints of {run} -> {path}")
+    return 0
+
+
+def merge(run: str, out: str) -> int:
+    """Fold a LoRA run's adapters into its base checkpoint's weights: a plain checkpoint, as fast as the base.
+
+    run: a LoRA fine-tuning run (its latest checkpoint), one of its checkpoints, or a folder PEFT saved.
+    out: where to write the merged llmkit checkpoint (`llmkit convert` turns it into Hugging Face's or GGUF).
+    """
+    from llmkit.errors import InputError
+    from llmkit.interop.checkpoint import read_meta, save_llmkit
+    from llmkit.interop.load import load_model
+    from llmkit.runs import resolve_checkpoint
+
+    path = resolve_checkpoint(run)
+    adapters = (path / "adapter_config.json").is_file()
+    if not adapters or ((path / "llmkit.json").is_file() and not read_meta(path).get("adapter")):
+        raise InputError(f"{path} holds no LoRA adapters (train with lora.r > 0, or give a folder PEFT saved)")
+    loaded = load_model(path)
+    save_llmkit(
+        loaded.model,
+        out,
+        tokenizer=loaded.tokenizer,
+        hf_model_type=loaded.hf_model_type,
+        hf_config=loaded.hf_config,
+        generation_config=loaded.generation_config,
+    )
+    for note in loaded.notes:
+        print(note)
+    print(f"merged checkpoint: {out}")
     return 0

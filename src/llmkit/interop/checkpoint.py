@@ -9,6 +9,13 @@
 
 The "hf" entry keeps the Hugging Face model_type and config.json a model came from, so that converting back writes
 the same config (token ids, and fields llmkit does not model, survive the round trip).
+
+A LoRA fine-tuning checkpoint holds adapters instead of weights:
+
+    DIR/llmkit.json          {..., "config": the base's ModelConfig, "adapter": {"base": PATH, "quantized": bool}}
+    DIR/adapter_config.json, adapter_model.safetensors     the adapters in PEFT's layout (llmkit.interop.peft)
+
+`load_model` (interop/load.py) opens it: the base checkpoint (float weights) with the adapters folded in.
 """
 
 from __future__ import annotations
@@ -88,9 +95,40 @@ def save_llmkit(
     return d
 
 
-def load_llmkit(
-    directory: str | os.PathLike[str], *, dtype: torch.dtype | None = None, device: torch.device | str | None = None
-) -> Loaded:
+def save_llmkit_adapter(
+    model: nn.Module,
+    cfg: ModelConfig,
+    directory: str | os.PathLike[str],
+    *,
+    base: str,
+    quantized: bool = False,
+    tokenizer: Tokenizer | None = None,
+    generation_config: dict[str, Any] | None = None,
+    state: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """Write the LoRA adapters of `model` (whose base is the checkpoint `base`) as an llmkit checkpoint."""
+    from llmkit.interop.peft import save_peft
+
+    d = Path(directory)
+    save_peft(model, cfg, d, base=base, state=state)
+    if tokenizer is not None:
+        tokenizer.save(d)
+    meta = {
+        "format": "llmkit",
+        "version": VERSION,
+        "config": cfg.to_dict(),
+        "adapter": {"base": base, "quantized": quantized},
+        "hf": None,
+        "generation_config": generation_config or {},
+    }
+    tmp = d / (FORMAT_FILE + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=2) + "\n")
+    tmp.replace(d / FORMAT_FILE)
+    return d
+
+
+def read_meta(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """An llmkit checkpoint's llmkit.json, checked for format and version."""
     d = Path(directory)
     try:
         meta = json.loads((d / FORMAT_FILE).read_text(encoding="utf-8"))
@@ -98,8 +136,18 @@ def load_llmkit(
         raise CheckpointError(f"{d} has no {FORMAT_FILE}: not an llmkit checkpoint") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{d / FORMAT_FILE} is not valid JSON: {e}") from None
-    if meta.get("format") != "llmkit" or meta.get("version") != VERSION:
+    if not isinstance(meta, dict) or meta.get("format") != "llmkit" or meta.get("version") != VERSION:
         raise CheckpointError(f"{d / FORMAT_FILE} is not an llmkit checkpoint of version {VERSION}")
+    return meta
+
+
+def load_llmkit(
+    directory: str | os.PathLike[str], *, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+) -> Loaded:
+    d = Path(directory)
+    meta = read_meta(d)
+    if meta.get("adapter"):
+        raise CheckpointError(f"{d} holds LoRA adapters, not weights: open it with llmkit.interop.load.load_model")
     try:
         raw = meta["config"]
         rnn = isinstance(raw, dict) and raw.get("arch") == "rnn"

@@ -8,12 +8,57 @@ from pathlib import Path
 
 import torch
 
-from llmkit.interop.checkpoint import FORMAT_FILE, load_llmkit
+from llmkit.interop.checkpoint import FORMAT_FILE, load_llmkit, read_meta
 from llmkit.interop.gguf import load_gguf
 from llmkit.interop.hf import load_hf
 from llmkit.interop.loaded import Format, Loaded
 from llmkit.interop.safetensors_io import CheckpointError
+from llmkit.models import DecoderLM
 from llmkit.tokenizer import Tokenizer
+
+
+def load_with_adapters(
+    directory: str | os.PathLike[str],
+    base: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    tokenizer: Tokenizer | None = None,
+) -> Loaded:
+    """The base checkpoint with the LoRA adapters of `directory` (PEFT's layout) folded into its weights. A quantized
+    base is loaded as float weights for this (an adapter is a float update)."""
+    from llmkit.adapters import merge_lora
+    from llmkit.interop.peft import load_peft
+
+    d, b = Path(directory), Path(base)
+    if not b.exists():
+        raise CheckpointError(
+            f"{d} holds LoRA adapters for the checkpoint {b}, which is not there (the adapters need their base)"
+        )
+    loaded = load_model(b, dtype=dtype, device=device, quantized=False)
+    model = loaded.model
+    if not isinstance(model, DecoderLM):
+        raise CheckpointError(f"{b} is not a decoder-only model; llmkit's adapters are for language models")
+    names = load_peft(model, model.cfg, d)
+    merge_lora(model)
+    loaded.path = d
+    loaded.notes.append(f"LoRA adapters on {len(names)} projections from {d} merged into {b}")
+    if tokenizer is not None:
+        loaded.tokenizer = tokenizer
+    return loaded
+
+
+def load_peft_folder(
+    path: str | os.PathLike[str], *, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+) -> Loaded:
+    """A folder PEFT saved (adapter_config.json, adapter_model.safetensors): its base_model_name_or_path, a local
+    checkpoint, with the adapters folded in."""
+    from llmkit.interop.peft import read_adapter_config
+
+    base = read_adapter_config(path).get("base_model_name_or_path")
+    if not base:
+        raise CheckpointError(f"{path}: adapter_config.json names no base_model_name_or_path to load the adapters onto")
+    return load_with_adapters(path, base, dtype=dtype, device=device, tokenizer=Tokenizer.from_dir(path))
 
 
 def detect_format(path: str | os.PathLike[str]) -> Format:
@@ -23,8 +68,8 @@ def detect_format(path: str | os.PathLike[str]) -> Format:
         return "gguf"
     if p.is_dir() and (p / FORMAT_FILE).is_file():
         return "llmkit"
-    if p.is_dir() and (p / "config.json").is_file():
-        return "hf"
+    if p.is_dir() and ((p / "config.json").is_file() or (p / "adapter_config.json").is_file()):
+        return "hf"  # a Hugging Face model, or PEFT's adapters for one
     if not p.exists():
         raise CheckpointError(f"{p} does not exist")
     raise CheckpointError(
@@ -41,9 +86,19 @@ def load_model(
     quantized: bool | None = None,
 ) -> Loaded:
     """Load any supported checkpoint: a Hugging Face directory, a GGUF file, or an llmkit checkpoint (quantized
-    ones too). `quantized` applies to GGUF files (see load_gguf)."""
+    ones too); LoRA adapters (an llmkit fine-tuning checkpoint, or a folder PEFT saved) come folded into their base
+    checkpoint's weights. `quantized` applies to GGUF files (see load_gguf)."""
     kind = detect_format(path)
+    if kind == "hf" and not (Path(path) / "config.json").is_file():  # PEFT's adapters
+        return load_peft_folder(path, dtype=dtype, device=device)
     if kind == "llmkit":
+        adapter = read_meta(path).get("adapter")
+        if adapter:  # a LoRA fine-tuning checkpoint: its base with the adapters folded in
+            loaded = load_with_adapters(
+                path, adapter["base"], dtype=dtype, device=device, tokenizer=Tokenizer.from_dir(path)
+            )
+            loaded.source = "llmkit"
+            return loaded
         return load_llmkit(path, dtype=dtype, device=device)
     if kind == "gguf":
         return load_gguf(path, dtype=dtype, device=device, quantized=quantized)

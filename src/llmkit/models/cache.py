@@ -50,6 +50,23 @@ def whole_sequence(T: int, valid: Tensor | None, device: torch.device, causal: b
     return Step(positions_from_mask(valid), padding_mask(valid, causal=causal))
 
 
+def packed_sequence(segments: Tensor) -> Step:
+    """Several examples packed into each row, without a cache. segments (B, T) int: which example each token belongs
+    to (each example one consecutive run). Positions restart at 0 with every example, and a token sees only the
+    earlier tokens of its own example:
+
+        segments   0  0  0  1  1  2          allowed (causal, within an example)
+        positions  0  1  2  0  1  0              q3 sees k3; q4 sees k3 k4; q5 sees k5
+    """
+    B, T = segments.shape
+    index = torch.arange(T, device=segments.device).expand(B, T)  # (B, T)
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]  # the first token of each example
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values  # (B, T): its example's start
+    same = segments[:, :, None] == segments[:, None, :]  # (B, T, T)
+    return Step(index - first, AttentionMask(allowed=same[:, None], causal=True))
+
+
 @dataclass
 class SequenceState:
     """Slot bookkeeping shared by all layers of a cache: which slots hold real tokens, each row's next position,

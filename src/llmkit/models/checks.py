@@ -47,6 +47,18 @@ def check_mask(mask: Tensor | None, tokens: Tensor, name: str = "padding_mask") 
     return mask.bool()
 
 
+def check_segments(segments: Any, tokens: Tensor) -> Tensor:
+    """Validate packed-example ids: an integer tensor shaped like the tokens; returns it as long."""
+    if not isinstance(segments, Tensor) or tuple(segments.shape) != tuple(tokens.shape):
+        shape = tuple(segments.shape) if isinstance(segments, Tensor) else type(segments).__name__
+        raise InputError(
+            f"segments must be a (batch, seq_len) tensor shaped like the tokens {tuple(tokens.shape)}, got {shape}"
+        )
+    if segments.dtype.is_floating_point or segments.dtype == torch.bool or segments.is_complex():
+        raise InputError(f"segments must hold integer example ids, got dtype {segments.dtype}")
+    return segments.long()
+
+
 def check_label_smoothing(label_smoothing: float) -> None:
     if not 0.0 <= label_smoothing < 1.0:
         raise InputError(f"label_smoothing={label_smoothing} must be in [0, 1)")

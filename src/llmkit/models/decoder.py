@@ -25,8 +25,8 @@ from llmkit.layers.extras import Extras
 from llmkit.layers.mtp import MTPModule
 from llmkit.layers.norm import build_norm
 from llmkit.models.base import TokenModel
-from llmkit.models.cache import Cache, Step, whole_sequence
-from llmkit.models.checks import check_label_smoothing, check_mask, check_tokens
+from llmkit.models.cache import Cache, Step, packed_sequence, whole_sequence
+from llmkit.models.checks import check_label_smoothing, check_mask, check_segments, check_tokens
 from llmkit.models.init import init_weights
 from llmkit.models.loss import LossOutput, cross_entropy, moe_loss, teacher_forcing
 
@@ -75,15 +75,23 @@ class DecoderLM(TokenModel):
         positions: Tensor | None = None,
         cache: Cache | None = None,
         extras: Extras | None = None,
+        segments: Tensor | None = None,
     ) -> Tensor:
         """tokens (B, T) int -> logits (B, T, V).
 
         padding_mask (B, T) bool, True at real tokens (pad on the left to batch prompts of different lengths).
         positions (T,) or (B, T): defaults to 0.. counted over real tokens, continuing from the cache.
         cache: from `new_cache`; the tokens are appended to it (decoding step by step).
-        extras: side outputs to collect (attention weights, MoE statistics; see llmkit.layers.extras)."""
+        extras: side outputs to collect (attention weights, MoE statistics; see llmkit.layers.extras).
+        segments (B, T) int: packed examples (see `packed_sequence`): each attends only within itself, and its
+        positions start at 0; not with a cache, padding_mask or positions."""
         valid = self.check_tokens(tokens, padding_mask)
-        step = self.step_for(tokens, valid, positions, cache.state if cache is not None else None)
+        if segments is not None:
+            if cache is not None or valid is not None or positions is not None:
+                raise InputError("segments (packed examples) go without a cache, padding_mask or positions")
+            step = packed_sequence(check_segments(segments, tokens))
+        else:
+            step = self.step_for(tokens, valid, positions, cache.state if cache is not None else None)
         h = self.run(tokens, step, cache.layers if cache is not None else None, extras)
         return self.logits(self.norm(h))
 
@@ -103,6 +111,7 @@ class DecoderLM(TokenModel):
         label_smoothing: float = 0.0,
         mtp_weight: float = 0.3,
         extras: Extras | None = None,
+        segments: Tensor | None = None,
     ) -> LossOutput:
         """Teacher-forcing loss. targets (B, T): the tokens to predict.
 
@@ -110,7 +119,9 @@ class DecoderLM(TokenModel):
         "<s> I love", targets "I love you"), or give the `inputs` (B, T) directly (then targets equal to
         `ignore_index` do not count). padding_mask (B, T) marks real tokens; pads do not count. The total adds the
         MoE losses (weighted by moe.aux_loss_coef / z_loss_coef) and mtp_weight times the MTP loss. `extras`
-        receives what the layers report (a fresh one is used when not given)."""
+        receives what the layers report (a fresh one is used when not given). segments (B, T) int packs several
+        examples into a row (with `inputs`): none attends to another, and a prediction of a token of another example
+        (an MTP module's near a boundary) does not count."""
         check_label_smoothing(label_smoothing)
         if (start_id is None) == (inputs is None):
             raise InputError("give exactly one of start_id (teacher forcing by shifting right) or inputs")
@@ -126,31 +137,55 @@ class DecoderLM(TokenModel):
                 raise InputError(f"inputs {shape} and targets {tuple(targets.shape)} must have the same shape")
             check_tokens(targets.masked_fill(targets == ignore_index, 0), self.cfg.vocab_size, "targets")
             labels = targets if valid is None else targets.masked_fill(~valid, ignore_index)
+        if segments is not None:
+            if start_id is not None or valid is not None:
+                raise InputError("segments (packed examples) go with inputs and without a padding_mask")
+            segments = check_segments(segments, targets)
         extras = extras if extras is not None else Extras()
-        h = self.norm(self.run(inputs, whole_sequence(inputs.shape[1], valid, inputs.device), None, extras))
+        step = (
+            packed_sequence(segments) if segments is not None else whole_sequence(inputs.shape[1], valid, inputs.device)
+        )
+        h = self.norm(self.run(inputs, step, None, extras))
         ce = cross_entropy(self.logits(h), labels, ignore_index, label_smoothing)
-        mtp = self._mtp_loss(h, inputs, labels, valid, ignore_index, extras) if len(self.mtp) else ce.new_zeros(())
+        mtp = (
+            self._mtp_loss(h, inputs, labels, valid, ignore_index, extras, segments)
+            if len(self.mtp)
+            else ce.new_zeros(())
+        )
         aux = moe_loss(extras, self.cfg.moe, ce)  # after the MTP modules, whose MoE layers count too
         total = ce + aux + (mtp_weight * mtp if len(self.mtp) else 0.0)
         return LossOutput(total=total, ce=ce, aux=aux, mtp=mtp, n_tokens=int((labels != ignore_index).sum()))
 
     def _mtp_loss(
-        self, h: Tensor, inputs: Tensor, labels: Tensor, valid: Tensor | None, ignore_index: int, extras: Extras
+        self,
+        h: Tensor,
+        inputs: Tensor,
+        labels: Tensor,
+        valid: Tensor | None,
+        ignore_index: int,
+        extras: Extras,
+        segments: Tensor | None = None,
     ) -> Tensor:
         """Mean over depths k of the cross-entropy of MTP module k. h (B, T, C) is the main model's final (normed)
         hidden state; module k at position i sees depth k-1's state and the embedding of inputs[i + k], and predicts
         labels[i + k] (with inputs = labels shifted right: the token k + 1 ahead). Predictions made at padded
         positions do not count."""
         T = inputs.shape[1]
-        positions = whole_sequence(T, valid, inputs.device).positions
+        whole = packed_sequence(segments) if segments is not None else whole_sequence(T, valid, inputs.device)
+        positions = whole.positions
         losses = []
         for k, module in enumerate(cast(list[MTPModule], self.mtp), start=1):
             n = T - k  # positions that still have a target k tokens ahead
             if n < 1:
                 break
-            step = whole_sequence(n, None if valid is None else valid[:, :n], inputs.device)  # positions 0..n-1
+            if segments is not None:  # module k's tokens i + k sit where the trunk's i did, in i's example
+                step = packed_sequence(segments[:, :n])
+            else:
+                step = whole_sequence(n, None if valid is None else valid[:, :n], inputs.device)  # positions 0..n-1
             emb = self.inputs(self.embed, inputs[:, k:], positions[:, k:])  # (B, n, C): tokens i + k
             h = module(h[:, :n], emb, self.attention_inputs(step), None, extras)  # (B, n, C), normed
             target = labels[:, k:] if valid is None else labels[:, k:].masked_fill(~valid[:, :n], ignore_index)
+            if segments is not None:  # the token k ahead belongs to the next example: nothing to predict
+                target = target.masked_fill(segments[:, k:] != segments[:, :n], ignore_index)
             losses.append(cross_entropy(self.logits(h), target, ignore_index))
         return torch.stack(losses).mean() if losses else h.new_zeros((), dtype=torch.float32)

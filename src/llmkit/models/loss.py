@@ -65,13 +65,17 @@ class LossOutput:
 
 
 def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int, label_smoothing: float = 0.0) -> Tensor:
-    """Mean token cross-entropy in fp32. logits (B, T, V), targets (B, T)."""
-    return F.cross_entropy(
+    """Mean token cross-entropy in fp32 over the targets that count. logits (B, T, V), targets (B, T). A batch whose
+    targets are all `ignore_index` (a chat example cut before the assistant speaks) gives 0, not 0 / 0."""
+    flat = targets.flatten()
+    total = F.cross_entropy(
         logits.flatten(0, 1).float(),
-        targets.flatten(),
+        flat,
         ignore_index=ignore_index,
         label_smoothing=label_smoothing,
+        reduction="sum",
     )
+    return total / (flat != ignore_index).sum().clamp(min=1)
 
 
 def moe_loss(extras: Extras, moe: MoEConfig | None, like: Tensor) -> Tensor:

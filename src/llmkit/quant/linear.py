@@ -81,6 +81,17 @@ class QuantizedLinear(FP32Buffers, abc.ABC):
         """The dequantized (N, K) matrix in the compute dtype (for code that reads a linear layer's weight)."""
         return self.dequantize(self.compute_dtype)
 
+    def forward(self, x: Tensor) -> Tensor:
+        """x (..., in) -> (..., out). The weights are frozen; when x needs a gradient (QLoRA: adapters before this
+        layer train), the backward pass multiplies by the dequantized weights."""
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _FrozenQuantized.apply(x, self)
+        return self._forward(x)
+
+    @abc.abstractmethod
+    def _forward(self, x: Tensor) -> Tensor:
+        """The kernel's product, without autograd."""
+
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int | None = None, kernel: Kernel = "auto") -> QuantizedLinear:
         """A quantized copy of `linear` (group_size None: the class's default)."""
@@ -178,7 +189,7 @@ class Int8Linear(QuantizedLinear):
         if fbgemm and self.resolved == "int8-dyn":
             self._prepared = kernels.prepack_int8_dynamic(self.qweight, self.scales, self.bias)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _forward(self, x: Tensor) -> Tensor:
         kernel = self.resolved
         if kernel == "avx2" and _avx2_rows(x):
             return _rows_apply(x, lambda x2: native.int8_linear(x2, self.qweight, self.scales), self.bias)
@@ -187,6 +198,22 @@ class Int8Linear(QuantizedLinear):
         if kernel == "int8-wo" and self.group_size is None:
             return kernels.int8_weight_only(x, self.qweight, self.scales, self.bias)
         return kernels.dequantized(x, self.dequantize(x.dtype), self.bias)
+
+
+class _FrozenQuantized(torch.autograd.Function):
+    """A quantized layer inside a trained model: the kernel forward, and dL/dx = dL/dy W (W dequantized) backward.
+    Nothing of the layer itself gets a gradient (its codes cannot take one; its bias is frozen with it)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, layer: QuantizedLinear) -> Tensor:
+        ctx.layer = layer
+        with torch.no_grad():
+            return layer._forward(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        w = ctx.layer.dequantize(grad.dtype)  # (out, in)
+        return grad @ w, None
 
 
 class Int4Linear(QuantizedLinear):
@@ -235,7 +262,7 @@ class Int4Linear(QuantizedLinear):
         ):
             self._prepared = kernels.prepack_int4(self.qweight, self.scales, self.zeros, dev)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _forward(self, x: Tensor) -> Tensor:
         kernel = self.resolved
         if kernel == "avx2" and _avx2_rows(x):
             return _rows_apply(x, lambda x2: native.int4_linear(x2, self.qweight, self.scales, self.zeros), self.bias)

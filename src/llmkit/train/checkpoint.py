@@ -24,7 +24,7 @@ import torch
 
 from llmkit.config import ModelConfig
 from llmkit.errors import LLMKitError
-from llmkit.interop.checkpoint import load_llmkit, save_llmkit
+from llmkit.interop.checkpoint import load_llmkit, read_meta, save_llmkit, save_llmkit_adapter
 from llmkit.interop.safetensors_io import CheckpointError
 from llmkit.models import DecoderLM, EncoderDecoder, RNNConfig, RNNSeq2Seq
 from llmkit.runs import LATEST, TRAINER_STATE, TRAINER_STATE_JSON, checkpoint_dir
@@ -93,22 +93,36 @@ def save(
     train_config: dict[str, Any],
     source_tokenizer: Tokenizer | None = None,
     generation_config: dict[str, Any] | None = None,
+    adapter: dict[str, Any] | None = None,
 ) -> Path:
-    """Write the checkpoint of `state.step` atomically and drop all but the newest `keep_last`."""
+    """Write the checkpoint of `state.step` atomically and drop all but the newest `keep_last`. With `adapter`
+    ({"base": PATH, "quantized": bool}), `model_state` holds LoRA adapters only, saved in PEFT's layout."""
     root = checkpoint_dir(out)
     root.mkdir(parents=True, exist_ok=True)
     name = f"step-{state.step:06d}"
     tmp = root / (name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    holder = _StateHolder(model, model_state)
-    save_llmkit(
-        holder,
-        tmp,
-        tokenizer=tokenizer,
-        source_tokenizer=source_tokenizer,
-        generation_config=generation_config,
-    )
+    if adapter is not None:
+        assert isinstance(model.cfg, ModelConfig)
+        save_llmkit_adapter(
+            model,
+            model.cfg,
+            tmp,
+            base=adapter["base"],
+            quantized=adapter["quantized"],
+            tokenizer=tokenizer,
+            generation_config=generation_config,
+            state=model_state,
+        )
+    else:
+        save_llmkit(
+            _StateHolder(model, model_state),
+            tmp,
+            tokenizer=tokenizer,
+            source_tokenizer=source_tokenizer,
+            generation_config=generation_config,
+        )
     torch.save(
         {"optimizer": optimizer_state, "rng": rng_state(), "state": state.__dict__, "config": train_config},
         tmp / TRAINER_STATE,
@@ -148,13 +162,20 @@ class Resumed:
 
 
 def load(path: Path, expected: ModelConfig | RNNConfig) -> Resumed:
-    """Read a training checkpoint for a run whose model config is `expected`."""
+    """Read a training checkpoint for a run whose model config is `expected` (a LoRA run's: its adapters only)."""
     try:
-        loaded = load_llmkit(path)
+        if read_meta(path).get("adapter"):
+            from llmkit.interop.peft import read_peft
+
+            cfg = ModelConfig.from_dict(read_meta(path)["config"])
+            model_state = read_peft(path, cfg)[1]
+        else:
+            model = load_llmkit(path).model
+            cfg, model_state = model.cfg, dict(model.state_dict())
     except CheckpointError as e:
         raise ResumeError(f"cannot resume from {path}: {e}") from None
-    if loaded.model.cfg.architecture() != expected.architecture():
-        diff = _first_difference(_plain_architecture(loaded.model.cfg), _plain_architecture(expected))
+    if cfg.architecture() != expected.architecture():
+        diff = _first_difference(_plain_architecture(cfg), _plain_architecture(expected))
         raise ResumeError(
             f"cannot resume from {path}: it was trained with a different model config ({diff}); start a new run "
             "(another train.out) or restore the original config"
@@ -164,7 +185,7 @@ def load(path: Path, expected: ModelConfig | RNNConfig) -> Resumed:
     except Exception as e:
         raise ResumeError(f"cannot resume from {path}: {TRAINER_STATE} is damaged ({type(e).__name__}: {e})") from None
     return Resumed(
-        {k: v for k, v in loaded.model.state_dict().items()},
+        model_state,
         blob["optimizer"],
         blob["rng"],
         TrainState(**{k: v for k, v in blob["state"].items() if k in TrainState.__dataclass_fields__}),

@@ -4,13 +4,15 @@
                {arch: rnn, ...} for the RNN encoder-decoder with attention (RNNConfig fields), or
                {checkpoint: PATH} to start from a checkpoint's weights (an llmkit run or checkpoint, a Hugging Face
                directory, a GGUF file; language models only)
-    data:      the prepared data folder (a token stream for language models, sentence pairs for translation),
+    data:      the prepared data folder (a token stream for language models, conversations for chat fine-tuning,
+               sentence pairs for translation),
                sequence length, micro-batch size per process, or tokens per batch for sentence pairs
     optim:     AdamW settings and gradient clipping
     schedule:  warmup + cosine | warmup-stable-decay | inverse-square-root ("noam") | constant
     train:     steps (the schedule's length), halt_at (stop early, resumable), time_limit, precision,
                accumulation, evaluation, checkpoints, compile, parallelism
     loss:      MTP weight, MoE bias-update rate, sparse-attention indexer warm-up, label smoothing
+    lora:      fine-tuning through LoRA adapters (rank, alpha, dropout, target projections; QLoRA on a GGUF file)
     translate: translation models only: the test-set decoding (beam size, length penalty) after training
 
 Every section is a validated dataclass; unknown keys and bad values are errors that name the key.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +48,7 @@ class DataConfig(ConfigBase):
     seq_len: int = 256  # sentence pairs: the longest sentence kept, per side (longer pairs are left out)
     batch_size: int = 16
     batch_tokens: int = 4096  # sentence pairs: padded tokens per batch and side, per process
+    packing: bool = True  # chat examples: several per row (none attending to another), or one per row, padded
 
     def validate(self) -> None:
         self.at_least(1, "seq_len", "batch_size", "batch_tokens")
@@ -109,6 +113,7 @@ class TrainSection(ConfigBase):
     average_last: int = 0  # after training, average the weights of the last N checkpoints into OUT/averaged
     out: str = "runs/train"
     progress: bool = True
+    trainable: list[str] | None = None  # only parameters under these names train (e.g. [mtp]); None: all
 
     def validate(self) -> None:
         self.at_least(1, "steps")
@@ -120,6 +125,13 @@ class TrainSection(ConfigBase):
         for name in ("log_every", "eval_every", "save_every", "keep_last", "eval_tokens"):
             self.require(getattr(self, name) >= 1, name, "must be >= 1")
         self.require(self.average_last >= 0, "average_last", "must be >= 0 (0: no averaging)")
+        if self.trainable is not None:
+            ok = isinstance(self.trainable, list) and bool(self.trainable)
+            self.require(
+                ok and all(isinstance(t, str) and t for t in self.trainable),
+                "trainable",
+                "must be a non-empty list of parameter-name prefixes, e.g. [mtp], or None",
+            )
         if self.average_last:
             self.require(
                 self.average_last <= self.keep_last,
@@ -140,6 +152,31 @@ class LossConfig(ConfigBase):
     def validate(self) -> None:
         self.require(0 <= self.label_smoothing < 1, "label_smoothing", "must be in [0, 1)")
         self.at_least(0, "mtp_weight", "moe_bias_update_rate", "indexer_warmup_steps", "indexer_weight")
+
+
+@dataclass(frozen=True)
+class LoRAConfig(ConfigBase):
+    """Fine-tune through LoRA adapters instead of every weight (r > 0; needs model.checkpoint): the checkpoint's
+    weights stay frozen, and adapters of rank r with scale alpha / r on the `targets` projections (llmkit's names:
+    wq wk wv wo w1 w2 w3, MLA's wq_a wq_b wkv_a wkv_b) are all that trains. Checkpoints hold the adapters only, in
+    PEFT's layout. quantized: keep a GGUF checkpoint's quantized weights as the frozen base (QLoRA)."""
+
+    path: ClassVar[str] = "lora"
+    r: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: list[str] = field(default_factory=lambda: ["wq", "wk", "wv", "wo"])
+    quantized: bool = False
+
+    def validate(self) -> None:
+        self.require(self.r >= 0, "r", "must be >= 0 (0: no adapters, every weight trains)")
+        self.require(self.alpha > 0, "alpha", "must be > 0")
+        self.require(0 <= self.dropout < 1, "dropout", "must be in [0, 1)")
+        ok = isinstance(self.targets, list) and bool(self.targets) and all(isinstance(t, str) for t in self.targets)
+        self.require(ok, "targets", "must be a non-empty list of projection names, e.g. [wq, wv]")
+        self.require(
+            not self.quantized or self.r > 0, "quantized", "needs r > 0 (a quantized base trains only adapters)"
+        )
 
 
 @dataclass(frozen=True)
@@ -168,7 +205,14 @@ class TrainConfig(ConfigBase):
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainSection = field(default_factory=TrainSection)
     loss: LossConfig = field(default_factory=LossConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     translate: TranslateConfig = field(default_factory=TranslateConfig)
+
+    def validate(self) -> None:
+        if self.lora.r and "checkpoint" not in self.model:
+            raise ConfigError("lora: adapters fine-tune a pretrained model: set model.checkpoint (lora.r=0 trains all)")
+        if self.lora.r and self.train.trainable is not None:
+            raise ConfigError("train.trainable: with lora.r > 0 only the adapters train; give one or the other")
 
     def to_yaml(self, path: str | os.PathLike[str] | None = None) -> str:
         text = yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -220,7 +264,8 @@ class TrainConfig(ConfigBase):
 def pretrained_config(spec: dict[str, Any], base: ModelConfig, seq_len: int) -> ModelConfig:
     """The config of a run that starts from a checkpoint whose config is `base`: the other `model` keys of `spec`
     (next to `checkpoint`) may change the training-only settings (dropout, MoE loss coefficients), never what the
-    weights compute; the checkpoint's context must hold the training sequences."""
+    weights compute, except mtp_depth on a checkpoint that has no MTP modules: new ones are grafted onto it. The
+    checkpoint's context must hold the training sequences."""
     over = {k: v for k, v in spec.items() if k != "checkpoint"}
     if "preset" in over:
         raise ConfigError("model: give either checkpoint (start from its weights) or preset, not both")
@@ -228,11 +273,15 @@ def pretrained_config(spec: dict[str, Any], base: ModelConfig, seq_len: int) -> 
         cfg = ModelConfig.from_dict(_merge(base.to_dict(), over))
     except ConfigError as e:
         raise ConfigError(f"model: {e}") from None
-    if cfg.architecture() != base.architecture():
+    grafted = cfg.mtp_depth > base.mtp_depth == 0  # new MTP modules on a checkpoint that has none
+    if dataclasses.replace(cfg, mtp_depth=base.mtp_depth).architecture() != base.architecture() or (
+        cfg.mtp_depth != base.mtp_depth and not grafted
+    ):
         changed = sorted(k for k in over if _merge(base.to_dict(), {k: over[k]}) != base.to_dict())
         raise ConfigError(
             f"model: {', '.join(changed)} would change the architecture of the checkpoint {spec['checkpoint']}; "
-            "next to model.checkpoint only training settings (dropout, loss coefficients) can be set"
+            "next to model.checkpoint only training settings (dropout, loss coefficients) can be set, and mtp_depth "
+            "on a checkpoint without MTP modules (grafting new ones)"
         )
     if seq_len > cfg.position.max_seq_len:
         raise ConfigError(
@@ -296,7 +345,7 @@ def load_train_config(path: str | os.PathLike[str] | None, overrides: list[str] 
     if default and isinstance(data["model"], dict) and "checkpoint" in data["model"]:
         data["model"].pop("preset", None)  # --set model.checkpoint=PATH: the checkpoint is the model
     # YAML numbers such as 3e-4 parse as strings in YAML 1.1: accept them for float fields
-    for section in ("optim", "schedule", "train", "loss", "translate"):
+    for section in ("optim", "schedule", "train", "loss", "lora", "translate"):
         for k, v in list((data.get(section) or {}).items()):
             if isinstance(v, str):
                 with contextlib.suppress(ValueError):

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from llmkit.adapters import add_lora, trainable_count
 from llmkit.models import build_any
 from llmkit.perf import matmul_flops, tune_allocator
 from llmkit.runs import latest_checkpoint
@@ -44,7 +45,7 @@ from llmkit.train.parallel import (
     wrap,
 )
 from llmkit.train.schedule import lr_multiplier
-from llmkit.train.tasks import TrainingError, build_task
+from llmkit.train.tasks import Model, TrainingError, build_task
 
 __all__ = ["Result", "Trainer", "TrainingError", "train"]
 
@@ -82,10 +83,27 @@ class Trainer:
                 f"{self.task.vocab_size}"
             )
         torch.manual_seed(t.seed)  # the same initial weights in every process
-        self.model = build_any(self.task.model_config, device=self.rt.device)
-        if self.task.pretrained is not None:  # a run that starts from a checkpoint: its weights, not the init
-            self.model.load_state_dict(self.task.pretrained)
-            self.task.pretrained = None
+        self.model: Model
+        if self.task.pretrained_model is not None:  # QLoRA: the quantized checkpoint as loaded
+            self.model = self.task.pretrained_model.to(self.rt.device)
+            self.task.pretrained_model = None
+        else:
+            self.model = build_any(self.task.model_config, device=self.rt.device)
+        if self.task.pretrained:  # a run that starts from a checkpoint: its weights, not the init
+            self._load_pretrained(self.task.pretrained)
+        self.task.pretrained = None
+        if t.trainable is not None:
+            freeze_except(self.model, t.trainable)
+        self.lora = cfg.lora.r > 0
+        if self.lora:  # only the adapters train; the checkpoint's weights are frozen
+            torch.manual_seed(t.seed + 1)  # the adapters' own initialisation, the same in every process
+            names = add_lora(self.model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.targets)
+            if self.rt.main and t.progress:
+                trainable, total = trainable_count(self.model)
+                print(
+                    f"LoRA r={cfg.lora.r} alpha={cfg.lora.alpha:g} on {len(names)} projections "
+                    f"({', '.join(cfg.lora.targets)}): {trainable:,} trainable of {total:,} parameters"
+                )
         self.state = ckpt.TrainState(step=0, tokens=0, elapsed=0.0)
         resumed = self._resumed(resume)
         if t.activation_checkpointing:
@@ -97,7 +115,10 @@ class Trainer:
         self.wrapped = wrap(self.runner, t.parallel, self.rt, find_unused=False)
         self.optimizer = build_optimizer(self.model, cfg.optim, self._group_of)
         if resumed is not None:
-            model_state = {"model." + k: v.to(self.rt.device) for k, v in resumed.model_state.items()}
+            state = resumed.model_state
+            if self.lora:  # the checkpoint holds the adapters; the rest is the base, loaded above
+                state = {**self.model.state_dict(), **state}
+            model_state = {"model." + k: v.to(self.rt.device) for k, v in state.items()}
             load_full_state(self.runner, self.optimizer, model_state, wrapper_keys(resumed.optimizer))
             ckpt.set_rng_state(resumed.rng)
         # not the groups' lr: a resumed optimizer holds the learning rate of its last step
@@ -112,6 +133,16 @@ class Trainer:
         if self.rt.main:
             self.out.mkdir(parents=True, exist_ok=True)
             cfg.to_yaml(self.out / "config.yaml")
+
+    def _load_pretrained(self, state: dict[str, torch.Tensor]) -> None:
+        """The checkpoint's weights; grafted MTP modules may miss some (their norms and projection keep the init)."""
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        grafted_only = all(k.startswith("mtp.") for k in missing)
+        if unexpected or not grafted_only:
+            raise TrainingError(
+                f"model.checkpoint: the weights do not fit the model (missing {missing[:3]}, unexpected "
+                f"{unexpected[:3]})"
+            )
 
     def _resumed(self, resume: bool) -> ckpt.Resumed | None:
         if not resume:
@@ -218,10 +249,15 @@ class Trainer:
         model_state, optim_state = full_state(self.runner, self.optimizer)
         if not self.rt.main:
             return None
+        state = {k.removeprefix("model."): v for k, v in model_state.items()}
+        adapter = None
+        if self.lora:  # only the adapters: the base is the run's model.checkpoint
+            state = {k: v for k, v in state.items() if ".lora." in k}
+            adapter = {"base": self.task.base_checkpoint, "quantized": self.cfg.lora.quantized}
         return ckpt.save(
             self.out,
             self.model,
-            {k.removeprefix("model."): v for k, v in model_state.items()},
+            state,
             checkpoint_keys(optim_state),
             self.state,
             self.cfg.train.keep_last,
@@ -229,6 +265,7 @@ class Trainer:
             self.cfg.to_dict(),
             source_tokenizer=self.task.source_tokenizer,
             generation_config=self.task.generation_config,
+            adapter=adapter,
         )
 
     # ---- the loop
@@ -313,6 +350,17 @@ class Trainer:
 
     def close(self) -> None:
         teardown(self.rt)
+
+
+def freeze_except(model: torch.nn.Module, prefixes: list[str]) -> None:
+    """Only the parameters under one of `prefixes` (e.g. "mtp", "blocks.11") train; the rest are frozen."""
+    names = [n for n, _ in model.named_parameters()]
+    for prefix in prefixes:
+        if not any(n == prefix or n.startswith(prefix + ".") for n in names):
+            tops = sorted({n.split(".")[0] for n in names})
+            raise TrainingError(f"train.trainable: no parameter is named {prefix} or under it; the model has {tops}")
+    for name, p in model.named_parameters():
+        p.requires_grad_(any(name == q or name.startswith(q + ".") for q in prefixes))
 
 
 def train(cfg: TrainConfig, *, resume: bool = False) -> Result:

