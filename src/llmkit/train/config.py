@@ -11,7 +11,8 @@
     schedule:  warmup + cosine | warmup-stable-decay | inverse-square-root ("noam") | constant
     train:     steps (the schedule's length), halt_at (stop early, resumable), time_limit, precision,
                accumulation, evaluation, checkpoints, compile, parallelism
-    loss:      MTP weight, MoE bias-update rate, sparse-attention indexer warm-up, label smoothing
+    loss:      MTP weight, MoE bias-update rate, sparse-attention indexer warm-up, label smoothing, distillation
+               from a teacher checkpoint (a draft model for speculative decoding)
     lora:      fine-tuning through LoRA adapters (rank, alpha, dropout, target projections; QLoRA on a GGUF file)
     translate: translation models only: the test-set decoding (beam size, length penalty) after training
 
@@ -148,10 +149,15 @@ class LossConfig(ConfigBase):
     moe_bias_update_rate: float = 1e-3
     indexer_warmup_steps: int = 0
     indexer_weight: float = 1.0
+    distill_from: str | None = None  # a teacher checkpoint: learn its next-token distributions (a draft model)
+    distill_weight: float = 1.0  # the loss is w * KL(teacher || model) * T^2 + (1 - w) * cross-entropy
+    distill_temperature: float = 1.0
 
     def validate(self) -> None:
         self.require(0 <= self.label_smoothing < 1, "label_smoothing", "must be in [0, 1)")
         self.at_least(0, "mtp_weight", "moe_bias_update_rate", "indexer_warmup_steps", "indexer_weight")
+        self.require(0 <= self.distill_weight <= 1, "distill_weight", "must be in [0, 1]")
+        self.require(self.distill_temperature > 0, "distill_temperature", "must be > 0")
 
 
 @dataclass(frozen=True)

@@ -30,10 +30,12 @@ from llmkit.errors import LLMKitError
 from llmkit.layers.attention import DeepSeekSparseAttention
 from llmkit.layers.extras import Extras, IndexerMode
 from llmkit.models import DecoderLM, EncoderDecoder, RNNConfig, RNNSeq2Seq
+from llmkit.models.loss import cross_entropy, moe_loss
 from llmkit.tokenizer import Tokenizer
 from llmkit.train.buckets import BucketedPairs
 from llmkit.train.config import TrainConfig, pretrained_config
 from llmkit.train.data import TokenData, eval_offsets, train_batch, window_batch
+from llmkit.train.distill import distillation_kl, load_teacher
 from llmkit.train.hooks import Hook, IndexerWarmUp, RouterBiasUpdate, router_bias_layers
 from llmkit.train.parallel import Runtime
 
@@ -104,10 +106,11 @@ def build_task(cfg: TrainConfig, rt: Runtime) -> Task:
 class LanguageModule(nn.Module):
     """A decoder-only model and its loss settings; forward(inputs, targets) -> the loss terms and statistics."""
 
-    def __init__(self, model: DecoderLM, cfg: TrainConfig) -> None:
+    def __init__(self, model: DecoderLM, cfg: TrainConfig, teacher: DecoderLM | None = None) -> None:
         super().__init__()
         self.model, self.cfg = model, cfg
         self.bias_layers = router_bias_layers(model)
+        self._teacher = [teacher] if teacher is not None else []  # a list: not a submodule (frozen, never saved)
 
     def forward(
         self,
@@ -126,6 +129,8 @@ class LanguageModule(nn.Module):
             return {"nll": nll, "count": (flat != -100).sum().to(nll.dtype)}
         c = self.cfg.loss
         extras = Extras(indexer=indexer)
+        if self._teacher:
+            return self._distill(inputs, targets, segments, extras)
         out = self.model.loss(
             targets,
             inputs=inputs,
@@ -145,12 +150,28 @@ class LanguageModule(nn.Module):
             result["expert_load"] = torch.stack([load.get(i, none) for i in self.bias_layers])  # (L, E)
         return result
 
+    def _distill(self, inputs: Tensor, targets: Tensor, segments: Tensor | None, extras: Extras) -> dict[str, Tensor]:
+        """The distillation loss (llmkit.train.distill): the teacher's distributions mixed with the data's tokens. The
+        terms are the usual ones (ce: the data's cross-entropy) plus kl."""
+        c = self.cfg.loss
+        with torch.no_grad():
+            teacher = self._teacher[0](inputs, segments=segments)  # (B, T, V)
+        logits = self.model(inputs, segments=segments, extras=extras)  # (B, T, V)
+        ce = cross_entropy(logits, targets, -100, c.label_smoothing)
+        kl = distillation_kl(logits, teacher, targets, c.distill_temperature)
+        aux = moe_loss(extras, self.model.cfg.moe, ce)
+        total = c.distill_weight * kl + (1 - c.distill_weight) * ce + aux
+        zero = ce.new_zeros(())
+        return {"loss": total, "ce": ce, "aux": aux, "mtp": zero, "indexer": zero, "kl": kl}
+
 
 class LanguageModelTask(Task):
     """Random windows of the training stream; inputs and targets shifted by one token."""
 
     def __init__(self, cfg: TrainConfig, rt: Runtime) -> None:
         super().__init__(cfg, rt)
+        if cfg.loss.distill_from is not None:
+            self.terms = (*TERMS, "kl")
         self.load_data(cfg)
         self.tokenizer = Tokenizer.from_dir(cfg.data.dir)
         if "checkpoint" in cfg.model:
@@ -207,7 +228,20 @@ class LanguageModelTask(Task):
 
     def attach(self, model: Model) -> nn.Module:
         assert isinstance(model, DecoderLM)
-        return LanguageModule(model, self.cfg)
+        teacher: DecoderLM | None = None
+        if self.cfg.loss.distill_from is not None:  # a draft model learning its target's distributions
+            if model.cfg.mtp_depth:
+                raise TrainingError("loss.distill_from: distillation trains models without MTP modules (mtp_depth 0)")
+            loaded = load_teacher(self.cfg.loss.distill_from, self.rt.device)
+            if not isinstance(loaded, DecoderLM):
+                raise TrainingError(f"loss.distill_from: {self.cfg.loss.distill_from} is not a decoder-only model")
+            teacher = loaded
+            if teacher.cfg.vocab_size != model.cfg.vocab_size:
+                raise TrainingError(
+                    f"loss.distill_from: the teacher's vocabulary ({teacher.cfg.vocab_size}) differs from the "
+                    f"model's ({model.cfg.vocab_size}): prepare the data with the teacher's tokenizer"
+                )
+        return LanguageModule(model, self.cfg, teacher)
 
     def hooks(self, model: Model) -> list[Hook]:
         hooks: list[Hook] = []
