@@ -1,13 +1,16 @@
-"""Self-speculative decoding on a real model: an MTP module grafted onto SmolLM2-135M-Instruct and trained with the
-trunk frozen, then greedy decoding with the module drafting one token per round, against plain greedy decoding, in
-one run: tokens/s, acceptance rate, speed-up, and the check that the output is token for token the plain output.
+"""Speculative decoding on a real model: an MTP module grafted onto SmolLM2-135M-Instruct and trained with the trunk
+frozen (self-speculation, one draft token per round), and a small draft model distilled from it (--k tokens per
+round), against plain greedy decoding, in one run: tokens/s, acceptance rate, speed-up, and the check that the
+output is token for token the plain output.
 
     .venv/bin/python bench/smollm2_speculation_bench.py [--minutes 10] [--new 128] [--prompts 4] [--repeats 3]
 
 The graft: `model: {checkpoint: SmolLM2.gguf, mtp_depth: 1}` (the module's block starts as a copy of the last
 block), `train.trainable: [mtp]`, `loss.mtp_weight: 1`, on Shakespeare's plays prepared with SmolLM2's tokenizer,
-for --minutes (kept in runs/bench/smollm2-mtp; --retrain to redo). The prompts are 48-token openings from the
-plays' validation split, continued for --new tokens at batch 1, fp32, eager and compiled.
+for --minutes (kept in runs/bench/smollm2-mtp; --retrain to redo). The draft: SmolLM2's family at 256 wide and 4
+layers (16M parameters, most of them the tied embedding), distilled from the grafted model on the same text for
+--draft-minutes (`loss.distill_from`, KL weight 0.8; runs/bench/smollm2-draft). The prompts are 48-token openings
+from the plays' validation split, continued for --new tokens at batch 1, fp32, eager and compiled.
 
 What bounds the gain: at batch 1 a decoding step reads every weight once (538 MB in fp32; the memory bandwidth is
 measured in the same run), and verifying two tokens reads them once too, so a round that accepts its draft yields
@@ -63,12 +66,52 @@ def ensure_grafted(gguf: Path, args: argparse.Namespace) -> Path:
     return out
 
 
+def ensure_distilled(gguf: Path, target: Path, args: argparse.Namespace) -> Path:
+    """A small draft model of SmolLM2's family (256 wide, 4 layers, its tokenizer) distilled from the target for
+    --draft-minutes, in runs/bench/smollm2-draft unless it is there."""
+    from llmkit.interop.load import load_model
+    from llmkit.runs import latest_checkpoint
+    from llmkit.train.config import TrainConfig
+    from llmkit.train.loop import train
+
+    out = RUNS / "smollm2-draft"
+    if not args.retrain and latest_checkpoint(out) is not None:
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    model = load_model(gguf, quantized=False).model.cfg.to_dict()
+    model.update(d_model=256, n_layers=4, mtp_depth=0)
+    model["attention"].update(n_heads=4, n_kv_heads=2, head_dim=64)
+    model["ffn"].update(hidden_dim=704)
+    seconds = args.draft_minutes * 60
+    cfg = {
+        "model": model,
+        "data": {"dir": str(DATA), "seq_len": 256, "batch_size": 8},
+        "optim": {"lr": 2e-3},
+        "schedule": {"kind": "cosine", "warmup_steps": 20},
+        "loss": {"distill_from": str(target), "distill_weight": 0.8},
+        "train": {
+            "steps": max(20, int(seconds * 350 / 2048)),  # ~350 tokens/s: the teacher's forward dominates
+            "time_limit": seconds,
+            "eval_every": 10_000,
+            "eval_tokens": 16384,
+            "save_every": 10_000,
+            "keep_last": 1,
+            "out": str(out),
+        },
+    }
+    result = train(TrainConfig.from_dict(cfg))
+    print(f"distilled draft: {result.steps} steps, {result.tokens:,} tokens, {result.seconds:.0f} s", flush=True)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=10.0, help="training time of the grafted module")
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--draft-minutes", type=float, default=10.0, help="distillation time of the draft (0: none)")
+    p.add_argument("--k", type=int, default=3, help="tokens the draft model proposes per round")
     p.add_argument("--retrain", action="store_true")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
@@ -83,9 +126,11 @@ def main() -> None:
     if not (DATA / "meta.json").is_file():
         prepare("shakespeare", DATA, tokenizer=gguf)
     run = ensure_grafted(gguf, args)
+    draft_run = ensure_distilled(gguf, resolve_checkpoint(run), args) if args.draft_minutes > 0 else None
     limits = measure_limits(["fp32"], matmul_seconds=0.5)
     torch.set_grad_enabled(False)
     model = load_model(resolve_checkpoint(run)).model.eval()
+    draft = load_model(resolve_checkpoint(draft_run)).model.eval() if draft_run is not None else None
     weight_bytes = sum(t.numel() * t.element_size() for n, t in model.state_dict().items() if not n.startswith("mtp."))
     val = TokenData(DATA).split("val").tokens
     starts = torch.linspace(0, len(val) - 1000, args.prompts).long().tolist()
@@ -99,18 +144,27 @@ def main() -> None:
                 "plain": partial(generate, model, [prompt], max_new_tokens=args.new, compiled=compiled),
                 "mtp": partial(speculative_generate, model, [prompt], max_new_tokens=args.new, compiled=compiled),
             }
+            if draft is not None:
+                variants["draft"] = partial(
+                    speculative_generate,
+                    model,
+                    [prompt],
+                    draft=draft,
+                    k=args.k,
+                    max_new_tokens=args.new,
+                    compiled=compiled,
+                )
             for fn in variants.values():  # warm-up (and the compilation)
                 fn()
             seconds, results = alternate(variants, args.repeats)
-            plain, spec = results["plain"], results["mtp"]
-            same = spec.new_tokens[0] == plain.new_tokens[0]
-            for name in variants:
-                n = len(results[name].new_tokens[0])
+            plain = results["plain"].new_tokens[0]
+            for name, result in results.items():
+                n = len(result.new_tokens[0])
                 r = rows.setdefault(f"{name} ({tag})", {"tok_s": [], "accept": [], "same": []})
                 r["tok_s"].append(n / seconds[name])
-                if name == "mtp":
-                    r["accept"].append(spec.acceptance_rate)
-                    r["same"].append(float(same))
+                if name != "plain":
+                    r["accept"].append(result.acceptance_rate)
+                    r["same"].append(float(result.new_tokens[0] == plain))
     summary = {
         "limits": limits.as_dict(),
         "weight_mb": round(weight_bytes / 1e6, 1),
@@ -128,7 +182,9 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for tag in ("eager", "compiled"):
         base = statistics.mean(rows[f"plain ({tag})"]["tok_s"])
-        for name in ("plain", "mtp"):
+        for name in ("plain", "mtp", "draft"):
+            if f"{name} ({tag})" not in rows:
+                continue
             r = rows[f"{name} ({tag})"]
             rate = statistics.mean(r["tok_s"])
             accept = f"{statistics.mean(r['accept']):.2f}" if r["accept"] else ""

@@ -236,3 +236,15 @@ def test_prepare_chat_on_the_command_line(chat_tokenizer, tmp_path, capsys):
     assert "train 5 conversations" in capsys.readouterr().out
     assert main(["prepare", "chat", str(tmp_path / "c.jsonl")]) == 2
     assert "--tokenizer" in capsys.readouterr().err
+
+
+def test_a_chat_run_resumes_bit_for_bit(chat_data, tmp_path):
+    def cfg(out, **train_section):
+        c = tiny_config(chat_data, out, data={"seq_len": 240, "batch_size": 2}, train={"steps": 6, "save_every": 3})
+        c["train"].update(train_section)
+        return TrainConfig.from_dict(c)
+
+    train(cfg(tmp_path / "a"))
+    train(cfg(tmp_path / "b", halt_at=3))
+    train(cfg(tmp_path / "b"), resume=True)
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")

@@ -251,10 +251,13 @@ class LanguageModelTask(Task):
             hooks.append(IndexerWarmUp(self.cfg.loss.indexer_warmup_steps))
         return hooks
 
-    def flops_per_token(self) -> float:
+    def flops_per_token(self) -> float | None:
         """Model FLOPs per training token (forward and backward), for MFU: 3x the forward's, or 2x with LoRA (the
-        frozen weights get no gradient of their own, only the activations do)."""
+        frozen weights get no gradient of their own, only the activations do). Not counted when train.trainable
+        leaves only part of the model training (how far the backward pass reaches depends on where that part is)."""
         assert isinstance(self.model_config, ModelConfig)
+        if self.cfg.train.trainable is not None:
+            return None
         factor = 2 if self.cfg.lora.r else 3
         return factor * analyze(self.model_config, seq_len=self.cfg.data.seq_len).flops_per_token
 
