@@ -33,6 +33,20 @@ from common import ROOT, RUNS, alternate, measure_limits, smollm2_gguf
 DATA = ROOT / "runs/data/shakespeare-smollm2"
 
 
+def timed_run(out: Path, seconds: float, tokens_per_s: float) -> dict[str, object]:
+    """The train section of a run of about `seconds`: a schedule sized from the expected rate (8 x 256 tokens a step),
+    stopped by the time limit if the rate was optimistic, one checkpoint at the end."""
+    return {
+        "steps": max(20, int(seconds * tokens_per_s / 2048)),
+        "time_limit": seconds,
+        "eval_every": 10_000,
+        "eval_tokens": 16384,
+        "save_every": 10_000,
+        "keep_last": 1,
+        "out": str(out),
+    }
+
+
 def ensure_grafted(gguf: Path, args: argparse.Namespace) -> Path:
     """The grafted and trained checkpoint, trained in runs/bench/smollm2-mtp unless it is there."""
     from llmkit.runs import latest_checkpoint
@@ -50,16 +64,7 @@ def ensure_grafted(gguf: Path, args: argparse.Namespace) -> Path:
         "optim": {"lr": 1e-3, "weight_decay": 0.0},
         "schedule": {"kind": "cosine", "warmup_steps": 10},
         "loss": {"mtp_weight": 1.0},
-        "train": {
-            "steps": max(20, int(seconds * 250 / 2048)),  # ~250 tokens/s: the trunk runs forward only
-            "time_limit": seconds,
-            "trainable": ["mtp"],
-            "eval_every": 10_000,
-            "eval_tokens": 16384,
-            "save_every": 10_000,
-            "keep_last": 1,
-            "out": str(out),
-        },
+        "train": {**timed_run(out, seconds, 250), "trainable": ["mtp"]},  # ~250 tokens/s: the trunk runs forward only
     }
     result = train(TrainConfig.from_dict(cfg))
     print(f"grafted MTP: {result.steps} steps, {result.tokens:,} tokens, {result.seconds:.0f} s", flush=True)
@@ -89,15 +94,7 @@ def ensure_distilled(gguf: Path, target: Path, args: argparse.Namespace) -> Path
         "optim": {"lr": 2e-3},
         "schedule": {"kind": "cosine", "warmup_steps": 20},
         "loss": {"distill_from": str(target), "distill_weight": 0.8},
-        "train": {
-            "steps": max(20, int(seconds * 350 / 2048)),  # ~350 tokens/s: the teacher's forward dominates
-            "time_limit": seconds,
-            "eval_every": 10_000,
-            "eval_tokens": 16384,
-            "save_every": 10_000,
-            "keep_last": 1,
-            "out": str(out),
-        },
+        "train": timed_run(out, seconds, 350),  # ~350 tokens/s: the teacher's forward dominates
     }
     result = train(TrainConfig.from_dict(cfg))
     print(f"distilled draft: {result.steps} steps, {result.tokens:,} tokens, {result.seconds:.0f} s", flush=True)
