@@ -15,7 +15,7 @@ from llmkit import build_model, get_preset
 from llmkit.config import ModelConfig
 from llmkit.generate import beam_search, generate
 from llmkit.generate import sessions as sessions_module
-from llmkit.generate.native import NativeDecoder
+from llmkit.generate.native import HEAD_ROWS, MAX_TOKENS, NativeDecoder
 from llmkit.generate.prompts import pad_prompts
 from llmkit.generate.step import decode_step
 from llmkit.quant import native, quantize
@@ -132,13 +132,15 @@ def test_training_mode_bf16_and_other_kernels_are_left_to_pytorch():
     assert NativeDecoder.of(quantize(copy.deepcopy(model), "int4", kernel="dequant")) is None
 
 
-def test_prefill_and_bf16_caches_are_not_taken():
+def test_long_prefills_and_bf16_caches_are_not_taken():
     model = model_of(CONFIGS["llama"])
     nd = NativeDecoder.of(model)
     assert nd is not None
-    cache = model.new_cache(1, 8)
-    step = cache.state.advance(3)
-    assert not nd.applies(torch.zeros(1, 3, dtype=torch.long), step, cache.layers)
+    cache = model.new_cache(1, 32)
+    with torch.no_grad():
+        step = cache.state.advance(MAX_TOKENS + 1)
+        assert not nd.applies(torch.zeros(1, MAX_TOKENS + 1, dtype=torch.long), step, cache.layers)
+        assert nd.applies(torch.zeros(1, 3, dtype=torch.long), cache.state.advance(3), cache.layers)
     one = torch.zeros(1, 1, dtype=torch.long)
     assert not nd.applies(one, cache.state.advance(1), cache.layers)  # gradients on: a training-time call
     with torch.no_grad():
@@ -169,6 +171,13 @@ def test_the_cpp_step_checks_its_arguments():
         decode(blocks, x, [k], [v], 0, allowed, None, None)
     with pytest.raises(RuntimeError, match="one k and one v cache per block"):
         decode(blocks, x, [k, k], [v], 0, allowed, cos, sin)
+    two = torch.randn(2, model.cfg.d_model)  # two new tokens for the cache's one row: slots 6 and 7
+    decode(blocks, two, [k], [v], 6, allowed, cos, sin)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        decode(blocks, two, [k], [v], 7, allowed, cos, sin)
+    with pytest.raises(RuntimeError, match="T new tokens"):
+        decode(blocks, torch.randn(3, model.cfg.d_model), [cache.layers[0].k.expand(2, -1, -1, -1).contiguous()],
+               [cache.layers[0].v.expand(2, -1, -1, -1).contiguous()], 0, allowed.expand(2, -1).contiguous(), cos, sin)
 
 
 def test_a_batch_beyond_the_small_row_kernel_equals_pytorch():
@@ -212,3 +221,70 @@ def test_the_serving_engine_takes_the_native_path_over_its_paged_pools(name, mon
     for a, b in zip(fast, slow, strict=True):
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "sliding-window", "interleaved-partial-rope"])
+def test_several_new_tokens_a_row_equal_pytorch(name):
+    """Steps of T = 2..5 tokens per row after a left-padded prefill (what a speculative round verifies, and short
+    prompts): the C++ blocks give PyTorch's logits at every position and write the same caches, each token seeing
+    the earlier ones of its own step."""
+    model = model_of(CONFIGS[name])
+    nd = NativeDecoder.of(model)
+    assert nd is not None
+    tokens, mask = pad_prompts(PROMPTS)
+    B, T = tokens.shape
+    ref_cache, nat_cache = model.new_cache(B, T + 20), model.new_cache(B, T + 20)
+    with torch.inference_mode():
+        decode_step(model, tokens, ref_cache, mask)
+        decode_step(model, tokens, nat_cache, mask, native=nd)
+        for n in (2, 5, 3):
+            new = torch.randint(1, 250, (B, n))
+            a, ha = decode_step(model, new, ref_cache)
+            b, hb = decode_step(model, new, nat_cache, native=nd)
+            torch.testing.assert_close(hb, ha, atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4)
+            a, _ = decode_step(model, new[:, :2], ref_cache, last=True)
+            b, _ = decode_step(model, new[:, :2], nat_cache, native=nd, last=True)
+            assert b.shape == (B, 1, model.cfg.vocab_size)
+            torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4)
+    for la, lb in zip(ref_cache.layers, nat_cache.layers, strict=True):
+        torch.testing.assert_close(lb.k, la.k, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lb.v, la.v, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_cpp_head_equals_the_models(tied):
+    """Up to HEAD_ROWS states through the C++ product, more through the model's own head: the same logits."""
+    cfg = dataclasses.replace(get_preset("llama2-7b-tiny"), tie_embeddings=tied)
+    model = model_of(cfg)
+    nd = NativeDecoder.of(model)
+    assert nd is not None
+    with torch.no_grad():
+        for shape in [(1, 1), (1, 3), (2, 4), (3, HEAD_ROWS)]:
+            h = torch.randn(*shape, cfg.d_model)
+            torch.testing.assert_close(nd.logits(h), model.logits(h), atol=1e-4, rtol=1e-5)
+        q = quantize(copy.deepcopy(model), "int8", group_size=32, include_head=True)
+        nq = NativeDecoder.of(q)
+        assert nq is not None
+        h = torch.randn(1, 2, cfg.d_model)
+        torch.testing.assert_close(nq.logits(h), q.logits(h))  # a quantized head: the model's own kernel
+
+
+def test_speculative_rounds_take_the_native_path_and_keep_the_output(monkeypatch):
+    """A draft model's rounds verified in C++ (two to four tokens a step) give plain greedy decoding's output."""
+    from llmkit.generate import speculative_generate
+
+    target, draft = model_of(CONFIGS["llama"], 0), model_of(CONFIGS["llama"], 1)
+    prompts = [[5, 17, 99, 3], [8, 8, 1]]
+    widths: list[int] = []
+    real_run = NativeDecoder.run
+
+    def recording_run(self, tokens, *args):
+        widths.append(tokens.shape[1])
+        return real_run(self, tokens, *args)
+
+    plain = generate(target, prompts, max_new_tokens=16)
+    monkeypatch.setattr(NativeDecoder, "run", recording_run)
+    spec = speculative_generate(target, prompts, draft=draft, k=3, max_new_tokens=16)
+    assert spec.new_tokens == plain.new_tokens
+    assert 4 in widths  # the target's verifying steps (cur and three drafts) ran in C++

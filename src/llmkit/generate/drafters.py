@@ -86,10 +86,11 @@ class MTPDrafter:
 
     k = 1
 
-    def __init__(self, target: DecoderLM, batch: int, room: int) -> None:
+    def __init__(self, target: DecoderLM, batch: int, room: int, native: NativeDecoder | None = None) -> None:
         module = target.mtp[0]
         assert isinstance(module, MTPModule)
         self.target, self.module = target, module
+        self.head = native.logits if native is not None else target.logits  # the shared output head
         device, dtype = target.embed.weight.device, target.embed.weight.dtype
         layer = module.block.attn.new_cache(batch, room, device, dtype)
         self.cache = Cache([layer], SequenceState.new(batch, room, device))
@@ -117,7 +118,7 @@ class MTPDrafter:
             q[:, :, 0] = 1.0
             return q, torch.zeros(cur.shape[0], 1, dtype=torch.long, device=cur.device)
         out = self.run(cur.unsqueeze(1), self.last, None)  # (B, 1, C)
-        q = distribution(self.target.logits(out[:, -1]), sampling)  # (B, V)
+        q = distribution(self.head(out[:, -1]), sampling)  # (B, V)
         return q.unsqueeze(1), draw(q, sampling.greedy, generator).unsqueeze(1)
 
     def settle(self, cur: Tensor, drafts: Tensor, accepted: Tensor, hidden: Tensor) -> None:

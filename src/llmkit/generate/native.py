@@ -6,12 +6,14 @@ int4 step calling operators. `NativeDecoder` runs the step's blocks in one call 
 one pass, RoPE, the cache write, attention over the visible slots, output projection, residual, norm, the
 feed-forward in two passes, residual; the threads started once per step), reading the model's own parameters and
 caches: nothing is copied or converted, and the module tree is untouched. Everything else in the step (embedding,
-RoPE tables, the final norm, the head, sampling) stays in PyTorch.
+RoPE tables, the final norm, sampling) stays in PyTorch; an fp32 output head of a few rows runs in C++ too
+(`logits`: MKL reads SmolLM2's 113 MB head at a third of the bandwidth for one row, and twice for two).
 
 It applies to the common pre-norm decoder (GPT-2, LLaMA, Mistral, Qwen2, SmolLM2: RMSNorm or LayerNorm, grouped-query
 attention with or without RoPE and a sliding window, SwiGLU/GeGLU or a plain MLP) in fp32 on the CPU, with linear
 layers that are fp32 or llmkit's int4/int8 (quantized with `llmkit.quant.quantize` or kept from a GGUF file); and
-to steps of one new token per row into a plain KVCache or the serving engine's paged pools. Anything else (MLA,
+to steps of a few new tokens per row (one when decoding; a speculative round's drafts when verifying, up to
+MAX_TOKENS) into a plain KVCache, or of one new token per row into the serving engine's paged pools. Anything else (MLA,
 MoE, sparse attention, bf16, CUDA, training, prefill) takes the PyTorch modules, which remain the reference:
 tests/quant/test_native_decode.py checks that both give the same logits.
 """
@@ -34,6 +36,8 @@ from llmkit.quant import native
 from llmkit.quant.linear import Int4Linear, Int8Linear
 
 _ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}  # cpu_decode.cpp's Activation
+MAX_TOKENS = 8  # new tokens per row a step may bring: every weight is read once for all of them
+HEAD_ROWS = 8  # rows of states the C++ head takes; beyond, MKL's sgemm is as fast (it reads W once per 4 rows)
 
 
 def _projection(ext: Any, layer: nn.Module) -> Any | None:
@@ -115,11 +119,11 @@ class NativeDecoder:
         return cls(model, ext, blocks)
 
     def applies(self, tokens: Tensor, step: Step, layers: list[Any]) -> bool:
-        """Whether this step is one the C++ blocks take: one new token per row into fp32 KVCaches."""
+        """Whether this step is one the C++ blocks take: 1 to MAX_TOKENS new tokens per row into fp32 KVCaches."""
         first = layers[0] if layers else None
         allowed = step.mask.allowed
         return (
-            tokens.shape[1] == 1
+            1 <= tokens.shape[1] <= MAX_TOKENS
             and type(first) is KVCache
             and first.k.dtype == torch.float32
             and first.k.is_contiguous()
@@ -131,14 +135,26 @@ class NativeDecoder:
         )
 
     def run(self, tokens: Tensor, step: Step, layers: list[Any]) -> Tensor:
-        """The blocks over tokens (B, 1) at `step`, writing into the caches: what `model.run` computes.
-        Returns the last block's output (B, 1, C)."""
+        """The blocks over tokens (B, T) at `step` (its T consecutive slots), writing into the caches: what
+        `model.run` computes. Returns the last block's output (B, T, C)."""
         assert step.mask.allowed is not None and step.slots is not None
-        B, S = tokens.shape[0], layers[0].k.shape[2]
+        (B, T), S = tokens.shape, layers[0].k.shape[2]
         x, cos, sin = self._inputs(tokens, step.positions)
         ks, vs = [c.k for c in layers], [c.v for c in layers]
         slot = int(step.slots[0])
-        return self.ext.decode(self.blocks, x, ks, vs, slot, step.mask.allowed.reshape(B, S), cos, sin).view(B, 1, -1)
+        return self.ext.decode(self.blocks, x, ks, vs, slot, step.mask.allowed.reshape(B, S), cos, sin).view(B, T, -1)
+
+    def logits(self, h: Tensor) -> Tensor:
+        """The model's head on final-normed states h (..., C) -> logits (..., V): `model.logits`, through the C++
+        product when the head is an fp32 matrix and h has at most HEAD_ROWS rows."""
+        model = self.model
+        weight = model.embed.weight if model.head is None else getattr(model.head, "weight", None)
+        plain = model.head is None or (type(model.head) is nn.Linear and model.head.bias is None)
+        rows = h.reshape(-1, h.shape[-1])
+        if not plain or weight is None or weight.dtype != torch.float32 or rows.shape[0] > HEAD_ROWS:
+            return model.logits(h)
+        out = self.ext.float_linear(rows.contiguous(), weight.contiguous(), model.head_bias)
+        return out.view(*h.shape[:-1], -1)
 
     def applies_paged(self, tokens: Tensor, pools: list[Any]) -> bool:
         """Whether the serving engine's step over paged pools (llmkit.serve.paged) is one the C++ blocks take."""
@@ -165,9 +181,9 @@ class NativeDecoder:
         return out.view(B, 1, -1)
 
     def _inputs(self, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """The embedded tokens (B, C) and the RoPE tables of their positions, (1 | B, F) each (None without)."""
+        """The embedded tokens (B T, C) and the RoPE tables of their positions, (1 | B T, F) each (None without)."""
         model = self.model
-        x = model.inputs(model.embed, tokens, positions).reshape(tokens.shape[0], -1).contiguous()
+        x = model.inputs(model.embed, tokens, positions).reshape(tokens.numel(), -1).contiguous()
         if model.rope is None:
             return x, None, None
         rope = model.rope(positions)

@@ -26,6 +26,7 @@ from torch import Tensor
 from llmkit.errors import InputError
 from llmkit.generate.decode import Generation, seeded
 from llmkit.generate.drafters import Drafter, ModelDrafter, MTPDrafter
+from llmkit.generate.native import NativeDecoder
 from llmkit.generate.prompts import prepare_prompts
 from llmkit.generate.sampling import Sampling, distribution, draw
 from llmkit.generate.step import decode_step
@@ -107,16 +108,17 @@ def speculative_generate(
     generator = seeded(seed, tokens.device)
     room = T + (max_new_tokens + 1) * (k + 3)  # rejected slots stay used: room for every round's worst case
     cache = target.new_cache(B, room)
-    drafter: Drafter = MTPDrafter(target, B, room) if draft is None else ModelDrafter(draft, k, B, room, compiled)
+    native = None if compiled else NativeDecoder.of(target)  # the verifying steps' blocks (and head) in C++
+    drafter: Drafter = MTPDrafter(target, B, room, native) if draft is None else ModelDrafter(draft, k, B, room, compiled)
     prefix, valid = tokens[:, :-1], mask[:, :-1]
-    hidden = decode_step(target, prefix, cache, valid, compiled, last=True)[1] if prefix.shape[1] else None
+    hidden = decode_step(target, prefix, cache, valid, compiled, native, last=True)[1] if prefix.shape[1] else None
     drafter.start(prefix, valid, hidden)
     rows = Rows(StopRule.of(eos_id, max_new_tokens=max_new_tokens), B)
     result = SpeculativeGeneration(tokens.cpu(), rows.tokens)
     cur = tokens[:, -1]
     while max_new_tokens and not rows.finished:
         q, drafts = drafter.propose(cur, sampling, generator)  # (B, k, V), (B, k)
-        logits, hidden = decode_step(target, torch.cat([cur.unsqueeze(1), drafts], 1), cache, compiled=compiled)
+        logits, hidden = decode_step(target, torch.cat([cur.unsqueeze(1), drafts], 1), cache, None, compiled, native)
         result.target_passes += 1
         n, extra = accept(drafts, q, distribution(logits, sampling), sampling.greedy, generator)
         cache.state.discard(k - n, span=k)  # forget the target's slots of the rejected drafts

@@ -87,7 +87,7 @@ def decode_step(
     step = cache.state.advance(tokens.shape[1], valid)
     if native is not None and native.applies(tokens, step, cache.layers):
         h = native.run(tokens, step, cache.layers)
-        return model.logits(model.norm(h)), h
+        return native.logits(model.norm(h[:, -1:] if last else h)), h
     core = compiled_core(model) if compiled else _core
     assert step.mask.allowed is not None and step.slots is not None
     return core(model, tokens, step.positions, step.mask.allowed, step.slots, cache.layers, last)

@@ -18,8 +18,12 @@
 // once per product saves ~150 fork-joins per token on a 30-layer model.
 //
 // Caches: a contiguous KVCache (generate) or the serving engine's paged pools with a block table (KVLayout).
+// Query rows and cache rows: each of the step's M query rows reads and writes one cache row. Usually M = B, one new
+// token per sequence; a contiguous cache also takes T > 1 new tokens per sequence (M = B T, query row b T + t in
+// slot `slot + t` of cache row b), the few tokens a speculative round verifies: each weight is read once for all of
+// them, and token t sees tokens < t of its own round through the cache, as the causal rule says.
 // The result equals the PyTorch modules' up to float rounding (tests/quant/test_native_decode.py).
-// Shapes: B rows (one new token each), C model width, H query heads, KH kv heads, D head dim, Dv value head dim,
+// Shapes: M query rows, B cache rows, C model width, H query heads, KH kv heads, D head dim, Dv value head dim,
 // S logical cache slots a row, F feed-forward width, N blocks in a pool of blocks of bs slots.
 
 #include "cpu_kernel.h"
@@ -243,14 +247,15 @@ struct DecodeBlock {
     }
   }
 
-  // Arguments of one step, checked before the threads start: x (B, C), k and v caches (contiguous (B, KH, S, D) or,
-  // with `paged`, pools (KH, N, bs, D)), allowed (B, S) over each row's S logical slots, cos and sin.
-  void check_step(const Tensor& x, const Tensor& k, const Tensor& v, bool paged, int64_t S, const Tensor& allowed,
-                  const std::optional<Tensor>& cos, const std::optional<Tensor>& sin) const {
+  // Arguments of one step, checked before the threads start: x (M, C), k and v caches of B rows (contiguous
+  // (B, KH, S, D) or, with `paged`, pools (KH, N, bs, D)), allowed (B, S) over each row's S logical slots, cos and
+  // sin (1 | M, rope_dim / 2).
+  void check_step(const Tensor& x, int64_t B, const Tensor& k, const Tensor& v, bool paged, int64_t S,
+                  const Tensor& allowed, const std::optional<Tensor>& cos, const std::optional<Tensor>& sin) const {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() &&
                     x.size(1) == norm1_weight.size(0),
-                "x must be (B, C) fp32");
-    const int64_t B = x.size(0);
+                "x must be (M, C) fp32");
+    const int64_t M = x.size(0);
     for (const Tensor* t : {&k, &v})
       TORCH_CHECK(t->dim() == 4 && t->scalar_type() == torch::kFloat32 && t->is_contiguous() &&
                       t->size(paged ? 0 : 1) == n_kv_heads && (paged || (t->size(0) == B && t->size(2) == S)),
@@ -262,9 +267,9 @@ struct DecodeBlock {
                 "allowed must be (B, S) bool");
     if (rope_dim)
       TORCH_CHECK(cos && sin && cos->dim() == 2 && cos->sizes() == sin->sizes() && cos->size(1) == rope_dim / 2 &&
-                      (cos->size(0) == 1 || cos->size(0) == B) && cos->is_contiguous() && sin->is_contiguous() &&
+                      (cos->size(0) == 1 || cos->size(0) == M) && cos->is_contiguous() && sin->is_contiguous() &&
                       cos->scalar_type() == torch::kFloat32 && sin->scalar_type() == torch::kFloat32,
-                  "cos and sin must be (1 | B, rope_dim / 2) fp32");
+                  "cos and sin must be (1 | M, rope_dim / 2) fp32");
   }
 
   // Buffers one step of a block passes between its phases (shared by the threads).
@@ -273,22 +278,23 @@ struct DecodeBlock {
     ProjectionGroup group;
   };
 
-  // x (B, C) += this block's output, for row b's new token in its logical slot slots[b] of `kv`; A (B, S): the
-  // slots each row may see. Called by every thread of the team (the barriers are the team's); thread 0 does the
-  // serial parts.
-  void forward(const Team& team, Workspace& w, float* X, int64_t B, const KVLayout& kv, const int64_t* slots,
-               int64_t S, const bool* A, const std::optional<Tensor>& cos, const std::optional<Tensor>& sin) const {
+  // x (M, C) += this block's output, for query row m's new token in logical slot slots[m] of cache row rows[m] of
+  // `kv`; A (B, S): the slots each cache row may see. Called by every thread of the team (the barriers are the
+  // team's); thread 0 does the serial parts.
+  void forward(const Team& team, Workspace& w, float* X, int64_t M, const KVLayout& kv, const int64_t* rows,
+               const int64_t* slots, int64_t S, const bool* A, const std::optional<Tensor>& cos,
+               const std::optional<Tensor>& sin) const {
     const int64_t C = norm1_weight.size(0), H = n_heads, KH = n_kv_heads, D = head_dim, Dv = v_head_dim;
     const int64_t Nq = H * D, Nqkv = Nq + KH * D + KH * Dv, Fw = w1->N;
     const bool lead = team.id == 0;
     // ---- attention: norm, q | k | v
     if (lead) {
-      w.h.resize(B * C), w.qkv.resize(B * Nqkv), w.att.assign(B * H * Dv, 0.f), w.y.resize(B * C);
-      norm(X, w.h.data(), B, C, norm1_weight, norm1_bias);
+      w.h.resize(M * C), w.qkv.resize(M * Nqkv), w.att.assign(M * H * Dv, 0.f), w.y.resize(M * C);
+      norm(X, w.h.data(), M, C, norm1_weight, norm1_bias);
     }
-    project(team, w, {wq.get(), wk.get(), wv.get()}, w.h, B, w.qkv, Nqkv);
+    project(team, w, {wq.get(), wk.get(), wv.get()}, w.h, M, w.qkv, Nqkv);
     if (lead) {  // RoPE on q and k, k and v into the cache
-      for (int64_t b = 0; b < B; ++b) {
+      for (int64_t b = 0; b < M; ++b) {
         float* row = w.qkv.data() + b * Nqkv;
         if (rope_dim) {
           const int64_t r = cos->size(0) == 1 ? 0 : b;
@@ -297,7 +303,7 @@ struct DecodeBlock {
           for (int64_t hh = 0; hh < H + KH; ++hh) rotate(row + hh * D, c, s);  // q heads, then k heads
         }
         for (int64_t g = 0; g < KH; ++g) {
-          const int64_t at = kv.index(b, g, slots[b]);
+          const int64_t at = kv.index(rows[b], g, slots[b]);
           std::memcpy(kv.k + at * D, row + Nq + g * D, D * sizeof(float));
           std::memcpy(kv.v + at * Dv, row + Nq + KH * D + g * Dv, Dv * sizeof(float));
         }
@@ -306,9 +312,9 @@ struct DecodeBlock {
 #pragma omp barrier
     {  // each (row, query head) pair over the visible slots of its kv head: softmax(q k / sqrt(D)) v
       std::vector<float> p;
-      const auto [i0, i1] = team.share(B * H);
+      const auto [i0, i1] = team.share(M * H);
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t b = i / H, hh = i % H, g = hh / (H / KH), slot = slots[b];
+        const int64_t b = i / H, r = rows[b], hh = i % H, g = hh / (H / KH), slot = slots[b];
         const int64_t lo = window > 0 ? std::max<int64_t>(0, slot - window + 1) : 0, n = slot - lo + 1;
         p.resize(n);
         const float* q = w.qkv.data() + b * Nqkv + hh * D;
@@ -316,7 +322,7 @@ struct DecodeBlock {
         float top = -std::numeric_limits<float>::infinity();
         for (int64_t j = 0; j < n; ++j) {
           const int64_t s = lo + j;
-          p[j] = A[b * S + s] ? dot(q, kv.k + kv.index(b, g, s) * D, D) * static_cast<float>(scale)
+          p[j] = A[r * S + s] ? dot(q, kv.k + kv.index(r, g, s) * D, D) * static_cast<float>(scale)
                               : -std::numeric_limits<float>::infinity();
           top = std::max(top, p[j]);
         }
@@ -326,7 +332,7 @@ struct DecodeBlock {
         for (int64_t j = 0; j < n; ++j) {
           const float pj = p[j];
           if (pj == 0.f) continue;
-          const float* vr = kv.v + kv.index(b, g, lo + j) * Dv;
+          const float* vr = kv.v + kv.index(r, g, lo + j) * Dv;
           for (int64_t d = 0; d < Dv; ++d) o[d] += pj * vr[d];
         }
         const float inv = 1.f / total;
@@ -334,27 +340,27 @@ struct DecodeBlock {
       }
     }
 #pragma omp barrier
-    project(team, w, {wo.get()}, w.att, B, w.y, C);
+    project(team, w, {wo.get()}, w.att, M, w.y, C);
     // ---- feed-forward: residual, norm, w1 | w3, act(gate) * up (or act(h)), w2, residual
     const int64_t width = gated ? 2 * Fw : Fw;
     if (lead) {
-      for (int64_t i = 0; i < B * C; ++i) X[i] += w.y[i];
-      norm(X, w.h.data(), B, C, norm2_weight, norm2_bias);
-      w.gate_up.resize(B * width), w.hidden.resize(B * Fw);
+      for (int64_t i = 0; i < M * C; ++i) X[i] += w.y[i];
+      norm(X, w.h.data(), M, C, norm2_weight, norm2_bias);
+      w.gate_up.resize(M * width), w.hidden.resize(M * Fw);
     }
     if (gated)
-      project(team, w, {w1.get(), w3.get()}, w.h, B, w.gate_up, width);
+      project(team, w, {w1.get(), w3.get()}, w.h, M, w.gate_up, width);
     else
-      project(team, w, {w1.get()}, w.h, B, w.gate_up, width);
+      project(team, w, {w1.get()}, w.h, M, w.gate_up, width);
     if (lead)
-      for (int64_t b = 0; b < B; ++b) {
+      for (int64_t b = 0; b < M; ++b) {
         const float* row = w.gate_up.data() + b * width;
         for (int64_t f = 0; f < Fw; ++f)
           w.hidden[b * Fw + f] = gated ? activate(row[f], activation) * row[Fw + f] : activate(row[f], activation);
       }
-    project(team, w, {w2.get()}, w.hidden, B, w.y, C);
+    project(team, w, {w2.get()}, w.hidden, M, w.y, C);
     if (lead)
-      for (int64_t i = 0; i < B * C; ++i) X[i] += w.y[i];
+      for (int64_t i = 0; i < M * C; ++i) X[i] += w.y[i];
 #pragma omp barrier
   }
 
@@ -385,24 +391,24 @@ struct DecodeBlock {
   }
 };
 
-// x (B, C) through every block for one new token per row, row b's in its logical slot slots[b] of layouts[i]
-// (block i's cache); allowed (B, S): the slots each row may attend to (besides the causal rule and the window);
-// cos, sin (1 | B, rope_dim / 2) for the new tokens' positions. Returns the last block's output (B, C).
+// x (M, C) through every block, query row m's new token in logical slot slots[m] of cache row rows[m] of
+// layouts[i] (block i's cache); allowed (B, S): the slots each cache row may attend to (besides the causal rule and
+// the window); cos, sin (1 | M, rope_dim / 2) for the new tokens' positions. Returns the last block's output (M, C).
 Tensor run(const std::vector<DecodeBlock*>& blocks, const Tensor& x, const std::vector<KVLayout>& layouts,
-           const std::vector<int64_t>& slots, int64_t S, const Tensor& allowed, const std::optional<Tensor>& cos,
-           const std::optional<Tensor>& sin) {
+           const std::vector<int64_t>& rows, const std::vector<int64_t>& slots, int64_t S, const Tensor& allowed,
+           const std::optional<Tensor>& cos, const std::optional<Tensor>& sin) {
   for (int64_t s : slots) TORCH_CHECK(s >= 0 && s < S, "slot ", s, " is outside the cache's ", S, " slots");
   Tensor out = x.clone();  // the residual stream
   float* X = out.data_ptr<float>();
   const bool* A = allowed.data_ptr<bool>();
-  const int64_t B = x.size(0);
+  const int64_t M = x.size(0);  // query rows
   DecodeBlock::Workspace w;
   const int threads = std::max(1, at::get_num_threads());
 #pragma omp parallel num_threads(threads)
   {
     const Team team{omp_get_thread_num(), omp_get_num_threads()};
     for (size_t i = 0; i < blocks.size(); ++i)
-      blocks[i]->forward(team, w, X, B, layouts[i], slots.data(), S, A, cos, sin);
+      blocks[i]->forward(team, w, X, M, layouts[i], rows.data(), slots.data(), S, A, cos, sin);
   }
   return out;
 }
@@ -413,18 +419,24 @@ void check_lists(const std::vector<DecodeBlock*>& blocks, const std::vector<Tens
               "one k and one v cache per block");
 }
 
-// Contiguous caches ks[i], vs[i] (B, KH, S, D); every row's new token in slot `slot`.
+// Contiguous caches ks[i], vs[i] (B, KH, S, D); x (B T, C): T new tokens per row, row b's token t (x's row b T + t)
+// in slot `slot + t`.
 Tensor decode(const std::vector<DecodeBlock*>& blocks, const Tensor& x, const std::vector<Tensor>& ks,
               const std::vector<Tensor>& vs, int64_t slot, const Tensor& allowed, const std::optional<Tensor>& cos,
               const std::optional<Tensor>& sin) {
   check_lists(blocks, ks, vs);
-  const int64_t S = ks[0].dim() == 4 ? ks[0].size(2) : 0;
+  const int64_t S = ks[0].dim() == 4 ? ks[0].size(2) : 0, B = ks[0].dim() == 4 ? ks[0].size(0) : 0;
+  TORCH_CHECK(x.dim() == 2 && B > 0 && x.size(0) % B == 0 && x.size(0) > 0,
+              "x must be (B T, C): T new tokens for each of the caches' ", B, " rows");
+  const int64_t M = x.size(0), T = M / B;
   std::vector<KVLayout> layouts;
   for (size_t i = 0; i < blocks.size(); ++i) {
-    blocks[i]->check_step(x, ks[i], vs[i], false, S, allowed, cos, sin);
+    blocks[i]->check_step(x, B, ks[i], vs[i], false, S, allowed, cos, sin);
     layouts.push_back({ks[i].data_ptr<float>(), vs[i].data_ptr<float>(), blocks[i]->n_kv_heads, S});
   }
-  return run(blocks, x, layouts, std::vector<int64_t>(x.size(0), slot), S, allowed, cos, sin);
+  std::vector<int64_t> rows(M), slots(M);
+  for (int64_t m = 0; m < M; ++m) rows[m] = m / T, slots[m] = slot + m % T;
+  return run(blocks, x, layouts, rows, slots, S, allowed, cos, sin);
 }
 
 // Paged pools ks[i], vs[i] (KH, N, bs, D) and the block table (B, nb) of each row's physical blocks; row b's new
@@ -443,13 +455,15 @@ Tensor decode_paged(const std::vector<DecodeBlock*>& blocks, const Tensor& x, co
   for (int64_t i = 0; i < B * nb; ++i) TORCH_CHECK(T[i] >= 0 && T[i] < N, "block ", T[i], " is not in the pool");
   std::vector<KVLayout> layouts;
   for (size_t i = 0; i < blocks.size(); ++i) {
-    blocks[i]->check_step(x, ks[i], vs[i], true, nb * bs, allowed, cos, sin);
+    blocks[i]->check_step(x, B, ks[i], vs[i], true, nb * bs, allowed, cos, sin);
     TORCH_CHECK(ks[i].size(1) == N && ks[i].size(2) == bs && vs[i].size(1) == N && vs[i].size(2) == bs,
                 "every pool has the same blocks");
     layouts.push_back({ks[i].data_ptr<float>(), vs[i].data_ptr<float>(), 0, 0, T, N, bs, nb});
   }
   const int64_t* sl = slots.data_ptr<int64_t>();
-  return run(blocks, x, layouts, std::vector<int64_t>(sl, sl + B), nb * bs, allowed, cos, sin);
+  std::vector<int64_t> rows(B);
+  for (int64_t b = 0; b < B; ++b) rows[b] = b;
+  return run(blocks, x, layouts, rows, std::vector<int64_t>(sl, sl + B), nb * bs, allowed, cos, sin);
 }
 
 }  // namespace
@@ -490,7 +504,7 @@ void bind_decode(pybind11::module& m) {
       .def("check", &DecodeBlock::check);
   m.def("decode", &decode, py::arg("blocks"), py::arg("x"), py::arg("k_caches"), py::arg("v_caches"),
         py::arg("slot"), py::arg("allowed"), py::arg("cos") = py::none(), py::arg("sin") = py::none(),
-        "x (B, C) through the blocks for one new token per row; returns the last block's output (B, C)");
+        "x (B T, C) through the blocks for T new tokens per row; returns the last block's output (B T, C)");
   m.def("decode_paged", &decode_paged, py::arg("blocks"), py::arg("x"), py::arg("k_pools"), py::arg("v_pools"),
         py::arg("table"), py::arg("slots"), py::arg("allowed"), py::arg("cos") = py::none(),
         py::arg("sin") = py::none(), "decode over paged pools (KH, N, bs, D) with a block table (B, nb)");
