@@ -3,19 +3,22 @@ frozen (self-speculation, one draft token per round), and a small draft model di
 round), against plain greedy decoding, in one run: tokens/s, acceptance rate, speed-up, and the check that the
 output is token for token the plain output.
 
-    .venv/bin/python bench/smollm2_speculation_bench.py [--minutes 10] [--new 128] [--prompts 4] [--repeats 3]
+    .venv/bin/python bench/smollm2_speculation_bench.py [--minutes 8] [--new 128] [--prompts 4] [--repeats 3]
 
 The graft: `model: {checkpoint: SmolLM2.gguf, mtp_depth: 1}` (the module's block starts as a copy of the last
 block), `train.trainable: [mtp]`, `loss.mtp_weight: 1`, on Shakespeare's plays prepared with SmolLM2's tokenizer,
-for --minutes (kept in runs/bench/smollm2-mtp; --retrain to redo). The draft: SmolLM2's family at 256 wide and 4
-layers (16M parameters, most of them the tied embedding), distilled from the grafted model on the same text for
---draft-minutes (`loss.distill_from`, KL weight 0.8; runs/bench/smollm2-draft). The prompts are 48-token openings
-from the plays' validation split, continued for --new tokens at batch 1, fp32, eager and compiled.
+for --minutes, once learning the text's tokens (`loss.mtp_target: data`) and once the model's own distributions
+(`mtp_target: model`, self-distillation), kept in runs/bench/smollm2-mtp-{data,model} (--retrain to redo). The
+draft: SmolLM2's family at 256 wide and 4 layers (16M parameters, most of them the tied embedding), distilled from
+the grafted model on the same text for --draft-minutes (`loss.distill_from`, KL weight 0.8; runs/bench/smollm2-draft).
+The prompts are 48-token openings from the plays' validation split, continued for --new tokens at batch 1, fp32,
+with llmkit's C++ decode steps (--compiled adds torch.compile's steps).
 
 What bounds the gain: at batch 1 a decoding step reads every weight once (538 MB in fp32; the memory bandwidth is
 measured in the same run), and verifying two tokens reads them once too, so a round that accepts its draft yields
 two tokens for about one step's time. The draft is not free: the MTP module's block and the tied 49,152-row output
-head are about a quarter of a step's bytes.
+head are about a quarter of a step's bytes; an int8 copy of the head for drafting (`draft_head_bits=8`) cuts the
+head's part to a quarter, the output unchanged.
 """
 
 from __future__ import annotations
@@ -47,13 +50,14 @@ def timed_run(out: Path, seconds: float, tokens_per_s: float) -> dict[str, objec
     }
 
 
-def ensure_grafted(gguf: Path, args: argparse.Namespace) -> Path:
-    """The grafted and trained checkpoint, trained in runs/bench/smollm2-mtp unless it is there."""
+def ensure_grafted(gguf: Path, args: argparse.Namespace, target: str) -> Path:
+    """The grafted checkpoint whose module learnt `target` (data | model), trained in runs/bench/smollm2-mtp-TARGET
+    unless it is there."""
     from llmkit.runs import latest_checkpoint
     from llmkit.train.config import TrainConfig
     from llmkit.train.loop import train
 
-    out = RUNS / "smollm2-mtp"
+    out = RUNS / f"smollm2-mtp-{target}"
     if not args.retrain and latest_checkpoint(out) is not None:
         return out
     shutil.rmtree(out, ignore_errors=True)
@@ -63,11 +67,11 @@ def ensure_grafted(gguf: Path, args: argparse.Namespace) -> Path:
         "data": {"dir": str(DATA), "seq_len": 256, "batch_size": 8},
         "optim": {"lr": 1e-3, "weight_decay": 0.0},
         "schedule": {"kind": "cosine", "warmup_steps": 10},
-        "loss": {"mtp_weight": 1.0},
+        "loss": {"mtp_weight": 1.0, "mtp_target": target},
         "train": {**timed_run(out, seconds, 250), "trainable": ["mtp"]},  # ~250 tokens/s: the trunk runs forward only
     }
     result = train(TrainConfig.from_dict(cfg))
-    print(f"grafted MTP: {result.steps} steps, {result.tokens:,} tokens, {result.seconds:.0f} s", flush=True)
+    print(f"grafted MTP ({target}): {result.steps} steps, {result.tokens:,} tokens, {result.seconds:.0f} s", flush=True)
     return out
 
 
@@ -103,12 +107,14 @@ def ensure_distilled(gguf: Path, target: Path, args: argparse.Namespace) -> Path
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--minutes", type=float, default=10.0, help="training time of the grafted module")
+    p.add_argument("--minutes", type=float, default=8.0, help="training time of each grafted module")
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--draft-minutes", type=float, default=10.0, help="distillation time of the draft (0: none)")
+    p.add_argument("--draft-minutes", type=float, default=8.0, help="distillation time of the draft (0: none)")
     p.add_argument("--k", type=int, default=3, help="tokens the draft model proposes per round")
+    p.add_argument("--compiled", action="store_true", help="also time torch.compile's steps (minutes of compiling)")
+    p.add_argument("--train-only", action="store_true", help="train what is missing, then stop")
     p.add_argument("--retrain", action="store_true")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
@@ -122,11 +128,14 @@ def main() -> None:
     gguf = smollm2_gguf()
     if not (DATA / "meta.json").is_file():
         prepare("shakespeare", DATA, tokenizer=gguf)
-    run = ensure_grafted(gguf, args)
-    draft_run = ensure_distilled(gguf, resolve_checkpoint(run), args) if args.draft_minutes > 0 else None
+    runs = {target: ensure_grafted(gguf, args, target) for target in ("data", "model")}
+    draft_run = ensure_distilled(gguf, resolve_checkpoint(runs["data"]), args) if args.draft_minutes > 0 else None
+    if args.train_only:
+        return
     limits = measure_limits(["fp32"], matmul_seconds=0.5)
     torch.set_grad_enabled(False)
-    model = load_model(resolve_checkpoint(run)).model.eval()
+    models = {target: load_model(resolve_checkpoint(run)).model.eval() for target, run in runs.items()}
+    model = models["model"]
     draft = load_model(resolve_checkpoint(draft_run)).model.eval() if draft_run is not None else None
     weight_bytes = sum(t.numel() * t.element_size() for n, t in model.state_dict().items() if not n.startswith("mtp."))
     val = TokenData(DATA).split("val").tokens
@@ -134,23 +143,18 @@ def main() -> None:
     prompts = [[int(t) for t in val[s : s + 48]] for s in starts]
 
     rows: dict[str, dict[str, list[float]]] = {}
-    for compiled in (False, True):
-        tag = "compiled" if compiled else "eager"
+    for compiled in (False, True) if args.compiled else (False,):
+        tag = "compiled" if compiled else "C++ steps"
         for prompt in prompts:
+            run = partial(speculative_generate, prompts=[prompt], max_new_tokens=args.new, compiled=compiled)
             variants = {
                 "plain": partial(generate, model, [prompt], max_new_tokens=args.new, compiled=compiled),
-                "mtp": partial(speculative_generate, model, [prompt], max_new_tokens=args.new, compiled=compiled),
+                "MTP learnt from the text": partial(run, models["data"]),
+                "MTP self-distilled": partial(run, model),
+                "MTP self-distilled, int8 draft head": partial(run, model, draft_head_bits=8),
             }
             if draft is not None:
-                variants["draft"] = partial(
-                    speculative_generate,
-                    model,
-                    [prompt],
-                    draft=draft,
-                    k=args.k,
-                    max_new_tokens=args.new,
-                    compiled=compiled,
-                )
+                variants[f"distilled draft model, k={args.k}"] = partial(run, model, draft=draft, k=args.k)
             for fn in variants.values():  # warm-up (and the compilation)
                 fn()
             seconds, results = alternate(variants, args.repeats)
@@ -177,16 +181,17 @@ def main() -> None:
     )
     print("| decoding | tokens/s | acceptance | speed-up | output = plain |")
     print("|---|---|---|---|---|")
-    for tag in ("eager", "compiled"):
+    for tag in ("C++ steps", "compiled"):
+        if f"plain ({tag})" not in rows:
+            continue
         base = statistics.mean(rows[f"plain ({tag})"]["tok_s"])
-        for name in ("plain", "mtp", "draft"):
-            if f"{name} ({tag})" not in rows:
+        for key, r in rows.items():
+            if not key.endswith(f"({tag})"):
                 continue
-            r = rows[f"{name} ({tag})"]
             rate = statistics.mean(r["tok_s"])
             accept = f"{statistics.mean(r['accept']):.2f}" if r["accept"] else ""
             same = ("yes" if all(r["same"]) else "NO") if r["same"] else ""
-            print(f"| {name} ({tag}) | {rate:.1f} | {accept} | {rate / base:.2f}x | {same} |")
+            print(f"| {key} | {rate:.1f} | {accept} | {rate / base:.2f}x | {same} |")
 
 
 if __name__ == "__main__":

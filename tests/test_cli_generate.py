@@ -94,3 +94,42 @@ def test_stop_reads_shell_escapes(checkpoints, capsys):
     cut = full[len("to be or") :][2:6]  # a piece of the greedy continuation
     stopped = run(capsys, *base, "--stop", cut)
     assert cut not in stopped[len("to be or") :] and full.startswith(stopped.rstrip("\n"))
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--beams", "0"], "--beams 0 is out of range: the number of beams (1: no beam search) must be between 1 and"),
+        (["--samples", "0"], "--samples 0 is out of range: the number of continuations must be between 1 and 1024"),
+        (["--samples", "100000"], "--samples 100000 is out of range"),
+        (["--speculate", "0", "--mtp"], "--speculate 0 is out of range"),
+        (["--max-new-tokens", "0"], "--max-new-tokens 0 is out of range"),
+        (["--draft-head-bits", "3", "--mtp"], "--draft-head-bits 3 is out of range"),
+    ],
+)
+def test_counts_out_of_range_are_refused_before_anything_loads(tmp_path, capsys, extra, message):
+    """The checkpoint does not even exist: the range check comes first, and names the valid range."""
+    assert main(["generate", str(tmp_path / "missing"), "--prompt", "to", *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_chat_never_splits_a_character_across_tokens(tmp_path, capsys, monkeypatch):
+    """An answer whose characters' UTF-8 bytes are spread over several byte-level tokens (German, Chinese, an emoji,
+    a combining mark) streams out whole: no U+FFFD where a token ends inside a character."""
+    import llmkit.generate
+
+    tok = tiny_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    text = " über Ökologie 中文 😀 e\u0301"
+    answer = tok.encode(text, add_bos=False)
+    assert any("\ufffd" in tok.decode([i]) for i in answer)  # some token alone is half a character
+    model = build_model(dataclasses.replace(get_preset("llama2-7b-tiny"), vocab_size=320))
+    save_llmkit(model, tmp_path / "chat", tokenizer=tok)
+
+    def scripted(*args, **kwargs):  # the model's answer, one token a step
+        yield from ([t] for t in answer)
+
+    monkeypatch.setattr(llmkit.generate, "stream", scripted)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hallo\n"))
+    out = run(capsys, "chat", str(tmp_path / "chat"))
+    assert out == text + "\n"

@@ -69,6 +69,40 @@ def test_mtp_drafter_computes_the_training_path():
     torch.testing.assert_close(step, full[:, 5:7], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("bits", [None, 8, 4])
+def test_mtp_speculation_with_a_native_block_and_a_quantized_draft_head_keeps_the_output(bits):
+    """A LLaMA-style model with an MTP module: its block runs as a C++ step where the extension exists, and the
+    drafter may read an int8 / int4 copy of the head; the output stays plain greedy decoding's, and the quantized
+    head drafts what the float head drafts nearly always."""
+    model = tiny("llama2-7b-tiny", 0, mtp_depth=1)
+    expected = generate(model, PROMPTS, max_new_tokens=20).new_tokens
+    exact = speculative_generate(model, PROMPTS, max_new_tokens=20)
+    out = speculative_generate(model, PROMPTS, max_new_tokens=20, draft_head_bits=bits)
+    assert out.new_tokens == exact.new_tokens == expected
+    assert abs(out.acceptance_rate - exact.acceptance_rate) <= 0.2
+
+
+def test_the_mtp_drafters_native_block_equals_its_module():
+    from llmkit.generate.native import NativeDecoder
+
+    model = tiny("llama2-7b-tiny", 0, mtp_depth=1)
+    native = NativeDecoder.of(model)
+    if native is None:
+        pytest.skip("needs llmkit's AVX2 extension")
+    tokens = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        h = model.run(tokens, whole_sequence(9, None, tokens.device))
+        fast, slow = MTPDrafter(model, 2, 32, native), MTPDrafter(model, 2, 32)
+        assert fast.block is not None
+        for a, b in [(0, 5), (5, 6), (6, 8)]:  # a prompt, one step, a two-token step
+            torch.testing.assert_close(
+                fast.run(tokens[:, a + 1 : b + 1], h[:, a:b], None),
+                slow.run(tokens[:, a + 1 : b + 1], h[:, a:b], None),
+                rtol=1e-4,
+                atol=2e-5,
+            )
+
+
 def test_speculative_sampling_reproduces_the_target_distribution():
     """Chi-square goodness of fit, 7 degrees of freedom, significance 0.001: critical value 24.32."""
     target = tiny("llama2-7b-tiny", 0, vocab_size=8)
@@ -105,3 +139,5 @@ def test_bad_arguments():
         speculative_generate(target, PROMPTS, draft=tiny("llama2-7b-tiny", 0, vocab_size=128), max_new_tokens=3)
     with pytest.raises(InputError, match="k=0 must be an int >= 1"):
         speculative_generate(target, PROMPTS, draft=target, max_new_tokens=3, k=0)
+    with pytest.raises(InputError, match="draft_head_bits=3"):
+        speculative_generate(tiny("llama2-7b-tiny", 0, mtp_depth=1), PROMPTS, max_new_tokens=3, draft_head_bits=3)

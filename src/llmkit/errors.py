@@ -19,6 +19,10 @@ class InputError(LLMKitError, ValueError):
     """A tensor or argument passed to a model or layer is invalid (names the argument, its shape or value)."""
 
 
+class GenerationError(LLMKitError, RuntimeError):
+    """Decoding cannot go on: the model's outputs are not numbers (names the step)."""
+
+
 def check_features(x: object, dim: int, name: str, ndim: int | None = 3) -> None:
     """Raise InputError unless x is a tensor whose last dim is `dim` and, when `ndim` is given, has that many dims
     ((B, T, C) for a sequence layer); ndim None accepts any leading dims."""

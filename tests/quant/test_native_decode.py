@@ -176,8 +176,16 @@ def test_the_cpp_step_checks_its_arguments():
     with pytest.raises(RuntimeError, match="outside the cache"):
         decode(blocks, two, [k], [v], 7, allowed, cos, sin)
     with pytest.raises(RuntimeError, match="T new tokens"):
-        decode(blocks, torch.randn(3, model.cfg.d_model), [cache.layers[0].k.expand(2, -1, -1, -1).contiguous()],
-               [cache.layers[0].v.expand(2, -1, -1, -1).contiguous()], 0, allowed.expand(2, -1).contiguous(), cos, sin)
+        decode(
+            blocks,
+            torch.randn(3, model.cfg.d_model),
+            [cache.layers[0].k.expand(2, -1, -1, -1).contiguous()],
+            [cache.layers[0].v.expand(2, -1, -1, -1).contiguous()],
+            0,
+            allowed.expand(2, -1).contiguous(),
+            cos,
+            sin,
+        )
 
 
 def test_a_batch_beyond_the_small_row_kernel_equals_pytorch():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmkit.errors import ConfigError
+from llmkit.errors import ConfigError, InputError
 from llmkit.generate import generate, speculative_generate
 from llmkit.interop.load import load_model
 from llmkit.models import build_model
@@ -86,3 +86,33 @@ def test_greedy_self_speculation_with_a_grafted_module_equals_plain_greedy_on_sm
         plain = generate(model, prompt, max_new_tokens=16).tokens
         drafted = speculative_generate(model, prompt, max_new_tokens=16)
     assert torch.equal(drafted.tokens, plain)
+
+
+def test_self_distilled_mtp_learns_the_models_own_distribution(tiny_data, pretrained, tmp_path):
+    """loss.mtp_target: model. The MTP term is then KL(the model's distribution of the token || the module's), at
+    each depth on the positions the data's term counts; training with it lowers it and leaves the trunk alone."""
+    from llmkit.models.loss import distillation_kl
+
+    torch.manual_seed(0)
+    model = build_model(dataclasses.replace(load_model(resolve_checkpoint(pretrained)).model.cfg, mtp_depth=2))
+    tokens = torch.randint(0, 320, (2, 12))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:].clone()
+    targets[0, :3] = -100  # a prompt that does not count
+    out = model.loss(targets, inputs=inputs, mtp_target="model")
+    data = model.loss(targets, inputs=inputs)
+    assert torch.equal(data.ce, out.ce) and not torch.allclose(data.mtp, out.mtp)
+    assert out.mtp >= 0  # a KL
+    with torch.no_grad():
+        trunk = model(inputs)
+    assert distillation_kl(trunk, trunk, targets) < 1e-6
+    out.total.backward()  # the teacher is detached: the trunk's head gets gradients from its own loss only
+    with pytest.raises(InputError, match="mtp_target"):
+        model.loss(targets, inputs=inputs, mtp_target="teacher")
+
+    cfg = graft_config(tiny_data, tmp_path / "s", pretrained, steps=8)
+    cfg["loss"]["mtp_target"] = "model"
+    train(TrainConfig.from_dict(cfg))
+    mtp = losses(tmp_path / "s", "mtp")
+    assert mtp[-1] < mtp[0]
+    with pytest.raises(ConfigError, match="mtp_target"):
+        TrainConfig.from_dict({**cfg, "loss": {"mtp_target": "text"}})

@@ -46,13 +46,16 @@ def print_streamed(
     return tokens
 
 
-def load_decoder(checkpoint: str, dtype: DType | None, device: str | None = None) -> tuple[DecoderLM, Tokenizer]:
+def load_decoder(
+    checkpoint: str, dtype: DType | None, device: str | None = None, verify: bool = True
+) -> tuple[DecoderLM, Tokenizer]:
     """A decoder-only model, in eval mode, and its tokenizer; a run folder gives its latest checkpoint."""
     from llmkit.interop.load import load_model
     from llmkit.models import DecoderLM
     from llmkit.runs import resolve_checkpoint
 
-    loaded = load_model(resolve_checkpoint(checkpoint, averaged=False), dtype=torch_dtype(dtype), device=device)
+    path = resolve_checkpoint(checkpoint, averaged=False)
+    loaded = load_model(path, dtype=torch_dtype(dtype), device=device, verify=verify)
     if loaded.tokenizer is None:
         raise LLMKitError(f"{checkpoint} has no tokenizer to turn text into tokens")
     if not isinstance(loaded.model, DecoderLM):

@@ -87,14 +87,40 @@ class SpeculationOptions:
     draft: draft with this smaller model (same tokenizer).
     mtp: draft with the model's own multi-token-prediction module.
     speculate: tokens the draft model proposes per round.
+    draft_head_bits: with --mtp, draft from an int8 (8) or int4 (4) copy of the output head: cheaper drafts, the
+        same output (the model checks every draft with its own head).
     """
 
     draft: str | None = None
     mtp: bool = False
     speculate: int = 4
+    draft_head_bits: int | None = None
 
 
 Mode = Literal["sample", "stream", "beam", "speculate"]
+
+# The ranges of the counts a command line gives, checked before the model loads. Beyond them a run would only
+# exhaust memory (samples and beams are batch rows, each with its own cache) or draft for nothing.
+SAMPLES = (1, 1024)
+BEAMS = (1, 256)
+SPECULATE = (1, 16)
+
+
+def check_range(name: str, value: int, bounds: tuple[int, int], what: str) -> None:
+    """An LLMKitError naming the option and its valid range unless bounds[0] <= value <= bounds[1]."""
+    lo, hi = bounds
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise LLMKitError(f"{name} {value!r} is out of range: {what} must be between {lo} and {hi}")
+
+
+def _check_counts(samples: int, max_new_tokens: int, beam: BeamOptions, speculation: SpeculationOptions) -> None:
+    check_range("--samples", samples, SAMPLES, "the number of continuations")
+    check_range("--beams", beam.beams, BEAMS, "the number of beams (1: no beam search)")
+    check_range("--speculate", speculation.speculate, SPECULATE, "the tokens drafted per round")
+    if max_new_tokens < 1:
+        raise LLMKitError(f"--max-new-tokens {max_new_tokens} is out of range: it must be at least 1")
+    if speculation.draft_head_bits not in (None, 4, 8):
+        raise LLMKitError(f"--draft-head-bits {speculation.draft_head_bits} is out of range: it must be 4 or 8")
 
 
 def _mode(output: OutputOptions, beam: BeamOptions, speculation: SpeculationOptions) -> Mode:
@@ -147,6 +173,7 @@ def generate(
     speculation: SpeculationOptions = SpeculationOptions(),
     compile: bool = False,
     dtype: DType | None = None,
+    no_verify: bool = False,
 ) -> int:
     """Generate text from a training run folder (its latest checkpoint), an llmkit checkpoint, a Hugging Face
     directory or a GGUF file.
@@ -157,9 +184,11 @@ def generate(
     samples: how many continuations to generate (a batch).
     compile: decode through torch.compile (a one-time compilation, then faster steps).
     dtype: load the weights in this precision (bf16 halves the memory read per token).
+    no_verify: load an llmkit checkpoint without checking its files against the checksums saved with them.
     """
+    _check_counts(samples, max_new_tokens, beam_search, speculation)
     mode = _mode(output, beam_search, speculation)
-    model, tok = load_decoder(checkpoint, dtype)
+    model, tok = load_decoder(checkpoint, dtype, verify=not no_verify)
     ids = tok.encode(prompt) if prompt else []
     if not ids:
         start = tok.bos_id if tok.bos_id is not None else tok.eos_id
@@ -171,8 +200,8 @@ def generate(
     if mode == "beam":
         _beam_search(request, beam_search)
     elif mode == "speculate":
-        draft = load_decoder(speculation.draft, dtype)[0] if speculation.draft is not None else None
-        _speculate(request, sampling, draft, speculation.speculate)
+        draft = load_decoder(speculation.draft, dtype, verify=not no_verify)[0] if speculation.draft else None
+        _speculate(request, sampling, draft, speculation)
     elif mode == "stream":
         _stream(request, sampling, output.stop_strings)
     else:
@@ -233,7 +262,7 @@ def _beam_search(r: _Request, options: BeamOptions) -> None:
     r.print_samples(result.sequences)
 
 
-def _speculate(r: _Request, sampling: SamplingOptions, draft: DecoderLM | None, k: int) -> None:
+def _speculate(r: _Request, sampling: SamplingOptions, draft: DecoderLM | None, options: SpeculationOptions) -> None:
     """Speculative decoding, drafting with `draft`, or with the model's MTP module when it is None."""
     from llmkit.generate import speculative_generate
 
@@ -244,11 +273,12 @@ def _speculate(r: _Request, sampling: SamplingOptions, draft: DecoderLM | None, 
         prompts,
         draft=draft,
         max_new_tokens=r.max_new_tokens,
-        k=k,
+        k=options.speculate,
         sampling=dataclasses.replace(rule, repetition_penalty=1.0),
         eos_id=r.eos,
         seed=sampling.seed,
         compiled=r.compiled,
+        draft_head_bits=options.draft_head_bits,
     )
     r.print_samples(out.new_tokens)
     print(
@@ -267,6 +297,7 @@ def chat(
     top_p: float | None = 0.9,
     seed: int | None = None,
     dtype: DType | None = None,
+    no_verify: bool = False,
 ) -> int:
     """Chat with a model through its chat template (from its tokenizer files or GGUF metadata). One message per line
     on standard input; the answers stream out. Ctrl-D ends the conversation.
@@ -278,11 +309,12 @@ def chat(
     top_p: sample among the most likely tokens whose probabilities add up to p.
     seed: makes the answers repeatable (answer i is seeded seed + i).
     dtype: load the weights in this precision.
+    no_verify: load an llmkit checkpoint without checking its files against the checksums saved with them.
     """
     from llmkit.generate import Sampling, StopRule, stream
     from llmkit.tokenizer import render_chat
 
-    model, tok = load_decoder(checkpoint, dtype)
+    model, tok = load_decoder(checkpoint, dtype, verify=not no_verify)
     if not tok.chat_template:
         raise LLMKitError(f"{checkpoint} has no chat template; use `llmkit generate` for plain continuation")
     messages = [{"role": "system", "content": system}] if system else []

@@ -24,6 +24,7 @@ def serve(
     request_timeout: float = 600.0,
     dtype: DType | None = None,
     device: str | None = None,
+    no_verify: bool = False,
 ) -> int:
     """Serve a model over OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics):
     a run folder, an llmkit checkpoint, a Hugging Face directory or a GGUF file. Requests are batched continuously
@@ -44,6 +45,7 @@ def serve(
     request_timeout: seconds a request may run before it is ended.
     dtype: load the weights in this precision.
     device: cpu, cuda, cuda:1, ... (default: where the checkpoint loads).
+    no_verify: load an llmkit checkpoint without checking its files against the checksums saved with them.
     """
     try:
         from llmkit.serve.engine import EngineConfig
@@ -51,7 +53,7 @@ def serve(
     except ImportError as missing:  # fastapi / uvicorn / prometheus_client are the `serve` extra
         raise LLMKitError(f"serving needs {missing.name}: pip install 'llmkit[serve]'") from missing
 
-    model, tok = load_decoder(checkpoint, dtype, device)
+    model, tok = load_decoder(checkpoint, dtype, device, verify=not no_verify)
     name = model_name or Path(checkpoint).name
     config = EngineConfig(parse_size(kv_memory), block_size, max_batch, step_tokens, max_queue, not no_prefix_cache)
     server = Server(model, tok, ServeOptions(name, api_key, request_timeout), config, host, port)

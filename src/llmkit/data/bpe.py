@@ -10,6 +10,10 @@ from __future__ import annotations
 from llmkit.errors import InputError
 from llmkit.tokenizer import Tokenizer
 
+# The largest vocabulary trained here: above published tokenizers' (Gemma's 256k), and the BPE trainer's memory grows
+# with it (a vocabulary of 10^9 aborts inside the tokenizers library for want of memory).
+MAX_VOCAB = 1 << 20
+
 
 def train_bpe(
     texts: list[str],
@@ -31,9 +35,12 @@ def train_bpe(
 
     specials = list(dict.fromkeys(t for t in (pad, bos, eos) if t is not None))
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    if vocab_size < len(alphabet) + len(specials):
-        least = len(alphabet) + len(specials)
-        raise InputError(f"vocab_size={vocab_size} is too small: byte-level BPE needs at least {least}")
+    least = len(alphabet) + len(specials)
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not least <= vocab_size <= MAX_VOCAB:
+        raise InputError(
+            f"vocab_size={vocab_size!r} is out of range: byte-level BPE here takes {least} to {MAX_VOCAB:,} "
+            f"({len(alphabet)} bytes and {len(specials)} special tokens at least)"
+        )
     backend = Backend(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space)
     backend.decoder = decoders.ByteLevel()

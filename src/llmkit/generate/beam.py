@@ -22,6 +22,7 @@ from torch import Tensor
 
 from llmkit.errors import InputError
 from llmkit.generate.prompts import prepare_prompts
+from llmkit.generate.sampling import check_finite
 from llmkit.generate.sessions import DecoderSession, Seq2SeqSession, Session
 from llmkit.generate.stops import eos_ids
 from llmkit.models import DecoderLM, EncoderDecoder, RNNSeq2Seq
@@ -82,6 +83,7 @@ def search(
     rank = torch.arange(2 * nb, device=device)
     for t in range(max_new_tokens):
         length, last = t + 1, t == max_new_tokens - 1
+        check_finite(session.logits, t)
         logprobs = torch.log_softmax(session.logits.float(), dim=-1)  # (B * nb, V)
         V = logprobs.shape[-1]
         total = (logprobs.view(batch, nb, V) + scores.unsqueeze(-1)).view(batch, nb * V)

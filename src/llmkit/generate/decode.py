@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from llmkit.generate.prompts import pad_prompts, prepare_prompts
-from llmkit.generate.sampling import Sampling, next_token
+from llmkit.generate.sampling import Sampling, check_finite, next_token
 from llmkit.generate.sessions import DecoderSession, Session
 from llmkit.generate.stops import Rows, StopRule
 from llmkit.models import DecoderLM
@@ -45,6 +45,7 @@ def sample_steps(
     per step, each row's new token (None once the row has finished). history (B, L): tokens the repetition
     penalty counts (negative ids are ignored), or None."""
     for step in range(max_new_tokens):
+        check_finite(session.logits, step)
         nxt = next_token(session.logits, sampling, generator=generator, history=history)  # (B,)
         yield rows.push_all(nxt.tolist())
         if rows.finished or step == max_new_tokens - 1:

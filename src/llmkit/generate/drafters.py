@@ -11,11 +11,13 @@ hidden state and keeps an attention cache of its own. Shapes: B rows, k drafts, 
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import Protocol, cast
 
 import torch
 from torch import Tensor
 
+from llmkit.errors import InputError
 from llmkit.generate.native import NativeDecoder
 from llmkit.generate.prompts import pad
 from llmkit.generate.sampling import Sampling, distribution, draw
@@ -77,20 +79,51 @@ class ModelDrafter:
         self.carry = [[last[b]] if a == self.k else [] for b, a in enumerate(accepted.tolist())]
 
 
+def draft_head(target: DecoderLM, bits: int | None, native: NativeDecoder | None) -> Callable[[Tensor], Tensor]:
+    """The output head an MTP drafter reads: the target's own (bits None; through the C++ product with `native`), or
+    an int8 / int4 copy of it (bits 8 / 4), a quarter / an eighth of its bytes. At batch 1 the head is most of a
+    draft's cost (SmolLM2: a 113 MB head after a 14 MB block), and the copy's rounding can only change which token
+    is drafted, never the output: the target verifies every draft with its own head."""
+    if bits is None:
+        return native.logits if native is not None else target.logits
+    if bits not in (4, 8):
+        raise InputError(f"draft_head_bits={bits!r} must be 4, 8 or None (the target's own head)")
+    from llmkit.quant.linear import Int4Linear, Int8Linear
+
+    head: Tensor = target.embed.weight if target.head is None else cast(Tensor, target.head.weight)
+    weight = head.detach()
+    if weight.dtype != torch.float32 or weight.shape[1] % 32:
+        return native.logits if native is not None else target.logits  # already low precision or quantized
+    layer = (Int8Linear if bits == 8 else Int4Linear)(
+        weight.shape[1], weight.shape[0], group_size=32, device=weight.device, dtype=weight.dtype
+    )
+    layer.load_weight(weight)
+    bias = target.head_bias
+    return (lambda h: layer(h) + bias) if bias is not None else layer
+
+
 class MTPDrafter:
     """Drafts one token per round with the target's first multi-token-prediction module.
 
     MTP module 1 at position j reads the main model's hidden state h_j and the embedding of token j + 1, and
     predicts token j + 2. To draft the token after `cur` (position n + 1), it needs its input at position n - 1:
-    h_(n-1) and cur."""
+    h_(n-1) and cur. With `native`, the module's block runs as a C++ step too."""
 
     k = 1
 
-    def __init__(self, target: DecoderLM, batch: int, room: int, native: NativeDecoder | None = None) -> None:
+    def __init__(
+        self,
+        target: DecoderLM,
+        batch: int,
+        room: int,
+        native: NativeDecoder | None = None,
+        head_bits: int | None = None,
+    ) -> None:
         module = target.mtp[0]
         assert isinstance(module, MTPModule)
-        self.target, self.module = target, module
-        self.head = native.logits if native is not None else target.logits  # the shared output head
+        self.target, self.module, self.native = target, module, native
+        self.block = native.block(module.block) if native is not None else None  # its C++ step, or None
+        self.head = draft_head(target, head_bits, native)
         device, dtype = target.embed.weight.device, target.embed.weight.dtype
         layer = module.block.attn.new_cache(batch, room, device, dtype)
         self.cache = Cache([layer], SequenceState.new(batch, room, device))
@@ -98,10 +131,13 @@ class MTPDrafter:
 
     def run(self, tokens: Tensor, hidden: Tensor, valid: Tensor | None) -> Tensor:
         """MTP positions whose hidden states (B, T, C) and next tokens (B, T) are known -> normed outputs (B, T, C)."""
-        t = self.target
+        t, m = self.target, self.module
         step = self.cache.state.advance(tokens.shape[1], valid)
         emb = t.inputs(t.embed, tokens, step.positions)
-        return self.module(t.norm(hidden), emb, t.attention_inputs(step), self.cache.layers[0])
+        if self.native is not None and self.block is not None and self.native.applies(tokens, step, self.cache.layers):
+            x = m.combine(t.norm(hidden), emb)  # (B, T, C)
+            return m.norm(self.native.run_blocks([self.block], x, step, self.cache.layers))
+        return m(t.norm(hidden), emb, t.attention_inputs(step), self.cache.layers[0])
 
     def start(self, prefix: Tensor, valid: Tensor, hidden: Tensor | None) -> None:
         if hidden is None or prefix.shape[1] == 0:

@@ -137,12 +137,23 @@ class NativeDecoder:
     def run(self, tokens: Tensor, step: Step, layers: list[Any]) -> Tensor:
         """The blocks over tokens (B, T) at `step` (its T consecutive slots), writing into the caches: what
         `model.run` computes. Returns the last block's output (B, T, C)."""
+        model = self.model
+        x = model.inputs(model.embed, tokens, step.positions)  # (B, T, C)
+        return self.run_blocks(self.blocks, x, step, layers)
+
+    def block(self, block: nn.Module) -> Any | None:
+        """The C++ step of another block reading this model's positions (an MTP module's), or None."""
+        return _block(self.ext, block, self.model.rope is not None)
+
+    def run_blocks(self, blocks: list[Any], x: Tensor, step: Step, layers: list[Any]) -> Tensor:
+        """C++ blocks (the model's, or `block`'s) over states x (B, T, C) at `step`, writing into their caches
+        `layers`. Returns the last block's output (B, T, C)."""
         assert step.mask.allowed is not None and step.slots is not None
-        (B, T), S = tokens.shape, layers[0].k.shape[2]
-        x, cos, sin = self._inputs(tokens, step.positions)
+        (B, T, C), S = x.shape, layers[0].k.shape[2]
+        cos, sin = self._rope(step.positions)
         ks, vs = [c.k for c in layers], [c.v for c in layers]
-        slot = int(step.slots[0])
-        return self.ext.decode(self.blocks, x, ks, vs, slot, step.mask.allowed.reshape(B, S), cos, sin).view(B, T, -1)
+        allowed, slot = step.mask.allowed.reshape(B, S), int(step.slots[0])
+        return self.ext.decode(blocks, x.reshape(B * T, C).contiguous(), ks, vs, slot, allowed, cos, sin).view(B, T, C)
 
     def logits(self, h: Tensor) -> Tensor:
         """The model's head on final-normed states h (..., C) -> logits (..., V): `model.logits`, through the C++
@@ -175,16 +186,16 @@ class NativeDecoder:
         the slots each row may see. What the engine's `model.run` over the pools' views computes; returns the last
         block's output (B, 1, C)."""
         B = tokens.shape[0]
-        x, cos, sin = self._inputs(tokens, positions)
+        model = self.model
+        x = model.inputs(model.embed, tokens, positions).reshape(B, -1).contiguous()  # (B, C)
+        cos, sin = self._rope(positions)
         ks, vs = [c.k for c in pools], [c.v for c in pools]
         out = self.ext.decode_paged(self.blocks, x, ks, vs, table, slots, allowed, cos, sin)
         return out.view(B, 1, -1)
 
-    def _inputs(self, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """The embedded tokens (B T, C) and the RoPE tables of their positions, (1 | B T, F) each (None without)."""
-        model = self.model
-        x = model.inputs(model.embed, tokens, positions).reshape(tokens.numel(), -1).contiguous()
-        if model.rope is None:
-            return x, None, None
-        rope = model.rope(positions)
-        return x, rope.cos.reshape(-1, rope.cos.shape[-1]), rope.sin.reshape(-1, rope.sin.shape[-1])
+    def _rope(self, positions: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        """The RoPE tables of positions (B, T): cos and sin (1 | B T, F) (None without RoPE)."""
+        if self.model.rope is None:
+            return None, None
+        rope = self.model.rope(positions)
+        return rope.cos.reshape(-1, rope.cos.shape[-1]), rope.sin.reshape(-1, rope.sin.shape[-1])

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from llmkit.errors import InputError
+from llmkit.errors import GenerationError, InputError
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,18 @@ def draw(probs: Tensor, greedy: bool, generator: torch.Generator | None = None) 
         return probs.argmax(dim=-1)
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def check_finite(logits: Tensor, step: int) -> None:
+    """A GenerationError naming the step unless every logit is a number: NaN or infinite logits come from damaged
+    weights or an overflow in low precision, and sampling from them would fail deep inside torch (or greedy decoding
+    would print garbage without a word)."""
+    if not bool(torch.isfinite(logits).all()):
+        rows = (~torch.isfinite(logits)).flatten(1).any(dim=1).nonzero().flatten().tolist()
+        raise GenerationError(
+            f"the model's logits at decoding step {step} (rows {rows}) are NaN or infinite: its weights are damaged "
+            "or its activations overflowed (try --dtype fp32)"
+        )
 
 
 def next_token(

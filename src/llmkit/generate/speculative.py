@@ -28,7 +28,7 @@ from llmkit.generate.decode import Generation, seeded
 from llmkit.generate.drafters import Drafter, ModelDrafter, MTPDrafter
 from llmkit.generate.native import NativeDecoder
 from llmkit.generate.prompts import prepare_prompts
-from llmkit.generate.sampling import Sampling, distribution, draw
+from llmkit.generate.sampling import Sampling, check_finite, distribution, draw
 from llmkit.generate.step import decode_step
 from llmkit.generate.stops import Rows, StopRule
 from llmkit.models import DecoderLM
@@ -85,11 +85,13 @@ def speculative_generate(
     eos_id: int | Sequence[int] | None = None,
     seed: int | None = None,
     compiled: bool = False,
+    draft_head_bits: int | None = None,
 ) -> SpeculativeGeneration:
     """Generate with the target's exact distribution, drafting k tokens per round with `draft` (a smaller model with
     the same tokenizer), or with the target's first MTP module when draft is None (then k is 1). `sampling`: greedy
     by default; a repetition penalty is not supported (it would make the target's distribution depend on the
-    drafts)."""
+    drafts). draft_head_bits (8 or 4): the MTP drafter reads an int8 / int4 copy of the output head (drafters.py's
+    draft_head): cheaper drafts, the same output."""
     if draft is None and not len(target.mtp):
         raise InputError("no draft model given and the target has no MTP module to draft with (mtp_depth 0)")
     if draft is not None and draft.cfg.vocab_size != target.cfg.vocab_size:
@@ -109,7 +111,11 @@ def speculative_generate(
     room = T + (max_new_tokens + 1) * (k + 3)  # rejected slots stay used: room for every round's worst case
     cache = target.new_cache(B, room)
     native = None if compiled else NativeDecoder.of(target)  # the verifying steps' blocks (and head) in C++
-    drafter: Drafter = MTPDrafter(target, B, room, native) if draft is None else ModelDrafter(draft, k, B, room, compiled)
+    drafter: Drafter = (
+        MTPDrafter(target, B, room, native, draft_head_bits)
+        if draft is None
+        else ModelDrafter(draft, k, B, room, compiled)
+    )
     prefix, valid = tokens[:, :-1], mask[:, :-1]
     hidden = decode_step(target, prefix, cache, valid, compiled, native, last=True)[1] if prefix.shape[1] else None
     drafter.start(prefix, valid, hidden)
@@ -120,6 +126,7 @@ def speculative_generate(
         q, drafts = drafter.propose(cur, sampling, generator)  # (B, k, V), (B, k)
         logits, hidden = decode_step(target, torch.cat([cur.unsqueeze(1), drafts], 1), cache, None, compiled, native)
         result.target_passes += 1
+        check_finite(logits, result.target_passes)
         n, extra = accept(drafts, q, distribution(logits, sampling), sampling.greedy, generator)
         cache.state.discard(k - n, span=k)  # forget the target's slots of the rejected drafts
         drafter.settle(cur, drafts, n, hidden)

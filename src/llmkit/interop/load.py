@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from llmkit.interop.checkpoint import FORMAT_FILE, load_llmkit, read_meta
+from llmkit.interop.checkpoint import FORMAT_FILE, load_llmkit, read_meta, verify_checksums
 from llmkit.interop.gguf import load_gguf
 from llmkit.interop.hf import load_hf
 from llmkit.interop.loaded import Format, Loaded
@@ -24,6 +24,7 @@ def load_with_adapters(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     tokenizer: Tokenizer | None = None,
+    verify: bool = True,
 ) -> Loaded:
     """The base checkpoint with the LoRA adapters of `directory` (PEFT's layout) folded into its weights. A quantized
     base is loaded as float weights for this (an adapter is a float update)."""
@@ -35,7 +36,9 @@ def load_with_adapters(
         raise CheckpointError(
             f"{d} holds LoRA adapters for the checkpoint {b}, which is not there (the adapters need their base)"
         )
-    loaded = load_model(b, dtype=dtype, device=device, quantized=False)
+    if verify and (d / FORMAT_FILE).is_file():
+        verify_checksums(d)
+    loaded = load_model(b, dtype=dtype, device=device, quantized=False, verify=verify)
     model = loaded.model
     if not isinstance(model, DecoderLM):
         raise CheckpointError(f"{b} is not a decoder-only model; llmkit's adapters are for language models")
@@ -49,7 +52,11 @@ def load_with_adapters(
 
 
 def load_peft_folder(
-    path: str | os.PathLike[str], *, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    path: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    verify: bool = True,
 ) -> Loaded:
     """A folder PEFT saved (adapter_config.json, adapter_model.safetensors): its base_model_name_or_path, a local
     checkpoint, with the adapters folded in."""
@@ -58,7 +65,7 @@ def load_peft_folder(
     base = read_adapter_config(path).get("base_model_name_or_path")
     if not base:
         raise CheckpointError(f"{path}: adapter_config.json names no base_model_name_or_path to load the adapters onto")
-    return load_with_adapters(path, base, dtype=dtype, device=device, tokenizer=Tokenizer.from_dir(path))
+    return load_with_adapters(path, base, dtype=dtype, device=device, tokenizer=Tokenizer.from_dir(path), verify=verify)
 
 
 def detect_format(path: str | os.PathLike[str]) -> Format:
@@ -84,25 +91,44 @@ def load_model(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     quantized: bool | None = None,
+    verify: bool = True,
 ) -> Loaded:
     """Load any supported checkpoint: a Hugging Face directory, a GGUF file, or an llmkit checkpoint (quantized
     ones too); LoRA adapters (an llmkit fine-tuning checkpoint, or a folder PEFT saved) come folded into their base
-    checkpoint's weights. `quantized` applies to GGUF files (see load_gguf)."""
+    checkpoint's weights. `quantized` applies to GGUF files (see load_gguf). With `verify`, an llmkit checkpoint's
+    files are checked against their recorded checksums first; whatever the source, weights that are NaN or infinite
+    after loading are a CheckpointError naming the tensor."""
     kind = detect_format(path)
     if kind == "hf" and not (Path(path) / "config.json").is_file():  # PEFT's adapters
-        return load_peft_folder(path, dtype=dtype, device=device)
-    if kind == "llmkit":
+        loaded = load_peft_folder(path, dtype=dtype, device=device, verify=verify)
+    elif kind == "llmkit":
         adapter = read_meta(path).get("adapter")
         if adapter:  # a LoRA fine-tuning checkpoint: its base with the adapters folded in
             loaded = load_with_adapters(
-                path, adapter["base"], dtype=dtype, device=device, tokenizer=Tokenizer.from_dir(path)
+                path, adapter["base"], dtype=dtype, device=device, tokenizer=Tokenizer.from_dir(path), verify=verify
             )
             loaded.source = "llmkit"
-            return loaded
-        return load_llmkit(path, dtype=dtype, device=device)
-    if kind == "gguf":
-        return load_gguf(path, dtype=dtype, device=device, quantized=quantized)
-    ck = load_hf(path, dtype=dtype, device=device)
-    return Loaded(
-        ck.model, Tokenizer.from_dir(path), "hf", Path(path), ck.model_type, ck.hf_config, ck.generation_config
-    )
+        else:
+            loaded = load_llmkit(path, dtype=dtype, device=device, verify=verify)
+    elif kind == "gguf":
+        loaded = load_gguf(path, dtype=dtype, device=device, quantized=quantized)
+    else:
+        ck = load_hf(path, dtype=dtype, device=device)
+        loaded = Loaded(
+            ck.model, Tokenizer.from_dir(path), "hf", Path(path), ck.model_type, ck.hf_config, ck.generation_config
+        )
+    check_finite_weights(loaded.model, Path(path))
+    return loaded
+
+
+@torch.no_grad()
+def check_finite_weights(model: torch.nn.Module, path: Path) -> None:
+    """A CheckpointError naming the first floating-point parameter or buffer of `model` that holds NaN or an
+    infinity (read from `path`): such a model's every output would be NaN."""
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise CheckpointError(
+                f"{path}: tensor {name} {tuple(t.shape)} holds {bad} NaN or infinite value(s): the file is damaged "
+                "or was saved from a model that diverged"
+            )

@@ -43,5 +43,8 @@ class MTPModule(nn.Module):
     def forward(
         self, h_prev: Tensor, emb: Tensor, inputs: AttentionInputs, cache: Any = None, extras: Extras | None = None
     ) -> Tensor:
-        x = self.proj(torch.cat((self.emb_norm(emb), self.h_norm(h_prev)), dim=-1))  # (B, T, C)
-        return self.norm(self.block(x, inputs, cache, extras))
+        return self.norm(self.block(self.combine(h_prev, emb), inputs, cache, extras))
+
+    def combine(self, h_prev: Tensor, emb: Tensor) -> Tensor:
+        """The block's input: M_k [norm(emb) ; norm(h_prev)] (B, T, C)."""
+        return self.proj(torch.cat((self.emb_norm(emb), self.h_norm(h_prev)), dim=-1))

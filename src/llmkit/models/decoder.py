@@ -28,7 +28,7 @@ from llmkit.models.base import TokenModel
 from llmkit.models.cache import Cache, Step, packed_sequence, whole_sequence
 from llmkit.models.checks import check_label_smoothing, check_mask, check_segments, check_tokens
 from llmkit.models.init import init_weights
-from llmkit.models.loss import LossOutput, cross_entropy, moe_loss, teacher_forcing
+from llmkit.models.loss import LossOutput, cross_entropy, distillation_kl, moe_loss, teacher_forcing
 
 
 class DecoderLM(TokenModel):
@@ -112,6 +112,7 @@ class DecoderLM(TokenModel):
         mtp_weight: float = 0.3,
         extras: Extras | None = None,
         segments: Tensor | None = None,
+        mtp_target: str = "data",
     ) -> LossOutput:
         """Teacher-forcing loss. targets (B, T): the tokens to predict.
 
@@ -121,7 +122,10 @@ class DecoderLM(TokenModel):
         MoE losses (weighted by moe.aux_loss_coef / z_loss_coef) and mtp_weight times the MTP loss. `extras`
         receives what the layers report (a fresh one is used when not given). segments (B, T) int packs several
         examples into a row (with `inputs`): none attends to another, and a prediction of a token of another example
-        (an MTP module's near a boundary) does not count."""
+        (an MTP module's near a boundary) does not count. mtp_target "model": the MTP modules learn the model's own
+        distribution of the token they predict instead of the data's token (see _mtp_loss)."""
+        if mtp_target not in ("data", "model"):
+            raise InputError(f"mtp_target={mtp_target!r} must be 'data' or 'model'")
         check_label_smoothing(label_smoothing)
         if (start_id is None) == (inputs is None):
             raise InputError("give exactly one of start_id (teacher forcing by shifting right) or inputs")
@@ -146,9 +150,11 @@ class DecoderLM(TokenModel):
             packed_sequence(segments) if segments is not None else whole_sequence(inputs.shape[1], valid, inputs.device)
         )
         h = self.norm(self.run(inputs, step, None, extras))
-        ce = cross_entropy(self.logits(h), labels, ignore_index, label_smoothing)
+        logits = self.logits(h)  # (B, T, V)
+        ce = cross_entropy(logits, labels, ignore_index, label_smoothing)
+        teacher = logits.detach() if mtp_target == "model" else None
         mtp = (
-            self._mtp_loss(h, inputs, labels, valid, ignore_index, extras, segments)
+            self._mtp_loss(h, inputs, labels, valid, ignore_index, extras, segments, teacher)
             if len(self.mtp)
             else ce.new_zeros(())
         )
@@ -165,11 +171,17 @@ class DecoderLM(TokenModel):
         ignore_index: int,
         extras: Extras,
         segments: Tensor | None = None,
+        teacher: Tensor | None = None,
     ) -> Tensor:
         """Mean over depths k of the cross-entropy of MTP module k. h (B, T, C) is the main model's final (normed)
         hidden state; module k at position i sees depth k-1's state and the embedding of inputs[i + k], and predicts
         labels[i + k] (with inputs = labels shifted right: the token k + 1 ahead). Predictions made at padded
-        positions do not count."""
+        positions do not count.
+
+        With `teacher` (B, T, V), the main model's own logits, module k learns instead the model's distribution of
+        that same token: KL(teacher[i + k] || module k at i), self-distillation. A module drafting for
+        self-speculative decoding is right when it guesses what the model will say, not what the text says, and the
+        model's distribution is also the easier one to learn (lower entropy, no noise of the data)."""
         T = inputs.shape[1]
         whole = packed_sequence(segments) if segments is not None else whole_sequence(T, valid, inputs.device)
         positions = whole.positions
@@ -187,5 +199,8 @@ class DecoderLM(TokenModel):
             target = labels[:, k:] if valid is None else labels[:, k:].masked_fill(~valid[:, :n], ignore_index)
             if segments is not None:  # the token k ahead belongs to the next example: nothing to predict
                 target = target.masked_fill(segments[:, k:] != segments[:, :n], ignore_index)
-            losses.append(cross_entropy(self.logits(h), target, ignore_index))
+            if teacher is None:
+                losses.append(cross_entropy(self.logits(h), target, ignore_index))
+            else:
+                losses.append(distillation_kl(self.logits(h), teacher[:, k:], target, ignore_index=ignore_index))
         return torch.stack(losses).mean() if losses else h.new_zeros((), dtype=torch.float32)

@@ -78,6 +78,20 @@ def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int, label_smoo
     return total / (flat != ignore_index).sum().clamp(min=1)
 
 
+def distillation_kl(
+    student: Tensor, teacher: Tensor, targets: Tensor, temperature: float = 1.0, ignore_index: int = -100
+) -> Tensor:
+    """T^2 * KL(softmax(teacher / T) || softmax(student / T)) per counted position, averaged (Hinton et al., 2015):
+    how far a model's next-token distributions are from a teacher's. student, teacher (B, T, V) logits; targets
+    (B, T): `ignore_index` where nothing counts (padding, a chat's prompt). T^2 keeps the gradient's scale
+    independent of T. 0 when nothing counts."""
+    keep = (targets != ignore_index).flatten()  # (B*T,)
+    s = F.log_softmax(student.flatten(0, 1)[keep].float() / temperature, dim=-1)  # (N, V)
+    t = F.log_softmax(teacher.flatten(0, 1)[keep].float() / temperature, dim=-1)  # (N, V)
+    kl = F.kl_div(s, t, log_target=True, reduction="sum")  # sum over positions and tokens
+    return kl * temperature**2 / keep.sum().clamp(min=1)
+
+
 def moe_loss(extras: Extras, moe: MoEConfig | None, like: Tensor) -> Tensor:
     """The MoE layers' balance and z losses recorded in `extras`, weighted by the config's coefficients."""
     if moe is None:

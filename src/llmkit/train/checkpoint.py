@@ -24,7 +24,14 @@ import torch
 
 from llmkit.config import ModelConfig
 from llmkit.errors import LLMKitError
-from llmkit.interop.checkpoint import load_llmkit, read_meta, save_llmkit, save_llmkit_adapter
+from llmkit.interop.checkpoint import (
+    file_digest,
+    load_llmkit,
+    read_meta,
+    save_llmkit,
+    save_llmkit_adapter,
+    verify_checksums,
+)
 from llmkit.interop.safetensors_io import CheckpointError
 from llmkit.models import DecoderLM, EncoderDecoder, RNNConfig, RNNSeq2Seq
 from llmkit.runs import LATEST, TRAINER_STATE, TRAINER_STATE_JSON, checkpoint_dir
@@ -40,6 +47,7 @@ class TrainState:
     step: int  # optimizer steps completed
     tokens: int  # training tokens seen, all processes
     elapsed: float  # training seconds so far
+    planned_steps: int = 0  # the schedule's length once train.fit_to_time fixed it (0: train.steps)
 
 
 def _plain(x: Any) -> Any:
@@ -127,7 +135,8 @@ def save(
         {"optimizer": optimizer_state, "rng": rng_state(), "state": state.__dict__, "config": train_config},
         tmp / TRAINER_STATE,
     )
-    (tmp / TRAINER_STATE_JSON).write_text(json.dumps({**state.__dict__, "model": model.cfg.to_dict()}, indent=2) + "\n")
+    readable = {**state.__dict__, "model": model.cfg.to_dict(), "checksum": file_digest(tmp / TRAINER_STATE)}
+    (tmp / TRAINER_STATE_JSON).write_text(json.dumps(readable, indent=2) + "\n")
     final = root / name
     if final.exists():
         shutil.rmtree(final)
@@ -167,6 +176,7 @@ def load(path: Path, expected: ModelConfig | RNNConfig) -> Resumed:
         if read_meta(path).get("adapter"):
             from llmkit.interop.peft import read_peft
 
+            verify_checksums(path)
             cfg = ModelConfig.from_dict(read_meta(path)["config"])
             model_state = read_peft(path, cfg)[1]
         else:
@@ -180,6 +190,7 @@ def load(path: Path, expected: ModelConfig | RNNConfig) -> Resumed:
             f"cannot resume from {path}: it was trained with a different model config ({diff}); start a new run "
             "(another train.out) or restore the original config"
         )
+    _verify_trainer_state(path)
     try:
         blob = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=True)
     except Exception as e:
@@ -191,6 +202,20 @@ def load(path: Path, expected: ModelConfig | RNNConfig) -> Resumed:
         TrainState(**{k: v for k, v in blob["state"].items() if k in TrainState.__dataclass_fields__}),
         path,
     )
+
+
+def _verify_trainer_state(path: Path) -> None:
+    """A ResumeError if trainer_state.pt's bytes differ from the checksum trainer_state.json recorded (checkpoints
+    from before checksums have none)."""
+    try:
+        recorded = json.loads((path / TRAINER_STATE_JSON).read_text(encoding="utf-8")).get("checksum")
+    except (OSError, ValueError, AttributeError):
+        return  # the readable copy is for people; the state itself is checked by loading it
+    if recorded and (path / TRAINER_STATE).is_file() and file_digest(path / TRAINER_STATE) != recorded:
+        raise ResumeError(
+            f"cannot resume from {path}: {TRAINER_STATE} is damaged (its SHA-256 differs from the one recorded in "
+            f"{TRAINER_STATE_JSON}); resume from an earlier checkpoint by removing this one"
+        )
 
 
 def _plain_architecture(cfg: ModelConfig | RNNConfig) -> dict[str, Any]:

@@ -99,6 +99,7 @@ class TrainSection(ConfigBase):
     steps: int = 1000
     halt_at: int | None = None
     time_limit: float | None = None
+    fit_to_time: bool = False  # with time_limit: the schedule's length is set from the measured step time
     grad_accum: int = 1
     precision: Precision = "fp32"
     compile: bool = False
@@ -120,6 +121,11 @@ class TrainSection(ConfigBase):
         self.at_least(1, "steps")
         if self.time_limit is not None:
             self.require(self.time_limit > 0, "time_limit", "must be > 0 seconds, or None")
+        self.require(
+            not self.fit_to_time or self.time_limit is not None,
+            "fit_to_time",
+            "needs train.time_limit (the budget the schedule is fitted to)",
+        )
         if self.halt_at is not None:
             self.require(1 <= self.halt_at <= self.steps, "halt_at", f"must be between 1 and steps={self.steps}")
         self.at_least(1, "grad_accum")
@@ -146,6 +152,7 @@ class LossConfig(ConfigBase):
     path: ClassVar[str] = "loss"
     label_smoothing: float = 0.0
     mtp_weight: float = 0.3
+    mtp_target: str = "data"  # data: MTP modules predict the text's tokens; model: the model's own distributions
     moe_bias_update_rate: float = 1e-3
     indexer_warmup_steps: int = 0
     indexer_weight: float = 1.0
@@ -156,6 +163,7 @@ class LossConfig(ConfigBase):
     def validate(self) -> None:
         self.require(0 <= self.label_smoothing < 1, "label_smoothing", "must be in [0, 1)")
         self.at_least(0, "mtp_weight", "moe_bias_update_rate", "indexer_warmup_steps", "indexer_weight")
+        self.require(self.mtp_target in ("data", "model"), "mtp_target", "must be 'data' or 'model'")
         self.require(0 <= self.distill_weight <= 1, "distill_weight", "must be in [0, 1]")
         self.require(self.distill_temperature > 0, "distill_temperature", "must be > 0")
 

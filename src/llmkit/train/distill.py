@@ -6,24 +6,16 @@ more often the draft's guess is the target's, the more tokens each verification 
 
 averaged over the positions whose targets count. T > 1 softens both distributions so the student also learns how the
 teacher ranks the unlikely tokens; T^2 keeps the gradient's scale independent of T. Shapes: B batch, T tokens,
-V vocabulary.
+V vocabulary. The KL itself is `llmkit.models.loss.distillation_kl` (also what a self-distilled MTP module learns).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor
 
+from llmkit.models.loss import distillation_kl
 
-def distillation_kl(student: Tensor, teacher: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:
-    """T^2 * KL(teacher || student) per counted position, averaged. student, teacher (B, T, V) logits; targets (B, T)
-    with -100 where nothing counts (padding, a chat's prompt)."""
-    keep = (targets != -100).flatten()  # (B*T,)
-    s = F.log_softmax(student.flatten(0, 1)[keep].float() / temperature, dim=-1)  # (N, V)
-    t = F.log_softmax(teacher.flatten(0, 1)[keep].float() / temperature, dim=-1)  # (N, V)
-    kl = F.kl_div(s, t, log_target=True, reduction="sum")  # sum over positions and tokens
-    return kl * temperature**2 / keep.sum().clamp(min=1)
+__all__ = ["distillation_kl", "load_teacher"]
 
 
 def load_teacher(path: str, device: torch.device) -> torch.nn.Module:

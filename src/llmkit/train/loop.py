@@ -47,6 +47,11 @@ from llmkit.train.parallel import (
 from llmkit.train.schedule import lr_multiplier
 from llmkit.train.tasks import Model, TrainingError, build_task
 
+# train.fit_to_time: the step time is measured after FIT_SKIP steps (allocations, caches and compilation make the
+# first steps slow) over at least FIT_WINDOW steps and FIT_SHARE of the time limit, and FIT_MARGIN of the remaining
+# time is kept for evaluations and saves
+FIT_SKIP, FIT_WINDOW, FIT_SHARE, FIT_MARGIN = 3, 10, 0.05, 0.1
+
 __all__ = ["Result", "Trainer", "TrainingError", "train"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -123,7 +128,7 @@ class Trainer:
             ckpt.set_rng_state(resumed.rng)
         # not the groups' lr: a resumed optimizer holds the learning rate of its last step
         self.base_lr = cfg.optim.lr
-        self.lr_at = lr_multiplier(cfg.schedule, t.steps)
+        self.lr_at = lr_multiplier(cfg.schedule, self.total_steps)
         self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
         self.metrics = MetricsLog(self.out, enabled=self.rt.main)
         self.metrics.truncate(self.state.step)  # a fresh run starts a fresh log; a resumed one drops what it redoes
@@ -158,6 +163,29 @@ class Trainer:
         resumed = ckpt.load(path, self.task.model_config)
         self.state = resumed.state
         return resumed
+
+    @property
+    def total_steps(self) -> int:
+        """The schedule's length: train.steps, or what fit_to_time fixed it to."""
+        return self.state.planned_steps or self.cfg.train.steps
+
+    def _fit_to_time(self, step: int, since: tuple[int, float]) -> int:
+        """The number of steps whose schedule ends inside train.time_limit, from the step time measured since
+        `since` (a step and the elapsed seconds then), 10% kept for evaluations and checkpoints. Every process
+        computes the same (the mean of their measurements)."""
+        t = self.cfg.train
+        assert t.time_limit is not None
+        measured = torch.tensor(
+            [(self.state.elapsed - since[1]) / (step - since[0]), self.state.elapsed], dtype=torch.float64
+        )
+        step_time, elapsed = (all_reduce_sum(measured.to(self.rt.device), self.rt) / self.rt.world).tolist()
+        fitted = step + int((t.time_limit - elapsed) / (step_time * (1 + FIT_MARGIN)))
+        return max(step + 1, min(t.steps, fitted))
+
+    def _measured_enough(self, since: tuple[int, float]) -> bool:
+        """Whether the step time has been measured over FIT_SHARE of the time limit (all processes agree)."""
+        limit = self.cfg.train.time_limit or 0.0
+        return agree(self.state.elapsed - since[1] >= FIT_SHARE * limit, self.rt)
 
     def _group_of(self, name: str) -> str | None:
         return next((g for hook in self.hooks if (g := hook.group(name)) is not None), None)
@@ -278,7 +306,7 @@ class Trainer:
             peak = max(matmul_flops(_DTYPES[self.precision], self.rt.device, seconds=0.1) for _ in range(3))
             self.peak_flops = peak * self.rt.world
         bar = tqdm(
-            total=t.steps,
+            total=self.total_steps,
             initial=self.state.step,
             disable=not (self.rt.main and t.progress),
             unit="step",
@@ -291,8 +319,10 @@ class Trainer:
         last_eval: dict[str, float] = {}
         saved: Path | None = None
         interrupted = False
+        fitting = t.fit_to_time and not self.state.planned_steps
+        since = (self.state.step + FIT_SKIP, 0.0)  # where the step time is measured from (after a warm-up)
         with StopSignal() as stop:
-            while self.state.step < t.steps:
+            while self.state.step < self.total_steps:
                 lr = self.set_lr(self.state.step)
                 terms, read, grad_norm = self.train_step(self.state.step)
                 self.state.step += 1
@@ -300,10 +330,18 @@ class Trainer:
                 window_tokens += read
                 self.state.elapsed = time.perf_counter() - run_start
                 step = self.state.step
+                if fitting and step == since[0]:
+                    since = (step, self.state.elapsed)
+                elif fitting and step >= since[0] + FIT_WINDOW and self._measured_enough(since):
+                    self.state.planned_steps = self._fit_to_time(step, since)
+                    self.lr_at = lr_multiplier(self.cfg.schedule, self.state.planned_steps)
+                    bar.total, fitting = self.state.planned_steps, False
+                    if self.rt.main and t.progress:
+                        bar.write(f"schedule fitted to train.time_limit={t.time_limit:g}s: {self.total_steps} steps")
                 out_of_time = t.time_limit is not None and self.state.elapsed >= t.time_limit
                 halted = t.halt_at is not None and step >= t.halt_at
                 stop_now = agree(stop.requested or out_of_time or halted, self.rt)
-                last = step >= t.steps or stop_now
+                last = step >= self.total_steps or stop_now
                 if step % t.log_every == 0 or last:
                     seconds = time.perf_counter() - window_start
                     self._log(bar, terms, lr, grad_norm, window_tokens / max(seconds, 1e-9))

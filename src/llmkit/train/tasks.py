@@ -138,6 +138,7 @@ class LanguageModule(nn.Module):
             mtp_weight=c.mtp_weight,
             extras=extras,
             segments=segments,
+            mtp_target=c.mtp_target,
         )
         indexer_loss = extras.indexer_loss(out.ce)
         total = out.total + c.indexer_weight * indexer_loss

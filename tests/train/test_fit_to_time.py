@@ -1,0 +1,40 @@
+"""train.fit_to_time: a time budget sets the schedule's length, so the learning rate finishes its decay inside the
+budget on a fast machine and on a slow one (the demo's cosine was cut at 74% when steps were fixed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmkit.errors import ConfigError
+from llmkit.runs import TRAINER_STATE_JSON, latest_checkpoint
+from llmkit.train.config import TrainConfig
+from llmkit.train.loop import FIT_SKIP, FIT_WINDOW, train
+
+from .conftest import tiny_config
+
+
+def rows(run) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_schedule_is_fitted_to_the_time_limit_and_decays_to_its_end(tiny_data, tmp_path):
+    cfg = tiny_config(
+        tiny_data,
+        tmp_path / "fit",
+        train={"steps": 100_000, "time_limit": 6, "fit_to_time": True, "eval_every": 10_000, "save_every": 10_000},
+        schedule={"kind": "cosine", "warmup_steps": 3, "min_lr_ratio": 0.1},
+    )
+    result = train(TrainConfig.from_dict(cfg))
+    planned = json.loads((latest_checkpoint(tmp_path / "fit") / TRAINER_STATE_JSON).read_text())["planned_steps"]
+    assert FIT_SKIP + FIT_WINDOW < planned < 100_000
+    assert result.steps == planned  # the schedule ended before the time limit did
+    assert result.seconds <= 6 * 1.05
+    lrs = [r["lr"] for r in rows(tmp_path / "fit") if "lr" in r]
+    assert lrs[-1] == pytest.approx(0.1 * cfg["optim"]["lr"], rel=0.05)  # the decay reached its floor
+
+
+def test_fit_to_time_needs_a_time_limit(tiny_data, tmp_path):
+    with pytest.raises(ConfigError, match="fit_to_time"):
+        TrainConfig.from_dict(tiny_config(tiny_data, tmp_path / "x", train={"fit_to_time": True}))
