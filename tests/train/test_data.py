@@ -64,8 +64,11 @@ def test_jsonl_source_and_errors(tmp_path):
         prepare(bad, tmp_path / "q", progress=False)
     with pytest.raises(InputError, match="does not exist"):
         prepare(tmp_path / "nothing.txt", tmp_path / "q", progress=False)
-    with pytest.raises(InputError, match="vocab_size=100 is too small"):
+    with pytest.raises(InputError, match="vocab_size=100 is out of range: byte-level BPE here takes 257 to 1,048,576"):
         prepare(path, tmp_path / "q", vocab_size=100, text_field="body", progress=False)
+    # far too large: refused before the corpus is read (the tokenizer library would abort for want of memory)
+    with pytest.raises(InputError, match="vocab_size=1000000000 is out of range"):
+        prepare(tmp_path / "nothing.txt", tmp_path / "q", vocab_size=10**9, progress=False)
 
 
 def test_batches_are_a_function_of_the_step_and_split_across_processes(tiny_data):

@@ -15,6 +15,17 @@ from llmkit.tokenizer import Tokenizer
 MAX_VOCAB = 1 << 20
 
 
+def check_vocab_size(vocab_size: object, n_special: int) -> None:
+    """An InputError with the valid range unless a byte-level BPE vocabulary of `vocab_size` (with n_special special
+    tokens) can be trained here: called before any work, and again by train_bpe."""
+    least = 256 + n_special
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not least <= vocab_size <= MAX_VOCAB:
+        raise InputError(
+            f"vocab_size={vocab_size!r} is out of range: byte-level BPE here takes {least} to {MAX_VOCAB:,} "
+            f"(256 bytes and {n_special} special token(s) at least)"
+        )
+
+
 def train_bpe(
     texts: list[str],
     vocab_size: int,
@@ -35,12 +46,7 @@ def train_bpe(
 
     specials = list(dict.fromkeys(t for t in (pad, bos, eos) if t is not None))
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    least = len(alphabet) + len(specials)
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not least <= vocab_size <= MAX_VOCAB:
-        raise InputError(
-            f"vocab_size={vocab_size!r} is out of range: byte-level BPE here takes {least} to {MAX_VOCAB:,} "
-            f"({len(alphabet)} bytes and {len(specials)} special tokens at least)"
-        )
+    check_vocab_size(vocab_size, len(specials))
     backend = Backend(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space)
     backend.decoder = decoders.ByteLevel()

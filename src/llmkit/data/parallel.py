@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from llmkit.data.arrays import META, token_dtype, write_array
-from llmkit.data.bpe import train_bpe
+from llmkit.data.bpe import check_vocab_size, train_bpe
 from llmkit.data.pairs import (
     BIBLES,
     DEFAULT,
@@ -100,6 +100,7 @@ def prepare_parallel(
     tgt_field: str = "target",
 ) -> dict[str, Any]:
     """Prepare a parallel corpus into `out`; returns the metadata written to meta.json."""
+    check_vocab_size(vocab_size, 3)  # before reading the corpus: <pad> <s> </s>
     start = time.time()
     corpus = load_pairs(source, src_field, tgt_field)
     splits = split_pairs(corpus.pairs, val_fraction, test_fraction)

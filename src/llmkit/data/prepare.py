@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from llmkit.data.arrays import META, token_dtype, write_array
-from llmkit.data.bpe import train_bpe
+from llmkit.data.bpe import check_vocab_size, train_bpe
 from llmkit.data.corpus import Document, load_corpus
 from llmkit.errors import InputError
 from llmkit.tokenizer import Tokenizer
@@ -130,6 +130,8 @@ def prepare(
     """Prepare `source` into `out`; returns the metadata written to meta.json."""
     if not 0.0 <= val_fraction < 1.0:
         raise InputError(f"val_fraction={val_fraction} must be in [0, 1)")
+    if tokenizer is None:
+        check_vocab_size(vocab_size, 1)  # before reading the corpus: one end-of-text token
     start = time.time()
     docs: list[Document] = load_corpus(source, text_field)
     parts = [split_document(d.text, val_fraction) for d in docs]

@@ -96,11 +96,12 @@ def draw(probs: Tensor, greedy: bool, generator: torch.Generator | None = None) 
 
 
 def check_finite(logits: Tensor, step: int) -> None:
-    """A GenerationError naming the step unless every logit is a number: NaN or infinite logits come from damaged
-    weights or an overflow in low precision, and sampling from them would fail deep inside torch (or greedy decoding
-    would print garbage without a word)."""
-    if not bool(torch.isfinite(logits).all()):
-        rows = (~torch.isfinite(logits)).flatten(1).any(dim=1).nonzero().flatten().tolist()
+    """A GenerationError naming the step unless every logit is a number or -inf (a token masked on purpose): NaN or
+    +inf logits come from damaged weights or an overflow in low precision, and sampling from them would fail deep
+    inside torch (or greedy decoding would print garbage without a word)."""
+    bad = torch.isnan(logits) | torch.isposinf(logits)
+    if bool(bad.any()):
+        rows = bad.flatten(1).any(dim=1).nonzero().flatten().tolist()
         raise GenerationError(
             f"the model's logits at decoding step {step} (rows {rows}) are NaN or infinite: its weights are damaged "
             "or its activations overflowed (try --dtype fp32)"

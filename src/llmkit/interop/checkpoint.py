@@ -18,8 +18,9 @@ A LoRA fine-tuning checkpoint holds adapters instead of weights:
 `load_model` (interop/load.py) opens it: the base checkpoint (float weights) with the adapters folded in.
 
 Integrity: llmkit.json's "checksums" holds the SHA-256 of every other file the save wrote ({"model.safetensors":
-"sha256:..."}), and loading verifies them first (`verify=False` skips it; ~1 s for 500 MB here): bytes damaged in
-place (a bad disk, an interrupted copy) are reported with the file's name instead of loading as garbage weights.
+"sha256:..."}), and loading verifies them first (`verify=False` skips it; SHA-256 runs at ~1.5 GB/s here, a third of
+a second for 500 MB): bytes damaged in place (a bad disk, an interrupted copy) are reported with the file's name
+instead of loading as garbage weights.
 Checkpoints written before checksums existed load unverified.
 """
 
