@@ -55,8 +55,10 @@ def test_gqa_divisibility_message_names_fields_value_and_valid_choices():
             lambda: dict(d_model=100, attention=AttentionConfig(n_heads=3)),
             "d_model=100 is not divisible by attention.n_heads=3",
         ),
-        (lambda: dict(vocab_size=0), "vocab_size=0 must be >= 1"),
-        (lambda: dict(n_layers=0), "n_layers=0 must be >= 1"),
+        (lambda: dict(vocab_size=0), "vocab_size=0 must be between 1 and 16,777,216"),
+        (lambda: dict(n_layers=0), "n_layers=0 must be between 1 and 4,096"),
+        (lambda: dict(n_layers=10**12), "n_layers=1000000000000 must be between 1 and 4,096"),
+        (lambda: dict(d_model=2**40), "d_model=1099511627776 must be between 1 and 131,072"),
         (lambda: dict(dropout=1.0), "dropout=1.0 must be in [0, 1)"),
         (lambda: dict(attention=AttentionConfig(mla=MLAConfig())), "attention.mla=MLAConfig("),
         (

@@ -27,6 +27,16 @@ from typing import ClassVar, Literal
 from llmkit.configbase import ConfigBase, divisors
 from llmkit.errors import ConfigError
 
+# Upper bounds of a model's sizes, far above any published model's (DeepSeek-V3: 61 layers, 7168 wide, 256 experts,
+# 129k vocabulary; Gemma: 256k vocabulary; 10M-token contexts): a size beyond them is a typo or a damaged file, and
+# refusing it before anything is built keeps a bad value from becoming an allocation of terabytes.
+MAX_LAYERS = 4096
+MAX_WIDTH = 1 << 17
+MAX_HEADS = 4096
+MAX_EXPERTS = 1 << 16
+MAX_VOCAB = 1 << 24
+MAX_CONTEXT = 1 << 27
+
 AttentionKind = Literal["gqa", "mla", "dsa"]
 PositionKind = Literal["sinusoidal", "learned", "rope", "none"]
 Layout = Literal["half", "interleaved"]
@@ -109,7 +119,7 @@ class PositionConfig(ConfigBase):
     scaling: RopeScaling | None = None
 
     def validate(self) -> None:
-        self.at_least(1, "max_seq_len")
+        self.within(1, MAX_CONTEXT, "max_seq_len")
         self.require(self.theta > 1.0, "theta", "must be > 1 (the RoPE / sinusoid base, usually 10000)")
         self.require(0.0 < self.rope_fraction <= 1.0, "rope_fraction", "must be in (0, 1]")
         if self.scaling is not None:
@@ -179,7 +189,7 @@ class AttentionConfig(ConfigBase):
     indexer: IndexerConfig | None = None
 
     def validate(self) -> None:
-        self.at_least(1, "n_heads")
+        self.within(1, MAX_HEADS, "n_heads")
         self.require(0.0 <= self.dropout < 1.0, "dropout", "must be in [0, 1)")
         if self.sliding_window is not None:
             self.require(self.sliding_window >= 1, "sliding_window", "must be >= 1, or None for full attention")
@@ -237,7 +247,7 @@ class FFNConfig(ConfigBase):
 
     def validate(self) -> None:
         if self.hidden_dim is not None:
-            self.at_least(1, "hidden_dim")
+            self.within(1, MAX_WIDTH * 16, "hidden_dim")
 
 
 @dataclass(frozen=True)
@@ -269,7 +279,7 @@ class MoEConfig(ConfigBase):
     first_dense_layers: int = 0
 
     def validate(self) -> None:
-        self.at_least(1, "n_experts")
+        self.within(1, MAX_EXPERTS, "n_experts")
         self.require(1 <= self.top_k <= self.n_experts, "top_k", f"must be between 1 and n_experts={self.n_experts}")
         self.at_least(1, "expert_hidden_dim")
         self.at_least(0, "n_shared_experts")
@@ -354,9 +364,11 @@ class ModelConfig(ConfigBase):
     init_std: float = 0.02
 
     def validate(self) -> None:
-        self.at_least(1, "vocab_size", "d_model", "n_layers")
+        self.within(1, MAX_VOCAB, "vocab_size")
+        self.within(1, MAX_WIDTH, "d_model")
+        self.within(1, MAX_LAYERS, "n_layers")
         self.require(0.0 <= self.dropout < 1.0, "dropout", "must be in [0, 1)")
-        self.at_least(0, "mtp_depth")
+        self.within(0, MAX_LAYERS, "mtp_depth")
         self.require(self.init_std > 0, "init_std", "must be > 0")
         a = self.attention
         if a.kind == "gqa" and a.head_dim is None and self.d_model % a.n_heads != 0:

@@ -91,6 +91,12 @@ class ConfigBase:
         for name in names:
             self.require(getattr(self, name) >= minimum, name, f"must be >= {minimum}")
 
+    def within(self, low: float, high: float, *names: str) -> None:
+        """Require each named field to be between low and high (inclusive), and say so when it is not."""
+        for name in names:
+            value = getattr(self, name)
+            self.require(low <= value <= high, name, f"must be between {low:,} and {high:,}")
+
     def validate(self) -> None:
         """Field constraints; subclasses override."""
 

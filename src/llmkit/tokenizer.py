@@ -69,7 +69,10 @@ class Tokenizer:
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         if not isinstance(text, str):
             raise InputError(f"encode expects a str, got {type(text).__name__}")
-        ids = list(self.backend.encode(text, add_special_tokens=False).ids)
+        try:
+            ids = list(self.backend.encode(text, add_special_tokens=False).ids)
+        except TypeError:  # the backend takes Unicode scalar values only: say which character is not one
+            raise InputError(unencodable(text)) from None
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id, *ids]
         return ids
@@ -168,6 +171,19 @@ class Tokenizer:
             add_bos=add_bos,
             chat_template=meta.get("tokenizer.chat_template"),
         )
+
+
+def unencodable(text: str) -> str:
+    """Why `text` cannot be tokenized: the first lone surrogate in it (what Python makes of undecodable bytes, e.g.
+    in a command-line argument), which has no UTF-8 form."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (
+            f"the text holds {text[e.start]!r} at index {e.start}: a lone surrogate (undecodable bytes?), which is "
+            "not a Unicode character and has no UTF-8 form"
+        )
+    return "the tokenizer cannot encode this text"
 
 
 class IncrementalDecoder:

@@ -72,10 +72,10 @@ def verify_checksums(directory: str | os.PathLike[str], meta: dict[str, Any] | N
     Nothing to check in a checkpoint saved without checksums."""
     d = Path(directory)
     recorded = (meta if meta is not None else read_meta(d)).get("checksums") or {}
-    if not isinstance(recorded, dict):
-        raise CheckpointError(f"{d / FORMAT_FILE}: 'checksums' must map file names to digests")
     for name, digest in recorded.items():
         path = d / name
+        if not path.resolve().is_relative_to(d.resolve()):
+            raise CheckpointError(f"{d / FORMAT_FILE}: checksum entry {name!r} points outside the checkpoint")
         if not path.is_file():
             raise CheckpointError(f"{path} is missing: the checkpoint was saved with it ({FORMAT_FILE} lists it)")
         if file_digest(path) != digest:
@@ -184,7 +184,30 @@ def read_meta(directory: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointError(f"{d / FORMAT_FILE} is not valid JSON: {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != "llmkit" or meta.get("version") != VERSION:
         raise CheckpointError(f"{d / FORMAT_FILE} is not an llmkit checkpoint of version {VERSION}")
+    for key, kind in _META_FIELDS.items():
+        value = meta.get(key)
+        if value is not None and not isinstance(value, kind):
+            raise CheckpointError(f"{d / FORMAT_FILE}: {key!r} must be a {kind.__name__}, not {type(value).__name__}")
+    adapter, hf = meta.get("adapter"), meta.get("hf")
+    if adapter and not isinstance(adapter.get("base"), str):
+        raise CheckpointError(f"{d / FORMAT_FILE}: 'adapter' must name its base checkpoint ('base': PATH)")
+    if hf and not (isinstance(hf.get("model_type"), str | None) and isinstance(hf.get("config"), dict | None)):
+        raise CheckpointError(f"{d / FORMAT_FILE}: 'hf' must hold a model_type string and a config mapping")
+    checksums = meta.get("checksums") or {}
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in checksums.items()):
+        raise CheckpointError(f"{d / FORMAT_FILE}: 'checksums' must map file names to digests")
     return meta
+
+
+# the types of llmkit.json's fields (each may also be absent or null)
+_META_FIELDS: dict[str, type] = {
+    "config": dict,
+    "hf": dict,
+    "generation_config": dict,
+    "quantization": dict,
+    "adapter": dict,
+    "checksums": dict,
+}
 
 
 def load_llmkit(

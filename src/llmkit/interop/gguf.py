@@ -13,7 +13,9 @@ Names map declaratively as for Hugging Face:
 
 from __future__ import annotations
 
+import mmap
 import os
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +39,76 @@ def open_gguf(path: Path) -> Any:
 
     if not path.is_file():
         raise CheckpointError(f"{path} does not exist")
+    check_gguf_layout(path)
     try:
         return GGUFReader(str(path))
     except Exception as e:
         raise CheckpointError(f"{path} is not a readable GGUF file: {e}") from None
+
+
+# GGUF value types (the spec's gguf_type) -> bytes of one value; 8 is a string, 9 an array
+_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_MAX_DIMS = 8
+
+
+def check_gguf_layout(path: Path) -> None:
+    """Walk a GGUF file's header (metadata and tensor records) checking every count and length against the bytes
+    that are there, before the gguf library reads it: that library trusts them, and a damaged length (an array
+    claiming 2^40 entries) has it building views for minutes. A CheckpointError says where the file stops making
+    sense."""
+    if path.stat().st_size < 24:
+        raise CheckpointError(f"{path} is truncated: {path.stat().st_size} bytes, too short for a GGUF header")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        size, at = len(buf), 0
+
+        def take(fmt: str) -> int:
+            nonlocal at
+            n = struct.calcsize(fmt)
+            if at + n > size:
+                raise CheckpointError(f"{path} is truncated or damaged: its header runs past the end at byte {at}")
+            (value,) = struct.unpack_from(fmt, buf, at)
+            at += n
+            return int(value)
+
+        def skip(n: int, what: str) -> None:
+            nonlocal at
+            if n < 0 or at + n > size:
+                raise CheckpointError(f"{path} is damaged: {what} of {n} bytes at byte {at} runs past the end")
+            at += n
+
+        def value(kind: int, depth: int = 0) -> None:
+            if kind in _GGUF_SIZES:
+                skip(_GGUF_SIZES[kind], "a value")
+            elif kind == 8:
+                skip(take("<Q"), "a string")
+            elif kind == 9 and depth == 0:
+                inner, count = take("<I"), take("<Q")
+                if inner in _GGUF_SIZES:
+                    skip(count * _GGUF_SIZES[inner], "an array")
+                elif inner in (8, 9) and count <= size - at:  # each entry takes at least 8 bytes
+                    for _ in range(count):
+                        value(inner, depth + 1)
+                else:
+                    raise CheckpointError(f"{path} is damaged: an array of type {inner} and {count} entries")
+            else:
+                raise CheckpointError(f"{path} is damaged: unknown metadata type {kind} at byte {at}")
+
+        if take("<I") != 0x46554747:  # b"GGUF"
+            raise CheckpointError(f"{path} is not a GGUF file (no GGUF magic)")
+        if take("<I") not in (2, 3):
+            raise CheckpointError(f"{path}: only GGUF versions 2 and 3 are read")
+        n_tensors, n_kv = take("<Q"), take("<Q")
+        if n_tensors > size or n_kv > size:
+            raise CheckpointError(f"{path} is damaged: it claims {n_tensors} tensors and {n_kv} metadata entries")
+        for _ in range(n_kv):
+            skip(take("<Q"), "a key")
+            value(take("<I"))
+        for _ in range(n_tensors):
+            skip(take("<Q"), "a tensor name")
+            dims = take("<I")
+            if dims > _GGUF_MAX_DIMS:
+                raise CheckpointError(f"{path} is damaged: a tensor with {dims} dimensions")
+            skip(8 * dims + 4 + 8, "a tensor record")
 
 
 def gguf_tokenizer(meta: dict[str, Any]) -> Tokenizer | None:
@@ -77,6 +145,12 @@ def config_from_gguf(meta: dict[str, Any], names: set[str]) -> ModelConfig:
             raise ConfigError(f"GGUF metadata has no {arch}.{key}")
         return value
 
+    blocks = {n.split(".")[1] for n in names if n.startswith("blk.")}
+    if int(get("block_count")) != len(blocks):
+        raise ConfigError(
+            f"GGUF metadata says {arch}.block_count={get('block_count')}, but the file holds tensors of {len(blocks)} "
+            "blocks (blk.N.*): the file is damaged"
+        )
     d, heads = int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(meta.get(f"{arch}.attention.key_length") or d // heads)
     rope_dim = int(meta.get(f"{arch}.rope.dimension_count") or head_dim)
@@ -161,8 +235,8 @@ def load_gguf(
         quantized = dtype is None and fast_kernels(dev, torch.float32)
     notes: list[str] = []
     if quantized:
-        spec, notes = _quantized_spec(concrete, tensors, cfg)
         check_against(concrete, expected_shapes(cfg), shapes, lambda n: False, str(p))
+        spec, notes = _quantized_spec(concrete, tensors, cfg)
 
         def read(expected: dict[str, tuple[int, ...]]) -> dict[str, Tensor]:
             return _quantized_state(concrete, tensors, shapes, spec, get)

@@ -7,6 +7,7 @@ data is shorter than its header promises is reported as truncated before anythin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -14,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -42,12 +43,38 @@ def check_file(path: Path) -> None:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path} is not a valid safetensors file: bad header ({e})") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    entries = header.items() if isinstance(header, dict) else []
+    ends = [_data_end(v) for k, v in entries if k != "__metadata__"]
+    if not isinstance(header, dict) or None in ends:
+        raise CheckpointError(f"{path} is not a valid safetensors file: its header does not describe tensors")
+    end = max((e for e in ends if e is not None), default=0)
     if 8 + n + end > size:
         raise CheckpointError(
             f"{path} is truncated: its tensors need {8 + n + end} bytes but the file has {size} "
             "(an interrupted download or copy?)"
         )
+
+
+def _data_end(entry: object) -> int | None:
+    """Where a header entry's data ends, or None when the entry is not {dtype, shape, data_offsets: [a, b]}."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str):
+        return None
+    if not isinstance(entry.get("shape"), list):
+        return None
+    offsets = entry.get("data_offsets")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets):
+        return None
+    return int(offsets[1]) if 0 <= offsets[0] <= offsets[1] else None
+
+
+@contextlib.contextmanager
+def _reading(path: Path) -> Iterator[None]:
+    """safetensors' own errors about a file's contents (a header that lies about sizes, dtypes or shapes) as a
+    CheckpointError naming the file."""
+    try:
+        yield
+    except SafetensorError as e:
+        raise CheckpointError(f"{path} is not a valid safetensors file: {e}") from None
 
 
 class LazyTensors(Mapping[str, Tensor]):
@@ -58,20 +85,23 @@ class LazyTensors(Mapping[str, Tensor]):
         self._handles: dict[Path, Any] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         for path in sorted(set(files.values())):
-            with safe_open(str(path), framework="pt") as f:
+            with _reading(path), safe_open(str(path), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                     if files.get(name) == path:
                         self.shapes[name] = tuple(f.get_slice(name).get_shape())
 
     def _handle(self, path: Path) -> Any:
         if path not in self._handles:
-            self._handles[path] = safe_open(str(path), framework="pt")
+            with _reading(path):
+                self._handles[path] = safe_open(str(path), framework="pt")
         return self._handles[path]
 
     def __getitem__(self, name: str) -> Tensor:
         if name not in self._file_of:
             raise KeyError(name)
-        return self._handle(self._file_of[name]).get_tensor(name)
+        path = self._file_of[name]
+        with _reading(path):
+            return self._handle(path).get_tensor(name)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._file_of)
@@ -97,7 +127,7 @@ def open_tensors(directory: str | os.PathLike[str]) -> LazyTensors:
                 raise CheckpointError(f"{index} lists {shard.name}, which is missing")
     elif single.is_file():
         check_file(single)
-        with safe_open(str(single), framework="pt") as f:
+        with _reading(single), safe_open(str(single), framework="pt") as f:
             files = dict.fromkeys(f.keys(), single)
     else:
         raise CheckpointError(f"{d} has neither {SINGLE} nor {INDEX}")
