@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Protocol, cast
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from llmkit.errors import InputError
 from llmkit.generate.native import NativeDecoder
@@ -90,6 +90,8 @@ def draft_head(target: DecoderLM, bits: int | None, native: NativeDecoder | None
         raise InputError(f"draft_head_bits={bits!r} must be 4, 8 or None (the target's own head)")
     from llmkit.quant.linear import Int4Linear, Int8Linear
 
+    if target.head is not None and type(target.head) is not nn.Linear:  # already quantized: its own kernels
+        return native.logits if native is not None else target.logits
     head: Tensor = target.embed.weight if target.head is None else cast(Tensor, target.head.weight)
     weight = head.detach()
     if weight.dtype != torch.float32 or weight.shape[1] % 32:

@@ -158,11 +158,13 @@ class NativeDecoder:
     def logits(self, h: Tensor) -> Tensor:
         """The model's head on final-normed states h (..., C) -> logits (..., V): `model.logits`, through the C++
         product when the head is an fp32 matrix and h has at most HEAD_ROWS rows."""
-        model = self.model
-        weight = model.embed.weight if model.head is None else getattr(model.head, "weight", None)
+        model, rows = self.model, h.reshape(-1, h.shape[-1])
+        # the type first: a quantized head's `weight` is a property that dequantizes the whole matrix
         plain = model.head is None or (type(model.head) is nn.Linear and model.head.bias is None)
-        rows = h.reshape(-1, h.shape[-1])
-        if not plain or weight is None or weight.dtype != torch.float32 or rows.shape[0] > HEAD_ROWS:
+        if not plain or rows.shape[0] > HEAD_ROWS:
+            return model.logits(h)
+        weight = model.embed.weight if model.head is None else model.head.weight
+        if weight.dtype != torch.float32:
             return model.logits(h)
         out = self.ext.float_linear(rows.contiguous(), weight.contiguous(), model.head_bias)
         return out.view(*h.shape[:-1], -1)
