@@ -20,7 +20,7 @@ tests/quant/test_native_decode.py checks that both give the same logits.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -163,7 +163,7 @@ class NativeDecoder:
         plain = model.head is None or (type(model.head) is nn.Linear and model.head.bias is None)
         if not plain or rows.shape[0] > HEAD_ROWS:
             return model.logits(h)
-        weight = model.embed.weight if model.head is None else model.head.weight
+        weight: Tensor = model.embed.weight if model.head is None else cast(Tensor, model.head.weight)
         if weight.dtype != torch.float32:
             return model.logits(h)
         out = self.ext.float_linear(rows.contiguous(), weight.contiguous(), model.head_bias)
