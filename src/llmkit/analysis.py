@@ -42,6 +42,7 @@ _COMPONENT_RULES: list[tuple[str, str]] = [
     (".ffn.router.", "router"),
     (".ffn.experts.", "experts (routed)"),
     (".ffn.shared.", "experts (shared)"),
+    (".ffn.shared_gate.", "experts (shared)"),
     (".ffn.", "feed-forward"),
     ("_residual.norm.", "norms"),
     ("inputs.positions.", "positions"),

@@ -46,6 +46,7 @@ NormPlacement = Literal["pre", "post"]
 Activation = Literal["relu", "gelu", "gelu_tanh", "silu"]
 FFNKind = Literal["mlp", "swiglu"]
 ScoreFunc = Literal["softmax", "sigmoid"]
+GroupScore = Literal["top2_sum", "max"]
 BalanceLoss = Literal["switch", "sequence"]
 InitKind = Literal["normal", "xavier"]
 
@@ -174,7 +175,9 @@ class IndexerConfig(ConfigBase):
 class AttentionConfig(ConfigBase):
     """Self-attention. kind gqa covers MHA (n_kv_heads == n_heads) and MQA (n_kv_heads == 1); mla needs `mla`;
     dsa (MLA + lightning indexer + top-k sparse attention) needs `mla` and `indexer`. sliding_window (gqa): each
-    query sees only the `sliding_window` most recent tokens (Mistral-7B-v0.1)."""
+    query sees only the `sliding_window` most recent tokens (Mistral-7B-v0.1). qk_norm (gqa): each query and key
+    head is normalised (the model's norm kind, over head_dim, before RoPE) as in Qwen3 and Gemma 3, which keeps
+    attention logits from growing without bound (Dehghani et al. 2023)."""
 
     path: ClassVar[str] = "attention"
     kind: AttentionKind = "gqa"
@@ -185,6 +188,7 @@ class AttentionConfig(ConfigBase):
     out_bias: bool = False
     dropout: float = 0.0
     sliding_window: int | None = None
+    qk_norm: bool = False
     mla: MLAConfig | None = None
     indexer: IndexerConfig | None = None
 
@@ -194,6 +198,8 @@ class AttentionConfig(ConfigBase):
         if self.sliding_window is not None:
             self.require(self.sliding_window >= 1, "sliding_window", "must be >= 1, or None for full attention")
             self.require(self.kind == "gqa", "sliding_window", "is only supported with attention.kind='gqa'")
+        if self.qk_norm:
+            self.require(self.kind == "gqa", "qk_norm", "is only supported with attention.kind='gqa'")
         if self.kind == "gqa":
             self.require(self.mla is None, "mla", "is only used with attention.kind='mla' or 'dsa'")
             self.require(self.indexer is None, "indexer", "is only used with attention.kind='dsa'")
@@ -254,7 +260,9 @@ class FFNConfig(ConfigBase):
 class MoEConfig(ConfigBase):
     """Mixture of experts. Switch: top_k=1, softmax, norm_topk=False. GShard / Mixtral: top_k=2, softmax,
     norm_topk=True. DeepSeek-V3: sigmoid scores, n_groups / topk_groups, score_bias (aux-loss-free balancing),
-    routed_scale, shared experts. Layers before `first_dense_layers` keep the dense `ffn`.
+    routed_scale, shared experts. DeepSeek-V2: softmax scores, groups ranked by their best score (group_score "max",
+    where V3 sums each group's two best: "top2_sum"), gates not renormalised. Qwen2-MoE: a shared expert whose output
+    is scaled per token by sigmoid(x . w_gate) (shared_gate). Layers before `first_dense_layers` keep the dense `ffn`.
 
     aux_loss_kind: "switch" (Switch / GShard / Mixtral: E * sum_i f_i P_i over the whole batch) or "sequence"
     (DeepSeek-V2/V3: the same per sequence with f_i normalised by k, averaged over sequences)."""
@@ -266,9 +274,11 @@ class MoEConfig(ConfigBase):
     expert_kind: FFNKind = "swiglu"
     activation: Activation = "silu"
     n_shared_experts: int = 0
+    shared_gate: bool = False
     score_func: ScoreFunc = "softmax"
     n_groups: int = 1
     topk_groups: int = 1
+    group_score: GroupScore = "top2_sum"
     norm_topk: bool = True
     routed_scale: float = 1.0
     score_bias: bool = False
@@ -283,6 +293,8 @@ class MoEConfig(ConfigBase):
         self.require(1 <= self.top_k <= self.n_experts, "top_k", f"must be between 1 and n_experts={self.n_experts}")
         self.at_least(1, "expert_hidden_dim")
         self.at_least(0, "n_shared_experts")
+        if self.shared_gate:
+            self.require(self.n_shared_experts >= 1, "shared_gate", "needs n_shared_experts >= 1 (it gates them)")
         if self.n_groups < 1 or self.n_experts % self.n_groups != 0:
             raise ConfigError(
                 f"moe.n_groups={self.n_groups} must divide moe.n_experts={self.n_experts} "
@@ -312,16 +324,20 @@ class MoEConfig(ConfigBase):
 @dataclass(frozen=True)
 class NormConfig(ConfigBase):
     """kind: layernorm | rmsnorm. placement: pre (x + f(norm(x)), GPT-2/LLaMA) or post (norm(x + f(x)), the
-    original Transformer). bias: LayerNorm's additive bias."""
+    original Transformer). bias: LayerNorm's additive bias. unit_offset (rmsnorm): the gain is 1 + weight, with the
+    weight stored as its offset from 1 and initialised to 0 (Gemma)."""
 
     path: ClassVar[str] = "norm"
     kind: NormKind = "rmsnorm"
     placement: NormPlacement = "pre"
     eps: float = 1e-5
     bias: bool = True
+    unit_offset: bool = False
 
     def validate(self) -> None:
         self.require(self.eps > 0, "eps", "must be > 0")
+        if self.unit_offset:
+            self.require(self.kind == "rmsnorm", "unit_offset", "is only supported with norm.kind='rmsnorm'")
 
 
 @dataclass(frozen=True)
@@ -385,6 +401,8 @@ class ModelConfig(ConfigBase):
                     "(cross-attention is defined for kind='gqa')"
                 )
             self.require(self.mtp_depth == 0, "mtp_depth", "is only supported for decoder-only models")
+            if self.attention.qk_norm:
+                raise ConfigError("attention.qk_norm is only supported in decoder-only models")
         if self.attention.kind != "gqa" and self.position.kind != "rope":
             raise ConfigError(
                 f"position.kind={self.position.kind!r} cannot be used with attention.kind="
@@ -465,6 +483,8 @@ class ModelConfig(ConfigBase):
         moe, ffn = resolved.moe, resolved.ffn
         if moe is not None:
             moe = dataclasses.replace(moe, aux_loss_coef=0.0, z_loss_coef=0.0, aux_loss_kind="switch")
+            if moe.n_groups == 1:  # one group: how groups would be ranked changes nothing
+                moe = dataclasses.replace(moe, topk_groups=1, group_score="top2_sum")
             if moe.first_dense_layers == 0:  # every layer is MoE: the dense ffn settings are unused
                 ffn = FFNConfig(moe.expert_kind, moe.expert_hidden_dim, moe.activation, False)
         return dataclasses.replace(

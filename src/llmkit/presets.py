@@ -116,6 +116,61 @@ def _mixtral() -> ModelConfig:
     )
 
 
+def _qwen3_06b() -> ModelConfig:
+    # Qwen3: the Llama block with an RMSNorm on every query and key head (QK-norm), head_dim 128 of its own, no
+    # biases, tied embeddings, theta 1e6
+    return ModelConfig(
+        vocab_size=151936,
+        d_model=1024,
+        n_layers=28,
+        attention=AttentionConfig(n_heads=16, n_kv_heads=8, head_dim=128, qk_norm=True),
+        ffn=FFNConfig(kind="swiglu", hidden_dim=3072),
+        position=PositionConfig(kind="rope", max_seq_len=40960, theta=1e6, layout="half"),
+        norm=NormConfig(kind="rmsnorm", eps=1e-6),
+        tie_embeddings=True,
+    )
+
+
+def _gemma_2b() -> ModelConfig:
+    # Gemma: multi-query attention with head_dim 256, GeGLU (tanh GELU), RMSNorm gains stored as 1 + w, embeddings
+    # times sqrt(d_model), tied head
+    return ModelConfig(
+        vocab_size=256000,
+        d_model=2048,
+        n_layers=18,
+        attention=AttentionConfig(n_heads=8, n_kv_heads=1, head_dim=256),
+        ffn=FFNConfig(kind="swiglu", hidden_dim=16384, activation="gelu_tanh"),
+        position=PositionConfig(kind="rope", max_seq_len=8192, theta=10000.0, layout="half"),
+        norm=NormConfig(kind="rmsnorm", eps=1e-6, unit_offset=True),
+        tie_embeddings=True,
+        scale_embeddings=True,
+    )
+
+
+def _qwen15_moe() -> ModelConfig:
+    # Qwen1.5-MoE-A2.7B (qwen2_moe): Qwen2 attention (q/k/v biases), 60 experts of 1408, top-4 with gates not
+    # renormalised, and one shared expert of 4 x 1408 scaled per token by a sigmoid gate
+    return ModelConfig(
+        vocab_size=151936,
+        d_model=2048,
+        n_layers=24,
+        attention=AttentionConfig(n_heads=16, qkv_bias=True),
+        ffn=FFNConfig(kind="swiglu", hidden_dim=5632),
+        position=PositionConfig(kind="rope", max_seq_len=8192, theta=1e6, layout="half"),
+        norm=NormConfig(kind="rmsnorm", eps=1e-6),
+        moe=MoEConfig(
+            n_experts=60,
+            top_k=4,
+            expert_hidden_dim=1408,
+            n_shared_experts=4,
+            shared_gate=True,
+            score_func="softmax",
+            norm_topk=False,
+            aux_loss_coef=0.001,
+        ),
+    )
+
+
 def _deepseek(
     vocab: int, d: int, layers: int, heads: int, q_lora: int | None, ff: int, moe: MoEConfig, mscale: float
 ) -> ModelConfig:
@@ -195,7 +250,8 @@ def _tiny(cfg: ModelConfig) -> ModelConfig:
         ratio = a.n_heads // cfg.n_kv_heads  # keep MHA as MHA and GQA as GQA
         heads = 8 if ratio >= 2 else 4
         kv = None if a.n_kv_heads is None else max(1, heads // ratio)
-        tiny_attention = dataclasses.replace(a, n_heads=heads, n_kv_heads=kv)
+        head_dim = None if a.head_dim is None else 16  # a head width of its own stays one, at a toy size
+        tiny_attention = dataclasses.replace(a, n_heads=heads, n_kv_heads=kv, head_dim=head_dim)
     else:
         assert a.mla is not None
         mla = MLAConfig(
@@ -290,6 +346,28 @@ _BASE: list[Preset] = [
         _llama(8192, 80, 64, 8, 28672),
         "meta-llama/Llama-2-70b-hf config.json (Touvron et al. 2023)",
         Published(68_976_648_192, exact=True),
+    ),
+    Preset(
+        "qwen3-0.6b",
+        _qwen3_06b(),
+        "Qwen/Qwen3-0.6B config.json; 0.6B (0.44B without embeddings) from its model card (Qwen Team 2025)",
+        Published(0.6e9, rel_tol=0.01),
+        notes="The model card rounds 596M to 0.6B.",
+    ),
+    Preset(
+        "gemma-2b",
+        _gemma_2b(),
+        "google/gemma-2b config.json (Gemma Team 2024); the paper's Table 2 gives 1,981,884,416 non-embedding "
+        "parameters",
+        Published(2_506_172_416, exact=True),
+        notes="The paper's embedding count (524,550,144) is for a 256,128-token table; the released one has 256,000.",
+    ),
+    Preset(
+        "qwen1.5-moe-a2.7b",
+        _qwen15_moe(),
+        "Qwen/Qwen1.5-MoE-A2.7B config.json; 14.3B / 2.7B from its model card (Qwen Team 2024)",
+        Published(14.3e9),
+        Published(2.7e9, rel_tol=0.01),
     ),
     Preset(
         "mixtral-8x7b",

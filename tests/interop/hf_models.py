@@ -72,6 +72,48 @@ def _builders() -> dict[str, Any]:
             T.MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=64)
         ),
         "qwen2": lambda: T.Qwen2ForCausalLM(T.Qwen2Config(**SMALL, num_key_value_heads=2, tie_word_embeddings=True)),
+        "qwen3": lambda: T.Qwen3ForCausalLM(T.Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=32)),
+        "qwen2_moe": lambda: T.Qwen2MoeForCausalLM(
+            T.Qwen2MoeConfig(
+                **SMALL,
+                num_key_value_heads=2,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=24,
+                shared_expert_intermediate_size=48,
+                mlp_only_layers=[0],
+            )
+        ),
+        "qwen3_moe": lambda: T.Qwen3MoeForCausalLM(
+            T.Qwen3MoeConfig(
+                **SMALL,
+                num_key_value_heads=2,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=24,
+                norm_topk_prob=True,
+            )
+        ),
+        "gemma": lambda: T.GemmaForCausalLM(T.GemmaConfig(**SMALL, num_key_value_heads=1, head_dim=32)),
+        "phi3": lambda: T.Phi3ForCausalLM(
+            T.Phi3Config(
+                **SMALL,
+                num_key_value_heads=2,
+                pad_token_id=0,
+                eos_token_id=1,
+                sliding_window=64,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
+            )
+        ),
+        "starcoder2": lambda: T.Starcoder2ForCausalLM(T.Starcoder2Config(**SMALL, num_key_value_heads=2)),
+        "stablelm": lambda: T.StableLmForCausalLM(
+            T.StableLmConfig(
+                **SMALL,
+                num_key_value_heads=2,
+                use_qkv_bias=True,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+            )
+        ),
         "mixtral": lambda: T.MixtralForCausalLM(
             T.MixtralConfig(**SMALL, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
         ),
@@ -83,6 +125,12 @@ def _builders() -> dict[str, Any]:
             T.DeepseekV3Config(
                 **{**DEEPSEEK, "q_lora_rank": None, "n_group": 1, "topk_group": 1, "n_shared_experts": 2}
             )
+        ),
+        "deepseek_v2": lambda: T.DeepseekV2ForCausalLM(
+            T.DeepseekV2Config(**DEEPSEEK, topk_method="group_limited_greedy", n_shared_experts=1, rope_parameters=YARN)
+        ),
+        "deepseek_v2-greedy": lambda: T.DeepseekV2ForCausalLM(
+            T.DeepseekV2Config(**{**DEEPSEEK, "q_lora_rank": None, "n_group": None, "topk_group": None})
         ),
         "deepseek_v32": lambda: T.DeepseekV32ForCausalLM(
             T.DeepseekV32Config(**DEEPSEEK, index_n_heads=8, index_head_dim=8, index_topk=4)

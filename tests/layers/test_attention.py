@@ -204,3 +204,42 @@ def test_sliding_window_sees_only_the_most_recent_keys():
     for t in range(4, 8):
         steps.append(attn(x[:, t : t + 1], cached(state, 1, rope), cache))
     torch.testing.assert_close(torch.cat(steps, 1), out, rtol=1e-5, atol=1e-5)
+
+
+def test_qk_norm_normalises_each_query_and_key_head_before_attending():
+    from llmkit.config import NormConfig
+
+    attn = gqa(2, qk_norm=NormConfig(kind="rmsnorm", eps=1e-6))
+    assert attn.q_norm is not None and attn.k_norm is not None
+    with torch.no_grad():
+        attn.q_norm.weight.uniform_(0.5, 1.5)
+        attn.k_norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 6, C)
+
+    def rms(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # over each head's D dims
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+    q = rms((x @ attn.wq.weight.T).view(2, 6, H, D), attn.q_norm.weight).transpose(1, 2)
+    k = rms((x @ attn.wk.weight.T).view(2, 6, 2, D), attn.k_norm.weight).transpose(1, 2).repeat_interleave(2, 1)
+    v = (x @ attn.wv.weight.T).view(2, 6, 2, D).transpose(1, 2).repeat_interleave(2, 1)
+    allowed = torch.ones(6, 6).tril().bool()
+    s = (q @ k.transpose(-1, -2)) / D**0.5
+    ref = (torch.softmax(s.masked_fill(~allowed, float("-inf")), -1) @ v).transpose(1, 2).reshape(2, 6, H * D)
+    torch.testing.assert_close(attn(x, causal(6)), ref @ attn.wo.weight.T, rtol=1e-5, atol=1e-5)
+    # scaling a head's projection leaves the scores unchanged: the norm removes it
+    with torch.no_grad():
+        attn.wq.weight.mul_(7.0)
+    torch.testing.assert_close(attn(x, causal(6)), ref @ attn.wo.weight.T, rtol=1e-4, atol=1e-5)
+    assert gqa(2).q_norm is None
+
+
+def test_qk_norm_is_only_for_decoder_self_attention():
+    from llmkit.config import EncoderConfig
+    from llmkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"qk_norm=True is only supported with attention\.kind='gqa'"):
+        AttentionConfig(kind="mla", qk_norm=True, mla=__import__("llmkit").MLAConfig())
+    with pytest.raises(ConfigError, match="qk_norm is only supported in decoder-only models"):
+        ModelConfig(
+            vocab_size=8, d_model=C, n_layers=1, attention=AttentionConfig(qk_norm=True), encoder=EncoderConfig()
+        )

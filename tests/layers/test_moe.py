@@ -258,3 +258,31 @@ def test_the_three_ways_of_running_experts_agree():
     by_expert = m.experts._one_by_one(x, counts)
     torch.testing.assert_close(m.experts(x, counts), by_expert, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(m.experts._gathered(x, counts), by_expert, rtol=1e-5, atol=1e-6)
+
+
+def test_group_score_max_ranks_groups_by_their_best_expert():
+    # DeepSeek-V2's group_limited_greedy: a group with one strong expert beats a group with two fairly good ones,
+    # where V3's sum of the two best picks the other group
+    probs = torch.tensor([0.40, 0.01, 0.25, 0.24, 0.05, 0.05])  # groups of two: {0, 1}, {2, 3}, {4, 5}
+    x = torch.zeros(1, C)
+    x[0, 0] = 1.0  # the router's logits are its first column
+    for score, group in (("max", 0), ("top2_sum", 1)):
+        m = moe(n_experts=6, top_k=1, n_groups=3, topk_groups=1, group_score=score, norm_topk=False)
+        with torch.no_grad():
+            m.router.weight.zero_()
+            m.router.weight[:, 0] = probs.log()  # softmax gives the probabilities back
+        r = m.router(x)
+        assert int(r.experts[0, 0]) // 2 == group, score
+        torch.testing.assert_close(r.weights[0, 0], probs[2 * group])
+
+
+def test_gated_shared_expert_scales_the_shared_output_per_token():
+    m = moe(n_experts=4, top_k=2, n_shared_experts=2, shared_gate=True, norm_topk=False)
+    assert m.shared_gate is not None and m.shared_gate.weight.shape == (1, C)
+    x = torch.randn(2, 5, C)
+    xf = x.reshape(-1, C)
+    routed_only = naive_moe(m, x).reshape(-1, C) - m.shared(xf)
+    expected = routed_only + torch.sigmoid(xf @ m.shared_gate.weight.T) * m.shared(xf)
+    torch.testing.assert_close(m(x).reshape(-1, C), expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(__import__("llmkit").errors.ConfigError, match="shared_gate=True needs n_shared_experts >= 1"):
+        MoEConfig(shared_gate=True)

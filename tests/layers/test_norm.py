@@ -53,3 +53,25 @@ def test_pre_and_post_norm_wiring():
     assert isinstance(pre, PreNorm) and isinstance(post, PostNorm)
     torch.testing.assert_close(pre(x, f), x + f(pre.norm(x)))  # x + Sublayer(norm(x))
     torch.testing.assert_close(post(x, f), post.norm(x + f(x)))  # LayerNorm(x + Sublayer(x))
+
+
+def test_offset_rmsnorm_gain_is_one_plus_weight_and_starts_at_one():
+    from llmkit.layers.norm import OffsetRMSNorm
+
+    n = build_norm(NormConfig(kind="rmsnorm", eps=1e-6, unit_offset=True), 16)
+    assert type(n) is OffsetRMSNorm and torch.equal(n.weight, torch.zeros(16))
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(n(x), RMSNorm(16, eps=1e-6)(x))  # a fresh one is a plain RMSNorm
+    with torch.no_grad():
+        n.weight.copy_(torch.randn(16))
+    ref = x / torch.sqrt((x**2).mean(-1, keepdim=True) + 1e-6) * (1 + n.weight)
+    torch.testing.assert_close(n(x), ref)
+
+
+def test_unit_offset_needs_rmsnorm():
+    import pytest
+
+    from llmkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"unit_offset=True is only supported with norm\.kind='rmsnorm'"):
+        NormConfig(kind="layernorm", unit_offset=True)

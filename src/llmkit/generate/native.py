@@ -14,7 +14,8 @@ attention with or without RoPE and a sliding window, SwiGLU/GeGLU or a plain MLP
 layers that are fp32 or llmkit's int4/int8 (quantized with `llmkit.quant.quantize` or kept from a GGUF file); and
 to steps of a few new tokens per row (one when decoding; a speculative round's drafts when verifying, up to
 MAX_TOKENS) into a plain KVCache, or of one new token per row into the serving engine's paged pools. Anything else (MLA,
-MoE, sparse attention, bf16, CUDA, training, prefill) takes the PyTorch modules, which remain the reference:
+MoE, sparse attention, QK-norm, Gemma's offset norms, bf16, CUDA, training, prefill) takes the PyTorch modules, which
+remain the reference:
 tests/quant/test_native_decode.py checks that both give the same logits.
 """
 
@@ -68,6 +69,8 @@ def _norm(norm: nn.Module) -> tuple[bool, float, Tensor, Tensor | None] | None:
 def _block(ext: Any, block: nn.Module, rope: bool) -> Any | None:
     """The C++ step of one block, or None when some part of it is not one the step computes."""
     if type(block) is not TransformerBlock or type(block.attn) is not GroupedQueryAttention:
+        return None
+    if block.attn.q_norm is not None:  # QK-norm (Qwen3) is not one of the C++ step's operations
         return None
     if type(block.attn_residual) is not PreNorm or type(block.ffn_residual) is not PreNorm:
         return None

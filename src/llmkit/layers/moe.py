@@ -12,6 +12,8 @@ Variants, all by configuration:
   each group's two best scores) are eligible; a per-expert score-correction bias that changes which experts are
   chosen but not their gates (auxiliary-loss-free balancing); gates renormalised and multiplied by `routed_scale`;
   shared experts that every token uses.
+- DeepSeek-V2: softmax scores, groups ranked by their single best score, gates not renormalised, routed_scale.
+- Qwen2-MoE: softmax top-k plus one wide shared expert whose output is scaled per token by sigmoid(x . w_gate).
 - capacity factor (Switch / GShard): each expert takes at most ceil(capacity_factor * N * k / E) assignments; first
   choices are served before second choices, then in token order; the rest are dropped (the residual path carries
   those tokens through unchanged).
@@ -126,7 +128,10 @@ class Router(FP32Buffers):
         if cfg.n_groups > 1:  # keep only the topk_groups best groups of experts
             N = choice.shape[0]
             grouped = choice.view(N, cfg.n_groups, -1)  # (N, G, E/G)
-            top = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)  # (N, G)
+            if cfg.group_score == "max":  # DeepSeek-V2: a group ranks by its best expert
+                top = grouped.amax(dim=-1)  # (N, G)
+            else:  # DeepSeek-V3: by the sum of its two best
+                top = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)  # (N, G)
             keep = torch.zeros_like(top, dtype=torch.bool).scatter(1, top.topk(cfg.topk_groups, dim=-1).indices, True)
             choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(N, -1)
         experts = choice.topk(cfg.top_k, dim=-1).indices  # (N, k)
@@ -234,6 +239,8 @@ class MoE(nn.Module):
             if cfg.n_shared_experts
             else None
         )
+        # Qwen2-MoE: the shared experts' output scaled per token by sigmoid(x . w), w (1, C)
+        self.shared_gate = nn.Linear(dim, 1, bias=False) if cfg.shared_gate else None
 
     def capacity(self, n_tokens: int) -> int | None:
         """Assignments each expert may take, or None without a capacity factor."""
@@ -263,7 +270,10 @@ class MoE(nn.Module):
         y_sorted = y_sorted * gates.unsqueeze(-1).to(y_sorted.dtype)
         y = torch.zeros_like(xf).index_add_(0, tokens, y_sorted.to(xf.dtype))  # scatter-add back to the tokens
         if self.shared is not None:
-            y = y + self.shared(xf)
+            shared = self.shared(xf)  # (N, C)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(xf)) * shared
+            y = y + shared
         if extras is not None:
             extras.moe.append(self.stats(routing, counts, kept, shape[0] if len(shape) == 3 else 1))
         return y.view(shape)

@@ -24,17 +24,33 @@ from llmkit.config import ModelConfig
 from llmkit.errors import ConfigError
 from llmkit.interop.hf.base import Family
 from llmkit.interop.hf.deepseek import DeepSeekFamily
+from llmkit.interop.hf.gemma import GemmaFamily
 from llmkit.interop.hf.gpt2 import GPT2Family
 from llmkit.interop.hf.llama import LlamaFamily
 from llmkit.interop.hf.marian import MarianFamily
 from llmkit.interop.hf.mixtral import MixtralFamily
+from llmkit.interop.hf.phi3 import Phi3Family
+from llmkit.interop.hf.qwen_moe import QwenMoEFamily
+from llmkit.interop.hf.stablelm import StableLMFamily
+from llmkit.interop.hf.starcoder2 import StarCoder2Family
 from llmkit.interop.keymap import check_against, convert_to_ours, convert_to_theirs, expand
 from llmkit.interop.safetensors_io import CheckpointError, open_tensors, save_tensors
 from llmkit.interop.weights import build_with_weights, expected_shapes
 from llmkit.layers.precision import cast_state, fp32_state
 from llmkit.models import DecoderLM, EncoderDecoder
 
-FAMILIES: list[Family] = [LlamaFamily(), MixtralFamily(), GPT2Family(), DeepSeekFamily(), MarianFamily()]
+FAMILIES: list[Family] = [
+    LlamaFamily(),
+    MixtralFamily(),
+    QwenMoEFamily(),
+    GemmaFamily(),
+    Phi3Family(),
+    StarCoder2Family(),
+    StableLMFamily(),
+    GPT2Family(),
+    DeepSeekFamily(),
+    MarianFamily(),
+]
 
 TOKENIZER_FILES = (
     "tokenizer.json",

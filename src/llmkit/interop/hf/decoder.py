@@ -6,6 +6,7 @@ keys every one of their configs has, and the key-map rules for the parts they na
     model.layers.{i}.post_attention_layernorm       blocks.{i}.ffn_residual.norm
     model.norm.weight / lm_head.weight              norm.weight / head.weight (absent when tied)
     model.layers.{i}.self_attn.{q,k,v,o}_proj       blocks.{i}.attn.{wq,wk,wv,wo}          (GQA)
+    model.layers.{i}.self_attn.{q,k}_norm           blocks.{i}.attn.{q,k}_norm             (QK-norm: Qwen3)
     ....{gate,up,down}_proj                         ....{w1,w3,w2}                         (SwiGLU)
     ....experts.{e}.{w1,w3,w2} or fused             blocks.{i}.ffn.experts.{w1,w3,w2}      (stacked over e)
 """
@@ -19,7 +20,7 @@ from llmkit.interop.hf.fields import Entry, Field, fixed
 from llmkit.interop.hf.rope import ROPE
 from llmkit.interop.keymap import Rule, Split, Stack
 
-DECODER_FIELDS: tuple[Entry, ...] = (
+DECODER_KEYS: tuple[Entry, ...] = (
     Field("vocab_size", "vocab_size", int),
     Field("d_model", "hidden_size", int),
     Field("n_layers", "num_hidden_layers", int),
@@ -28,31 +29,48 @@ DECODER_FIELDS: tuple[Entry, ...] = (
     Field("norm.eps", "rms_norm_eps", float, 1e-6),
     Field("tie_embeddings", "tie_word_embeddings", bool, False),
     ROPE,
+)
+"""config.json keys every Llama-style decoder has."""
+
+DECODER_SHAPE: dict[str, object] = {
+    "norm.placement": "pre",
+    "position.kind": "rope",
+    "encoder": None,
+    "head_bias": False,
+}
+"""What every Llama-style decoder is: pre-norm blocks, RoPE, no encoder, no head bias."""
+
+DECODER_FIELDS: tuple[Entry, ...] = (
+    *DECODER_KEYS,
     *fixed(
         "its checkpoints are decoders of pre-norm RMSNorm blocks with RoPE and SwiGLU feed-forwards",
         {
+            **DECODER_SHAPE,
             "norm.kind": "rmsnorm",
-            "norm.placement": "pre",
-            "position.kind": "rope",
+            "norm.unit_offset": False,
             "ffn.kind": "swiglu",
-            "encoder": None,
-            "head_bias": False,
             "scale_embeddings": False,
         },
     ),
 )
-"""config.json keys every Llama-style decoder has."""
+"""The keys and the shape of Llama, Mistral, Qwen, Mixtral and DeepSeek."""
 
 
-def decoder_common_rules() -> list[Rule]:
-    """Embedding, per-layer norms, final norm and head."""
-    return [
-        Rule("embed.weight", "model.embed_tokens.weight"),
-        Rule("blocks.{i}.attn_residual.norm.weight", "model.layers.{i}.input_layernorm.weight", where="layers"),
-        Rule("blocks.{i}.ffn_residual.norm.weight", "model.layers.{i}.post_attention_layernorm.weight", where="layers"),
-        Rule("norm.weight", "model.norm.weight"),
-        Rule("head.weight", "lm_head.weight", when=lambda c: not c.tie_embeddings),
-    ]
+def decoder_common_rules(norm_bias: bool = False) -> list[Rule]:
+    """Embedding, per-layer norms, final norm and head; `norm_bias`: LayerNorms with biases (StarCoder2, StableLM)."""
+    params = ("weight", "bias") if norm_bias else ("weight",)
+    rules = [Rule("embed.weight", "model.embed_tokens.weight")]
+    for p in params:
+        rules += [
+            Rule(f"blocks.{{i}}.attn_residual.norm.{p}", f"model.layers.{{i}}.input_layernorm.{p}", where="layers"),
+            Rule(
+                f"blocks.{{i}}.ffn_residual.norm.{p}",
+                f"model.layers.{{i}}.post_attention_layernorm.{p}",
+                where="layers",
+            ),
+            Rule(f"norm.{p}", f"model.norm.{p}"),
+        ]
+    return [*rules, Rule("head.weight", "lm_head.weight", when=lambda c: not c.tie_embeddings)]
 
 
 _QKVO = [("wq", "q"), ("wk", "k"), ("wv", "v"), ("wo", "o")]
@@ -66,7 +84,15 @@ def attention_rules(prefix: str = "model.layers.{i}.self_attn.", ours: str = "bl
         for a, b in _QKVO[:3]
     ]
     rules.append(Rule(f"{ours}wo.bias", f"{prefix}o_proj.bias", where="layers", when=lambda c: c.attention.out_bias))
-    return rules
+    return rules + qk_norm_rules(prefix, ours)
+
+
+def qk_norm_rules(prefix: str = "model.layers.{i}.self_attn.", ours: str = "blocks.{i}.attn.") -> list[Rule]:
+    """Per-head query and key norms (Qwen3's q_norm / k_norm, one gain of head_dim each), when the config has them."""
+    return [
+        Rule(f"{ours}{n}.weight", f"{prefix}{n}.weight", where="layers", when=lambda c: c.attention.qk_norm)
+        for n in ("q_norm", "k_norm")
+    ]
 
 
 def swiglu_rules(prefix: str, ours: str, where: str, bias: bool = False) -> list[Rule]:

@@ -1,4 +1,5 @@
-"""DeepSeek-V3 (model_type deepseek_v3) and DeepSeek-V3.2 (deepseek_v32, adds the sparse-attention indexer).
+"""DeepSeek-V2 (model_type deepseek_v2), DeepSeek-V3 (deepseek_v3) and DeepSeek-V3.2 (deepseek_v32, adds the
+sparse-attention indexer): one layout.
 
     model.layers.{i}.self_attn.q_a_proj / q_a_layernorm / q_b_proj     blocks.{i}.attn.wq_a / q_norm / wq_b
       (or self_attn.q_proj when q_lora_rank is null)                   blocks.{i}.attn.wq
@@ -7,15 +8,21 @@
     model.layers.{i}.self_attn.indexer.wq_b / wk / k_norm / weights_proj   blocks.{i}.attn.indexer.wq / wk / k_norm /
                                                                            w_heads                       (V3.2)
     layers < first_k_dense_replace: mlp.{gate,up,down}_proj            blocks.{i}.ffn.{w1,w3,w2}
-    other layers: mlp.gate.weight / mlp.gate.e_score_correction_bias   blocks.{i}.ffn.router.weight / score_bias
+    other layers: mlp.gate.weight / mlp.gate.e_score_correction_bias   blocks.{i}.ffn.router.weight / score_bias (V3)
                   mlp.experts.{e}.{gate,up,down}_proj (stacked)        blocks.{i}.ffn.experts.{w1,w3,w2}
                   mlp.shared_experts.{gate,up,down}_proj               blocks.{i}.ffn.shared.{w1,w3,w2}
     model.layers.{n + m}: enorm / hnorm / eh_proj / shared_head.norm   mtp.{m}.emb_norm / h_norm / proj / norm
                           and a full block                              mtp.{m}.block   (when the checkpoint has it)
     (embedding, norms and head as in llmkit.interop.hf.decoder)
 
-The main attention's RoPE rotates adjacent pairs (rope_interleave, the default), which llmkit's interleaved layout
-does natively, so no rows are permuted; the V3.2 indexer rotates in the half layout, as llmkit's indexer does.
+The main attention's RoPE rotates adjacent pairs (V2 always; V3's rope_interleave, the default), which llmkit's
+interleaved layout does natively, so no rows are permuted; the V3.2 indexer rotates in the half layout, as llmkit's
+indexer does.
+
+The versions differ in routing. V2: softmax scores; topk_method "greedy" (plain top-k) or "group_limited_greedy"
+(only the topk_group groups with the best single score are eligible); gates not renormalised, times
+routed_scaling_factor. V3: sigmoid scores plus a score-correction bias for choosing, groups ranked by the sum of
+their two best scores ("noaux_tc"), gates renormalised (norm_topk_prob) and scaled.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from collections.abc import Collection
 from typing import Any, ClassVar
 
 from llmkit.config import Layout, ModelConfig
+from llmkit.errors import ConfigError
 from llmkit.interop.hf.activations import activation_field
 from llmkit.interop.hf.base import Family
 from llmkit.interop.hf.decoder import DECODER_FIELDS, decoder_common_rules, expert_rules, swiglu_rules
@@ -39,11 +47,44 @@ from llmkit.interop.hf.fields import (
     Stated,
     fixed,
     optional_positive,
+    require,
 )
 from llmkit.interop.keymap import Rule, as_tuple
 
-_V3, _V32 = ("deepseek_v3",), ("deepseek_v32",)
+_V2, _V3, _V32 = ("deepseek_v2",), ("deepseek_v3",), ("deepseek_v32",)
+_V3S = _V3 + _V32
 _ROUTING = "DeepSeek-V3 routes with sigmoid scores and topk_method 'noaux_tc'"
+
+
+def _v2_groups_from_hf(hf: HFConfig, names: Collection[str]) -> dict[str, Any]:
+    """V2's topk_method: "greedy" ignores the groups; "group_limited_greedy" keeps topk_group of n_group."""
+    method = hf.get("topk_method") or "greedy"
+    if method == "greedy":
+        return {"moe.n_groups": 1, "moe.topk_groups": 1}
+    if method == "group_limited_greedy":
+        return {
+            "moe.n_groups": int(require(hf, "n_group")),
+            "moe.topk_groups": int(require(hf, "topk_group")),
+            "moe.group_score": "max",
+        }
+    raise ConfigError(
+        f"config.json topk_method={method!r} is not supported for deepseek_v2; supported: greedy, group_limited_greedy"
+    )
+
+
+def _v2_groups_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    assert cfg.moe is not None
+    grouped = cfg.moe.n_groups > 1
+    if grouped and cfg.moe.group_score != "max":
+        raise ConfigError(
+            f"moe.group_score={cfg.moe.group_score!r} cannot be written as model_type 'deepseek_v2': its expert groups "
+            "rank by their best score ('max')"
+        )
+    return {
+        "topk_method": "group_limited_greedy" if grouped else "greedy",
+        "n_group": cfg.moe.n_groups,
+        "topk_group": cfg.moe.topk_groups,
+    }
 
 
 def _mtp_depth_from_hf(hf: HFConfig, names: Collection[str]) -> dict[str, Any]:
@@ -75,41 +116,52 @@ FIELDS: tuple[Entry, ...] = (
     Field("attention.mla.qk_nope_head_dim", "qk_nope_head_dim", int),
     Field("attention.mla.qk_rope_head_dim", "qk_rope_head_dim", int),
     Field("attention.mla.v_head_dim", "v_head_dim", int),
-    Field("position.layout", "rope_interleave", _layout, "interleaved", _rope_interleave),
     Field("ffn.hidden_dim", "intermediate_size", int),
     activation_field(("ffn.activation", "moe.activation"), "hidden_act", "deepseek", "silu"),
     Field("moe.n_experts", "n_routed_experts", int),
     Field("moe.top_k", "num_experts_per_tok", int),
     Field("moe.expert_hidden_dim", "moe_intermediate_size", int),
     Field("moe.n_shared_experts", "n_shared_experts", int, 0),
-    Field("moe.n_groups", "n_group", int, 1),
-    Field("moe.topk_groups", "topk_group", int, 1),
-    Field("moe.norm_topk", "norm_topk_prob", bool, True),
     Field("moe.routed_scale", "routed_scaling_factor", float, 1.0),
     Field("moe.first_dense_layers", "first_k_dense_replace", int, 0),
     Field("moe.aux_loss_coef", "aux_loss_alpha", float, 0.0),
-    Assumed("moe.aux_loss_kind", "sequence"),  # DeepSeek-V3 §2.1.2: the complementary sequence-wise balance loss
+    Assumed("moe.aux_loss_kind", "sequence"),  # DeepSeek-V2 §2.2.3, V3 §2.1.2: the sequence-wise balance loss
     *fixed(
-        "DeepSeek-V3 routes to SwiGLU experts with sigmoid scores and a score-correction bias (auxiliary-loss-free "
-        "balancing, DeepSeek-V3 §2.1.2), with no capacity limit, and its feed-forwards have no biases",
-        {
-            "moe.expert_kind": "swiglu",
-            "moe.score_func": "sigmoid",
-            "moe.score_bias": True,
-            "moe.capacity_factor": None,
-            "ffn.bias": False,
-        },
+        "DeepSeek routes to SwiGLU experts with no capacity limit, and its feed-forwards have no biases",
+        {"moe.expert_kind": "swiglu", "moe.capacity_factor": None, "ffn.bias": False, "attention.qk_norm": False},
     ),
-    Stated("scoring_func", "sigmoid", _ROUTING),
-    Stated("topk_method", "noaux_tc", _ROUTING),
+    # V3 and V3.2
+    Field("position.layout", "rope_interleave", _layout, "interleaved", _rope_interleave, only=_V3S),
+    Field("moe.n_groups", "n_group", int, 1, only=_V3S),
+    Field("moe.topk_groups", "topk_group", int, 1, only=_V3S),
+    Field("moe.norm_topk", "norm_topk_prob", bool, True, only=_V3S),
+    *fixed(
+        "DeepSeek-V3 routes with sigmoid scores and a score-correction bias (auxiliary-loss-free balancing, "
+        "DeepSeek-V3 §2.1.2), ranking expert groups by the sum of their two best scores",
+        {"moe.score_func": "sigmoid", "moe.score_bias": True, "moe.group_score": "top2_sum"},
+        only=_V3S,
+    ),
+    Stated("scoring_func", "sigmoid", _ROUTING, only=_V3S),
+    Stated("topk_method", "noaux_tc", _ROUTING, only=_V3S),
+    # V2
+    Fixed("position.layout", "interleaved", "DeepSeek-V2 rotates adjacent pairs", only=_V2),
+    Custom(_v2_groups_from_hf, _v2_groups_to_hf, only=_V2),
+    *fixed(
+        "DeepSeek-V2 routes with softmax scores, no score bias and gates that are not renormalised",
+        {"moe.score_func": "softmax", "moe.score_bias": False, "moe.norm_topk": False},
+        only=_V2,
+    ),
+    Stated("scoring_func", "softmax", "DeepSeek-V2 routes with softmax scores", only=_V2),
+    Stated("mlp_bias", False, "llmkit reads DeepSeek-V2 feed-forwards without biases", only=_V2),
     Stated("moe_layer_freq", 1, "every layer after first_k_dense_replace is MoE in llmkit"),
-    Custom(_mtp_depth_from_hf, _mtp_depth_to_hf),
+    Custom(_mtp_depth_from_hf, _mtp_depth_to_hf, only=_V3S),
+    Fixed("mtp_depth", 0, "DeepSeek-V2 has no multi-token prediction module (use deepseek_v3)", only=_V2),
     # keys transformers' DeepseekV3Config reads that follow from the MLA sizes
     Derived("num_key_value_heads", lambda cfg: cfg.attention.n_heads),
     Derived("qk_head_dim", lambda cfg: cfg.head_dim),
     Derived("head_dim", lambda cfg: cfg.rope_dim),
     # V3 has dense latent attention; V3.2 adds the lightning indexer that picks top-k keys per query
-    Fixed("attention.kind", "mla", "it has latent attention (with sparse attention: deepseek_v32)", only=_V3),
+    Fixed("attention.kind", "mla", "it has latent attention (with sparse attention: deepseek_v32)", only=_V2 + _V3),
     Fixed("attention.kind", "dsa", "it has sparse attention (dense latent attention: deepseek_v3)", only=_V32),
     Field("attention.indexer.n_heads", "index_n_heads", int, only=_V32),
     Field("attention.indexer.head_dim", "index_head_dim", int, only=_V32),
@@ -168,7 +220,12 @@ def _ffn_rules(cfg: ModelConfig, names: Collection[str]) -> list[Rule]:
     rules = [
         *swiglu_rules(mlp, "blocks.{i}.ffn.", "dense"),
         Rule("blocks.{i}.ffn.router.weight", mlp + "gate.weight", where="moe"),
-        Rule("blocks.{i}.ffn.router.score_bias", mlp + "gate.e_score_correction_bias", where="moe"),
+        Rule(
+            "blocks.{i}.ffn.router.score_bias",
+            mlp + "gate.e_score_correction_bias",
+            where="moe",
+            when=lambda c: c.moe is not None and c.moe.score_bias,
+        ),
         *expert_rules(cfg, names, mlp + "experts.", ("gate_proj", "up_proj", "down_proj"), mlp + "experts."),
     ]
     if cfg.moe is not None and cfg.moe.n_shared_experts:
@@ -178,8 +235,9 @@ def _ffn_rules(cfg: ModelConfig, names: Collection[str]) -> list[Rule]:
 
 class DeepSeekFamily(Family):
     name = "deepseek"
-    model_types: ClassVar[tuple[str, ...]] = ("deepseek_v3", "deepseek_v32")
+    model_types: ClassVar[tuple[str, ...]] = ("deepseek_v3", "deepseek_v32", "deepseek_v2")
     architectures: ClassVar[dict[str, str]] = {
+        "deepseek_v2": "DeepseekV2ForCausalLM",
         "deepseek_v3": "DeepseekV3ForCausalLM",
         "deepseek_v32": "DeepseekV32ForCausalLM",
     }

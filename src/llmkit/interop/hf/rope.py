@@ -101,7 +101,9 @@ def rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def _partial_from_hf(hf: HFConfig, names: Collection[str]) -> dict[str, Any]:
-    return {"position.rope_fraction": float((hf.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))}
+    """transformers 5.x keeps the factor in rope_parameters; 4.x configs (StableLM, Phi) at the top level."""
+    factor = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    return {"position.rope_fraction": 1.0 if factor is None else float(factor)}
 
 
 def _partial_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -113,4 +115,4 @@ ROPE = Custom(rope_from_hf, rope_to_hf)
 """position.theta, .scaling and .max_seq_len <-> rope_theta, rope_scaling, rope_parameters, max_position_embeddings."""
 
 PARTIAL_ROTARY = Custom(_partial_from_hf, _partial_to_hf)
-"""position.rope_fraction <-> rope_parameters.partial_rotary_factor (transformers 5.x Llama-family configs)."""
+"""position.rope_fraction <-> rope_parameters.partial_rotary_factor (or, read, a top-level partial_rotary_factor)."""

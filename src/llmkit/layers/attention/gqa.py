@@ -16,12 +16,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from llmkit.config import Layout, ModelConfig
+from llmkit.config import Layout, ModelConfig, NormConfig
 from llmkit.errors import check_features
 from llmkit.layers.attention.base import AttentionInputs, SelfAttention, record_weights, wants_weights
 from llmkit.layers.attention.cache import KVCache
 from llmkit.layers.attention.core import attend
 from llmkit.layers.extras import Extras
+from llmkit.layers.norm import build_norm
 from llmkit.layers.rope import RopeTables, apply_rope
 
 
@@ -33,7 +34,10 @@ def rotate_prefix(x: Tensor, rope: RopeTables, rope_dim: int, layout: Layout) ->
 
 
 class GroupedQueryAttention(SelfAttention):
-    """Self-attention with H query heads sharing K key/value heads. x (B, T, C) -> (B, T, C)."""
+    """Self-attention with H query heads sharing K key/value heads. x (B, T, C) -> (B, T, C).
+
+    qk_norm: a norm (one gain of D per projection, shared by the heads) applied to every query and key head before
+    RoPE (Qwen3, Gemma 3); None for none."""
 
     def __init__(
         self,
@@ -47,6 +51,7 @@ class GroupedQueryAttention(SelfAttention):
         rope_dim: int = 0,
         rope_layout: Layout = "half",
         sliding_window: int | None = None,
+        qk_norm: NormConfig | None = None,
     ) -> None:
         super().__init__()
         self.sliding_window = sliding_window
@@ -56,6 +61,8 @@ class GroupedQueryAttention(SelfAttention):
         self.wk = nn.Linear(d_model, n_kv_heads * head_dim, bias=qkv_bias)
         self.wv = nn.Linear(d_model, n_kv_heads * head_dim, bias=qkv_bias)
         self.wo = nn.Linear(n_heads * head_dim, d_model, bias=out_bias)
+        self.q_norm = None if qk_norm is None else build_norm(qk_norm, head_dim)
+        self.k_norm = None if qk_norm is None else build_norm(qk_norm, head_dim)
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> GroupedQueryAttention:
@@ -71,6 +78,7 @@ class GroupedQueryAttention(SelfAttention):
             cfg.rope_dim,
             cfg.position.layout,
             a.sliding_window,
+            cfg.norm if a.qk_norm else None,
         )
 
     def forward(
@@ -81,6 +89,8 @@ class GroupedQueryAttention(SelfAttention):
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, D)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, K, D)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, K, D)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # each head normalised over its D dims
         if inputs.rope is not None and self.rope_dim:
             q = rotate_prefix(q, inputs.rope, self.rope_dim, self.rope_layout)
             k = rotate_prefix(k, inputs.rope, self.rope_dim, self.rope_layout)
