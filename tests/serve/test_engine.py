@@ -204,3 +204,28 @@ def test_fail_ends_every_request_and_frees_the_pool():
     assert len(deltas) == 6 and {d.finish_reason for d in deltas} == {"error"}
     _assert_pool_empty(engine)
     assert engine.generate(_prompts(model, [4]), GREEDY)[0].finish_reason == "length"  # still usable
+
+
+def test_non_finite_logits_end_only_that_sequence():
+    """NaN (or +inf) logits end their sequence with finish reason "error"; the rest of the batch is untouched, and a
+    -inf logit (a token masked on purpose) is not an error."""
+    model = _model("llama2-7b-tiny")
+    engine = _engine(model)
+    real = engine._forward
+
+    def forward(work):
+        out = real(work).clone()
+        for i, w in enumerate(work):
+            if w.seq.tokens[0] == 7:
+                out[i, 3] = float("nan")
+            else:
+                out[i, 3] = float("-inf")
+        return out
+
+    engine._forward = forward
+    prompts = [[7, 1, 2, 9], [8, 1, 2, 9]]
+    bad, good = engine.generate(prompts, GREEDY)
+    assert bad.finish_reason == "error" and bad.token_ids == []
+    assert good.finish_reason == "length" and len(good.token_ids) == 10 and 3 not in good.token_ids
+    assert engine.stats.failed == 1
+    _assert_pool_empty(engine)

@@ -14,6 +14,7 @@ for the HTTP server, and `generate` drives it to completion for a Python caller.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from llmkit.serve.sampler import sample
 from llmkit.serve.scheduler import Scheduler, Work
 from llmkit.serve.text import TextStops
 from llmkit.tokenizer import IncrementalDecoder, Tokenizer
+
+log = logging.getLogger("llmkit.serve")
 
 
 class QueueFull(LLMKitError):
@@ -66,6 +69,7 @@ class EngineStats:
     generated_tokens: int = 0
     finished: int = 0
     steps: int = 0
+    failed: int = 0  # sequences ended because their logits were not finite
 
 
 class Engine:
@@ -182,8 +186,20 @@ class Engine:
             if w.start < w.seq.prompt_len:
                 self.stats.prompt_tokens += min(w.start + w.count, w.seq.prompt_len) - w.start
         ready = [w for w in work if w.samples]
+        if not ready:
+            return deltas
+        batch = torch.stack([logits[id(w)] for w in ready])  # (B, V)
+        bad = (torch.isnan(batch) | torch.isposinf(batch)).any(dim=-1).tolist()  # -inf: a token masked on purpose
+        if any(bad):  # damaged weights or an overflow: those sequences end with an error, the batch goes on
+            for w in (w for w, b in zip(ready, bad, strict=True) if b):
+                log.error("request %s: the model's logits are NaN or infinite; ending it", w.seq.request.id)
+                self.stats.failed += 1
+                self._finish(w.seq, "error")
+                deltas.append(self._delta(w.seq, [], "", []))
+            keep = [i for i, b in enumerate(bad) if not b]
+            ready, batch = [ready[i] for i in keep], batch[keep]
         if ready:
-            ids, logprobs = sample(torch.stack([logits[id(w)] for w in ready]), [w.seq for w in ready])
+            ids, logprobs = sample(batch, [w.seq for w in ready])
             for w, token, logprob in zip(ready, ids, logprobs, strict=True):
                 deltas.append(self._append(w.seq, token, logprob))
         return deltas
