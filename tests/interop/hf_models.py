@@ -105,7 +105,9 @@ def _builders() -> dict[str, Any]:
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
             )
         ),
-        "starcoder2": lambda: T.Starcoder2ForCausalLM(T.Starcoder2Config(**SMALL, num_key_value_heads=2)),
+        "starcoder2": lambda: T.Starcoder2ForCausalLM(
+            T.Starcoder2Config(**SMALL, num_key_value_heads=2, bos_token_id=0, eos_token_id=0)
+        ),
         "stablelm": lambda: T.StableLmForCausalLM(
             T.StableLmConfig(
                 **SMALL,
