@@ -154,3 +154,55 @@ def test_a_config_json_with_values_llmkit_cannot_hold_is_refused():
     marian.update(encoder_ffn_dim=32, decoder_ffn_dim=32, encoder_attention_heads=4, decoder_attention_heads=8)
     with pytest.raises(ConfigError, match=r"encoder_attention_heads=4 differs from decoder_attention_heads=8"):
         family_for("marian").config_from_hf(marian)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "changes", "message"),
+    [
+        ("phi3", {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}}, "longrope"),
+        ("stablelm", {"use_parallel_residual": True}, "use_parallel_residual=True is not supported"),
+        ("stablelm", {"qk_layernorm": True}, "qk_layernorm=True is not supported"),
+        ("qwen2_moe", {"shared_expert_intermediate_size": 50}, "not a multiple of moe_intermediate_size=24"),
+        (
+            "qwen2_moe",
+            {"decoder_sparse_step": 2, "num_hidden_layers": 4},
+            "llmkit supports dense layers only before the first",
+        ),
+        ("qwen2_moe", {"use_sliding_window": True}, "use_sliding_window=True is not supported"),
+        ("qwen3_moe", {"num_experts": 0, "num_local_experts": 0}, "a dense model"),
+        ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method='noaux_tc' is not supported for deepseek_v2"),
+        ("deepseek_v3", {"topk_method": "greedy"}, "topk_method='greedy' is not supported"),
+        ("gemma", {"hidden_act": "xielu"}, "hidden_act='xielu' is not supported"),
+    ],
+)
+def test_what_a_family_cannot_hold_is_refused_by_name(tmp_path, model_type, changes, message):
+    from llmkit.interop.hf import config_from_hf
+
+    base = {
+        "phi3": dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=80),
+        "stablelm": dict(
+            vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=80
+        ),
+        "qwen2_moe": dict(
+            vocab_size=96,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=80,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=48,
+        ),
+        "gemma": dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=80),
+    }
+    hf = {"model_type": model_type, **base.get(model_type, base["qwen2_moe"])}
+    if model_type.startswith("deepseek"):
+        from .hf_models import DEEPSEEK
+
+        hf = {"model_type": model_type, **DEEPSEEK, "n_routed_experts": 8}
+    if model_type == "qwen3_moe":
+        hf.pop("shared_expert_intermediate_size")
+    config_from_hf(dict(hf))  # the base reads
+    with pytest.raises(ConfigError, match=message):
+        config_from_hf({**hf, **changes})
