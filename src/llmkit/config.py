@@ -42,7 +42,7 @@ PositionKind = Literal["sinusoidal", "learned", "rope", "none"]
 Layout = Literal["half", "interleaved"]
 RopeScalingKind = Literal["linear", "ntk", "dynamic", "yarn", "llama3"]
 NormKind = Literal["layernorm", "rmsnorm"]
-NormPlacement = Literal["pre", "post"]
+NormPlacement = Literal["pre", "post", "sandwich"]
 Activation = Literal["relu", "gelu", "gelu_tanh", "silu"]
 FFNKind = Literal["mlp", "swiglu"]
 ScoreFunc = Literal["softmax", "sigmoid"]
@@ -177,7 +177,11 @@ class AttentionConfig(ConfigBase):
     dsa (MLA + lightning indexer + top-k sparse attention) needs `mla` and `indexer`. sliding_window (gqa): each
     query sees only the `sliding_window` most recent tokens (Mistral-7B-v0.1). qk_norm (gqa): each query and key
     head is normalised (the model's norm kind, over head_dim, before RoPE) as in Qwen3 and Gemma 3, which keeps
-    attention logits from growing without bound (Dehghani et al. 2023)."""
+    attention logits from growing without bound (Dehghani et al. 2023). full_every (with sliding_window): every
+    n-th layer (layer i with (i + 1) % n == 0) attends to everything, the others through the window (Gemma 2:
+    2, local and global layers alternating). softcap (gqa): scores become softcap * tanh(scores / softcap) before
+    the softmax (Gemma 2's attention logit soft-capping). scale (gqa): the factor on q.k, head_dim^-0.5 when None
+    (Gemma 2 uses query_pre_attn_scalar^-0.5)."""
 
     path: ClassVar[str] = "attention"
     kind: AttentionKind = "gqa"
@@ -188,7 +192,10 @@ class AttentionConfig(ConfigBase):
     out_bias: bool = False
     dropout: float = 0.0
     sliding_window: int | None = None
+    full_every: int | None = None
     qk_norm: bool = False
+    softcap: float | None = None
+    scale: float | None = None
     mla: MLAConfig | None = None
     indexer: IndexerConfig | None = None
 
@@ -200,6 +207,15 @@ class AttentionConfig(ConfigBase):
             self.require(self.kind == "gqa", "sliding_window", "is only supported with attention.kind='gqa'")
         if self.qk_norm:
             self.require(self.kind == "gqa", "qk_norm", "is only supported with attention.kind='gqa'")
+        if self.full_every is not None:
+            self.require(self.full_every >= 1, "full_every", "must be >= 1, or None for a window in every layer")
+            self.require(self.sliding_window is not None, "full_every", "needs a sliding_window")
+        if self.softcap is not None:
+            self.require(self.softcap > 0, "softcap", "must be > 0, or None for no soft-capping")
+            self.require(self.kind == "gqa", "softcap", "is only supported with attention.kind='gqa'")
+        if self.scale is not None:
+            self.require(self.scale > 0, "scale", "must be > 0, or None for head_dim ** -0.5")
+            self.require(self.kind == "gqa", "scale", "is only supported with attention.kind='gqa'")
         if self.kind == "gqa":
             self.require(self.mla is None, "mla", "is only used with attention.kind='mla' or 'dsa'")
             self.require(self.indexer is None, "indexer", "is only used with attention.kind='dsa'")
@@ -235,6 +251,12 @@ class AttentionConfig(ConfigBase):
                     )
             else:
                 self.require(self.indexer is None, "indexer", "is only used with attention.kind='dsa'")
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (None: it attends to every earlier token)."""
+        if self.full_every is not None and (layer + 1) % self.full_every == 0:
+            return None
+        return self.sliding_window
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -323,9 +345,10 @@ class MoEConfig(ConfigBase):
 
 @dataclass(frozen=True)
 class NormConfig(ConfigBase):
-    """kind: layernorm | rmsnorm. placement: pre (x + f(norm(x)), GPT-2/LLaMA) or post (norm(x + f(x)), the
-    original Transformer). bias: LayerNorm's additive bias. unit_offset (rmsnorm): the gain is 1 + weight, with the
-    weight stored as its offset from 1 and initialised to 0 (Gemma)."""
+    """kind: layernorm | rmsnorm. placement: pre (x + f(norm(x)), GPT-2/LLaMA), post (norm(x + f(x)), the
+    original Transformer) or sandwich (x + norm'(f(norm(x))), Gemma 2: a second norm on each sub-layer's output).
+    bias: LayerNorm's additive bias. unit_offset (rmsnorm): the gain is 1 + weight, with the weight stored as its
+    offset from 1 and initialised to 0 (Gemma)."""
 
     path: ClassVar[str] = "norm"
     kind: NormKind = "rmsnorm"
@@ -374,6 +397,7 @@ class ModelConfig(ConfigBase):
     tie_embeddings: bool = False
     scale_embeddings: bool = False
     head_bias: bool = False
+    logit_softcap: float | None = None
     dropout: float = 0.0
     mtp_depth: int = 0
     init: InitKind = "normal"
@@ -386,6 +410,8 @@ class ModelConfig(ConfigBase):
         self.require(0.0 <= self.dropout < 1.0, "dropout", "must be in [0, 1)")
         self.within(0, MAX_LAYERS, "mtp_depth")
         self.require(self.init_std > 0, "init_std", "must be > 0")
+        if self.logit_softcap is not None:
+            self.require(self.logit_softcap > 0, "logit_softcap", "must be > 0, or None for no soft-capping")
         a = self.attention
         if a.kind == "gqa" and a.head_dim is None and self.d_model % a.n_heads != 0:
             raise ConfigError(

@@ -147,6 +147,23 @@ def _gemma_2b() -> ModelConfig:
     )
 
 
+def _gemma2_2b() -> ModelConfig:
+    # Gemma 2: Gemma's block with sandwich norms, soft-capped attention scores (50) and logits (30), and local
+    # (4096-token window) and global layers alternating
+    g = _gemma_2b()
+    return dataclasses.replace(
+        g,
+        d_model=2304,
+        n_layers=26,
+        attention=AttentionConfig(
+            n_heads=8, n_kv_heads=4, head_dim=256, sliding_window=4096, full_every=2, softcap=50.0
+        ),
+        ffn=dataclasses.replace(g.ffn, hidden_dim=9216),
+        norm=dataclasses.replace(g.norm, placement="sandwich"),
+        logit_softcap=30.0,
+    )
+
+
 def _qwen15_moe() -> ModelConfig:
     # Qwen1.5-MoE-A2.7B (qwen2_moe): Qwen2 attention (q/k/v biases), 60 experts of 1408, top-4 with gates not
     # renormalised, and one shared expert of 4 x 1408 scaled per token by a sigmoid gate
@@ -251,7 +268,8 @@ def _tiny(cfg: ModelConfig) -> ModelConfig:
         heads = 8 if ratio >= 2 else 4
         kv = None if a.n_kv_heads is None else max(1, heads // ratio)
         head_dim = None if a.head_dim is None else 16  # a head width of its own stays one, at a toy size
-        tiny_attention = dataclasses.replace(a, n_heads=heads, n_kv_heads=kv, head_dim=head_dim)
+        window = None if a.sliding_window is None else 16  # a window shorter than the tests' sequences
+        tiny_attention = dataclasses.replace(a, n_heads=heads, n_kv_heads=kv, head_dim=head_dim, sliding_window=window)
     else:
         assert a.mla is not None
         mla = MLAConfig(
@@ -361,6 +379,14 @@ _BASE: list[Preset] = [
         "parameters",
         Published(2_506_172_416, exact=True),
         notes="The paper's embedding count (524,550,144) is for a 256,128-token table; the released one has 256,000.",
+    ),
+    Preset(
+        "gemma2-2b",
+        _gemma2_2b(),
+        "google/gemma-2-2b config.json (Gemma Team 2024); the paper's Table 1 gives 2,024,517,888 non-embedding "
+        "parameters",
+        Published(2_614_341_888, exact=True),
+        notes="The paper's embedding count (590,118,912) is for a 256,128-token table; the released one has 256,000.",
     ),
     Preset(
         "qwen1.5-moe-a2.7b",

@@ -95,6 +95,17 @@ def _builders() -> dict[str, Any]:
             )
         ),
         "gemma": lambda: T.GemmaForCausalLM(T.GemmaConfig(**SMALL, num_key_value_heads=1, head_dim=32)),
+        "gemma2": lambda: T.Gemma2ForCausalLM(
+            T.Gemma2Config(
+                **SMALL,
+                num_key_value_heads=2,
+                head_dim=16,
+                query_pre_attn_scalar=24,
+                sliding_window=5,
+                attn_logit_softcapping=2.0,
+                final_logit_softcapping=3.0,
+            )
+        ),
         "phi3": lambda: T.Phi3ForCausalLM(
             T.Phi3Config(
                 **SMALL,

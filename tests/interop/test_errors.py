@@ -172,7 +172,7 @@ def test_a_config_json_with_values_llmkit_cannot_hold_is_refused():
         ("qwen3_moe", {"num_experts": 0, "num_local_experts": 0}, "a dense model"),
         ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method='noaux_tc' is not supported for deepseek_v2"),
         ("deepseek_v3", {"topk_method": "greedy"}, "topk_method='greedy' is not supported"),
-        ("gemma", {"hidden_act": "xielu"}, "hidden_act='xielu' is not supported"),
+        ("gemma", {"hidden_act": "xielu"}, "hidden_activation=.xielu. is not supported"),
     ],
 )
 def test_what_a_family_cannot_hold_is_refused_by_name(tmp_path, model_type, changes, message):

@@ -243,3 +243,38 @@ def test_qk_norm_is_only_for_decoder_self_attention():
         ModelConfig(
             vocab_size=8, d_model=C, n_layers=1, attention=AttentionConfig(qk_norm=True), encoder=EncoderConfig()
         )
+
+
+def test_soft_capped_scores_and_a_scale_of_its_own():
+    """softcap: scores become cap * tanh(scores / cap) before the softmax; scale replaces D^-0.5. Prefill (the
+    explicit path) and one-query decoding (its own path) agree with a per-head reference."""
+    from llmkit.layers.softcap import soft_cap
+
+    attn = gqa(2, scale=0.3, softcap=1.5)
+    x = torch.randn(2, 6, C)
+    q = (x @ attn.wq.weight.T).view(2, 6, H, D).transpose(1, 2)
+    k = (x @ attn.wk.weight.T).view(2, 6, 2, D).transpose(1, 2).repeat_interleave(2, 1)
+    v = (x @ attn.wv.weight.T).view(2, 6, 2, D).transpose(1, 2).repeat_interleave(2, 1)
+    s = soft_cap((q @ k.transpose(-1, -2)) * 0.3, 1.5)
+    assert s.abs().max() < 1.5
+    allowed = torch.ones(6, 6).tril().bool()
+    ref = (torch.softmax(s.masked_fill(~allowed, float("-inf")), -1) @ v).transpose(1, 2).reshape(2, 6, H * D)
+    ref = ref @ attn.wo.weight.T
+    torch.testing.assert_close(attn(x, causal(6)), ref, rtol=1e-5, atol=1e-5)
+    cache, state = attn.new_cache(2, 8), SequenceState.new(2, 8, None)
+    rope = RotaryEmbedding(D, 10000.0, 64)
+    outs = [attn(x[:, :5], cached(state, 5, rope), cache), attn(x[:, 5:], cached(state, 1, rope), cache)]
+    torch.testing.assert_close(torch.cat(outs, 1), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_full_every_alternates_windowed_and_global_layers():
+    a = AttentionConfig(n_heads=H, sliding_window=4, full_every=2)
+    assert [a.window_of(i) for i in range(5)] == [4, None, 4, None, 4]
+    assert AttentionConfig(n_heads=H, sliding_window=4).window_of(1) == 4
+    cfg = ModelConfig(vocab_size=8, d_model=C, n_layers=4, attention=a)
+    model = __import__("llmkit").build_model(cfg)
+    assert [b.attn.sliding_window for b in model.blocks] == [4, None, 4, None]
+    from llmkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="needs a sliding_window"):
+        AttentionConfig(full_every=2)

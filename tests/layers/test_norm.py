@@ -75,3 +75,29 @@ def test_unit_offset_needs_rmsnorm():
 
     with pytest.raises(ConfigError, match=r"unit_offset=True is only supported with norm\.kind='rmsnorm'"):
         NormConfig(kind="layernorm", unit_offset=True)
+
+
+def test_sandwich_norm_normalises_the_sublayer_input_and_output():
+    from llmkit.layers.residual import SandwichNorm
+
+    r = build_residual(NormConfig(kind="rmsnorm", placement="sandwich", eps=1e-6), 16, 0.0)
+    assert type(r) is SandwichNorm
+    with torch.no_grad():
+        r.norm.weight.uniform_(0.5, 1.5)
+        r.post_norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 3, 16)
+    f = torch.nn.Linear(16, 16)
+    torch.testing.assert_close(r(x, f), x + r.post_norm(f(r.norm(x))))
+    # the sub-layer's contribution has the post-norm's scale whatever the sub-layer's
+    big = r(x, lambda h: 1000 * f(h)) - x
+    torch.testing.assert_close(big, r(x, f) - x, rtol=1e-4, atol=1e-4)
+
+
+def test_soft_cap_is_the_identity_near_zero_and_bounded():
+    from llmkit.layers.softcap import soft_cap
+
+    x = torch.tensor([-1e4, -3.0, -1e-3, 0.0, 1e-3, 3.0, 1e4])
+    y = soft_cap(x, 5.0)
+    assert y.abs().max() <= 5.0 and torch.all(y[1:] >= y[:-1])
+    torch.testing.assert_close(y[2:5], x[2:5], rtol=1e-6, atol=1e-9)
+    assert soft_cap(x, None) is x

@@ -119,9 +119,34 @@ def test_generate_and_beam_search_take_the_native_path_and_match(monkeypatch):
     assert slow_beams.sequences == beams.sequences
 
 
-@pytest.mark.parametrize("name", ["mixtral-8x7b-tiny", "deepseek-v2-lite-tiny", "deepseek-v3.2-tiny"])
+@pytest.mark.parametrize(
+    "name", ["mixtral-8x7b-tiny", "deepseek-v2-lite-tiny", "deepseek-v3.2-tiny", "qwen3-0.6b-tiny", "gemma-2b-tiny"]
+)
 def test_models_it_does_not_compute_are_left_to_pytorch(name):
     assert NativeDecoder.of(model_of(get_preset(name))) is None
+
+
+@pytest.mark.parametrize("change", [{"softcap": 3.0}, {"scale": 0.1}])
+def test_soft_capped_or_rescaled_attention_is_left_to_pytorch(change):
+    cfg = get_preset("llama2-7b-tiny")
+    assert (
+        NativeDecoder.of(model_of(dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, **change))))
+        is None
+    )
+
+
+def test_soft_capped_logits_through_the_cpp_head():
+    """Gemma 2's final soft-capping stays on in the C++ head, so native decoding gives the model's tokens."""
+    model = model_of(dataclasses.replace(get_preset("llama2-7b-tiny"), logit_softcap=0.5))
+    nd = NativeDecoder.of(model)
+    assert nd is not None
+    h = torch.randn(1, 2, model.cfg.d_model)
+    with torch.no_grad():
+        torch.testing.assert_close(nd.logits(h), model.logits(h), atol=1e-5, rtol=1e-5)
+        assert model.logits(h).abs().max() < 0.5
+    ref, nat, _, _ = run_both(model, PROMPTS, 4)
+    for a, b in zip(ref, nat, strict=True):
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4)
 
 
 def test_training_mode_bf16_and_other_kernels_are_left_to_pytorch():

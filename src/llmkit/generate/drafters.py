@@ -23,6 +23,7 @@ from llmkit.generate.prompts import pad
 from llmkit.generate.sampling import Sampling, distribution, draw
 from llmkit.generate.step import decode_step
 from llmkit.layers.mtp import MTPModule
+from llmkit.layers.softcap import soft_cap
 from llmkit.models import Cache, DecoderLM, SequenceState
 
 
@@ -100,8 +101,8 @@ def draft_head(target: DecoderLM, bits: int | None, native: NativeDecoder | None
         weight.shape[1], weight.shape[0], group_size=32, device=weight.device, dtype=weight.dtype
     )
     layer.load_weight(weight)
-    bias = target.head_bias
-    return (lambda h: layer(h) + bias) if bias is not None else layer
+    bias, cap = target.head_bias, target.cfg.logit_softcap
+    return lambda h: soft_cap(layer(h) if bias is None else layer(h) + bias, cap)
 
 
 class MTPDrafter:

@@ -32,6 +32,7 @@ from llmkit.layers.block import TransformerBlock
 from llmkit.layers.mlp import MLP, SwiGLU
 from llmkit.layers.norm import LayerNorm, RMSNorm
 from llmkit.layers.residual import PreNorm
+from llmkit.layers.softcap import soft_cap
 from llmkit.models import DecoderLM, Step
 from llmkit.quant import native
 from llmkit.quant.linear import Int4Linear, Int8Linear
@@ -70,8 +71,9 @@ def _block(ext: Any, block: nn.Module, rope: bool) -> Any | None:
     """The C++ step of one block, or None when some part of it is not one the step computes."""
     if type(block) is not TransformerBlock or type(block.attn) is not GroupedQueryAttention:
         return None
-    if block.attn.q_norm is not None:  # QK-norm (Qwen3) is not one of the C++ step's operations
-        return None
+    a = block.attn
+    if a.q_norm is not None or a.softcap is not None or a.scale != a.head_dim**-0.5:
+        return None  # QK-norm (Qwen3), soft-capped scores or another scale (Gemma 2): not the C++ step's operations
     if type(block.attn_residual) is not PreNorm or type(block.ffn_residual) is not PreNorm:
         return None
     attn, ffn = block.attn, block.ffn
@@ -170,7 +172,7 @@ class NativeDecoder:
         if weight.dtype != torch.float32:
             return model.logits(h)
         out = self.ext.float_linear(rows.contiguous(), weight.contiguous(), model.head_bias)
-        return out.view(*h.shape[:-1], -1)
+        return soft_cap(out.view(*h.shape[:-1], -1), model.cfg.logit_softcap)
 
     def applies_paged(self, tokens: Tensor, pools: list[Any]) -> bool:
         """Whether the serving engine's step over paged pools (llmkit.serve.paged) is one the C++ blocks take."""

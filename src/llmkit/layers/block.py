@@ -39,7 +39,7 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.attn = build_attention(cfg)
+        self.attn = build_attention(cfg, layer)
         self.ffn = build_block_ffn(cfg, layer)
         self.attn_residual = build_residual(cfg.norm, cfg.d_model, cfg.dropout)
         self.ffn_residual = build_residual(cfg.norm, cfg.d_model, cfg.dropout)
@@ -54,7 +54,7 @@ class CrossAttentionBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.attn = build_attention(cfg)
+        self.attn = build_attention(cfg, layer)
         self.cross = CrossAttention(cfg)
         self.ffn = build_block_ffn(cfg, layer)
         self.attn_residual = build_residual(cfg.norm, cfg.d_model, cfg.dropout)

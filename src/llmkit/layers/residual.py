@@ -1,4 +1,4 @@
-"""Residual wiring around a sub-layer: pre-norm and post-norm.
+"""Residual wiring around a sub-layer: pre-norm, post-norm and sandwich-norm.
 
     post-norm (Vaswani et al. 2017, "Add & Norm")        pre-norm (GPT-2, LLaMA)
 
@@ -9,7 +9,10 @@ Post-norm is the paper's LayerNorm(x + Sublayer(x)); the residual path passes th
 stacks hard to train without warm-up. Pre-norm leaves an identity path from input to output (the gradient always has
 a "1" to flow through) and needs one final norm after the last block.
 
-Both classes have one signature, `forward(x, sublayer)`, so a block never branches on which one it holds.
+Sandwich-norm (Gemma 2) is pre-norm with a second norm on the sub-layer's output before it joins the residual:
+x + norm'(sublayer(norm(x))), which bounds what each sub-layer adds.
+
+All three have one signature, `forward(x, sublayer)`, so a block never branches on which one it holds.
 """
 
 from __future__ import annotations
@@ -50,6 +53,19 @@ class PostNorm(Residual):
         return self.norm(x + self.dropout(sublayer(x)))
 
 
+class SandwichNorm(Residual):
+    """x + dropout(post_norm(sublayer(norm(x))))."""
+
+    def __init__(self, norm_cfg: NormConfig, dim: int, dropout: float) -> None:
+        super().__init__(norm_cfg, dim, dropout)
+        self.post_norm = build_norm(norm_cfg, dim)
+
+    def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
+        return x + self.dropout(self.post_norm(sublayer(self.norm(x))))
+
+
+RESIDUALS: dict[str, type[Residual]] = {"pre": PreNorm, "post": PostNorm, "sandwich": SandwichNorm}
+
+
 def build_residual(norm_cfg: NormConfig, dim: int, dropout: float) -> Residual:
-    cls = PreNorm if norm_cfg.placement == "pre" else PostNorm
-    return cls(norm_cfg, dim, dropout)
+    return RESIDUALS[norm_cfg.placement](norm_cfg, dim, dropout)

@@ -20,6 +20,7 @@ from llmkit.layers.attention import AttentionInputs, SelfAttention
 from llmkit.layers.attention.cross import CrossCache
 from llmkit.layers.embedding import InputEmbedding
 from llmkit.layers.rope import RotaryEmbedding
+from llmkit.layers.softcap import soft_cap
 from llmkit.models.cache import Cache, SequenceState, Step, whole_sequence
 from llmkit.models.checks import check_cache_args, check_mask, check_positions, check_tokens
 
@@ -40,11 +41,14 @@ class TokenModel(nn.Module, abc.ABC):
         return self.cfg.position.max_seq_len
 
     def logits(self, h: Tensor) -> Tensor:
-        """Final hidden states after the norm (B, T, C) -> logits (B, T, V). A tied head reuses the embedding."""
+        """Final hidden states after the norm (B, T, C) -> logits (B, T, V). A tied head reuses the embedding. With
+        cfg.logit_softcap (Gemma 2), logits become cap * tanh(logits / cap): smooth, bounded to (-cap, cap)."""
         if self.head is None:
-            return F.linear(h, self.embed.weight, self.head_bias)
-        logits = self.head(h)
-        return logits + self.head_bias if self.head_bias is not None else logits
+            logits = F.linear(h, self.embed.weight, self.head_bias)
+        else:
+            logits = self.head(h)
+            logits = logits + self.head_bias if self.head_bias is not None else logits
+        return soft_cap(logits, self.cfg.logit_softcap)
 
     def attention_inputs(self, step: Step) -> AttentionInputs:
         """The attention inputs of a step: its mask and slots, and the RoPE tables of its positions."""

@@ -43,7 +43,7 @@ class DecoderLM(TokenModel):
         self.inputs = InputEmbedding(cfg, cfg.position.max_seq_len)
         self.rope = build_rope(cfg)
         self.blocks = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
-        self.norm = build_norm(cfg.norm, cfg.d_model) if cfg.norm.placement == "pre" else nn.Identity()
+        self.norm = build_norm(cfg.norm, cfg.d_model) if cfg.norm.placement != "post" else nn.Identity()
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head_bias = nn.Parameter(torch.zeros(cfg.vocab_size)) if cfg.head_bias else None
         self.mtp = nn.ModuleList(MTPModule(cfg, cfg.n_layers + k) for k in range(cfg.mtp_depth))

@@ -44,7 +44,7 @@ class EncoderDecoder(TokenModel, Seq2SeqModel):
         self.rope = build_rope(cfg)
         self.encoder = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.encoder.n_layers))
         self.decoder = nn.ModuleList(CrossAttentionBlock(cfg, i) for i in range(cfg.n_layers))
-        pre = cfg.norm.placement == "pre"  # pre-norm stacks end with a norm; post-norm blocks already end in one
+        pre = cfg.norm.placement != "post"  # pre-norm stacks end with a norm; post-norm blocks already end in one
         self.encoder_norm = build_norm(cfg.norm, cfg.d_model) if pre else nn.Identity()
         self.decoder_norm = build_norm(cfg.norm, cfg.d_model) if pre else nn.Identity()
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)

@@ -19,9 +19,10 @@ ATTENTION: dict[str, type[GroupedQueryAttention] | type[MultiHeadLatentAttention
 }
 
 
-def build_attention(cfg: ModelConfig) -> SelfAttention:
-    """The self-attention layer named by `cfg.attention.kind`."""
-    return ATTENTION[cfg.attention.kind].from_config(cfg)
+def build_attention(cfg: ModelConfig, layer: int = 0) -> SelfAttention:
+    """The self-attention layer named by `cfg.attention.kind`, as layer `layer` of the stack has it (a window or
+    not, where full_every alternates them)."""
+    return ATTENTION[cfg.attention.kind].from_config(cfg, layer)
 
 
 __all__ = [

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from llmkit.layers.attention.mask import AttentionMask
+from llmkit.layers.softcap import soft_cap
 
 _SDPA_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
@@ -40,14 +41,17 @@ def attend(
     scale: float,
     dropout_p: float = 0.0,
     need_weights: bool = False,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """q (B, H, T, D), k (B, K, S, D), v (B, K, S, Dv) -> out (B, H, T, Dv), weights (B, H, T, S) or None."""
+    """q (B, H, T, D), k (B, K, S, D), v (B, K, S, Dv) -> out (B, H, T, Dv), weights (B, H, T, S) or None.
+    softcap: scores soft-capped before the softmax (Gemma 2), which SDPA cannot do: the explicit paths compute it."""
     B, H, T, _ = q.shape
     K, S = k.shape[1], k.shape[2]
     mask = mask or AttentionMask()
-    if T == 1 and not need_weights and dropout_p == 0.0 and (torch.compiler.is_compiling() or _heads_first(k)):
-        return _one_query(q, k, v, mask, scale), None
-    if not need_weights:
+    one_query_path = torch.compiler.is_compiling() or _heads_first(k) or softcap is not None
+    if T == 1 and not need_weights and dropout_p == 0.0 and one_query_path:
+        return _one_query(q, k, v, mask, scale, softcap), None
+    if not need_weights and softcap is None:
         attn_mask, is_causal = mask.for_sdpa(T, S, q.device)
         if H != K and not _SDPA_GQA:  # torch < 2.5: expand the shared heads
             k, v = k.repeat_interleave(H // K, dim=1), v.repeat_interleave(H // K, dim=1)
@@ -58,7 +62,7 @@ def attend(
         return out, None
     # explicit path: group the H query heads by the K kv heads they share, (B, K, G, T, D)
     qg = q.view(B, K, H // K, T, -1)
-    scores = (qg @ k.unsqueeze(2).transpose(-1, -2)) * scale  # (B, K, G, T, S)
+    scores = soft_cap((qg @ k.unsqueeze(2).transpose(-1, -2)) * scale, softcap)  # (B, K, G, T, S)
     allowed = mask.dense(T, S, q.device)
     weights = _softmax_rows(scores, None if allowed is None else allowed.unsqueeze(2))  # (B, K, G, T, S)
     dropped = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
@@ -71,7 +75,9 @@ def _heads_first(k: Tensor) -> bool:
     return k.shape[1] > 1 and k.shape[0] > 1 and not k.is_contiguous() and k.transpose(0, 1).is_contiguous()
 
 
-def _one_query(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float) -> Tensor:
+def _one_query(
+    q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, softcap: float | None = None
+) -> Tensor:
     """Decoding: one query per row attends to every cached key it may see, with two small grouped matmuls. They
     trace into the compiled decode step as one graph, where SDPA with shared kv heads does not (BENCHMARKS.md has
     the measurement), and they read a paged cache's heads-first keys without a copy. Eager decoding otherwise takes
@@ -86,7 +92,7 @@ def _one_query(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: floa
     if heads_first:  # keys stored (K, B, S, D) (a paged cache's gather): attend in that order, copying no key
         qg, k, v = qg.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         visible = None if visible is None else visible.transpose(0, 1)
-    scores = (qg @ k.transpose(-1, -2)).float() * scale  # (B, K, G, S), or (K, B, G, S)
+    scores = soft_cap((qg @ k.transpose(-1, -2)).float() * scale, softcap)  # (B, K, G, S), or (K, B, G, S)
     if visible is not None:
         scores = scores.masked_fill(~visible, float("-inf"))
     weights = torch.softmax(scores, dim=-1)

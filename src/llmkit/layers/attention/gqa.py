@@ -37,7 +37,8 @@ class GroupedQueryAttention(SelfAttention):
     """Self-attention with H query heads sharing K key/value heads. x (B, T, C) -> (B, T, C).
 
     qk_norm: a norm (one gain of D per projection, shared by the heads) applied to every query and key head before
-    RoPE (Qwen3, Gemma 3); None for none."""
+    RoPE (Qwen3, Gemma 3); None for none. scale: the factor on q.k (D^-0.5 when None); softcap: scores soft-capped
+    before the softmax (Gemma 2)."""
 
     def __init__(
         self,
@@ -52,8 +53,12 @@ class GroupedQueryAttention(SelfAttention):
         rope_layout: Layout = "half",
         sliding_window: int | None = None,
         qk_norm: NormConfig | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
     ) -> None:
         super().__init__()
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.softcap = softcap
         self.sliding_window = sliding_window
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.rope_dim, self.rope_layout, self.dropout = rope_dim, rope_layout, dropout
@@ -65,7 +70,7 @@ class GroupedQueryAttention(SelfAttention):
         self.k_norm = None if qk_norm is None else build_norm(qk_norm, head_dim)
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig) -> GroupedQueryAttention:
+    def from_config(cls, cfg: ModelConfig, layer: int = 0) -> GroupedQueryAttention:
         a = cfg.attention
         return cls(
             cfg.d_model,
@@ -77,8 +82,10 @@ class GroupedQueryAttention(SelfAttention):
             a.dropout,
             cfg.rope_dim,
             cfg.position.layout,
-            a.sliding_window,
+            a.window_of(layer),
             cfg.norm if a.qk_norm else None,
+            a.scale,
+            a.softcap,
         )
 
     def forward(
@@ -103,9 +110,10 @@ class GroupedQueryAttention(SelfAttention):
             k,
             v,
             inputs.mask.with_window(self.sliding_window),
-            scale=self.head_dim**-0.5,
+            scale=self.scale,
             dropout_p=self.dropout if self.training else 0.0,
             need_weights=wants_weights(extras),
+            softcap=self.softcap,
         )
         record_weights(extras, weights)
         return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))  # (B, T, C)

@@ -133,7 +133,7 @@ class MultiHeadLatentAttention(SelfAttention):
         )
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig) -> MultiHeadLatentAttention:
+    def from_config(cls, cfg: ModelConfig, layer: int = 0) -> MultiHeadLatentAttention:
         return cls(**cls.config_args(cfg))
 
     # ---- projections

@@ -78,7 +78,7 @@ class DeepSeekSparseAttention(MultiHeadLatentAttention):
         self.indexer = LightningIndexer(cfg.d_model, q_in, a.indexer.n_heads, a.indexer.head_dim, self.dr)
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig) -> DeepSeekSparseAttention:
+    def from_config(cls, cfg: ModelConfig, layer: int = 0) -> DeepSeekSparseAttention:
         return cls(cfg)
 
     def forward(
