@@ -6,7 +6,7 @@
     │   └── indexer: IndexerConfig      (DeepSeek-V3.2 lightning indexer, kind dsa)
     ├── ffn: FFNConfig                  dense feed-forward: mlp | swiglu
     ├── moe: MoEConfig | None           mixture of experts (replaces ffn after `first_dense_layers`)
-    ├── position: PositionConfig        sinusoidal | learned | rope | none
+    ├── position: PositionConfig        sinusoidal | learned | rope | none      (position_config.py)
     │   └── scaling: RopeScaling        linear | ntk | dynamic | yarn | llama3
     ├── norm: NormConfig                layernorm | rmsnorm, pre | post
     └── encoder: EncoderConfig | None   set for an encoder-decoder model
@@ -26,6 +26,12 @@ from typing import ClassVar, Literal
 
 from llmkit.configbase import ConfigBase, divisors
 from llmkit.errors import ConfigError
+from llmkit.position_config import MAX_CONTEXT as MAX_CONTEXT
+from llmkit.position_config import Layout as Layout
+from llmkit.position_config import PositionConfig as PositionConfig
+from llmkit.position_config import PositionKind as PositionKind
+from llmkit.position_config import RopeScaling as RopeScaling
+from llmkit.position_config import RopeScalingKind as RopeScalingKind
 
 # Upper bounds of a model's sizes, far above any published model's (DeepSeek-V3: 61 layers, 7168 wide, 256 experts,
 # 129k vocabulary; Gemma: 256k vocabulary; 10M-token contexts): a size beyond them is a typo or a damaged file, and
@@ -35,12 +41,8 @@ MAX_WIDTH = 1 << 17
 MAX_HEADS = 4096
 MAX_EXPERTS = 1 << 16
 MAX_VOCAB = 1 << 24
-MAX_CONTEXT = 1 << 27
 
 AttentionKind = Literal["gqa", "mla", "dsa"]
-PositionKind = Literal["sinusoidal", "learned", "rope", "none"]
-Layout = Literal["half", "interleaved"]
-RopeScalingKind = Literal["linear", "ntk", "dynamic", "yarn", "llama3"]
 NormKind = Literal["layernorm", "rmsnorm"]
 NormPlacement = Literal["pre", "post", "sandwich"]
 Activation = Literal["relu", "gelu", "gelu_tanh", "silu"]
@@ -49,83 +51,6 @@ ScoreFunc = Literal["softmax", "sigmoid"]
 GroupScore = Literal["top2_sum", "max"]
 BalanceLoss = Literal["switch", "sequence"]
 InitKind = Literal["normal", "xavier"]
-
-# ----------------------------------------------------------------------------------------------------------------
-# positions
-
-
-@dataclass(frozen=True)
-class RopeScaling(ConfigBase):
-    """Context extension for RoPE. Each kind rescales the rotary frequencies:
-
-    - linear (position interpolation, Chen et al. 2023): every frequency / factor.
-    - ntk (NTK-aware, bloc97 2023): base theta * factor ** (d / (d - 2)).
-    - dynamic (dynamic NTK): ntk with the factor grown from the current length, only past the original length.
-    - yarn (Peng et al. 2023): per-frequency blend of interpolation and extrapolation, plus an attention scale
-      0.1 * ln(factor) + 1 applied to q and k.
-    - llama3 (Meta 2024): low frequencies / factor, high frequencies kept, a smooth ramp in between.
-    """
-
-    path: ClassVar[str] = "position.scaling"
-    kind: RopeScalingKind
-    factor: float
-    original_max_seq_len: int | None = None
-    # yarn
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 0.0
-    attention_factor: float | None = None
-    truncate: bool = True
-    # llama3
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-
-    def validate(self) -> None:
-        self.require(self.factor > 0, "factor", "must be > 0 (1.0 means no scaling)")
-        if self.kind in ("dynamic", "yarn", "llama3"):
-            self.require(
-                self.original_max_seq_len is not None,
-                "original_max_seq_len",
-                f"is required for kind={self.kind!r} (the context length the model was trained with)",
-            )
-        if self.original_max_seq_len is not None:
-            self.at_least(1, "original_max_seq_len")
-        if self.kind == "yarn":
-            self.require(self.beta_fast > self.beta_slow, "beta_fast", f"must be > beta_slow={self.beta_slow}")
-        if self.kind == "llama3":
-            self.require(
-                self.high_freq_factor > self.low_freq_factor,
-                "high_freq_factor",
-                f"must be > low_freq_factor={self.low_freq_factor}",
-            )
-
-
-@dataclass(frozen=True)
-class PositionConfig(ConfigBase):
-    """How token positions enter the model.
-
-    kind: sinusoidal (fixed, added to embeddings, Vaswani et al. 2017), learned (added), rope (rotary, applied to q
-    and k), none. layout: for rope, which dimensions form a rotated pair ("half": i and i + d/2 as in HF Llama;
-    "interleaved": 2i and 2i+1 as in the RoPE paper and DeepSeek); for sinusoidal, where sin and cos go
-    ("interleaved": sin at 2i, cos at 2i+1 as in the paper; "half": sin then cos, as tensor2tensor and Marian).
-    """
-
-    path: ClassVar[str] = "position"
-    kind: PositionKind = "rope"
-    max_seq_len: int = 2048
-    theta: float = 10000.0
-    layout: Layout = "half"
-    rope_fraction: float = 1.0
-    scaling: RopeScaling | None = None
-
-    def validate(self) -> None:
-        self.within(1, MAX_CONTEXT, "max_seq_len")
-        self.require(self.theta > 1.0, "theta", "must be > 1 (the RoPE / sinusoid base, usually 10000)")
-        self.require(0.0 < self.rope_fraction <= 1.0, "rope_fraction", "must be in (0, 1]")
-        if self.scaling is not None:
-            self.require(self.kind == "rope", "kind", "does not use position.scaling; scaling needs kind='rope'")
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # attention

@@ -38,3 +38,31 @@ def test_the_schedule_is_fitted_to_the_time_limit_and_decays_to_its_end(tiny_dat
 def test_fit_to_time_needs_a_time_limit(tiny_data, tmp_path):
     with pytest.raises(ConfigError, match="fit_to_time"):
         TrainConfig.from_dict(tiny_config(tiny_data, tmp_path / "x", train={"fit_to_time": True}))
+
+
+def test_steps_that_become_slower_shorten_the_schedule_at_half_time(tiny_data, tmp_path, monkeypatch):
+    """A machine that gets busy after the fit (here: every step after the 40th sleeps 20 ms) would cut the
+    schedule; the half-time check shortens it so that it still ends inside the limit."""
+    import time
+
+    from llmkit.train import loop
+
+    real = loop.Trainer.train_step
+
+    def slow_later(self, step):
+        if step >= 40:
+            time.sleep(0.02)
+        return real(self, step)
+
+    monkeypatch.setattr(loop.Trainer, "train_step", slow_later)
+    cfg = tiny_config(
+        tiny_data,
+        tmp_path / "slow",
+        train={"steps": 100_000, "time_limit": 5, "fit_to_time": True, "eval_every": 10_000, "save_every": 10_000},
+        schedule={"kind": "cosine", "warmup_steps": 3, "min_lr_ratio": 0.1},
+    )
+    result = train(TrainConfig.from_dict(cfg))
+    planned = json.loads((latest_checkpoint(tmp_path / "slow") / TRAINER_STATE_JSON).read_text())["planned_steps"]
+    assert result.steps == planned and result.seconds <= 5 * 1.05
+    lrs = [r["lr"] for r in rows(tmp_path / "slow") if "lr" in r]
+    assert lrs[-1] == pytest.approx(0.1 * cfg["optim"]["lr"], rel=0.1)

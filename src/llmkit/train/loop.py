@@ -49,7 +49,8 @@ from llmkit.train.tasks import Model, TrainingError, build_task
 
 # train.fit_to_time: the step time is measured after FIT_SKIP steps (allocations, caches and compilation make the
 # first steps slow) over at least FIT_WINDOW steps and FIT_SHARE of the time limit, and FIT_MARGIN of the remaining
-# time is kept for evaluations and saves
+# time is kept for evaluations and saves. At half the time limit the step time since the fit is measured again, and
+# the schedule shortened if steps have become slower (a busy machine), so that it still ends inside the limit
 FIT_SKIP, FIT_WINDOW, FIT_SHARE, FIT_MARGIN = 3, 10, 0.05, 0.1
 
 __all__ = ["Result", "Trainer", "TrainingError", "train"]
@@ -321,6 +322,7 @@ class Trainer:
         interrupted = False
         fitting = t.fit_to_time and not self.state.planned_steps
         since = (self.state.step + FIT_SKIP, 0.0)  # where the step time is measured from (after a warm-up)
+        rechecking = fitting  # the half-time check of a schedule fitted in this run
         with StopSignal() as stop:
             while self.state.step < self.total_steps:
                 lr = self.set_lr(self.state.step)
@@ -335,9 +337,18 @@ class Trainer:
                 elif fitting and step >= since[0] + FIT_WINDOW and self._measured_enough(since):
                     self.state.planned_steps = self._fit_to_time(step, since)
                     self.lr_at = lr_multiplier(self.cfg.schedule, self.state.planned_steps)
-                    bar.total, fitting = self.state.planned_steps, False
+                    bar.total, fitting, since = self.state.planned_steps, False, (step, self.state.elapsed)
                     if self.rt.main and t.progress:
                         bar.write(f"schedule fitted to train.time_limit={t.time_limit:g}s: {self.total_steps} steps")
+                elif rechecking and not fitting and agree(2 * self.state.elapsed >= (t.time_limit or 0.0), self.rt):
+                    rechecking = False
+                    refit = self._fit_to_time(step, since)
+                    if refit < self.total_steps:  # slower than measured: end the schedule sooner
+                        self.state.planned_steps = refit
+                        self.lr_at = lr_multiplier(self.cfg.schedule, refit)
+                        bar.total = refit
+                        if self.rt.main and t.progress:
+                            bar.write(f"steps became slower: schedule shortened to {refit} steps")
                 out_of_time = t.time_limit is not None and self.state.elapsed >= t.time_limit
                 halted = t.halt_at is not None and step >= t.halt_at
                 stop_now = agree(stop.requested or out_of_time or halted, self.rt)
