@@ -127,6 +127,36 @@ def _builders() -> dict[str, Any]:
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
             )
         ),
+        "glm4_moe": lambda: T.Glm4MoeForCausalLM(
+            T.Glm4MoeConfig(
+                **SMALL,
+                num_key_value_heads=2,
+                attention_bias=True,
+                use_qk_norm=True,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+                moe_intermediate_size=24,
+                n_routed_experts=8,
+                num_experts_per_tok=2,
+                n_shared_experts=1,
+                n_group=4,
+                topk_group=2,
+                first_k_dense_replace=1,
+                routed_scaling_factor=2.5,
+            )
+        ),
+        "dots1": lambda: T.Dots1ForCausalLM(
+            T.Dots1Config(
+                **SMALL,
+                num_key_value_heads=2,
+                moe_intermediate_size=24,
+                n_routed_experts=8,
+                num_experts_per_tok=2,
+                n_shared_experts=2,
+                first_k_dense_replace=1,
+                norm_topk_prob=True,
+                max_window_layers=2,
+            )
+        ),
         "mixtral": lambda: T.MixtralForCausalLM(
             T.MixtralConfig(**SMALL, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
         ),

@@ -93,10 +93,13 @@ def test_export_loads_in_transformers_with_the_same_logits(checkpoints, tmp_path
             torch.testing.assert_close(
                 hf_logits(reference(out), tokens, mask), hf_logits(reference(d), tokens, mask), rtol=0, atol=0
             )
-    # and without the original config.json: the model type is inferred from the architecture
+    # and without the original config.json: the model type is inferred from the architecture (the first family
+    # that holds it: a dots1 model without a window is also a glm4_moe one), and transformers agrees on the logits
     bare = save_hf(loaded.model, tmp_path / "bare")
-    assert read_config(bare)["model_type"] in (loaded.model_type, "llama", "mistral")
     assert load_hf(bare).model.cfg.architecture() == loaded.model.cfg.architecture()
+    if name != "marian":
+        with torch.no_grad():
+            torch.testing.assert_close(hf_logits(reference(bare), tokens, mask), hf_logits(reference(d), tokens, mask))
 
 
 @pytest.mark.parametrize("name", NAMES)

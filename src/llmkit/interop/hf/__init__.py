@@ -25,6 +25,7 @@ from llmkit.errors import ConfigError
 from llmkit.interop.hf.base import Family
 from llmkit.interop.hf.deepseek import DeepSeekFamily
 from llmkit.interop.hf.gemma import GemmaFamily
+from llmkit.interop.hf.glm4_moe import GLM4MoEFamily
 from llmkit.interop.hf.gpt2 import GPT2Family
 from llmkit.interop.hf.llama import LlamaFamily
 from llmkit.interop.hf.marian import MarianFamily
@@ -43,6 +44,7 @@ FAMILIES: list[Family] = [
     LlamaFamily(),
     MixtralFamily(),
     QwenMoEFamily(),
+    GLM4MoEFamily(),
     GemmaFamily(),
     Phi3Family(),
     StarCoder2Family(),
@@ -192,7 +194,10 @@ def save_hf(
     hf_state = convert_to_theirs(expand(family.rules(cfg, ()), cfg), state)
     d = Path(directory)
     save_tensors(hf_state, d, max_shard_bytes)
-    config = {**(hf_config or {}), **family.config_to_hf(cfg, mt)}
+    # token ids llmkit does not know are written as null: left out, transformers would take the family's defaults
+    # (Phi-3's 32000, GPT-2's 50256), which may lie outside this model's vocabulary
+    unknown = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+    config = {**unknown, **(hf_config or {}), **family.config_to_hf(cfg, mt)}
     weight_dtype = next(v.dtype for k, v in state.items() if v.is_floating_point())
     config["dtype"] = config["torch_dtype"] = str(weight_dtype).removeprefix("torch.")
     (d / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -214,7 +214,7 @@ def _attention_rules() -> list[Rule]:
     return rules
 
 
-def _ffn_rules(cfg: ModelConfig, names: Collection[str]) -> list[Rule]:
+def deepseek_ffn_rules(cfg: ModelConfig, names: Collection[str]) -> list[Rule]:
     """Dense SwiGLU in the first layers; router, routed experts and shared experts after."""
     mlp = "model.layers.{i}.mlp."
     rules = [
@@ -244,7 +244,7 @@ class DeepSeekFamily(Family):
     fields = FIELDS
 
     def rules(self, cfg: ModelConfig, names: Collection[str]) -> list[Rule]:
-        main = decoder_common_rules() + _attention_rules() + _ffn_rules(cfg, names)
+        main = decoder_common_rules() + _attention_rules() + deepseek_ffn_rules(cfg, names)
         mtp = [_as_mtp(r) for r in main if r.where in ("layers", "moe")]  # an MTP module's block is a MoE block
         layer = "model.layers.{i}."
         return [

@@ -26,17 +26,16 @@ from llmkit.interop.hf.activations import activation_field
 from llmkit.interop.hf.base import Family
 from llmkit.interop.hf.decoder import DECODER_FIELDS, attention_rules, decoder_common_rules, swiglu_rules
 from llmkit.interop.hf.fields import Custom, Entry, Field, Fixed, HFConfig, fixed, optional_positive, require
-from llmkit.interop.hf.rope import PARTIAL_ROTARY
 from llmkit.interop.keymap import Rule
 
 GQA_FIELDS: tuple[Entry, ...] = (
     *DECODER_FIELDS,
     Field("attention.n_kv_heads", "num_key_value_heads", int, None),
     Field("attention.head_dim", "head_dim", int, None),
-    PARTIAL_ROTARY,
     *fixed(
-        "its checkpoints use grouped-query attention with half-layout RoPE and no multi-token prediction",
-        {"attention.kind": "gqa", "position.layout": "half", "mtp_depth": 0},
+        "its checkpoints use grouped-query attention with half-layout RoPE on every dimension of each head (its "
+        "modeling code rotates them all, whatever partial_rotary_factor says) and no multi-token prediction",
+        {"attention.kind": "gqa", "position.layout": "half", "position.rope_fraction": 1.0, "mtp_depth": 0},
     ),
 )
 """The Llama layout's keys, shared with Mixtral."""

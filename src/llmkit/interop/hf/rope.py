@@ -100,19 +100,23 @@ def rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     return out
 
 
-def _partial_from_hf(hf: HFConfig, names: Collection[str]) -> dict[str, Any]:
-    """transformers 5.x keeps the factor in rope_parameters; 4.x configs (StableLM, Phi) at the top level."""
-    factor = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor"))
-    return {"position.rope_fraction": 1.0 if factor is None else float(factor)}
+def partial_rotary(default: float = 1.0) -> Custom:
+    """position.rope_fraction <-> rope_parameters.partial_rotary_factor (read also from the top level, where 4.x
+    configs of StableLM and Phi keep it). `default`: what the family's config class assumes when the key is absent
+    (GLM's 0.5), so the factor is always written."""
 
+    def from_hf(hf: HFConfig, names: Collection[str]) -> dict[str, Any]:
+        factor = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+        return {"position.rope_fraction": default if factor is None else float(factor)}
 
-def _partial_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    fraction = cfg.position.rope_fraction
-    return {} if fraction == 1.0 else {"rope_parameters": {"partial_rotary_factor": fraction}}
+    def to_hf(cfg: ModelConfig) -> dict[str, Any]:
+        return {"rope_parameters": {"partial_rotary_factor": cfg.position.rope_fraction}}
+
+    return Custom(from_hf, to_hf)
 
 
 ROPE = Custom(rope_from_hf, rope_to_hf)
 """position.theta, .scaling and .max_seq_len <-> rope_theta, rope_scaling, rope_parameters, max_position_embeddings."""
 
-PARTIAL_ROTARY = Custom(_partial_from_hf, _partial_to_hf)
-"""position.rope_fraction <-> rope_parameters.partial_rotary_factor (or, read, a top-level partial_rotary_factor)."""
+PARTIAL_ROTARY = partial_rotary()
+"""position.rope_fraction <-> rope_parameters.partial_rotary_factor (1.0 when absent)."""
