@@ -29,8 +29,8 @@ def test_the_schedule_is_fitted_to_the_time_limit_and_decays_to_its_end(tiny_dat
     result = train(TrainConfig.from_dict(cfg))
     planned = json.loads((latest_checkpoint(tmp_path / "fit") / TRAINER_STATE_JSON).read_text())["planned_steps"]
     assert FIT_SKIP + FIT_WINDOW < planned < 100_000
-    assert result.steps == planned  # the schedule ended before the time limit did
-    assert result.seconds <= 6 * 1.05
+    # the schedule ended (by its steps, or by the time budget if steps became slower) before the time limit did
+    assert 0.8 * planned <= result.steps <= planned and result.seconds < 6
     lrs = [r["lr"] for r in rows(tmp_path / "fit") if "lr" in r]
     assert lrs[-1] == pytest.approx(0.1 * cfg["optim"]["lr"], rel=0.05)  # the decay reached its floor
 
@@ -40,9 +40,9 @@ def test_fit_to_time_needs_a_time_limit(tiny_data, tmp_path):
         TrainConfig.from_dict(tiny_config(tiny_data, tmp_path / "x", train={"fit_to_time": True}))
 
 
-def test_steps_that_become_slower_shorten_the_schedule_at_half_time(tiny_data, tmp_path, monkeypatch):
+def test_steps_that_become_slower_move_the_schedule_by_time(tiny_data, tmp_path, monkeypatch):
     """A machine that gets busy after the fit (here: every step after the 40th sleeps 20 ms) would cut the
-    schedule; the half-time check shortens it so that it still ends inside the limit."""
+    schedule; it advances by the time spent instead, so the decay still ends inside the limit."""
     import time
 
     from llmkit.train import loop
@@ -63,6 +63,6 @@ def test_steps_that_become_slower_shorten_the_schedule_at_half_time(tiny_data, t
     )
     result = train(TrainConfig.from_dict(cfg))
     planned = json.loads((latest_checkpoint(tmp_path / "slow") / TRAINER_STATE_JSON).read_text())["planned_steps"]
-    assert result.steps == planned and result.seconds <= 5 * 1.05
+    assert result.steps < planned and result.seconds < 5
     lrs = [r["lr"] for r in rows(tmp_path / "slow") if "lr" in r]
     assert lrs[-1] == pytest.approx(0.1 * cfg["optim"]["lr"], rel=0.1)

@@ -99,7 +99,8 @@ class TrainSection(ConfigBase):
     steps: int = 1000
     halt_at: int | None = None
     time_limit: float | None = None
-    fit_to_time: bool = False  # with time_limit: the schedule's length is set from the measured step time
+    fit_to_time: bool = False  # with time_limit: the schedule's length set from the measured step time (and it
+    # advances by the time spent when that is ahead of the steps)
     grad_accum: int = 1
     precision: Precision = "fp32"
     compile: bool = False

@@ -49,8 +49,8 @@ from llmkit.train.tasks import Model, TrainingError, build_task
 
 # train.fit_to_time: the step time is measured after FIT_SKIP steps (allocations, caches and compilation make the
 # first steps slow) over at least FIT_WINDOW steps and FIT_SHARE of the time limit, and FIT_MARGIN of the remaining
-# time is kept for evaluations and saves. At half the time limit the step time since the fit is measured again, and
-# the schedule shortened if steps have become slower (a busy machine), so that it still ends inside the limit
+# time is kept for evaluations and saves. The schedule then advances by steps or by the share of that time spent,
+# whichever is ahead, so it ends inside the limit even when steps become slower than measured (a busy machine)
 FIT_SKIP, FIT_WINDOW, FIT_SHARE, FIT_MARGIN = 3, 10, 0.05, 0.1
 
 __all__ = ["Result", "Trainer", "TrainingError", "train"]
@@ -193,8 +193,19 @@ class Trainer:
 
     # ---- one step
 
+    def schedule_step(self, step: int) -> int:
+        """Where the learning-rate schedule stands after `step` steps: `step`, or for a schedule fitted to
+        train.time_limit, the share of the time budget spent (the limit less FIT_MARGIN), in steps, when that is
+        ahead. Every process computes the same (the mean of their clocks)."""
+        planned, limit = self.state.planned_steps, self.cfg.train.time_limit
+        if not (self.cfg.train.fit_to_time and planned and limit):
+            return step
+        elapsed = torch.tensor([self.state.elapsed], dtype=torch.float64, device=self.rt.device)
+        mean = float(all_reduce_sum(elapsed, self.rt)[0]) / self.rt.world
+        return max(step, min(planned, int(planned * mean * (1 + FIT_MARGIN) / limit)))
+
     def set_lr(self, step: int) -> float:
-        mult = self.lr_at(step)
+        mult = self.lr_at(self.schedule_step(step))
         for group in self.optimizer.param_groups:
             scale = math.prod(hook.lr_scale(step, str(group.get("name"))) for hook in self.hooks)
             group["lr"] = self.base_lr * mult * scale
@@ -322,7 +333,6 @@ class Trainer:
         interrupted = False
         fitting = t.fit_to_time and not self.state.planned_steps
         since = (self.state.step + FIT_SKIP, 0.0)  # where the step time is measured from (after a warm-up)
-        rechecking = fitting  # the half-time check of a schedule fitted in this run
         with StopSignal() as stop:
             while self.state.step < self.total_steps:
                 lr = self.set_lr(self.state.step)
@@ -340,19 +350,11 @@ class Trainer:
                     bar.total, fitting, since = self.state.planned_steps, False, (step, self.state.elapsed)
                     if self.rt.main and t.progress:
                         bar.write(f"schedule fitted to train.time_limit={t.time_limit:g}s: {self.total_steps} steps")
-                elif rechecking and not fitting and agree(2 * self.state.elapsed >= (t.time_limit or 0.0), self.rt):
-                    rechecking = False
-                    refit = self._fit_to_time(step, since)
-                    if refit < self.total_steps:  # slower than measured: end the schedule sooner
-                        self.state.planned_steps = refit
-                        self.lr_at = lr_multiplier(self.cfg.schedule, refit)
-                        bar.total = refit
-                        if self.rt.main and t.progress:
-                            bar.write(f"steps became slower: schedule shortened to {refit} steps")
                 out_of_time = t.time_limit is not None and self.state.elapsed >= t.time_limit
                 halted = t.halt_at is not None and step >= t.halt_at
                 stop_now = agree(stop.requested or out_of_time or halted, self.rt)
-                last = step >= self.total_steps or stop_now
+                schedule_end = self.schedule_step(step) >= self.total_steps
+                last = schedule_end or stop_now
                 if step % t.log_every == 0 or last:
                     seconds = time.perf_counter() - window_start
                     self._log(bar, terms, lr, grad_norm, window_tokens / max(seconds, 1e-9))
@@ -370,6 +372,8 @@ class Trainer:
                 bar.update(1)
                 if stop_now:
                     interrupted = stop.requested
+                    break
+                if schedule_end:  # a fitted schedule may end by time before its last step
                     break
         bar.close()
         self.metrics.close()
