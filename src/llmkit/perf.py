@@ -11,9 +11,21 @@ import torch
 def matmul_flops(
     dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", n: int = 2048, seconds: float = 0.5
 ) -> float:
-    """Sustained FLOP/s of an n x n matmul in `dtype` on `device` (2 n^3 FLOPs per product)."""
+    """Sustained FLOP/s of an n x n matmul in `dtype` on `device` (2 n^3 FLOPs per product). Where the dtype is slow
+    (bf16 on a CPU without bf16 instructions: a 2048^3 product can take 10 s), n shrinks so that one product takes
+    at most a quarter of `seconds`, measured on a 256 x 256 one first."""
     dev = torch.device(device)
     g = torch.Generator(device=dev).manual_seed(0)  # not the global RNG: measuring must not change a run
+    if n > 256:
+        probe = torch.randn(256, 256, device=dev, generator=g).to(dtype)
+        probe @ probe  # warm up
+        start = time.perf_counter()
+        probe @ probe
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        rate = 2 * 256**3 / max(time.perf_counter() - start, 1e-9)
+        fits = int((rate * seconds / 4 / 2) ** (1 / 3)) // 64 * 64
+        n = max(256, min(n, fits))
     a = torch.randn(n, n, device=dev, generator=g).to(dtype)
     b = torch.randn(n, n, device=dev, generator=g).to(dtype)
     a @ b  # warm up
