@@ -438,10 +438,16 @@ class ModelConfig(ConfigBase):
                 moe = dataclasses.replace(moe, topk_groups=1, group_score="top2_sum")
             if moe.first_dense_layers == 0:  # every layer is MoE: the dense ffn settings are unused
                 ffn = FFNConfig(moe.expert_kind, moe.expert_hidden_dim, moe.activation, False)
+        position, attention = resolved.position, dataclasses.replace(resolved.attention, dropout=0.0)
+        if attention.full_every is not None and attention.full_every > self.n_layers:  # no layer is a global one
+            attention = dataclasses.replace(attention, full_every=None)
+        if attention.sliding_window is None:  # no sliding-window layer uses a local RoPE base
+            position = dataclasses.replace(position, local_theta=None)
         return dataclasses.replace(
             resolved,
+            position=position,
             dropout=0.0,
-            attention=dataclasses.replace(resolved.attention, dropout=0.0),
+            attention=attention,
             ffn=ffn,
             moe=moe,
             init="normal",

@@ -70,6 +70,8 @@ class PositionConfig(ConfigBase):
     and k), none. layout: for rope, which dimensions form a rotated pair ("half": i and i + d/2 as in HF Llama;
     "interleaved": 2i and 2i+1 as in the RoPE paper and DeepSeek); for sinusoidal, where sin and cos go
     ("interleaved": sin at 2i, cos at 2i+1 as in the paper; "half": sin then cos, as tensor2tensor and Marian).
+    local_theta: the RoPE base of the sliding-window layers when it differs from the others' (Gemma 3: 10,000
+    locally, 1,000,000 with scaling globally); never scaled.
     """
 
     path: ClassVar[str] = "position"
@@ -79,6 +81,7 @@ class PositionConfig(ConfigBase):
     layout: Layout = "half"
     rope_fraction: float = 1.0
     scaling: RopeScaling | None = None
+    local_theta: float | None = None
 
     def validate(self) -> None:
         self.within(1, MAX_CONTEXT, "max_seq_len")
@@ -86,3 +89,6 @@ class PositionConfig(ConfigBase):
         self.require(0.0 < self.rope_fraction <= 1.0, "rope_fraction", "must be in (0, 1]")
         if self.scaling is not None:
             self.require(self.kind == "rope", "kind", "does not use position.scaling; scaling needs kind='rope'")
+        if self.local_theta is not None:
+            self.require(self.local_theta > 1.0, "local_theta", "must be > 1, or None for one RoPE base")
+            self.require(self.kind == "rope", "local_theta", "needs kind='rope'")

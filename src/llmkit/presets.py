@@ -164,6 +164,24 @@ def _gemma2_2b() -> ModelConfig:
     )
 
 
+def _gemma3_1b() -> ModelConfig:
+    # Gemma 3: Gemma 2's block with QK-norm instead of soft-capping, five local layers (512-token window, RoPE base
+    # 10,000) to each global one (base 1,000,000)
+    return ModelConfig(
+        vocab_size=262144,
+        d_model=1152,
+        n_layers=26,
+        attention=AttentionConfig(
+            n_heads=4, n_kv_heads=1, head_dim=256, sliding_window=512, full_every=6, qk_norm=True
+        ),
+        ffn=FFNConfig(kind="swiglu", hidden_dim=6912, activation="gelu_tanh"),
+        position=PositionConfig(kind="rope", max_seq_len=32768, theta=1e6, layout="half", local_theta=10000.0),
+        norm=NormConfig(kind="rmsnorm", placement="sandwich", eps=1e-6, unit_offset=True),
+        tie_embeddings=True,
+        scale_embeddings=True,
+    )
+
+
 def _qwen15_moe() -> ModelConfig:
     # Qwen1.5-MoE-A2.7B (qwen2_moe): Qwen2 attention (q/k/v biases), 60 experts of 1408, top-4 with gates not
     # renormalised, and one shared expert of 4 x 1408 scaled per token by a sigmoid gate
@@ -387,6 +405,12 @@ _BASE: list[Preset] = [
         "parameters",
         Published(2_614_341_888, exact=True),
         notes="The paper's embedding count (590,118,912) is for a 256,128-token table; the released one has 256,000.",
+    ),
+    Preset(
+        "gemma3-1b",
+        _gemma3_1b(),
+        "google/gemma-3-1b-pt config.json; 1B (302M embedding, 698M other) from the Gemma 3 report's Table 1",
+        Published(1.0e9, rel_tol=0.01),
     ),
     Preset(
         "qwen1.5-moe-a2.7b",

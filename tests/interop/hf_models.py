@@ -106,6 +106,20 @@ def _builders() -> dict[str, Any]:
                 final_logit_softcapping=3.0,
             )
         ),
+        "gemma3_text": lambda: T.Gemma3ForCausalLM(
+            T.Gemma3TextConfig(
+                **{**SMALL, "num_hidden_layers": 3},
+                num_key_value_heads=2,
+                head_dim=16,
+                query_pre_attn_scalar=24,
+                sliding_window=5,
+                sliding_window_pattern=3,
+                rope_parameters={
+                    "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                },
+            )
+        ),
         "phi3": lambda: T.Phi3ForCausalLM(
             T.Phi3Config(
                 **SMALL,

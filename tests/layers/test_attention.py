@@ -278,3 +278,29 @@ def test_full_every_alternates_windowed_and_global_layers():
 
     with pytest.raises(ConfigError, match="needs a sliding_window"):
         AttentionConfig(full_every=2)
+
+
+def test_window_layers_take_the_local_rope_tables():
+    """position.local_theta (Gemma 3): the sliding-window layers rotate with their own base, the global ones with
+    the model's; a local base equal to the global one changes nothing."""
+    import dataclasses
+
+    from llmkit import PositionConfig, build_model
+
+    a = AttentionConfig(n_heads=H, head_dim=D, sliding_window=4, full_every=2)
+    cfg = ModelConfig(vocab_size=16, d_model=C, n_layers=2, attention=a, position=PositionConfig(theta=1e6))
+    torch.manual_seed(0)
+    plain = build_model(cfg).eval()
+    tokens = torch.randint(0, 16, (1, 10))
+
+    def with_local(theta: float) -> torch.Tensor:
+        m = build_model(dataclasses.replace(cfg, position=dataclasses.replace(cfg.position, local_theta=theta)))
+        m.load_state_dict(plain.state_dict())
+        assert m.rope_local is not None
+        with torch.no_grad():
+            return m.eval()(tokens)
+
+    with torch.no_grad():
+        base = plain(tokens)
+    torch.testing.assert_close(with_local(1e6), base)
+    assert not torch.allclose(with_local(1e4), base)

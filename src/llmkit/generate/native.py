@@ -118,6 +118,8 @@ class NativeDecoder:
             return None
         if model.embed.weight.device.type != "cpu" or model.embed.weight.dtype != torch.float32:
             return None
+        if model.rope_local is not None:  # one set of RoPE tables per step in C++; Gemma 3 has two
+            return None
         blocks = [_block(ext, block, model.rope is not None) for block in model.blocks]
         if any(b is None for b in blocks):
             return None

@@ -38,6 +38,10 @@ class InputEmbedding(nn.Module):
         return self.dropout(x)
 
 
-def build_rope(cfg: ModelConfig) -> RotaryEmbedding | None:
+def build_rope(cfg: ModelConfig, local: bool = False) -> RotaryEmbedding | None:
+    """The model's RoPE tables, or with `local` those of its sliding-window layers when position.local_theta gives
+    them a base of their own (None otherwise)."""
     p = cfg.position
+    if local:
+        return None if p.local_theta is None else RotaryEmbedding(cfg.rope_dim, p.local_theta, p.max_seq_len, None)
     return RotaryEmbedding(cfg.rope_dim, p.theta, p.max_seq_len, p.scaling) if p.kind == "rope" else None

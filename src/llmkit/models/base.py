@@ -32,6 +32,7 @@ class TokenModel(nn.Module, abc.ABC):
     embed: nn.Embedding
     inputs: InputEmbedding
     rope: RotaryEmbedding | None
+    rope_local: RotaryEmbedding | None  # the sliding-window layers' own RoPE base (Gemma 3)
     head: nn.Module | None  # nn.Linear, or a quantized linear (llmkit.quant) applied from outside
     head_bias: nn.Parameter | None
 
@@ -53,7 +54,8 @@ class TokenModel(nn.Module, abc.ABC):
     def attention_inputs(self, step: Step) -> AttentionInputs:
         """The attention inputs of a step: its mask and slots, and the RoPE tables of its positions."""
         rope = self.rope(step.positions) if self.rope is not None else None
-        return AttentionInputs(step.mask, rope, step.slots)
+        local = self.rope_local(step.positions) if self.rope_local is not None else None
+        return AttentionInputs(step.mask, rope, step.slots, local)
 
     def check_tokens(
         self, tokens: Tensor, padding_mask: Tensor | None, name: str = "tokens", vocab_size: int | None = None

@@ -42,6 +42,7 @@ class DecoderLM(TokenModel):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.inputs = InputEmbedding(cfg, cfg.position.max_seq_len)
         self.rope = build_rope(cfg)
+        self.rope_local = build_rope(cfg, local=True)
         self.blocks = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
         self.norm = build_norm(cfg.norm, cfg.d_model) if cfg.norm.placement != "post" else nn.Identity()
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)

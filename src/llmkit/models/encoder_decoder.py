@@ -42,6 +42,7 @@ class EncoderDecoder(TokenModel, Seq2SeqModel):
         self.src_embed = nn.Embedding(cfg.encoder.vocab_size, cfg.d_model) if cfg.encoder.vocab_size else None
         self.inputs = InputEmbedding(cfg, cfg.position.max_seq_len)
         self.rope = build_rope(cfg)
+        self.rope_local = build_rope(cfg, local=True)
         self.encoder = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.encoder.n_layers))
         self.decoder = nn.ModuleList(CrossAttentionBlock(cfg, i) for i in range(cfg.n_layers))
         pre = cfg.norm.placement != "post"  # pre-norm stacks end with a norm; post-norm blocks already end in one

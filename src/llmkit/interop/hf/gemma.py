@@ -25,6 +25,7 @@ and its four norms per layer are named
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection
 from typing import Any, ClassVar
 
@@ -33,8 +34,8 @@ from llmkit.errors import ConfigError
 from llmkit.interop.hf.activations import activation_from_hf, activation_to_hf
 from llmkit.interop.hf.base import Family
 from llmkit.interop.hf.decoder import DECODER_SHAPE, attention_rules, decoder_common_rules, swiglu_rules
-from llmkit.interop.hf.fields import Custom, Entry, Field, Fixed, HFConfig, fixed, require
-from llmkit.interop.hf.rope import ROPE
+from llmkit.interop.hf.fields import Custom, Entry, Field, Fixed, HFConfig, Stated, fixed, require
+from llmkit.interop.hf.rope import ROPE, rope_from_hf, rope_to_hf
 from llmkit.interop.keymap import Rule
 
 
@@ -54,7 +55,7 @@ def _activation_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     return {"hidden_act": name, "hidden_activation": name}
 
 
-_G1, _G2 = ("gemma",), ("gemma2",)
+_G1, _G2, _G3 = ("gemma",), ("gemma2",), ("gemma3_text",)
 
 
 def _scale_from_hf(hf: HFConfig, names: Collection[str]) -> dict[str, Any]:
@@ -75,7 +76,8 @@ def _windows_from_hf(hf: HFConfig, names: Collection[str]) -> dict[str, Any]:
     absent: layers 0, 2, 4, ... slide). llmkit holds "every n-th layer is global"; other patterns are refused."""
     window = hf.get("sliding_window")
     n = int(require(hf, "num_hidden_layers"))
-    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    pattern = 2 if hf.get("model_type") == "gemma2" else int(hf.get("sliding_window_pattern") or 6)  # as transformers
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
     sliding = [t == "sliding_attention" for t in types]
     if not window or not any(sliding):
         return {"attention.sliding_window": None, "attention.full_every": None}
@@ -88,6 +90,31 @@ def _windows_from_hf(hf: HFConfig, names: Collection[str]) -> dict[str, Any]:
             f"config.json layer_types puts full attention in layers {full}; llmkit supports it in every n-th layer"
         )
     return {"attention.sliding_window": int(window), "attention.full_every": every}
+
+
+def _gemma3_rope_from_hf(hf: HFConfig, names: Collection[str]) -> dict[str, Any]:
+    """Gemma 3 keeps one RoPE per layer type: rope_parameters {"full_attention": ..., "sliding_attention": ...}
+    (transformers 5), or rope_theta / rope_scaling for the global layers and rope_local_base_freq (4.x)."""
+    params = dict(hf.get("rope_parameters") or {})
+    full = dict(params.get("full_attention") or {}) if "full_attention" in params else params
+    local = dict(params.get("sliding_attention") or {})
+    if local.get("rope_type", "default") != "default":
+        raise ConfigError(f"config.json scales the sliding layers' RoPE ({local['rope_type']!r}); llmkit does not")
+    theta = full.get("rope_theta") or hf.get("rope_theta") or 1_000_000.0  # Gemma3TextConfig's defaults
+    flat = {"rope_parameters": {**full, "rope_theta": theta}, "rope_scaling": hf.get("rope_scaling")}
+    out = rope_from_hf({**flat, "max_position_embeddings": hf.get("max_position_embeddings") or 131_072})
+    out["position.local_theta"] = float(local.get("rope_theta") or hf.get("rope_local_base_freq") or 10_000.0)
+    return out
+
+
+def _gemma3_rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    out = rope_to_hf(cfg)
+    local = cfg.position.local_theta or cfg.position.theta
+    out["rope_parameters"] = {
+        "full_attention": out["rope_parameters"],
+        "sliding_attention": {"rope_type": "default", "rope_theta": local},
+    }
+    return {**out, "rope_local_base_freq": local}
 
 
 def _windows_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -108,7 +135,8 @@ FIELDS: tuple[Entry, ...] = (
     Field("ffn.hidden_dim", "intermediate_size", int),
     Field("norm.eps", "rms_norm_eps", float, 1e-6),
     Field("tie_embeddings", "tie_word_embeddings", bool, True),
-    ROPE,
+    dataclasses.replace(ROPE, only=_G1 + _G2),
+    Custom(_gemma3_rope_from_hf, _gemma3_rope_to_hf, only=_G3),
     Custom(_activation_from_hf, _activation_to_hf),
     Fixed("ffn.activation", "gelu_tanh", "transformers reads Gemma's 'gelu' as the tanh GELU", only=("gemma",)),
     *fixed(
@@ -123,11 +151,15 @@ FIELDS: tuple[Entry, ...] = (
             "ffn.bias": False,
             "moe": None,
             "attention.kind": "gqa",
-            "attention.qk_norm": False,
             "position.layout": "half",
             "position.rope_fraction": 1.0,
             "mtp_depth": 0,
         },
+    ),
+    *fixed(
+        "Gemma and Gemma 2 have no QK-norm and one RoPE base (those are gemma3_text)",
+        {"attention.qk_norm": False, "position.local_theta": None},
+        only=_G1 + _G2,
     ),
     # gemma
     *fixed(
@@ -142,19 +174,26 @@ FIELDS: tuple[Entry, ...] = (
         },
         only=_G1,
     ),
-    # gemma2
-    Fixed("norm.placement", "sandwich", "Gemma 2 normalises each sub-layer's input and output", only=_G2),
-    Field("attention.softcap", "attn_logit_softcapping", float, None, only=_G2),
-    Field("logit_softcap", "final_logit_softcapping", float, None, only=_G2),
-    Custom(_scale_from_hf, _scale_to_hf, only=_G2),
-    Custom(_windows_from_hf, _windows_to_hf, only=_G2),
+    # gemma2 and gemma3_text
+    Fixed("norm.placement", "sandwich", "Gemma 2 and 3 normalise each sub-layer's input and output", only=_G2 + _G3),
+    Field("attention.softcap", "attn_logit_softcapping", float, None, only=_G2 + _G3),
+    Field("logit_softcap", "final_logit_softcapping", float, None, only=_G2 + _G3),
+    Custom(_scale_from_hf, _scale_to_hf, only=_G2 + _G3),
+    Custom(_windows_from_hf, _windows_to_hf, only=_G2 + _G3),
+    # gemma3_text
+    Fixed("attention.qk_norm", True, "Gemma 3 normalises every query and key head", only=_G3),
+    Stated("use_bidirectional_attention", False, "llmkit reads Gemma 3 as a causal decoder", only=_G3),
 )
 
 
 class GemmaFamily(Family):
     name = "gemma"
-    model_types: ClassVar[tuple[str, ...]] = ("gemma", "gemma2")
-    architectures: ClassVar[dict[str, str]] = {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+    model_types: ClassVar[tuple[str, ...]] = ("gemma", "gemma2", "gemma3_text")
+    architectures: ClassVar[dict[str, str]] = {
+        "gemma": "GemmaForCausalLM",
+        "gemma2": "Gemma2ForCausalLM",
+        "gemma3_text": "Gemma3ForCausalLM",
+    }
     fields = FIELDS
 
     def rules(self, cfg: ModelConfig, names: Collection[str]) -> list[Rule]:

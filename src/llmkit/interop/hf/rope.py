@@ -89,10 +89,13 @@ def _scaling_to_hf(s: RopeScaling) -> dict[str, Any]:
 
 def rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """Both config styles, and max_position_embeddings: the unscaled length for dynamic scaling (transformers grows
-    the context from it), the full one otherwise."""
+    the context from it) and for linear scaling without an original length (reading multiplies it by the factor),
+    the full one otherwise."""
     p = cfg.position
     s = p.scaling
     max_len = s.original_max_seq_len if s is not None and s.kind == "dynamic" and s.original_max_seq_len else None
+    if s is not None and s.kind == "linear" and not s.original_max_seq_len:
+        max_len = round(p.max_seq_len / s.factor)
     out: dict[str, Any] = {"rope_theta": p.theta, "max_position_embeddings": max_len or p.max_seq_len}
     spec = {"rope_type": "default"} if s is None else _scaling_to_hf(s)
     out["rope_scaling"] = None if s is None else dict(spec)

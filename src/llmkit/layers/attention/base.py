@@ -23,11 +23,13 @@ from llmkit.layers.rope import RopeTables
 @dataclass(frozen=True)
 class AttentionInputs:
     """What a self-attention layer needs besides x: the mask over key slots, the RoPE tables of the new tokens'
-    positions (None without RoPE), and the cache slots (T,) the new tokens' keys go to (None without a cache)."""
+    positions (None without RoPE), the cache slots (T,) the new tokens' keys go to (None without a cache), and the
+    tables of sliding-window layers when they have a RoPE base of their own (Gemma 3)."""
 
     mask: AttentionMask
     rope: RopeTables | None = None
     slots: Tensor | None = None
+    rope_local: RopeTables | None = None
 
 
 class SelfAttention(nn.Module, abc.ABC):

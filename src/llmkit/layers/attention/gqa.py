@@ -98,9 +98,10 @@ class GroupedQueryAttention(SelfAttention):
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, K, D)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # each head normalised over its D dims
-        if inputs.rope is not None and self.rope_dim:
-            q = rotate_prefix(q, inputs.rope, self.rope_dim, self.rope_layout)
-            k = rotate_prefix(k, inputs.rope, self.rope_dim, self.rope_layout)
+        rope = inputs.rope_local if self.sliding_window is not None and inputs.rope_local is not None else inputs.rope
+        if rope is not None and self.rope_dim:
+            q = rotate_prefix(q, rope, self.rope_dim, self.rope_layout)
+            k = rotate_prefix(k, rope, self.rope_dim, self.rope_layout)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, D)
         if cache is not None:
             assert inputs.slots is not None, "a cached call needs the slots its tokens go to"
