@@ -148,8 +148,8 @@ def _gemma_2b() -> ModelConfig:
 
 
 def _gemma2_2b() -> ModelConfig:
-    # Gemma 2: Gemma's block with sandwich norms, soft-capped attention scores (50) and logits (30), and local
-    # (4096-token window) and global layers alternating
+    # Gemma 2: Gemma's block, sandwich norms, soft-capped scores (50) and logits (30), local (window 4096) and global
+    # layers alternating
     g = _gemma_2b()
     return dataclasses.replace(
         g,
@@ -165,8 +165,7 @@ def _gemma2_2b() -> ModelConfig:
 
 
 def _gemma3_1b() -> ModelConfig:
-    # Gemma 3: Gemma 2's block with QK-norm instead of soft-capping, five local layers (512-token window, RoPE base
-    # 10,000) to each global one (base 1,000,000)
+    # Gemma 3: Gemma 2's block with QK-norm, no soft-caps; 5 local layers (window 512, base 1e4) to each global (1e6)
     return ModelConfig(
         vocab_size=262144,
         d_model=1152,
