@@ -20,12 +20,17 @@ from llmkit.interop.hf.fields import Entry, Field, fixed
 from llmkit.interop.hf.rope import ROPE
 from llmkit.interop.keymap import Rule, Split, Stack
 
-DECODER_KEYS: tuple[Entry, ...] = (
+SIZE_KEYS: tuple[Entry, ...] = (
     Field("vocab_size", "vocab_size", int),
     Field("d_model", "hidden_size", int),
     Field("n_layers", "num_hidden_layers", int),
     Field("attention.n_heads", "num_attention_heads", int),
     Field("attention.dropout", "attention_dropout", float, 0.0),
+)
+"""The sizes every decoder family after GPT-2 names alike (their norm epsilon and tied-head default differ)."""
+
+DECODER_KEYS: tuple[Entry, ...] = (
+    *SIZE_KEYS,
     Field("norm.eps", "rms_norm_eps", float, 1e-6),
     Field("tie_embeddings", "tie_word_embeddings", bool, False),
     ROPE,

@@ -33,7 +33,7 @@ from llmkit.config import ModelConfig
 from llmkit.errors import ConfigError
 from llmkit.interop.hf.activations import activation_from_hf, activation_to_hf
 from llmkit.interop.hf.base import Family
-from llmkit.interop.hf.decoder import DECODER_SHAPE, attention_rules, decoder_common_rules, swiglu_rules
+from llmkit.interop.hf.decoder import DECODER_SHAPE, SIZE_KEYS, attention_rules, decoder_common_rules, swiglu_rules
 from llmkit.interop.hf.fields import Custom, Entry, Field, Fixed, HFConfig, Stated, fixed, require
 from llmkit.interop.hf.rope import ROPE, rope_from_hf, rope_to_hf
 from llmkit.interop.keymap import Rule
@@ -124,13 +124,9 @@ def _windows_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 
 FIELDS: tuple[Entry, ...] = (
-    Field("vocab_size", "vocab_size", int),
-    Field("d_model", "hidden_size", int),
-    Field("n_layers", "num_hidden_layers", int),
-    Field("attention.n_heads", "num_attention_heads", int),
+    *SIZE_KEYS,
     Field("attention.n_kv_heads", "num_key_value_heads", int, None),
     Field("attention.head_dim", "head_dim", int, 256),  # GemmaConfig's default when config.json has none
-    Field("attention.dropout", "attention_dropout", float, 0.0),
     Field(("attention.qkv_bias", "attention.out_bias"), "attention_bias", bool, False),
     Field("ffn.hidden_dim", "intermediate_size", int),
     Field("norm.eps", "rms_norm_eps", float, 1e-6),

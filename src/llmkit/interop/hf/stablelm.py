@@ -14,7 +14,7 @@ from typing import ClassVar
 from llmkit.config import ModelConfig
 from llmkit.interop.hf.activations import activation_field
 from llmkit.interop.hf.base import Family
-from llmkit.interop.hf.decoder import DECODER_SHAPE, attention_rules, decoder_common_rules, swiglu_rules
+from llmkit.interop.hf.decoder import DECODER_SHAPE, SIZE_KEYS, attention_rules, decoder_common_rules, swiglu_rules
 from llmkit.interop.hf.fields import Entry, Field, Stated, fixed
 from llmkit.interop.hf.rope import PARTIAL_ROTARY, ROPE
 from llmkit.interop.keymap import Rule
@@ -22,12 +22,8 @@ from llmkit.interop.keymap import Rule
 _BLOCK = "llmkit's StableLM blocks are sequential, without per-head q/k LayerNorms"
 
 FIELDS: tuple[Entry, ...] = (
-    Field("vocab_size", "vocab_size", int),
-    Field("d_model", "hidden_size", int),
-    Field("n_layers", "num_hidden_layers", int),
-    Field("attention.n_heads", "num_attention_heads", int),
+    *SIZE_KEYS,
     Field("attention.n_kv_heads", "num_key_value_heads", int, None),
-    Field("attention.dropout", "attention_dropout", float, 0.0),
     Field("attention.qkv_bias", "use_qkv_bias", bool, False),
     Field("ffn.hidden_dim", "intermediate_size", int),
     activation_field("ffn.activation", "hidden_act", "stablelm", "silu"),

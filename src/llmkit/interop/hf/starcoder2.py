@@ -16,18 +16,14 @@ from typing import ClassVar
 from llmkit.config import ModelConfig
 from llmkit.interop.hf.activations import activation_field
 from llmkit.interop.hf.base import Family
-from llmkit.interop.hf.decoder import DECODER_SHAPE, attention_rules, decoder_common_rules
+from llmkit.interop.hf.decoder import DECODER_SHAPE, SIZE_KEYS, attention_rules, decoder_common_rules
 from llmkit.interop.hf.fields import Derived, Entry, Field, fixed, optional_positive
 from llmkit.interop.hf.rope import ROPE
 from llmkit.interop.keymap import Rule
 
 FIELDS: tuple[Entry, ...] = (
-    Field("vocab_size", "vocab_size", int),
-    Field("d_model", "hidden_size", int),
-    Field("n_layers", "num_hidden_layers", int),
-    Field("attention.n_heads", "num_attention_heads", int),
+    *SIZE_KEYS,
     Field("attention.n_kv_heads", "num_key_value_heads", int, None),
-    Field("attention.dropout", "attention_dropout", float, 0.0),
     Field("attention.sliding_window", "sliding_window", optional_positive, None),
     Field(("attention.qkv_bias", "attention.out_bias", "ffn.bias"), "use_bias", bool, True),
     Field("ffn.hidden_dim", "intermediate_size", int),
