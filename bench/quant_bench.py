@@ -3,6 +3,9 @@ file kept as int4) against llama.cpp on the same file, in one run.
 
     bash bench/build_llama_server.sh     # once: builds runs/llama.cpp/build/bin/llama-server (~7 minutes)
     .venv/bin/python bench/quant_bench.py --llama-server runs/llama.cpp/build/bin/llama-server [--new 128]
+    # the K-quant mix most GGUF files use, made from the same file by llama.cpp's own tool:
+    runs/llama.cpp/build/bin/llama-quantize --allow-requantize SMOLLM2.Q4_1.gguf runs/SmolLM2.Q4_K_M.gguf Q4_K_M
+    .venv/bin/python bench/quant_bench.py --llama-server ... --gguf runs/SmolLM2.Q4_K_M.gguf
 
 Greedy decoding of --new tokens after a 32-token prompt (random ids), batch 1 and 8, every row generating exactly
 --new tokens. llmkit runs eager `generate` (and, with --compiled, `generate(compiled=True)`; its one-time
@@ -29,6 +32,7 @@ import os
 import threading
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -111,6 +115,9 @@ def llmkit_rate(model: Any, x: torch.Tensor, new: int) -> tuple[float, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--llama-server", default=None, help="path to llama.cpp's llama-server binary")
+    p.add_argument(
+        "--gguf", default=None, help="another SmolLM2 GGUF file (e.g. a Q4_K_M made by llama-quantize; default Q4_1)"
+    )
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--compiled", action="store_true", help="add compiled llmkit rows (minutes of compilation)")
@@ -121,13 +128,14 @@ def main() -> None:
     from llmkit.interop.gguf import load_gguf
     from llmkit.quant import describe, quantize
 
-    gguf = smollm2_gguf()
+    gguf = Path(args.gguf) if args.gguf else smollm2_gguf()
+    kind = gguf.stem.rsplit(".", 1)[-1]  # SmolLM2-135M-Instruct.Q4_1 -> Q4_1
     limits = measure_limits(precisions=())
     fp32 = load_gguf(gguf, quantized=False)
     models = {
         "fp32": fp32.model.eval(),
         "int8": quantize(copy.deepcopy(fp32.model), "int8", include_head=True).eval(),
-        "int4 (Q4_1 file)": load_gguf(gguf, quantized=True).model.eval(),
+        f"the {kind} file": load_gguf(gguf, quantized=True).model.eval(),
     }
     text_ids = fp32.tokenizer.encode(shakespeare()[-1].text)[:1025]
     ppl = {name: perplexity(m, torch.tensor([text_ids])) for name, m in models.items()}
@@ -162,7 +170,7 @@ def main() -> None:
             if server is not None:
                 for batch in (1, 8):
                     rate = llama_rate(port, prompt[0].tolist(), args.new, batch)
-                    rates.setdefault(("llama.cpp Q4_1", batch), []).append(rate)
+                    rates.setdefault((f"llama.cpp {kind}", batch), []).append(rate)
         for (name, batch), runs in rates.items():
             median = sorted(r[0] for r in runs)[len(runs) // 2]
             decoding = sorted(r[1] for r in runs)[len(runs) // 2]

@@ -119,11 +119,121 @@ def test_generate_and_beam_search_take_the_native_path_and_match(monkeypatch):
     assert slow_beams.sequences == beams.sequences
 
 
-@pytest.mark.parametrize(
-    "name", ["mixtral-8x7b-tiny", "deepseek-v2-lite-tiny", "deepseek-v3.2-tiny", "qwen3-0.6b-tiny", "gemma-2b-tiny"]
-)
+@pytest.mark.parametrize("name", ["deepseek-v2-lite-tiny", "deepseek-v3.2-tiny", "qwen3-0.6b-tiny", "gemma-2b-tiny"])
 def test_models_it_does_not_compute_are_left_to_pytorch(name):
+    """MLA (DeepSeek), QK-norm (Qwen3), Gemma's offset norms: not the C++ step's operations."""
     assert NativeDecoder.of(model_of(get_preset(name))) is None
+
+
+def moe_variant(name: str, **moe: object) -> ModelConfig:
+    cfg = get_preset(name)
+    assert cfg.moe is not None
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, **moe))
+
+
+MOE_CONFIGS = {  # every router and expert variant moe.py has, behind grouped-query attention
+    "mixtral": get_preset("mixtral-8x7b-tiny"),  # softmax top-2, renormalised
+    "qwen2-moe": get_preset("qwen1.5-moe-a2.7b-tiny"),  # + a wide shared expert gated by sigmoid(x . w)
+    "deepseek-v3-routing": moe_variant(  # GLM-4.5 / dots.llm1: V3's router behind GQA
+        "mixtral-8x7b-tiny",
+        n_experts=16,
+        top_k=4,
+        score_func="sigmoid",
+        n_groups=4,
+        topk_groups=2,
+        score_bias=True,
+        routed_scale=2.5,
+        n_shared_experts=1,
+    ),
+    "deepseek-v2-routing": moe_variant(
+        "mixtral-8x7b-tiny",
+        n_experts=16,
+        top_k=3,
+        n_groups=4,
+        topk_groups=2,
+        group_score="max",
+        norm_topk=False,
+        routed_scale=1.5,
+    ),
+    "switch-mlp-experts": moe_variant(
+        "mixtral-8x7b-tiny", top_k=1, norm_topk=False, expert_kind="mlp", activation="gelu"
+    ),
+}
+
+
+def moe_model(name: str) -> torch.nn.Module:
+    model = model_of(MOE_CONFIGS[name])
+    with torch.no_grad():  # a score bias that changes choices (it starts at zero)
+        for m in model.modules():
+            if getattr(m, "score_bias", None) is not None:
+                m.score_bias.copy_(torch.randn_like(m.score_bias) * 0.05)
+    return model
+
+
+@pytest.mark.parametrize("name", list(MOE_CONFIGS))
+def test_mixture_of_experts_blocks_equal_pytorch(name):
+    """The router's choice, gates, groups, score bias, shared experts and expert products in C++: the module's
+    logits and caches."""
+    model = moe_model(name)
+    ref, nat, ref_cache, nat_cache = run_both(model, PROMPTS, 8)
+    for a, b in zip(ref, nat, strict=True):
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4)
+    for la, lb in zip(ref_cache.layers, nat_cache.layers, strict=True):
+        torch.testing.assert_close(lb.k, la.k, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe"])
+def test_quantized_experts_decode_from_their_codes(name, method, monkeypatch):
+    """Quantized expert stacks are read as codes, a chosen expert's rows at a time: the step never dequantizes a
+    stack (the module's PyTorch path does, every call), and gives the module's logits within activation rounding."""
+    from llmkit.quant.experts import QuantizedExperts
+
+    model = quantize(moe_model(name), method, group_size=32, include_head=True)
+    assert any(isinstance(m, QuantizedExperts) for m in model.modules())
+    tokens, mask = pad_prompts(PROMPTS)
+    ref_cache, nat_cache = model.new_cache(3, 20), model.new_cache(3, 20)
+    nd = NativeDecoder.of(model)
+    assert nd is not None
+    with torch.inference_mode():
+        logits, _ = decode_step(model, tokens, ref_cache, mask)
+        decode_step(model, tokens, nat_cache, mask, native=nd)
+        tok = logits[:, -1].argmax(-1, keepdim=True)
+        a, _ = decode_step(model, tok, ref_cache)
+
+        def refuse(self):
+            raise AssertionError("the C++ step dequantized an expert stack")
+
+        for stack in ("w1", "w2", "w3"):
+            monkeypatch.setattr(QuantizedExperts, stack, property(refuse))
+        b, _ = decode_step(model, tok, nat_cache, native=nd)
+    a, b = a[:, -1], b[:, -1]
+    assert (a - b).abs().max() <= 0.02 * (a.amax(-1) - a.amin(-1)).max()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 2 / 3
+
+
+def test_mixture_of_experts_with_several_tokens_a_row_and_in_generate(monkeypatch):
+    """A speculative round's T > 1 tokens per row route one by one; generate takes the C++ path and keeps the
+    module's tokens."""
+    model = moe_model("deepseek-v3-routing")
+    tokens, mask = pad_prompts(PROMPTS)
+    ref_cache, nat_cache = model.new_cache(3, 20), model.new_cache(3, 20)
+    nd = NativeDecoder.of(model)
+    with torch.inference_mode():
+        decode_step(model, tokens, ref_cache, mask)
+        decode_step(model, tokens, nat_cache, mask, native=nd)
+        step = torch.tensor([[3, 9, 27], [81, 243 % 256, 5], [7, 7, 7]])
+        a, _ = decode_step(model, step, ref_cache)
+        b, _ = decode_step(model, step, nat_cache, native=nd)
+    torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4)
+    fast = generate(model, PROMPTS, max_new_tokens=10)
+    monkeypatch.setattr(sessions_module.NativeDecoder, "of", classmethod(lambda cls, m: None))
+    assert generate(model, PROMPTS, max_new_tokens=10).new_tokens == fast.new_tokens
+
+
+def test_a_capacity_factor_is_left_to_pytorch():
+    """Capacity limits drop assignments across the batch: not a per-row choice the C++ router makes."""
+    assert NativeDecoder.of(model_of(moe_variant("mixtral-8x7b-tiny", capacity_factor=1.25))) is None
 
 
 @pytest.mark.parametrize("change", [{"softcap": 3.0}, {"scale": 0.1}])
@@ -222,7 +332,7 @@ def test_a_batch_beyond_the_small_row_kernel_equals_pytorch():
         torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "mixtral"])
 def test_the_serving_engine_takes_the_native_path_over_its_paged_pools(name, monkeypatch):
     """Decoding rows of different lengths in one batch, each over its own blocks of the pool (a block size that
     splits every prompt): the same tokens and log-probabilities as the engine's PyTorch path."""
@@ -230,7 +340,7 @@ def test_the_serving_engine_takes_the_native_path_over_its_paged_pools(name, mon
     from llmkit.serve.paged import PagedCache
     from llmkit.serve.request import SamplingParams
 
-    model = model_of(CONFIGS[name])
+    model = moe_model(name) if name in MOE_CONFIGS else model_of(CONFIGS[name])
     prompts = [[(5 * i + 3 * j) % 250 + 1 for j in range(n)] for i, n in enumerate([5, 17, 30, 3, 9])]
     params = SamplingParams(max_tokens=10, temperature=0.0)
     memory = PagedCache.bytes_per_block(model, 4, torch.float32) * 200

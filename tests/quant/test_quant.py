@@ -15,6 +15,7 @@ from llmkit import build_model, get_preset
 from llmkit.errors import InputError
 from llmkit.generate import generate
 from llmkit.interop.checkpoint import load_llmkit, save_llmkit
+from llmkit.layers.moe import GroupedExperts
 from llmkit.models import DecoderLM, EncoderDecoder
 from llmkit.presets import PRESETS
 from llmkit.quant import (
@@ -232,3 +233,34 @@ def test_the_quantize_command_writes_a_checkpoint_every_command_loads(tmp_path, 
     assert main(["inspect", str(tmp_path / "q4"), "--json"]) == 0  # inspect reads checkpoints, bytes as loaded
     report = __import__("json").loads(capsys.readouterr().out)
     assert report["quantization"]["method"] == "int4" and report["weight_bytes_loaded"] == weight_bytes(loaded)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_experts_read_only_their_own_rows_of_the_stacks(method, monkeypatch):
+    """Each expert that received rows multiplies them by its own rows of the stacked codes: the whole stacks are never
+    dequantized, and the output is the float experts' on the dequantized weights (within the kernel's rounding of the
+    activations; exact up to fp32 when x needs a gradient, which takes those rows dequantized, and passes it)."""
+    torch.manual_seed(0)
+    q = QuantizedExperts.from_experts(GroupedExperts(8, 64, 32, "swiglu", "silu"), method, 32)
+    ref = GroupedExperts(8, 64, 32, "swiglu", "silu")
+    with torch.no_grad():
+        for name in ("w1", "w2", "w3"):
+            getattr(ref, name).copy_(getattr(q, name))
+    counts = torch.tensor([3, 0, 5, 1, 0, 0, 2, 4])
+    x = torch.randn(int(counts.sum()), 64)
+    with torch.no_grad():
+        expected = ref._one_by_one(x, counts)
+
+    def refuse(self):
+        raise AssertionError("a whole expert stack was dequantized")
+
+    for name in ("w1", "w2", "w3"):
+        monkeypatch.setattr(QuantizedExperts, name, property(refuse))
+    with torch.no_grad():
+        fast = q(x, counts)
+    assert (fast - expected).abs().max() <= 0.02 * expected.abs().max()
+    xg = x.clone().requires_grad_(True)
+    exact = q(xg, counts)
+    torch.testing.assert_close(exact, expected, atol=1e-5, rtol=1e-5)
+    exact.sum().backward()
+    assert xg.grad is not None and torch.isfinite(xg.grad).all()

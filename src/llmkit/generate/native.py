@@ -10,13 +10,14 @@ RoPE tables, the final norm, sampling) stays in PyTorch; an fp32 output head of 
 (`logits`: MKL reads SmolLM2's 113 MB head at a third of the bandwidth for one row, and twice for two).
 
 It applies to the common pre-norm decoder (GPT-2, LLaMA, Mistral, Qwen2, SmolLM2: RMSNorm or LayerNorm, grouped-query
-attention with or without RoPE and a sliding window, SwiGLU/GeGLU or a plain MLP) in fp32 on the CPU, with linear
-layers that are fp32 or llmkit's int4/int8 (quantized with `llmkit.quant.quantize` or kept from a GGUF file); and
-to steps of a few new tokens per row (one when decoding; a speculative round's drafts when verifying, up to
-MAX_TOKENS) into a plain KVCache, or of one new token per row into the serving engine's paged pools. Anything else (MLA,
-MoE, sparse attention, QK-norm, Gemma's offset norms, bf16, CUDA, training, prefill) takes the PyTorch modules, which
-remain the reference:
-tests/quant/test_native_decode.py checks that both give the same logits.
+attention with or without RoPE and a sliding window, SwiGLU/GeGLU or a plain MLP), and to its mixture-of-experts
+form (Mixtral, Qwen2-MoE, GLM-4.5's DeepSeek-V3 router behind grouped-query attention: every router of moe.py
+without a capacity factor, shared experts, gated or not; cpu_moe.cpp), in fp32 on the CPU, with linear layers and
+expert stacks that are fp32 or llmkit's int4/int8 (quantized with `llmkit.quant.quantize` or kept from a GGUF file);
+and to steps of a few new tokens per row (one when decoding; a speculative round's drafts when verifying, up to
+MAX_TOKENS) into a plain KVCache, or of one new token per row into the serving engine's paged pools. Anything else
+(MLA, sparse attention, QK-norm, Gemma's offset norms, bf16, CUDA, training, prefill) takes the PyTorch modules,
+which remain the reference: tests/quant/test_native_decode.py checks that both give the same logits.
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ from llmkit.layers.attention.cache import KVCache
 from llmkit.layers.attention.gqa import GroupedQueryAttention
 from llmkit.layers.block import TransformerBlock
 from llmkit.layers.mlp import MLP, SwiGLU
+from llmkit.layers.moe import GroupedExperts, MoE
 from llmkit.layers.norm import LayerNorm, RMSNorm
 from llmkit.layers.residual import PreNorm
 from llmkit.layers.softcap import soft_cap
 from llmkit.models import DecoderLM, Step
 from llmkit.quant import native
-from llmkit.quant.linear import Int4Linear, Int8Linear
+from llmkit.quant.experts import QuantizedExperts
+from llmkit.quant.linear import Int4Linear, Int8Linear, QuantizedLinear
 
 _ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}  # cpu_decode.cpp's Activation
 MAX_TOKENS = 8  # new tokens per row a step may bring: every weight is read once for all of them
@@ -56,6 +59,72 @@ def _projection(ext: Any, layer: nn.Module) -> Any | None:
     if isinstance(layer, Int8Linear) and layer.resolved == "avx2":
         return ext.Projection(2, layer.qweight, layer.scales, None, bias)
     return None
+
+
+def _stack(ext: Any, weight: Tensor | QuantizedLinear | None) -> Any | None:
+    """Stacked expert weights (E, out, in) as one (E out, in) matrix the C++ step reads: fp32, or the codes of a
+    QuantizedExperts stack when llmkit's AVX2 kernel takes their group size. None when it cannot."""
+    if weight is None:
+        return None
+    if isinstance(weight, QuantizedLinear):
+        try:
+            if isinstance(weight, Int4Linear):
+                return ext.Projection(1, weight.qweight, weight.scales, weight.zeros, None)
+            return ext.Projection(2, weight.qweight, weight.scales, None, None)
+        except RuntimeError:  # a group size the kernel does not take
+            return None
+    w = weight.detach()
+    if w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous():
+        return None
+    return ext.Projection(0, w.view(-1, w.shape[-1]))
+
+
+def _moe(ext: Any, moe: MoE) -> Any | None:
+    """A mixture-of-experts feed-forward as the C++ step computes it (cpu_moe.cpp), or None when some part of it is
+    not: a capacity factor, experts or a router that are not fp32 / llmkit's codes, a shared expert of another kind."""
+    cfg, experts = moe.cfg, moe.experts
+    router = moe.router.weight.detach()
+    if cfg.capacity_factor is not None or router.dtype != torch.float32 or experts.activation not in _ACTIVATIONS:
+        return None
+    f = ext.MoEFeedForward()
+    f.router = router.contiguous()
+    f.score_bias = None if moe.router.score_bias is None else moe.router.score_bias.detach().float().contiguous()
+    f.softmax = cfg.score_func == "softmax"
+    f.top_k, f.n_groups, f.topk_groups = cfg.top_k, cfg.n_groups, cfg.topk_groups
+    f.group_max, f.norm_topk, f.routed_scale = cfg.group_score == "max", cfg.norm_topk, cfg.routed_scale
+    f.activation = _ACTIVATIONS[experts.activation]
+    stacks: list[Tensor | QuantizedLinear | None]
+    if type(experts) is QuantizedExperts:
+        stacks = [experts.q1, experts.q3, experts.q2]
+    elif type(experts) is GroupedExperts:
+        stacks = [experts.w1, experts.w3, experts.w2]
+    else:
+        return None
+    f.gated = stacks[1] is not None
+    w1, w3, w2 = (_stack(ext, w) for w in stacks)
+    if w1 is None or w2 is None or (f.gated and w3 is None):
+        return None
+    f.w1, f.w2 = w1, w2
+    if f.gated:
+        f.w3 = w3
+    if moe.shared is not None:
+        shared = moe.shared
+        if type(shared) is not (SwiGLU if f.gated else MLP) or shared.activation != experts.activation:
+            return None
+        assert isinstance(shared, (SwiGLU, MLP))
+        parts = [_projection(ext, shared.w1), _projection(ext, shared.w3) if isinstance(shared, SwiGLU) else None]
+        parts.append(_projection(ext, shared.w2))
+        if parts[0] is None or parts[2] is None or (f.gated and parts[1] is None):
+            return None
+        f.s1, f.s2 = parts[0], parts[2]
+        if f.gated:
+            f.s3 = parts[1]
+    if moe.shared_gate is not None:
+        gate = moe.shared_gate.weight.detach()
+        if gate.dtype != torch.float32 or moe.shared_gate.bias is not None:
+            return None
+        f.shared_gate = gate.reshape(-1).contiguous()
+    return f
 
 
 def _norm(norm: nn.Module) -> tuple[bool, float, Tensor, Tensor | None] | None:
@@ -80,7 +149,8 @@ def _block(ext: Any, block: nn.Module, rope: bool) -> Any | None:
     norms = _norm(block.attn_residual.norm), _norm(block.ffn_residual.norm)
     if norms[0] is None or norms[1] is None or norms[0][:2] != norms[1][:2]:
         return None
-    if not isinstance(ffn, (SwiGLU, MLP)) or type(ffn) not in (SwiGLU, MLP) or ffn.activation not in _ACTIVATIONS:
+    moe = _moe(ext, ffn) if type(ffn) is MoE else None
+    if moe is None and (type(ffn) not in (SwiGLU, MLP) or ffn.activation not in _ACTIVATIONS):
         return None
     b = ext.DecodeBlock()
     b.rms, b.eps = norms[0][0], norms[0][1]
@@ -91,9 +161,13 @@ def _block(ext: Any, block: nn.Module, rope: bool) -> Any | None:
     b.rope_interleaved = attn.rope_layout == "interleaved"
     b.window = attn.sliding_window or 0
     b.scale = attn.head_dim**-0.5
-    b.gated, b.activation = type(ffn) is SwiGLU, _ACTIVATIONS[ffn.activation]
     layers: dict[str, nn.Module] = {"wq": attn.wq, "wk": attn.wk, "wv": attn.wv, "wo": attn.wo}
-    layers |= {"w1": ffn.w1, "w2": ffn.w2, **({"w3": ffn.w3} if isinstance(ffn, SwiGLU) else {})}
+    if moe is not None:
+        b.moe = moe
+    else:
+        assert isinstance(ffn, (SwiGLU, MLP))
+        b.gated, b.activation = type(ffn) is SwiGLU, _ACTIVATIONS[ffn.activation]
+        layers |= {"w1": ffn.w1, "w2": ffn.w2, **({"w3": ffn.w3} if isinstance(ffn, SwiGLU) else {})}
     for name, layer in layers.items():
         p = _projection(ext, layer)
         if p is None:

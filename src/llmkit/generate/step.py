@@ -13,8 +13,9 @@ change. MoE layers compile into the step: routing, sorting by expert and the exp
 routing never recompiles. Sparse attention (DSA) compiles too: the indexer's scores, the stable sort that picks each
 query's keys and the gather of the selected latents trace into the same graph.
 
-Without compilation, steps of one token per row on an AVX2 CPU run each block in one C++ call where the model's
-parts allow it (`native`, see native.py): the same arithmetic without per-operator dispatch.
+Without compilation, steps of a few tokens per row on an AVX2 CPU run all the blocks in one C++ call where the
+model's parts allow it (`native`, see native.py; dense and mixture-of-experts feed-forwards): the same arithmetic
+without per-operator dispatch, and for a tiny-width model several times faster than the compiled step.
 """
 
 from __future__ import annotations

@@ -212,8 +212,10 @@ def load_gguf(
 ) -> Loaded:
     """Load a llama-architecture GGUF file and its tokenizer.
 
-    quantized: keep the Q4_0 / Q4_1 / Q8_0 tensors in their exact llmkit formats (int4 / int8, groups of 32; other
-    types are dequantized, and `Loaded.notes` says which); False: dequantize every tensor to `dtype` (default fp32);
+    quantized: keep the Q4_0 / Q4_1 / Q4_K / Q5_0 / Q8_0 tensors in their exact llmkit formats (int4 / int8, groups
+    of 32); round the other quantized types (Q6_K, Q5_K, ...) to int8 in groups of 32, a quarter of their step or
+    less, and keep F16 / F32 tensors as floats (`Loaded.notes` says which tensors were neither exact nor float);
+    False: dequantize every tensor to `dtype` (default fp32);
     None: keep them when no dtype is asked for and the device has a fast kernel for them (llmkit.quant.kernels),
     else dequantize."""
     from gguf.quants import dequantize
@@ -261,31 +263,42 @@ def fast_kernels(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _quantized_spec(concrete: list[Concrete], tensors: dict[str, Any], cfg: ModelConfig) -> tuple[Any, list[str]]:
-    """Which of our layers take a GGUF tensor over exactly (name -> [method, 32]), and notes on the ones that do
-    not. A tied head is quantized from the embedding table when that is stored in an exact format."""
+    """Which of our layers keep a GGUF tensor quantized (name -> [method, 32]): exactly, or rounded to int8 for a
+    block type without an exact format (noted); float tensors stay float. A tied head is quantized from the
+    embedding table when that is stored quantized."""
     from torch import nn
 
     from llmkit.models import build_model
     from llmkit.quant import QuantSpec
-    from llmkit.quant.formats import GGUF_KINDS
+    from llmkit.quant.formats import GGUF_FLOAT, GGUF_KINDS
+
+    def method(kind: str) -> str | None:
+        if kind in GGUF_KINDS:
+            return GGUF_KINDS[kind]
+        return None if kind in GGUF_FLOAT else "int8"
 
     linears = {n for n, m in build_model(cfg, device="meta").named_modules() if isinstance(m, nn.Linear)}
     layers: dict[str, list[Any]] = {}
-    fallback: dict[str, list[str]] = {}
+    inexact: dict[str, list[str]] = {}
     for c in concrete:
         name, theirs = c.ours[0], c.theirs[0]
         kind = tensors[theirs].tensor_type.name
-        if name.removesuffix(".weight") not in linears:
+        if name.removesuffix(".weight") not in linears or (m := method(kind)) is None:
             continue
-        if kind in GGUF_KINDS:
-            layers[name.removesuffix(".weight")] = [GGUF_KINDS[kind], 32]
-        else:
-            fallback.setdefault(kind, []).append(theirs)
+        layers[name.removesuffix(".weight")] = [m, 32]
+        if kind not in GGUF_KINDS:
+            inexact.setdefault(kind, []).append(theirs)
     embed_kind = tensors["token_embd.weight"].tensor_type.name
-    include_head = "head" in layers or (cfg.tie_embeddings and embed_kind in GGUF_KINDS)
-    if cfg.tie_embeddings and embed_kind in GGUF_KINDS:
-        layers["head"] = [GGUF_KINDS[embed_kind], 32]
-    notes = [f"{len(v)} {k} tensors dequantized (no exact llmkit format), e.g. {v[0]}" for k, v in fallback.items()]
+    tied = cfg.tie_embeddings and method(embed_kind) is not None
+    include_head = "head" in layers or tied
+    if tied:
+        layers["head"] = [method(embed_kind), 32]
+        if embed_kind not in GGUF_KINDS:
+            inexact.setdefault(embed_kind, []).append("token_embd.weight (the tied head)")
+    notes = [
+        f"{len(v)} {k} tensors rounded to int8 in groups of 32 (no exact llmkit format), e.g. {v[0]}"
+        for k, v in inexact.items()
+    ]
     return QuantSpec("int4", 32, include_head, layers), notes
 
 
@@ -294,11 +307,13 @@ def _quantized_state(
 ) -> dict[str, Tensor]:
     """Our state dict: quantized layers' codes and scales from the raw blocks (with the rule's row transform
     applied to each), everything else dequantized by `get`."""
-    from llmkit.quant.formats import from_gguf_blocks
+    from llmkit.quant.formats import GGUF_KINDS, from_gguf_blocks, requantized_int8
 
     def raw(theirs: str) -> dict[str, Tensor]:
         t = tensors[theirs]
         N, K = shapes[theirs]
+        if t.tensor_type.name not in GGUF_KINDS:
+            return requantized_int8(get(theirs))
         return from_gguf_blocks(t.tensor_type.name, t.data, (N, K))
 
     state: dict[str, Tensor] = {}

@@ -8,6 +8,7 @@
 //   x (B, C) ─► norm ─► [wq | wk | wv] (one pass) ─► RoPE on q, k ─► k, v into each row's cache slot
 //            ─► each query head attends to its kv head's visible slots ─► wo ─► + x
 //            ─► norm ─► [w1 | w3] (one pass) ─► act(gate) * up ─► w2 ─► + x
+//                       (or a mixture of experts: the router's top-k experts per row, each as above; cpu_moe.cpp)
 //
 // Projections are int4 or int8 codes (cpu_kernel.cpp's Product, x quantized once per group of projections) or
 // fp32 matrices (cpu_kernel.cpp's float_columns).
@@ -26,158 +27,18 @@
 // Shapes: M query rows, B cache rows, C model width, H query heads, KH kv heads, D head dim, Dv value head dim,
 // S logical cache slots a row, F feed-forward width, N blocks in a pool of blocks of bs slots.
 
-#include "cpu_kernel.h"
+#include "cpu_step.h"
 
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
-#include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <limits>
-#include <memory>
-#include <optional>
-#include <utility>
 
 #include <omp.h>
 
 namespace {
 
-using torch::Tensor;
-
-// A linear layer as the step reads it: an fp32 matrix (N, K), or int4 / int8 codes; and an optional bias (N,).
-struct Projection {
-  enum Kind { FLOAT = 0, INT4 = 1, INT8 = 2 };
-
-  int kind = FLOAT;
-  Tensor weight, scales, zeros;  // FLOAT: weight (N, K); INT4 / INT8: weight = the codes (formats.py)
-  std::optional<Tensor> bias;
-  llmkit::QuantizedMatrix matrix;
-  int64_t N = 0, K = 0;
-
-  Projection(int kind_, Tensor weight_, std::optional<Tensor> scales_, std::optional<Tensor> zeros_,
-             std::optional<Tensor> bias_)
-      : kind(kind_), weight(std::move(weight_)), bias(std::move(bias_)) {
-    TORCH_CHECK(kind >= FLOAT && kind <= INT8, "unknown projection kind ", kind);
-    if (kind == FLOAT) {
-      TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32 && weight.is_contiguous(),
-                  "a float projection's weight must be (N, K) fp32");
-      N = weight.size(0), K = weight.size(1);
-    } else {
-      TORCH_CHECK(scales_.has_value(), "a quantized projection needs scales");
-      scales = *scales_;
-      if (kind == INT4) {
-        TORCH_CHECK(zeros_.has_value(), "an int4 projection needs zeros");
-        zeros = *zeros_;
-        matrix = llmkit::int4_matrix(weight, scales, zeros);
-      } else {
-        matrix = llmkit::int8_matrix(weight, scales);
-      }
-      N = matrix.N, K = matrix.K;
-    }
-    if (bias) TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == torch::kFloat32 &&
-                              bias->is_contiguous(),
-                          "the bias must be (N,) fp32");
-  }
-};
-
-using ProjectionPtr = std::shared_ptr<Projection>;
-
-// The threads of the step's parallel region, and each one's share of n items.
-struct Team {
-  int id = 0, size = 1;
-  std::pair<int64_t, int64_t> share(int64_t n) const { return {n * id / size, n * (id + 1) / size}; }
-};
-
-// Projections of one input side by side in one output (M, width): x @ W_i^T + b_i in columns [offset_i, offset_i + N_i).
-// Thread 0 prepares (quantizes x once per run of quantized projections of one kind); then every thread computes its
-// share of the columns; then thread 0 adds the biases.
-class ProjectionGroup {
- public:
-  void prepare(const std::vector<const Projection*>& ps, const float* x, int64_t M) {
-    ps_ = ps, x_ = x, M_ = M;
-    segments_.clear();
-    int64_t offset = 0;
-    for (size_t i = 0; i < ps.size();) {
-      Segment seg;
-      seg.offset = offset;
-      if (ps[i]->kind == Projection::FLOAT) {
-        seg.fp32 = ps[i++];
-        seg.width = seg.fp32->N;
-      } else {
-        std::vector<llmkit::QuantizedMatrix> ms;
-        const int kind = ps[i]->kind;
-        for (; i < ps.size() && ps[i]->kind == kind; ++i) ms.push_back(ps[i]->matrix), seg.width += ps[i]->N;
-        seg.product = std::make_shared<llmkit::Product>();
-        seg.product->prepare(x, M, ms[0].K, ms);
-      }
-      offset += seg.width;
-      segments_.push_back(std::move(seg));
-    }
-    width_ = offset;
-  }
-
-  void compute(const Team& team, float* y, int64_t ldy) const {
-    const auto [j0, j1] = team.share(width_);
-    for (const Segment& seg : segments_) {
-      const int64_t a = std::max(j0, seg.offset) - seg.offset, e = std::min(j1, seg.offset + seg.width) - seg.offset;
-      if (a >= e) continue;
-      if (seg.product)
-        seg.product->columns(a, e, y + seg.offset, ldy);
-      else
-        llmkit::float_columns(x_, M_, seg.fp32->weight.data_ptr<float>(), seg.fp32->K, a, e, y + seg.offset, ldy);
-    }
-  }
-
-  void add_bias(float* y, int64_t ldy) const {
-    int64_t offset = 0;
-    for (const Projection* p : ps_) {
-      if (p->bias) {
-        const float* b = p->bias->data_ptr<float>();
-        for (int64_t m = 0; m < M_; ++m)
-          for (int64_t n = 0; n < p->N; ++n) y[m * ldy + offset + n] += b[n];
-      }
-      offset += p->N;
-    }
-  }
-
- private:
-  struct Segment {
-    int64_t offset = 0, width = 0;
-    std::shared_ptr<llmkit::Product> product;  // quantized projections, or
-    const Projection* fp32 = nullptr;          // one fp32 matrix
-  };
-  std::vector<const Projection*> ps_;
-  std::vector<Segment> segments_;
-  const float* x_ = nullptr;
-  int64_t M_ = 0, width_ = 0;
-};
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  float out = _mm_cvtss_f32(s);
-  for (; i < n; ++i) out += a[i] * b[i];
-  return out;
-}
-
-enum Activation { RELU = 0, GELU = 1, GELU_TANH = 2, SILU = 3 };
-
-inline float activate(float v, int act) {
-  switch (act) {
-    case RELU: return v > 0.f ? v : 0.f;
-    case GELU: return 0.5f * v * (1.f + std::erf(v * static_cast<float>(M_SQRT1_2)));
-    case GELU_TANH: {
-      const float c = 0.7978845608028654f;  // sqrt(2 / pi)
-      return 0.5f * v * (1.f + std::tanh(c * (v + 0.044715f * v * v * v)));
-    }
-    default: return v / (1.f + std::exp(-v));  // silu
-  }
-}
+using namespace llmkit::step;
 
 // Where a layer's cached keys and values live: row b's slot s of kv head g is element index(b, g, s) of k (times D)
 // and of v (times Dv). Either a contiguous cache, k (B, KH, S, D), or a paged pool, k (KH, N, bs, D) with a block
@@ -208,10 +69,12 @@ struct DecodeBlock {
   int64_t window = 0;             // sliding window in slots (0: none)
   double scale = 1.0;
   ProjectionPtr wq, wk, wv, wo;
-  // feed-forward: w2(act(w1 x) * w3 x) when gated (SwiGLU / GeGLU), else w2(act(w1 x))
+  // feed-forward: w2(act(w1 x) * w3 x) when gated (SwiGLU / GeGLU), else w2(act(w1 x)); or, when `moe` is set,
+  // a mixture of experts (cpu_moe.cpp) and no w1, w2, w3
   bool gated = true;
   int activation = SILU;
   ProjectionPtr w1, w2, w3;
+  std::shared_ptr<MoEFeedForward> moe;
 
   void norm(const float* x, float* h, int64_t M, int64_t C, const Tensor& w, const std::optional<Tensor>& b) const {
     const float* W = w.data_ptr<float>();
@@ -276,6 +139,7 @@ struct DecodeBlock {
   struct Workspace {
     std::vector<float> h, qkv, att, y, gate_up, hidden;
     ProjectionGroup group;
+    std::shared_ptr<MoEWorkspace> moe = moe_workspace();
   };
 
   // x (M, C) += this block's output, for query row m's new token in logical slot slots[m] of cache row rows[m] of
@@ -285,7 +149,7 @@ struct DecodeBlock {
                const int64_t* slots, int64_t S, const bool* A, const std::optional<Tensor>& cos,
                const std::optional<Tensor>& sin) const {
     const int64_t C = norm1_weight.size(0), H = n_heads, KH = n_kv_heads, D = head_dim, Dv = v_head_dim;
-    const int64_t Nq = H * D, Nqkv = Nq + KH * D + KH * Dv, Fw = w1->N;
+    const int64_t Nq = H * D, Nqkv = Nq + KH * D + KH * Dv;
     const bool lead = team.id == 0;
     // ---- attention: norm, q | k | v
     if (lead) {
@@ -342,12 +206,18 @@ struct DecodeBlock {
 #pragma omp barrier
     project(team, w, {wo.get()}, w.att, M, w.y, C);
     // ---- feed-forward: residual, norm, w1 | w3, act(gate) * up (or act(h)), w2, residual
-    const int64_t width = gated ? 2 * Fw : Fw;
     if (lead) {
       for (int64_t i = 0; i < M * C; ++i) X[i] += w.y[i];
       norm(X, w.h.data(), M, C, norm2_weight, norm2_bias);
-      w.gate_up.resize(M * width), w.hidden.resize(M * Fw);
     }
+    if (moe) {
+#pragma omp barrier
+      moe_forward(*moe, team, *w.moe, w.h.data(), X, M, C);
+#pragma omp barrier
+      return;
+    }
+    const int64_t Fw = w1->N, width = gated ? 2 * Fw : Fw;
+    if (lead) w.gate_up.resize(M * width), w.hidden.resize(M * Fw);
     if (gated)
       project(team, w, {w1.get(), w3.get()}, w.h, M, w.gate_up, width);
     else
@@ -369,16 +239,30 @@ struct DecodeBlock {
   // returns, until the next barrier. The buffers are read after the barrier: thread 0 may have just resized them.
   void project(const Team& team, Workspace& w, const std::vector<const Projection*>& ps, const std::vector<float>& x,
                int64_t B, std::vector<float>& y, int64_t width) const {
-    if (team.id == 0) w.group.prepare(ps, x.data(), B);
+    if (team.id == 0) {
+      std::vector<Matrix> ms;
+      for (const Projection* p : ps) ms.push_back(p->all());
+      w.group.prepare(ms, x.data(), B);
+    }
 #pragma omp barrier
     w.group.compute(team, y.data(), width);
 #pragma omp barrier
-    if (team.id == 0) w.group.add_bias(y.data(), width);
+    if (team.id == 0) {  // the biases
+      int64_t offset = 0;
+      for (const Projection* p : ps) {
+        if (p->bias) {
+          const float* b = p->bias->data_ptr<float>();
+          for (int64_t m = 0; m < B; ++m)
+            for (int64_t n = 0; n < p->N; ++n) y[m * width + offset + n] += b[n];
+        }
+        offset += p->N;
+      }
+    }
   }
 
   // the shapes the projections must have, checked once when the block is built
   void check() const {
-    TORCH_CHECK(wq && wk && wv && wo && w1 && w2 && (!gated || w3), "a projection is missing");
+    TORCH_CHECK(wq && wk && wv && wo && (moe || (w1 && w2 && (!gated || w3))), "a projection is missing");
     TORCH_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0, "bad head counts");
     TORCH_CHECK(rope_dim % 2 == 0 && rope_dim <= head_dim, "bad rope_dim");
     const int64_t C = norm1_weight.size(0);
@@ -386,8 +270,11 @@ struct DecodeBlock {
                 "q, k, v widths do not match the heads");
     TORCH_CHECK(wq->K == C && wk->K == C && wv->K == C && wo->K == n_heads * v_head_dim && wo->N == C,
                 "attention projections do not match the model width");
-    TORCH_CHECK(w1->K == C && w2->N == C && w2->K == w1->N && (!gated || (w3->K == C && w3->N == w1->N)),
-                "feed-forward projections do not match");
+    if (moe)
+      moe_check(*moe, C);
+    else
+      TORCH_CHECK(w1->K == C && w2->N == C && w2->K == w1->N && (!gated || (w3->K == C && w3->N == w1->N)),
+                  "feed-forward projections do not match");
   }
 };
 
@@ -470,6 +357,7 @@ Tensor decode_paged(const std::vector<DecodeBlock*>& blocks, const Tensor& x, co
 
 void bind_decode(pybind11::module& m) {
   namespace py = pybind11;
+  llmkit::step::bind_moe(m);
   py::class_<Projection, ProjectionPtr>(m, "Projection")
       .def(py::init<int, Tensor, std::optional<Tensor>, std::optional<Tensor>, std::optional<Tensor>>(),
            py::arg("kind"), py::arg("weight"), py::arg("scales") = py::none(), py::arg("zeros") = py::none(),
@@ -501,6 +389,7 @@ void bind_decode(pybind11::module& m) {
       .def_readwrite("w1", &DecodeBlock::w1)
       .def_readwrite("w2", &DecodeBlock::w2)
       .def_readwrite("w3", &DecodeBlock::w3)
+      .def_readwrite("moe", &DecodeBlock::moe)
       .def("check", &DecodeBlock::check);
   m.def("decode", &decode, py::arg("blocks"), py::arg("x"), py::arg("k_caches"), py::arg("v_caches"),
         py::arg("slot"), py::arg("allowed"), py::arg("cos") = py::none(), py::arg("sin") = py::none(),

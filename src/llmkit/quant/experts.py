@@ -1,9 +1,12 @@
 """MoE experts with quantized weights: GroupedExperts' computation over weights held as int8 or int4 codes.
 
 The stacked expert weights (E, out, in) are quantized row by row, each stack as one (E * out, in) quantized matrix,
-so every expert row gets its own scales exactly as a linear layer's rows do. `w1`, `w2`, `w3` read back the
-dequantized stacks, which GroupedExperts' grouped, gathered and one-by-one paths then use unchanged: the weights are
-small at rest, and each forward dequantizes the stacks it reads (no fused quantized grouped kernel yet).
+so every expert row gets its own scales exactly as a linear layer's rows do, and expert e is rows [e out, (e + 1) out)
+of each stack. The forward pass runs one product per expert that received tokens, on that expert's rows only
+(`QuantizedLinear.rows_product`: llmkit's AVX2 kernel on the codes, or those rows dequantized), so a step reads the
+chosen experts and never dequantizes a whole stack; decoding steps on an AVX2 CPU go further and run in C++
+(llmkit/quant/cpu_moe.cpp). `w1`, `w2`, `w3` read back the dequantized stacks, which torch.compile's traced paths
+(GroupedExperts' grouped and gathered products) use.
 """
 
 from __future__ import annotations
@@ -49,6 +52,21 @@ class QuantizedExperts(GroupedExperts):
         cls, experts: GroupedExperts, method: str, group: int | None, device: torch.device | str | None
     ) -> QuantizedExperts:
         return cls(experts, method, group, device)
+
+    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+        """x (M, C) sorted by expert, counts (E,) -> (M, C): each expert that received rows on its own rows of the
+        stacks (reads the counts back to the host); under torch.compile, GroupedExperts' traced paths."""
+        if torch.compiler.is_compiling():
+            return super().forward(x, counts)
+        return self._one_by_one(x, counts)
+
+    def expert(self, e: int, x: Tensor) -> Tensor:
+        """Expert e on its tokens x (n, C) -> (n, C), reading only its rows of each stack."""
+        _, hidden, dim = self.shape
+        h = self.act(self.q1.rows_product(x, e * hidden, (e + 1) * hidden))
+        if self.q3 is not None:
+            h = h * self.q3.rows_product(x, e * hidden, (e + 1) * hidden)
+        return self.q2.rows_product(h, e * dim, (e + 1) * dim)
 
     def _stacked(self, q: QuantizedLinear, out: int, inp: int) -> Tensor:
         return q.dequantize(q.compute_dtype).view(self.shape[0], out, inp)

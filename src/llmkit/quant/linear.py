@@ -15,6 +15,7 @@ import abc
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llmkit.errors import InputError
@@ -122,6 +123,25 @@ class QuantizedLinear(FP32Buffers, abc.ABC):
     def prepare(self) -> None:
         """Build the kernel's form of the weights for the current device (after loading or moving)."""
 
+    def rows_product(self, x: Tensor, start: int, end: int) -> Tensor:
+        """x (n, in) @ rows [start, end) of W^T -> (n, end - start), without the bias: one expert's product when the
+        layer holds a stack of experts (llmkit.quant.experts). Only those rows are read: llmkit's AVX2 kernel on
+        their codes where it runs (fp32 on an AVX2 CPU, no gradient asked for x), else those rows dequantized."""
+        if native.available() and _avx2_rows(x) and not x.requires_grad and not torch.compiler.is_compiling():
+            try:
+                return self._native_rows(x.contiguous(), start, end)
+            except RuntimeError:  # a group size the kernel does not take
+                pass
+        return F.linear(x, self._dequantize_rows(start, end, x.dtype))
+
+    @abc.abstractmethod
+    def _native_rows(self, x: Tensor, start: int, end: int) -> Tensor:
+        """llmkit's AVX2 product of x (n, in) with rows [start, end) of the codes."""
+
+    @abc.abstractmethod
+    def _dequantize_rows(self, start: int, end: int, dtype: torch.dtype) -> Tensor:
+        """Rows [start, end) of the matrix the codes stand for."""
+
     def _apply(self, fn: Any, recurse: bool = True) -> QuantizedLinear:
         super()._apply(fn, recurse)
         if not self.dtype_probe.is_meta:
@@ -181,6 +201,12 @@ class Int8Linear(QuantizedLinear):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         return dequantize_int8(self.qweight, self.scales, dtype)
+
+    def _native_rows(self, x: Tensor, start: int, end: int) -> Tensor:
+        return native.int8_linear(x, self.qweight[start:end], self.scales[start:end])
+
+    def _dequantize_rows(self, start: int, end: int, dtype: torch.dtype) -> Tensor:
+        return dequantize_int8(self.qweight[start:end], self.scales[start:end], dtype)
 
     def prepare(self) -> None:
         self._prepared = None
@@ -250,6 +276,12 @@ class Int4Linear(QuantizedLinear):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         return dequantize_int4(self.qweight, self.scales, self.zeros, dtype)
+
+    def _native_rows(self, x: Tensor, start: int, end: int) -> Tensor:
+        return native.int4_linear(x, self.qweight[start:end], self.scales[start:end], self.zeros[start:end])
+
+    def _dequantize_rows(self, start: int, end: int, dtype: torch.dtype) -> Tensor:
+        return dequantize_int4(self.qweight[start:end], self.scales[start:end], self.zeros[start:end], dtype)
 
     def prepare(self) -> None:
         self._prepared = None

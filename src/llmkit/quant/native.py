@@ -1,5 +1,6 @@
 """llmkit's own CPU kernels (cpu_kernel.cpp: int4 and int8 products for AVX2 CPUs, the method of llama.cpp;
-cpu_decode.cpp: decoder blocks' decode step in one call, which llmkit.generate.native drives), compiled with
+cpu_decode.cpp and cpu_moe.cpp: decoder blocks' decode step in one call, dense or mixture-of-experts, which
+llmkit.generate.native drives), compiled with
 torch.utils.cpp_extension on first use and cached by torch (under ~/.cache/torch_extensions, or
 $TORCH_EXTENSIONS_DIR).
 
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "cpu_kernel.cpp", HERE / "cpu_decode.cpp"]  # and their shared header, cpu_kernel.h
+SOURCES = [HERE / "cpu_kernel.cpp", HERE / "cpu_decode.cpp", HERE / "cpu_moe.cpp"]  # and cpu_kernel.h, cpu_step.h
 
 
 def cpu_has_avx2() -> bool:

@@ -1,0 +1,209 @@
+// What a decode step's parts share (cpu_decode.cpp: the blocks; cpu_moe.cpp: a mixture-of-experts feed-forward):
+// the linear layers as the step reads them, the team of threads running the step, and products of several
+// matrices over one input computed by that team.
+
+#pragma once
+
+#include "cpu_kernel.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <optional>
+#include <utility>
+#include <vector>
+
+namespace llmkit::step {
+
+using torch::Tensor;
+
+// A matrix a product reads: fp32 rows (N, K), or int4 / int8 codes. A linear layer's whole matrix, or a run of its
+// rows (one expert's, in the stacked expert weights).
+struct Matrix {
+  int kind = 0;             // Projection::Kind
+  const float* w = nullptr;  // FLOAT: (N, K) row-major
+  QuantizedMatrix q;         // INT4 / INT8
+  int64_t N = 0, K = 0;
+};
+
+// A linear layer as the step reads it: an fp32 matrix (N, K), or int4 / int8 codes; and an optional bias (N,).
+struct Projection {
+  enum Kind { FLOAT = 0, INT4 = 1, INT8 = 2 };
+
+  int kind = FLOAT;
+  Tensor weight, scales, zeros;  // FLOAT: weight (N, K); INT4 / INT8: weight = the codes (formats.py)
+  std::optional<Tensor> bias;
+  QuantizedMatrix matrix;
+  int64_t N = 0, K = 0;
+
+  Projection(int kind_, Tensor weight_, std::optional<Tensor> scales_, std::optional<Tensor> zeros_,
+             std::optional<Tensor> bias_)
+      : kind(kind_), weight(std::move(weight_)), bias(std::move(bias_)) {
+    TORCH_CHECK(kind >= FLOAT && kind <= INT8, "unknown projection kind ", kind);
+    if (kind == FLOAT) {
+      TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32 && weight.is_contiguous(),
+                  "a float projection's weight must be (N, K) fp32");
+      N = weight.size(0), K = weight.size(1);
+    } else {
+      TORCH_CHECK(scales_.has_value(), "a quantized projection needs scales");
+      scales = *scales_;
+      if (kind == INT4) {
+        TORCH_CHECK(zeros_.has_value(), "an int4 projection needs zeros");
+        zeros = *zeros_;
+        matrix = int4_matrix(weight, scales, zeros);
+      } else {
+        matrix = int8_matrix(weight, scales);
+      }
+      N = matrix.N, K = matrix.K;
+    }
+    if (bias) TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == torch::kFloat32 &&
+                              bias->is_contiguous(),
+                          "the bias must be (N,) fp32");
+  }
+
+  // rows [r0, r1) of the matrix (the bias is not part of it)
+  Matrix rows(int64_t r0, int64_t r1) const {
+    Matrix m{kind, nullptr, matrix, r1 - r0, K};
+    if (kind == FLOAT) {
+      m.w = weight.data_ptr<float>() + r0 * K;
+    } else {
+      const int64_t row_bytes = matrix.int4 ? K / 2 : K;
+      m.q.codes += r0 * row_bytes, m.q.scales += r0 * matrix.G, m.q.N = r1 - r0;
+      if (matrix.zeros) m.q.zeros += r0 * matrix.G;
+    }
+    return m;
+  }
+
+  Matrix all() const { return rows(0, N); }
+};
+
+using ProjectionPtr = std::shared_ptr<Projection>;
+
+// The threads of the step's parallel region, and each one's share of n items.
+struct Team {
+  int id = 0, size = 1;
+  std::pair<int64_t, int64_t> share(int64_t n) const { return {n * id / size, n * (id + 1) / size}; }
+};
+
+// Matrices of one input side by side in one output (M, width): x @ W_i^T in columns [offset_i, offset_i + N_i).
+// `prepare` (one thread) quantizes x once per run of quantized matrices of one kind; then any range of output
+// columns can be computed on its own, so the team splits the columns as it likes.
+class ProjectionGroup {
+ public:
+  void prepare(const std::vector<Matrix>& ms, const float* x, int64_t M) {
+    x_ = x, M_ = M;
+    segments_.clear();
+    int64_t offset = 0;
+    for (size_t i = 0; i < ms.size();) {
+      Segment seg;
+      seg.offset = offset;
+      if (ms[i].kind == Projection::FLOAT) {
+        seg.fp32 = ms[i++];
+        seg.width = seg.fp32.N;
+      } else {
+        std::vector<QuantizedMatrix> qs;
+        const int kind = ms[i].kind;
+        for (; i < ms.size() && ms[i].kind == kind; ++i) qs.push_back(ms[i].q), seg.width += ms[i].N;
+        seg.product = std::make_shared<Product>();
+        seg.product->prepare(x, M, qs[0].K, qs);
+      }
+      offset += seg.width;
+      segments_.push_back(std::move(seg));
+    }
+    width_ = offset;
+  }
+
+  int64_t width() const { return width_; }
+
+  // output columns [j0, j1) into y (M, ldy)
+  void compute(int64_t j0, int64_t j1, float* y, int64_t ldy) const {
+    for (const Segment& seg : segments_) {
+      const int64_t a = std::max(j0, seg.offset) - seg.offset, e = std::min(j1, seg.offset + seg.width) - seg.offset;
+      if (a >= e) continue;
+      if (seg.product)
+        seg.product->columns(a, e, y + seg.offset, ldy);
+      else
+        float_columns(x_, M_, seg.fp32.w, seg.fp32.K, a, e, y + seg.offset, ldy);
+    }
+  }
+
+  // this thread's share of the columns
+  void compute(const Team& team, float* y, int64_t ldy) const {
+    const auto [j0, j1] = team.share(width_);
+    compute(j0, j1, y, ldy);
+  }
+
+ private:
+  struct Segment {
+    int64_t offset = 0, width = 0;
+    std::shared_ptr<Product> product;  // quantized matrices, or
+    Matrix fp32;                       // one fp32 matrix
+  };
+  std::vector<Segment> segments_;
+  const float* x_ = nullptr;
+  int64_t M_ = 0, width_ = 0;
+};
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  float out = _mm_cvtss_f32(s);
+  for (; i < n; ++i) out += a[i] * b[i];
+  return out;
+}
+
+enum Activation { RELU = 0, GELU = 1, GELU_TANH = 2, SILU = 3 };
+
+inline float activate(float v, int act) {
+  switch (act) {
+    case RELU: return v > 0.f ? v : 0.f;
+    case GELU: return 0.5f * v * (1.f + std::erf(v * static_cast<float>(M_SQRT1_2)));
+    case GELU_TANH: {
+      const float c = 0.7978845608028654f;  // sqrt(2 / pi)
+      return 0.5f * v * (1.f + std::tanh(c * (v + 0.044715f * v * v * v)));
+    }
+    default: return v / (1.f + std::exp(-v));  // silu
+  }
+}
+
+// The mixture-of-experts feed-forward of a block's decode step (computed by cpu_moe.cpp).
+struct MoEFeedForward {
+  Tensor router;                      // (E, C) fp32
+  std::optional<Tensor> score_bias;   // (E,) fp32: added to the scores to choose experts, not to weigh them
+  bool softmax = true;                // scores: a softmax over the experts, else each one's sigmoid
+  int64_t top_k = 2, n_groups = 1, topk_groups = 1;
+  bool group_max = false;             // groups ranked by their best score, else by the sum of their two best
+  bool norm_topk = true;              // the chosen experts' scores renormalised to sum to 1
+  double routed_scale = 1.0;
+  bool gated = true;                  // experts: w2(act(w1 x) * w3 x), else w2(act(w1 x))
+  int activation = SILU;
+  ProjectionPtr w1, w3, w2;           // the stacked experts: w1, w3 (E I, C), w2 (E C, I)
+  ProjectionPtr s1, s3, s2;           // the shared experts as one feed-forward of the same kind (optional)
+  std::optional<Tensor> shared_gate;  // (C,): the shared output scaled by sigmoid(h . gate) (Qwen2-MoE)
+
+  int64_t experts() const { return router.size(0); }
+  int64_t hidden() const { return w1->N / experts(); }
+};
+
+
+// Its buffers for one step, shared by the team (cpu_moe.cpp).
+struct MoEWorkspace;
+
+// x (M, C) += the MoE feed-forward of h (M, C), the block's normed states; called by every thread of the team.
+void moe_forward(const MoEFeedForward& moe, const Team& team, MoEWorkspace& w, const float* h, float* X, int64_t M,
+                 int64_t C);
+
+std::shared_ptr<MoEWorkspace> moe_workspace();
+
+// its shapes against the model width C, checked once when the block is built
+void moe_check(const MoEFeedForward& moe, int64_t C);
+
+void bind_moe(pybind11::module& m);
+
+}  // namespace llmkit::step
