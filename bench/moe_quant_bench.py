@@ -8,8 +8,9 @@ once in transformers' format and loaded by both libraries. Greedy decoding of --
 batch 1 and 8; the variants take turns --repeats times and the median counts. llmkit runs eager `generate`, whose
 steps run in one C++ call (the router and only the chosen experts' rows of the stacked weights: cpu_moe.cpp), for
 the fp32 weights and for `quantize(model, "int8" | "int4")` (experts, attention and head; int4 in groups of 32); and
-the int4 model once more through the PyTorch modules alone (what a step cost before, with every expert stack
-dequantized on every call: so slow that it runs once, for --slow-new tokens; `--slow-new 0` skips it). Reported:
+the int4 model once more through the PyTorch modules alone (`QuantizedExperts` running each chosen expert on its
+rows of the stacks through the AVX2 kernel, one operator at a time: what a step costs where the C++ step does not
+apply). Reported:
 tokens/s (the prompt's prefill included), the ratio to transformers, the bytes of weights a batch-1 step reads
 (attention, norms, router, the head, and top_k / n_experts of the experts: 2 of 8) and the fraction of the
 memory-bandwidth ceiling that reaches, measured in the same run.
@@ -34,7 +35,6 @@ from common import (
     peak_rss_gib,
     reference_config,
     report,
-    timed,
 )
 
 
@@ -90,7 +90,6 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batches", default="1,8")
-    p.add_argument("--slow-new", type=int, default=8, help="tokens of the int4 row through PyTorch alone (0: skip)")
     p.add_argument("--tmp", default=str(RUNS))
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
@@ -114,23 +113,21 @@ def main() -> None:
         def ours(model: Any, prompt: torch.Tensor = prompt) -> list[list[int]]:
             return generate(model, prompt, max_new_tokens=args.new).tokens.tolist()
 
+        def pytorch(model: Any, prompt: torch.Tensor = prompt) -> list[list[int]]:
+            with pytorch_only():
+                return ours(model, prompt)
+
         variants = {name: (lambda m=m: ours(m)) for name, m in models.items()}
+        variants["int4, PyTorch modules"] = lambda: pytorch(models["int4"])
         variants["transformers fp32"] = lambda prompt=prompt: hf_greedy(theirs, prompt, args.new).tolist()
         for fn in variants.values():  # warm up (builds the C++ extension on a first run)
             fn()
         seconds, outputs = alternate(variants, args.repeats)
-        new = {name: args.new for name in seconds}
-        if args.slow_new:
-            with pytorch_only():
-                seconds["int4, PyTorch modules"], _ = timed(
-                    lambda prompt=prompt: generate(models["int4"], prompt, max_new_tokens=args.slow_new)
-                )
-            new["int4, PyTorch modules"] = args.slow_new
         base = batch * args.new / seconds["transformers fp32"]
         for name, s in seconds.items():
             model = models.get(name.split(",")[0], fp32) if name != "transformers fp32" else fp32
             read = bytes_per_token(model)
-            tps = batch * new[name] / s
+            tps = batch * args.new / s
             rows.append(
                 {
                     "weights": name,
@@ -139,9 +136,7 @@ def main() -> None:
                     "vs_transformers": tps / base,
                     "mb_per_token": read / 1e6,
                     "bandwidth_fraction": tps / batch * read / limits.memory_read,
-                    "same_tokens_as_transformers": outputs[name] == outputs["transformers fp32"]
-                    if name in outputs
-                    else None,
+                    "same_tokens_as_transformers": outputs[name] == outputs["transformers fp32"],
                 }
             )
     summary = {

@@ -24,8 +24,14 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="needs llmkit's A
 
 
 def model_of(cfg: ModelConfig, seed: int = 0) -> torch.nn.Module:
+    """The model with random weights, its norm gains (QK-norm's too) moved off 1 so that each one counts."""
     torch.manual_seed(seed)
-    return build_model(cfg).eval()
+    model = build_model(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.mul_(1 + 0.2 * torch.randn_like(p))
+    return model
 
 
 def variant(name: str, **changes: object) -> ModelConfig:
@@ -47,6 +53,7 @@ CONFIGS = {
     "qwen-biases": variant("llama2-7b-tiny", qkv_bias=True, out_bias=True),
     "interleaved-partial-rope": variant("llama2-7b-tiny", layout="interleaved", rope_fraction=0.5),
     "sliding-window": variant("llama2-7b-tiny", sliding_window=5),
+    "qwen3-qk-norm": get_preset("qwen3-0.6b-tiny"),
 }
 
 
@@ -87,7 +94,7 @@ def test_fp32_blocks_equal_pytorch(name):
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
-@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen-biases"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen-biases", "qwen3-qk-norm"])
 def test_quantized_blocks_equal_pytorch(name, method):
     """Both paths run the same integer kernels; they differ only where float rounding in the norms moves an
     activation across an int8 rounding boundary (one step of 1/127 of its block's largest value)."""
@@ -119,9 +126,9 @@ def test_generate_and_beam_search_take_the_native_path_and_match(monkeypatch):
     assert slow_beams.sequences == beams.sequences
 
 
-@pytest.mark.parametrize("name", ["deepseek-v2-lite-tiny", "deepseek-v3.2-tiny", "qwen3-0.6b-tiny", "gemma-2b-tiny"])
+@pytest.mark.parametrize("name", ["deepseek-v2-lite-tiny", "deepseek-v3.2-tiny", "gemma-2b-tiny", "gemma3-1b-tiny"])
 def test_models_it_does_not_compute_are_left_to_pytorch(name):
-    """MLA (DeepSeek), QK-norm (Qwen3), Gemma's offset norms: not the C++ step's operations."""
+    """MLA (DeepSeek), Gemma's offset norms (and Gemma 3's offset QK-norm): not the C++ step's operations."""
     assert NativeDecoder.of(model_of(get_preset(name))) is None
 
 
@@ -154,6 +161,10 @@ MOE_CONFIGS = {  # every router and expert variant moe.py has, behind grouped-qu
         group_score="max",
         norm_topk=False,
         routed_scale=1.5,
+    ),
+    "qwen3-moe": dataclasses.replace(  # QK-norm before the experts
+        get_preset("qwen1.5-moe-a2.7b-tiny"),
+        attention=dataclasses.replace(get_preset("qwen1.5-moe-a2.7b-tiny").attention, qk_norm=True),
     ),
     "switch-mlp-experts": moe_variant(
         "mixtral-8x7b-tiny", top_k=1, norm_topk=False, expert_kind="mlp", activation="gelu"

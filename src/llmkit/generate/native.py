@@ -9,15 +9,16 @@ caches: nothing is copied or converted, and the module tree is untouched. Everyt
 RoPE tables, the final norm, sampling) stays in PyTorch; an fp32 output head of a few rows runs in C++ too
 (`logits`: MKL reads SmolLM2's 113 MB head at a third of the bandwidth for one row, and twice for two).
 
-It applies to the common pre-norm decoder (GPT-2, LLaMA, Mistral, Qwen2, SmolLM2: RMSNorm or LayerNorm, grouped-query
-attention with or without RoPE and a sliding window, SwiGLU/GeGLU or a plain MLP), and to its mixture-of-experts
-form (Mixtral, Qwen2-MoE, GLM-4.5's DeepSeek-V3 router behind grouped-query attention: every router of moe.py
-without a capacity factor, shared experts, gated or not; cpu_moe.cpp), in fp32 on the CPU, with linear layers and
-expert stacks that are fp32 or llmkit's int4/int8 (quantized with `llmkit.quant.quantize` or kept from a GGUF file);
-and to steps of a few new tokens per row (one when decoding; a speculative round's drafts when verifying, up to
-MAX_TOKENS) into a plain KVCache, or of one new token per row into the serving engine's paged pools. Anything else
-(MLA, sparse attention, QK-norm, Gemma's offset norms, bf16, CUDA, training, prefill) takes the PyTorch modules,
-which remain the reference: tests/quant/test_native_decode.py checks that both give the same logits.
+It applies to the common pre-norm decoder (GPT-2, LLaMA, Mistral, Qwen2, Qwen3, SmolLM2: RMSNorm or LayerNorm,
+grouped-query attention with or without RoPE, a sliding window and QK-norm, SwiGLU/GeGLU or a plain MLP), and to its
+mixture-of-experts form (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5's DeepSeek-V3 router behind grouped-query
+attention: every router of moe.py without a capacity factor, shared experts, gated or not; cpu_moe.cpp), in fp32
+on the CPU, with linear layers and expert stacks that are fp32 or llmkit's int4/int8 (quantized with
+`llmkit.quant.quantize` or kept from a GGUF file); and to steps of a few new tokens per row (one when decoding; a
+speculative round's drafts when verifying, up to MAX_TOKENS) into a plain KVCache, or of one new token per row into
+the serving engine's paged pools. Anything else (MLA, sparse attention, Gemma's offset norms, bf16, CUDA, training,
+prefill) takes the PyTorch modules, which remain the reference: tests/quant/test_native_decode.py checks that both
+give the same logits.
 """
 
 from __future__ import annotations
@@ -141,8 +142,10 @@ def _block(ext: Any, block: nn.Module, rope: bool) -> Any | None:
     if type(block) is not TransformerBlock or type(block.attn) is not GroupedQueryAttention:
         return None
     a = block.attn
-    if a.q_norm is not None or a.softcap is not None or a.scale != a.head_dim**-0.5:
-        return None  # QK-norm (Qwen3), soft-capped scores or another scale (Gemma 2): not the C++ step's operations
+    if a.softcap is not None or a.scale != a.head_dim**-0.5:
+        return None  # soft-capped scores or another scale (Gemma 2): not the C++ step's operations
+    if a.q_norm is not None and (type(a.q_norm) is not RMSNorm or type(a.k_norm) is not RMSNorm):
+        return None  # QK-norm of another kind (Gemma 3's offset gains)
     if type(block.attn_residual) is not PreNorm or type(block.ffn_residual) is not PreNorm:
         return None
     attn, ffn = block.attn, block.ffn
@@ -161,6 +164,9 @@ def _block(ext: Any, block: nn.Module, rope: bool) -> Any | None:
     b.rope_interleaved = attn.rope_layout == "interleaved"
     b.window = attn.sliding_window or 0
     b.scale = attn.head_dim**-0.5
+    if isinstance(attn.q_norm, RMSNorm) and isinstance(attn.k_norm, RMSNorm):
+        b.q_norm_weight, b.k_norm_weight = attn.q_norm.weight.detach(), attn.k_norm.weight.detach()
+        b.qk_eps = attn.q_norm.eps
     layers: dict[str, nn.Module] = {"wq": attn.wq, "wk": attn.wk, "wv": attn.wv, "wo": attn.wo}
     if moe is not None:
         b.moe = moe

@@ -5,7 +5,7 @@
 // residual). From Python each costs 5-50 us of dispatch, so a 30-layer model at batch 1 spends more time calling
 // than computing. Here the same arithmetic runs in one call for all the blocks, over fp32 activations:
 //
-//   x (B, C) ─► norm ─► [wq | wk | wv] (one pass) ─► RoPE on q, k ─► k, v into each row's cache slot
+//   x (B, C) ─► norm ─► [wq | wk | wv] (one pass) ─► (QK-norm,) RoPE on q, k ─► k, v into each row's cache slot
 //            ─► each query head attends to its kv head's visible slots ─► wo ─► + x
 //            ─► norm ─► [w1 | w3] (one pass) ─► act(gate) * up ─► w2 ─► + x
 //                       (or a mixture of experts: the router's top-k experts per row, each as above; cpu_moe.cpp)
@@ -69,6 +69,9 @@ struct DecodeBlock {
   int64_t window = 0;             // sliding window in slots (0: none)
   double scale = 1.0;
   ProjectionPtr wq, wk, wv, wo;
+  // QK-norm (Qwen3): an RMSNorm over each query / key head's D dims, one gain (D,) per projection, before RoPE
+  std::optional<Tensor> q_norm_weight, k_norm_weight;
+  double qk_eps = 1e-6;
   // feed-forward: w2(act(w1 x) * w3 x) when gated (SwiGLU / GeGLU), else w2(act(w1 x)); or, when `moe` is set,
   // a mixture of experts (cpu_moe.cpp) and no w1, w2, w3
   bool gated = true;
@@ -97,6 +100,15 @@ struct DecodeBlock {
           hr[c] = (xr[c] - static_cast<float>(mean)) * r * W[c] + (Bv ? Bv[c] : 0.f);
       }
     }
+  }
+
+  // RMSNorm of one head's D values in place, gain g (D,) (QK-norm)
+  void head_norm(float* v, const float* g) const {
+    const int64_t D = head_dim;
+    double ss = 0;
+    for (int64_t d = 0; d < D; ++d) ss += static_cast<double>(v[d]) * v[d];
+    const float r = 1.f / std::sqrt(static_cast<float>(ss / D) + static_cast<float>(qk_eps));
+    for (int64_t d = 0; d < D; ++d) v[d] = g[d] * (v[d] * r);
   }
 
   // rotate the first rope_dim dims of one head by the angles whose cos and sin are c, s (rope_dim / 2 each)
@@ -157,9 +169,14 @@ struct DecodeBlock {
       norm(X, w.h.data(), M, C, norm1_weight, norm1_bias);
     }
     project(team, w, {wq.get(), wk.get(), wv.get()}, w.h, M, w.qkv, Nqkv);
-    if (lead) {  // RoPE on q and k, k and v into the cache
+    if (lead) {  // (QK-norm,) RoPE on q and k, k and v into the cache
       for (int64_t b = 0; b < M; ++b) {
         float* row = w.qkv.data() + b * Nqkv;
+        if (q_norm_weight) {
+          const float* gq = q_norm_weight->data_ptr<float>();
+          const float* gk = k_norm_weight->data_ptr<float>();
+          for (int64_t hh = 0; hh < H + KH; ++hh) head_norm(row + hh * D, hh < H ? gq : gk);
+        }
         if (rope_dim) {
           const int64_t r = cos->size(0) == 1 ? 0 : b;
           const float* c = cos->data_ptr<float>() + r * (rope_dim / 2);
@@ -265,6 +282,12 @@ struct DecodeBlock {
     TORCH_CHECK(wq && wk && wv && wo && (moe || (w1 && w2 && (!gated || w3))), "a projection is missing");
     TORCH_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0, "bad head counts");
     TORCH_CHECK(rope_dim % 2 == 0 && rope_dim <= head_dim, "bad rope_dim");
+    TORCH_CHECK(q_norm_weight.has_value() == k_norm_weight.has_value(), "QK-norm needs both gains");
+    for (const auto* g : {&q_norm_weight, &k_norm_weight})
+      if (g->has_value())
+        TORCH_CHECK((*g)->dim() == 1 && (*g)->size(0) == head_dim && (*g)->scalar_type() == torch::kFloat32 &&
+                        (*g)->is_contiguous(),
+                    "a QK-norm gain must be (head_dim,) fp32");
     const int64_t C = norm1_weight.size(0);
     TORCH_CHECK(wq->N == n_heads * head_dim && wk->N == n_kv_heads * head_dim && wv->N == n_kv_heads * v_head_dim,
                 "q, k, v widths do not match the heads");
@@ -380,6 +403,9 @@ void bind_decode(pybind11::module& m) {
       .def_readwrite("rope_interleaved", &DecodeBlock::rope_interleaved)
       .def_readwrite("window", &DecodeBlock::window)
       .def_readwrite("scale", &DecodeBlock::scale)
+      .def_readwrite("q_norm_weight", &DecodeBlock::q_norm_weight)
+      .def_readwrite("k_norm_weight", &DecodeBlock::k_norm_weight)
+      .def_readwrite("qk_eps", &DecodeBlock::qk_eps)
       .def_readwrite("wq", &DecodeBlock::wq)
       .def_readwrite("wk", &DecodeBlock::wk)
       .def_readwrite("wv", &DecodeBlock::wv)
