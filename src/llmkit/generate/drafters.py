@@ -2,6 +2,7 @@
 
     start(prefix, valid, hidden)          read the prompt (all but its last token) and the target's states there
     propose(cur, sampling, generator)     k draft tokens after `cur`, with the probabilities they were drawn from
+                                          (greedy: the argmax tokens alone, no probabilities)
     settle(cur, drafts, accepted, hidden) the target kept `accepted` of them: catch up, forget the rest
 
 Two drafters: a smaller model with the same tokenizer (`ModelDrafter`, Leviathan et al. 2023), and the target's own
@@ -36,8 +37,11 @@ class Drafter(Protocol):
         """prefix (B, P) and valid (B, P): the prompts but their last tokens, left-padded (P may be 0); hidden
         (B, P, C): the target's last-block states there (None when P is 0)."""
 
-    def propose(self, cur: Tensor, sampling: Sampling, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
-        """(q (B, k, V), drafts (B, k)): draft tokens after cur (B,) and the distributions they were drawn from."""
+    def propose(
+        self, cur: Tensor, sampling: Sampling, generator: torch.Generator | None
+    ) -> tuple[Tensor | None, Tensor]:
+        """(q (B, k, V), drafts (B, k)): draft tokens after cur (B,) and the distributions they were drawn from;
+        q is None when sampling is greedy (the acceptance rule then needs only the tokens)."""
         ...
 
     def settle(self, cur: Tensor, drafts: Tensor, accepted: Tensor, hidden: Tensor) -> None:
@@ -58,19 +62,27 @@ class ModelDrafter:
         if prefix.shape[1]:
             decode_step(self.model, prefix, self.cache, valid, self.compiled, last=True)
 
-    def propose(self, cur: Tensor, sampling: Sampling, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    def propose(
+        self, cur: Tensor, sampling: Sampling, generator: torch.Generator | None
+    ) -> tuple[Tensor | None, Tensor]:
         rows = [[*carry, c] for carry, c in zip(self.carry, cur.tolist(), strict=True)]
         tokens, valid = pad(rows, "left", device=cur.device)
-        logits, _ = decode_step(self.model, tokens, self.cache, valid, self.compiled, self.native, last=True)
+        some_padded = any(len(r) != len(rows[0]) for r in rows)  # else every new token is real: no mask to apply
+        logits, _ = decode_step(
+            self.model, tokens, self.cache, valid if some_padded else None, self.compiled, self.native, last=True
+        )
         qs, ds = [], []
         for i in range(self.k):
-            probs = distribution(logits[:, -1], sampling)  # (B, V)
-            nxt = draw(probs, sampling.greedy, generator)  # (B,)
-            qs.append(probs)
+            if sampling.greedy:
+                nxt = logits[:, -1].argmax(dim=-1)  # (B,)
+            else:
+                probs = distribution(logits[:, -1], sampling)  # (B, V)
+                nxt = draw(probs, False, generator)
+                qs.append(probs)
             ds.append(nxt)
             if i < self.k - 1:
                 logits, _ = decode_step(self.model, nxt.unsqueeze(1), self.cache, None, self.compiled, self.native)
-        return torch.stack(qs, 1), torch.stack(ds, 1)
+        return (torch.stack(qs, 1) if qs else None), torch.stack(ds, 1)
 
     def settle(self, cur: Tensor, drafts: Tensor, accepted: Tensor, hidden: Tensor) -> None:
         # the cache holds cur, d1 .. d(k-1): keep cur and the accepted ones; dk was never fed, so when every draft
@@ -150,15 +162,19 @@ class MTPDrafter:
             self.run(prefix[:, 1:], hidden[:, :-1], valid[:, :-1] & valid[:, 1:])
         self.last = hidden[:, -1:]
 
-    def propose(self, cur: Tensor, sampling: Sampling, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    def propose(
+        self, cur: Tensor, sampling: Sampling, generator: torch.Generator | None
+    ) -> tuple[Tensor | None, Tensor]:
         if self.last is None:  # a one-token prompt: no state to draft from yet. Propose token 0 with certainty (q is
             # one-hot, so the acceptance rule stays exact: accepted with probability p(0))
             q = torch.zeros(cur.shape[0], 1, self.target.cfg.vocab_size, device=cur.device)
             q[:, :, 0] = 1.0
             return q, torch.zeros(cur.shape[0], 1, dtype=torch.long, device=cur.device)
         out = self.run(cur.unsqueeze(1), self.last, None)  # (B, 1, C)
+        if sampling.greedy:
+            return None, self.head(out[:, -1]).argmax(dim=-1, keepdim=True)
         q = distribution(self.head(out[:, -1]), sampling)  # (B, V)
-        return q.unsqueeze(1), draw(q, sampling.greedy, generator).unsqueeze(1)
+        return q.unsqueeze(1), draw(q, False, generator).unsqueeze(1)
 
     def settle(self, cur: Tensor, drafts: Tensor, accepted: Tensor, hidden: Tensor) -> None:
         # the position of `cur` (its state hidden[:, 0], next token d1) once d1 is known to be right

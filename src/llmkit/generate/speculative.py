@@ -72,6 +72,14 @@ def accept(
     return n, draw(residual, greedy, generator)
 
 
+def accept_greedy(drafts: Tensor, choice: Tensor) -> tuple[Tensor, Tensor]:
+    """`accept` for one-hot p and q, from tokens alone: drafts (B, k), choice (B, k + 1) the target's argmax after cur
+    and each draft -> (drafts accepted (B,), the target's token after them (B,))."""
+    k = drafts.shape[1]
+    n = (choice[:, :k] == drafts).long().cumprod(dim=1).sum(dim=1)  # (B,)
+    return n, choice.gather(1, n.unsqueeze(1)).squeeze(1)
+
+
 @torch.no_grad()
 def speculative_generate(
     target: DecoderLM,
@@ -127,7 +135,10 @@ def speculative_generate(
         logits, hidden = decode_step(target, torch.cat([cur.unsqueeze(1), drafts], 1), cache, None, compiled, native)
         result.target_passes += 1
         check_finite(logits, result.target_passes)
-        n, extra = accept(drafts, q, distribution(logits, sampling), sampling.greedy, generator)
+        if q is None:  # greedy: keep the drafts while they are the target's choice, then take its token
+            n, extra = accept_greedy(drafts, logits.argmax(dim=-1))
+        else:
+            n, extra = accept(drafts, q, distribution(logits, sampling), sampling.greedy, generator)
         cache.state.discard(k - n, span=k)  # forget the target's slots of the rejected drafts
         drafter.settle(cur, drafts, n, hidden)
         for b, (a, row, nxt) in enumerate(zip(n.tolist(), drafts.tolist(), extra.tolist(), strict=True)):
