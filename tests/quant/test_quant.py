@@ -264,3 +264,16 @@ def test_quantized_experts_read_only_their_own_rows_of_the_stacks(method, monkey
     torch.testing.assert_close(exact, expected, atol=1e-5, rtol=1e-5)
     exact.sum().backward()
     assert xg.grad is not None and torch.isfinite(xg.grad).all()
+
+
+def test_the_native_extension_is_rebuilt_when_a_header_changes(tmp_path, monkeypatch):
+    """torch's extension cache watches the listed sources only: the build name carries a digest of the headers too."""
+    from llmkit.quant import native
+
+    header = tmp_path / "h.h"
+    header.write_text("// one\n")
+    monkeypatch.setattr(native, "HEADERS", [header])
+    before = native.build_name()
+    assert before == native.build_name() and before.startswith("llmkit_quant_cpu_")
+    header.write_text("// two\n")
+    assert native.build_name() != before

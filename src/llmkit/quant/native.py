@@ -11,6 +11,7 @@ environment; the callers then use torch's kernels or dequantize. A failed build 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import warnings
 from pathlib import Path
@@ -19,7 +20,15 @@ from typing import Any
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "cpu_kernel.cpp", HERE / "cpu_decode.cpp", HERE / "cpu_moe.cpp"]  # and cpu_kernel.h, cpu_step.h
+SOURCES = [HERE / "cpu_kernel.cpp", HERE / "cpu_decode.cpp", HERE / "cpu_moe.cpp"]
+HEADERS = [HERE / "cpu_kernel.h", HERE / "cpu_step.h"]
+
+
+def build_name() -> str:
+    """The extension's name, with a digest of every source and header: torch's cache rebuilds an extension when a
+    listed source changes, not a header, so a changed header gets a name (and a build) of its own."""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))).hexdigest()[:12]
+    return f"llmkit_quant_cpu_{digest}"
 
 
 def cpu_has_avx2() -> bool:
@@ -41,7 +50,7 @@ def module() -> Any | None:
         from torch.utils.cpp_extension import load
 
         return load(
-            name="llmkit_quant_cpu",
+            name=build_name(),
             sources=[str(s) for s in SOURCES],
             extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
