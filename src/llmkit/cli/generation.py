@@ -89,12 +89,16 @@ class SpeculationOptions:
     speculate: tokens the draft model proposes per round.
     draft_head_bits: with --mtp, draft from an int8 (8) or int4 (4) copy of the output head: cheaper drafts, the
         same output (the model checks every draft with its own head).
+    draft_dtype: the draft's precision (default: the model's --dtype); "file" keeps the draft checkpoint's own, so a
+        GGUF file stays quantized: `--dtype fp32 --draft FILE.gguf --draft-dtype file` drafts with the file's int4
+        weights for its fp32 model (BENCHMARKS.md: ~1.5x, the fp32 output exactly).
     """
 
     draft: str | None = None
     mtp: bool = False
     speculate: int = 4
     draft_head_bits: int | None = None
+    draft_dtype: Literal["fp32", "bf16", "fp16", "file"] | None = None
 
 
 Mode = Literal["sample", "stream", "beam", "speculate"]
@@ -130,6 +134,8 @@ def _mode(output: OutputOptions, beam: BeamOptions, speculation: SpeculationOpti
         raise LLMKitError("--beams cannot be combined with --draft or --mtp: choose beam search or speculation")
     if speculation.draft is not None and speculation.mtp:
         raise LLMKitError("--draft and --mtp both choose the drafter: give one of them")
+    if speculation.draft_dtype is not None and speculation.draft is None:
+        raise LLMKitError("--draft-dtype is the precision of a --draft model: give --draft too")
     if (beam_search or speculate) and (output.stream or output.stop):
         raise LLMKitError("--stream and --stop apply to plain decoding, not to --beams, --draft or --mtp")
     if beam_search:
@@ -200,7 +206,9 @@ def generate(
     if mode == "beam":
         _beam_search(request, beam_search)
     elif mode == "speculate":
-        draft = load_decoder(speculation.draft, dtype, verify=not no_verify)[0] if speculation.draft else None
+        draft_dtype = dtype if speculation.draft_dtype is None else speculation.draft_dtype
+        precision = None if draft_dtype == "file" else draft_dtype
+        draft = load_decoder(speculation.draft, precision, verify=not no_verify)[0] if speculation.draft else None
         _speculate(request, sampling, draft, speculation)
     elif mode == "stream":
         _stream(request, sampling, output.stop_strings)
