@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from gguf_files import random_blocks, write_gguf
 
 from llmkit.interop.gguf import load_gguf
 from llmkit.quant import Int4Linear, Int8Linear, QuantizedLinear
@@ -22,24 +23,6 @@ from llmkit.quant.formats import (
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 INEXACT = ["Q6_K", "Q5_K", "Q5_1", "Q3_K", "Q2_K"]
-# where each type keeps its half-precision fields (scale d, and the min / dmin), as byte offsets in a block
-FP16_FIELDS = {
-    "Q8_0": [0], "Q5_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q5_1": [0, 2],
-    "Q6_K": [-2], "Q3_K": [-2], "Q2_K": [-4, -2],
-}  # fmt: skip
-
-
-def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Valid raw blocks of `kind` for a (rows, cols) tensor: random bytes, with finite half-precision scales of a
-    weight's size (any byte pattern is a valid block otherwise)."""
-    block, size = gguf.GGML_QUANT_SIZES[Q[kind]]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
-    for at in FP16_FIELDS[kind]:
-        at = at % size
-        halves = rng.uniform(0.0005, 0.004, size=(rows, cols // block)).astype(np.float16)
-        raw[..., at : at + 2] = halves[..., None].view(np.uint8)
-    return raw.reshape(rows, -1)
 
 
 def reference(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> torch.Tensor:
@@ -72,40 +55,6 @@ def test_other_block_types_round_to_int8_within_half_a_step(kind):
         from_gguf_blocks(kind, random_blocks(kind, *shape), shape)
 
 
-def write_llama_gguf(path, kinds: dict[str, str], seed: int = 0) -> None:
-    """A 2-block llama-architecture GGUF file (width 256, vocab 64, tied embedding) whose tensors named in `kinds`
-    (a GGUF name's suffix -> block type, e.g. "attn_q" -> "Q4_K") hold random blocks; the rest are F32."""
-    C, F, V, L = 256, 512, 64, 2
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_context_length(64)
-    w.add_embedding_length(C)
-    w.add_block_count(L)
-    w.add_feed_forward_length(F)
-    w.add_head_count(4)
-    w.add_head_count_kv(2)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
-    w.add_vocab_size(V)
-    rng = np.random.default_rng(seed)
-    shapes = {"token_embd": (V, C), "output_norm": (C,)}
-    for i in range(L):
-        b = f"blk.{i}."
-        shapes |= {b + "attn_norm": (C,), b + "ffn_norm": (C,), b + "attn_q": (C, C), b + "attn_k": (C // 2, C)}
-        shapes |= {b + "attn_v": (C // 2, C), b + "attn_output": (C, C), b + "ffn_gate": (F, C), b + "ffn_up": (F, C)}
-        shapes |= {b + "ffn_down": (C, F)}
-    for n, (name, shape) in enumerate(shapes.items()):
-        kind = next((k for suffix, k in kinds.items() if name.endswith(suffix)), None)
-        if kind is None or len(shape) == 1:
-            values = rng.normal(1.0 if len(shape) == 1 else 0.0, 0.05, size=shape).astype(np.float32)
-            w.add_tensor(name + ".weight", values)
-        else:
-            w.add_tensor(name + ".weight", random_blocks(kind, *shape, seed=seed + n), raw_dtype=Q[kind])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 def _logits(model: torch.nn.Module, tokens: torch.Tensor, kernel: str | None = None) -> torch.Tensor:
     if kernel is not None:
         for m in model.modules():
@@ -119,7 +68,7 @@ def _logits(model: torch.nn.Module, tokens: torch.Tensor, kernel: str | None = N
 def test_a_file_of_exact_block_types_loads_kept_quantized_with_identical_logits(tmp_path):
     path = tmp_path / "exact.gguf"
     kinds = {"attn_q": "Q4_K", "attn_k": "Q5_0", "attn_v": "Q4_0", "attn_output": "Q4_1", "ffn_gate": "Q4_K"}
-    write_llama_gguf(path, kinds | {"ffn_up": "Q5_0", "ffn_down": "Q4_K", "token_embd": "Q8_0"})
+    write_gguf(path, kinds | {"ffn_up": "Q5_0", "ffn_down": "Q4_K", "token_embd": "Q8_0"})
     q, f = load_gguf(path, quantized=True), load_gguf(path, quantized=False)
     assert not q.notes
     blocks = q.model.blocks
@@ -132,9 +81,7 @@ def test_a_file_of_exact_block_types_loads_kept_quantized_with_identical_logits(
 def test_other_block_types_load_as_int8_with_a_note(tmp_path):
     """A Q4_K_M-like mix: Q4_K, with Q6_K for the values, the down projections and the tied head, and Q5_K."""
     path = tmp_path / "mixed.gguf"
-    write_llama_gguf(
-        path, {"attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q6_K", "ffn_up": "Q5_K", "attn_q": "Q4_K"}
-    )
+    write_gguf(path, {"attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q6_K", "ffn_up": "Q5_K", "attn_q": "Q4_K"})
     q, f = load_gguf(path, quantized=True), load_gguf(path, quantized=False)
     assert any("Q6_K" in n and "int8" in n for n in q.notes) and any("Q5_K" in n for n in q.notes)
     assert isinstance(q.model.blocks[0].attn.wv, Int8Linear) and isinstance(q.model.head, Int8Linear)

@@ -1,4 +1,4 @@
-"""GGUF (llama.cpp) import for the llama architecture, with its tokenizer.
+"""GGUF (llama.cpp) import for the llama, qwen2 and qwen3 architectures, with the tokenizer.
 
 The `gguf` package parses the file and dequantizes each tensor (Q4_0, Q4_1, Q8_0, K-quants, ...) to fp32 on access.
 Names map declaratively as for Hugging Face:
@@ -9,6 +9,12 @@ Names map declaratively as for Hugging Face:
                                                                           interleaved, llmkit (like HF) half-split
     blk.{i}.attn_v / attn_output              blocks.{i}.attn.wv / wo
     blk.{i}.ffn_gate / ffn_up / ffn_down      blocks.{i}.ffn.w1 / w3 / w2
+    blk.{i}.attn_q / attn_k / attn_v.bias     blocks.{i}.attn.wq / wk / wv.bias            (qwen2)
+    blk.{i}.attn_q_norm / attn_k_norm         blocks.{i}.attn.q_norm / k_norm              (qwen3: QK-norm)
+
+Only the llama architecture's q / k rows are permuted (llama.cpp's converter interleaves RoPE pairs for it alone;
+qwen2 and qwen3 use NeoX-style RoPE over the rows as Hugging Face stores them). Qwen3's heads are 128 wide whatever
+the width (`attention.key_length`).
 """
 
 from __future__ import annotations
@@ -24,13 +30,13 @@ from torch import Tensor
 
 from llmkit.config import AttentionConfig, FFNConfig, ModelConfig, NormConfig, PositionConfig, RopeScaling
 from llmkit.errors import ConfigError
-from llmkit.interop.keymap import Concrete, RopeToHalf, Rule, check_against, expand
+from llmkit.interop.keymap import IDENTITY, Concrete, RopeToHalf, Rule, check_against, expand
 from llmkit.interop.loaded import Loaded
 from llmkit.interop.safetensors_io import CheckpointError
 from llmkit.interop.weights import build_quantized, build_with_weights, expected_shapes
 from llmkit.tokenizer import Tokenizer
 
-SUPPORTED = ("llama",)
+SUPPORTED = ("llama", "qwen2", "qwen3")
 
 
 def open_gguf(path: Path) -> Any:
@@ -163,12 +169,21 @@ def config_from_gguf(meta: dict[str, Any], names: set[str]) -> ModelConfig:
         scaling = RopeScaling(kind=kind, factor=factor, original_max_seq_len=int(original) if original else None)
     elif kind not in (None, "none"):
         raise ConfigError(f"GGUF rope scaling {kind!r} is not supported")
+    qwen3 = arch == "qwen3"
+    if qwen3 != ("blk.0.attn_q_norm.weight" in names):
+        raise ConfigError(
+            f"GGUF architecture {arch!r} with{'out' if qwen3 else ''} QK-norm tensors: the file is damaged"
+        )
     return ModelConfig(
         vocab_size=vocab,
         d_model=d,
         n_layers=int(get("block_count")),
         attention=AttentionConfig(
-            n_heads=heads, n_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or heads), head_dim=head_dim
+            n_heads=heads,
+            n_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or heads),
+            head_dim=head_dim,
+            qkv_bias="blk.0.attn_q.bias" in names,
+            qk_norm=qwen3,
         ),
         ffn=FFNConfig(kind="swiglu", hidden_dim=int(get("feed_forward_length"))),
         position=PositionConfig(
@@ -184,16 +199,36 @@ def config_from_gguf(meta: dict[str, Any], names: set[str]) -> ModelConfig:
     )
 
 
-def gguf_rules(cfg: ModelConfig) -> list[Rule]:
+def gguf_rules(cfg: ModelConfig, arch: str = "llama") -> list[Rule]:
     a = cfg.attention
     b = "blk.{i}."
+    # llama.cpp interleaves the llama architecture's RoPE pairs in q / k rows; the others keep Hugging Face's rows
+    q_rows, k_rows = (RopeToHalf(a.n_heads), RopeToHalf(cfg.n_kv_heads)) if arch == "llama" else (IDENTITY, IDENTITY)
+    extra = [
+        Rule("blocks.{i}.attn.wq.bias", b + "attn_q.bias", q_rows, where="layers", when=lambda c: c.attention.qkv_bias),
+        Rule("blocks.{i}.attn.wk.bias", b + "attn_k.bias", k_rows, where="layers", when=lambda c: c.attention.qkv_bias),
+        Rule("blocks.{i}.attn.wv.bias", b + "attn_v.bias", where="layers", when=lambda c: c.attention.qkv_bias),
+        Rule(
+            "blocks.{i}.attn.q_norm.weight",
+            b + "attn_q_norm.weight",
+            where="layers",
+            when=lambda c: c.attention.qk_norm,
+        ),
+        Rule(
+            "blocks.{i}.attn.k_norm.weight",
+            b + "attn_k_norm.weight",
+            where="layers",
+            when=lambda c: c.attention.qk_norm,
+        ),
+    ]
     return [
+        *extra,
         Rule("embed.weight", "token_embd.weight"),
         Rule("norm.weight", "output_norm.weight"),
         Rule("head.weight", "output.weight", when=lambda c: not c.tie_embeddings),
         Rule("blocks.{i}.attn_residual.norm.weight", b + "attn_norm.weight", where="layers"),
-        Rule("blocks.{i}.attn.wq.weight", b + "attn_q.weight", RopeToHalf(a.n_heads), where="layers"),
-        Rule("blocks.{i}.attn.wk.weight", b + "attn_k.weight", RopeToHalf(cfg.n_kv_heads), where="layers"),
+        Rule("blocks.{i}.attn.wq.weight", b + "attn_q.weight", q_rows, where="layers"),
+        Rule("blocks.{i}.attn.wk.weight", b + "attn_k.weight", k_rows, where="layers"),
         Rule("blocks.{i}.attn.wv.weight", b + "attn_v.weight", where="layers"),
         Rule("blocks.{i}.attn.wo.weight", b + "attn_output.weight", where="layers"),
         Rule("blocks.{i}.ffn_residual.norm.weight", b + "ffn_norm.weight", where="layers"),
@@ -225,7 +260,8 @@ def load_gguf(
     meta = read_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
     cfg = config_from_gguf(meta, set(tensors))
-    concrete: list[Concrete] = expand(gguf_rules(cfg), cfg)
+    arch = str(meta["general.architecture"])
+    concrete: list[Concrete] = expand(gguf_rules(cfg, arch), cfg)
     shapes = {n: tuple(int(s) for s in reversed(t.shape)) for n, t in tensors.items()}
 
     def get(name: str) -> Tensor:
@@ -252,7 +288,7 @@ def load_gguf(
         generation = {
             k: v for k, v in (("bos_token_id", tokenizer.bos_id), ("eos_token_id", tokenizer.eos_id)) if v is not None
         }
-    return Loaded(model, tokenizer, "gguf", p, "llama", None, generation, notes=notes)
+    return Loaded(model, tokenizer, "gguf", p, arch, None, generation, notes=notes)
 
 
 def fast_kernels(device: torch.device, dtype: torch.dtype) -> bool:
