@@ -155,3 +155,17 @@ def test_compiled_moe_decoding_gives_the_same_tokens_and_does_not_recompile_per_
     again = generate(m, other, max_new_tokens=6, compiled=True)
     assert again.new_tokens == generate(m, other, max_new_tokens=6).new_tokens
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_the_finite_check_names_the_rows_with_nan_or_positive_infinity(bad):
+    """-inf is a masked token and passes; NaN or +inf anywhere fails, naming its row."""
+    from llmkit.errors import GenerationError
+    from llmkit.generate.sampling import check_finite
+
+    logits = torch.randn(3, 50)
+    logits[0, 4] = float("-inf")
+    check_finite(logits, 0)
+    logits[2, 7] = bad
+    with pytest.raises(GenerationError, match=r"step 5 \(rows \[2\]\)"):
+        check_finite(logits, 5)
