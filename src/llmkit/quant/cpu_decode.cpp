@@ -192,7 +192,7 @@ struct DecodeBlock {
     }
 #pragma omp barrier
     {  // each (row, query head) pair over the visible slots of its kv head: softmax(q k / sqrt(D)) v
-      std::vector<float> p;
+      thread_local std::vector<float> p;
       const auto [i0, i1] = team.share(M * H);
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t b = i / H, r = rows[b], hh = i % H, g = hh / (H / KH), slot = slots[b];
@@ -200,24 +200,7 @@ struct DecodeBlock {
         p.resize(n);
         const float* q = w.qkv.data() + b * Nqkv + hh * D;
         float* o = w.att.data() + i * Dv;
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < n; ++j) {
-          const int64_t s = lo + j;
-          p[j] = A[r * S + s] ? dot(q, kv.k + kv.index(r, g, s) * D, D) * static_cast<float>(scale)
-                              : -std::numeric_limits<float>::infinity();
-          top = std::max(top, p[j]);
-        }
-        if (top == -std::numeric_limits<float>::infinity()) continue;  // no visible key: zeros
-        float total = 0.f;
-        for (int64_t j = 0; j < n; ++j) total += (p[j] = std::exp(p[j] - top));
-        for (int64_t j = 0; j < n; ++j) {
-          const float pj = p[j];
-          if (pj == 0.f) continue;
-          const float* vr = kv.v + kv.index(r, g, lo + j) * Dv;
-          for (int64_t d = 0; d < Dv; ++d) o[d] += pj * vr[d];
-        }
-        const float inv = 1.f / total;
-        for (int64_t d = 0; d < Dv; ++d) o[d] *= inv;
+        attend(q, kv, r, g, lo, n, A + r * S, p.data(), o);
       }
     }
 #pragma omp barrier
@@ -239,16 +222,72 @@ struct DecodeBlock {
       project(team, w, {w1.get(), w3.get()}, w.h, M, w.gate_up, width);
     else
       project(team, w, {w1.get()}, w.h, M, w.gate_up, width);
-    if (lead)
+    {  // act(gate) * up, each thread its share of the rows' columns (project's barrier made gate_up visible)
+      const auto [f0, f1] = team.share(Fw);
       for (int64_t b = 0; b < M; ++b) {
         const float* row = w.gate_up.data() + b * width;
-        for (int64_t f = 0; f < Fw; ++f)
-          w.hidden[b * Fw + f] = gated ? activate(row[f], activation) * row[Fw + f] : activate(row[f], activation);
+        activate_rows(row + f0, gated ? row + Fw + f0 : nullptr, w.hidden.data() + b * Fw + f0, f1 - f0, activation);
       }
+    }
+#pragma omp barrier
     project(team, w, {w2.get()}, w.hidden, M, w.y, C);
     if (lead)
       for (int64_t i = 0; i < M * C; ++i) X[i] += w.y[i];
 #pragma omp barrier
+  }
+
+  // o (Dv) = softmax over the n visible slots lo.. of cache row r, kv head g, of q . k / sqrt(D), times their
+  // values; `allowed` (S) is the row's mask, p a buffer of n floats. A row with no visible slot gives zeros.
+  void attend(const float* q, const KVLayout& kv, int64_t r, int64_t g, int64_t lo, int64_t n, const bool* allowed,
+              float* p, float* o) const {
+    const int64_t D = head_dim, Dv = v_head_dim;
+    const float ninf = -std::numeric_limits<float>::infinity(), sc = static_cast<float>(scale);
+    float top = ninf;
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t s = lo + j;
+      p[j] = allowed[s] ? dot(q, kv.k + kv.index(r, g, s) * D, D) * sc : ninf;
+      top = std::max(top, p[j]);
+    }
+    if (top == ninf) return;  // no visible key: zeros
+    const __m256 t8 = _mm256_set1_ps(top);
+    __m256 sum8 = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), t8));
+      _mm256_storeu_ps(p + j, e);
+      sum8 = _mm256_add_ps(sum8, e);
+    }
+    float total = 0.f;
+    for (; j < n; ++j) total += (p[j] = std::exp(p[j] - top));
+    alignas(32) float parts[8];
+    _mm256_store_ps(parts, sum8);
+    for (const float v : parts) total += v;
+    if (Dv == 64) return weigh_values<8>(kv, r, g, lo, n, p, total, o);
+    if (Dv == 128) return weigh_values<16>(kv, r, g, lo, n, p, total, o);
+    for (int64_t jj = 0; jj < n; ++jj) {
+      const float pj = p[jj];
+      if (pj == 0.f) continue;
+      const float* vr = kv.v + kv.index(r, g, lo + jj) * Dv;
+      for (int64_t d = 0; d < Dv; ++d) o[d] += pj * vr[d];
+    }
+    const float inv = 1.f / total;
+    for (int64_t d = 0; d < Dv; ++d) o[d] *= inv;
+  }
+
+  // o (8 NV) = sum_j p[j] v_j / total over the n slots lo.. (NV accumulators in registers)
+  template <int NV>
+  static void weigh_values(const KVLayout& kv, int64_t r, int64_t g, int64_t lo, int64_t n, const float* p,
+                           float total, float* o) {
+    __m256 acc[NV];
+    for (int d = 0; d < NV; ++d) acc[d] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      if (p[j] == 0.f) continue;  // masked (its value may be any bits)
+      const __m256 pj = _mm256_set1_ps(p[j]);
+      const float* vr = kv.v + kv.index(r, g, lo + j) * (8 * NV);
+      for (int d = 0; d < NV; ++d) acc[d] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 8 * d), acc[d]);
+    }
+    const __m256 inv = _mm256_set1_ps(1.f / total);
+    for (int d = 0; d < NV; ++d) _mm256_storeu_ps(o + 8 * d, _mm256_mul_ps(acc[d], inv));
   }
 
   // y (B, width) = the projections ps of x (B rows), side by side, by the whole team: thread 0 prepares (quantizes
