@@ -132,6 +132,10 @@ struct Pass {
   const int8_t* xq;
   const float* xd;
   const float* xgs;  // (M, G)
+  // int4, per row of x and pair of blocks b, b + 1 (b even): [d_b x 4, d_b+1 x 4, sum_b / 4 x 4, sum_b+1 / 4 x 4],
+  // (M, nb / 2, 16): x's block scales and sums laid out as the lanes of a pair's products want them
+  const float* xs;
+  const float* xsums;  // (M, nb): x's float sum over each block
   int64_t nb;
   int shift;  // log2 of the blocks per scale group (G > 1), so a block's group is b >> shift
 };
@@ -169,26 +173,36 @@ inline void block4(__m256 (&acc)[R][2], const uint8_t* wrow, float sw, const Pas
 // int4, blocks b and b + 1 (b even) at once: their 32 code bytes split into low nibbles (the 32 even columns) and
 // high ones (the odd columns), each multiplied with x's codes in the same order; two products of codes <= 15 and
 // <= 127 in magnitude sum to at most 7620, so the two halves add in int16 before widening. The low 128 bits of the
-// result belong to block b and the high ones to b + 1, scaled by [s_b x 4, s_b+1 x 4].
+// result belong to block b and the high ones to b + 1, scaled by [s_b d_b x 4, s_b+1 d_b+1 x 4]; the zero term
+// zero_b sum_b + zero_b+1 sum_b+1 goes into the other accumulator set as [zero_b x 4, ...] times [sum_b / 4 x 4, ...].
+// The weight's scales and zeros are spread once for all R rows; x's come spread (Pass::xs).
 template <int R, int A>
-inline void pair4(__m256 (&acc)[R][2], const uint8_t* wrow, const float* srow, const Pass& p, int64_t m0, int64_t b) {
+inline void pair4(__m256 (&acc)[R][2], const uint8_t* wrow, const float* srow, const float* zrow, const Pass& p,
+                  int64_t m0, int64_t b) {
   const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow + b * (BLOCK / 2)));
   const __m256i mask = _mm256_set1_epi8(0x0F);
   const __m256i lo = _mm256_and_si256(bytes, mask);
   const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
   const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-  const bool two_scales = p.w.G != 1 && p.shift == 0;
-  const __m128 sw = two_scales ? _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(srow + b)))
-                               : _mm_set1_ps(srow[group_of(p, b)]);
+  __m256 sw, zw;
+  if (p.w.G != 1 && p.shift == 0) {  // a scale per block
+    sw = _mm256_permutevar8x32_ps(
+        _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(srow + b)))), spread);
+    zw = _mm256_permutevar8x32_ps(
+        _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(zrow + b)))), spread);
+  } else {  // both blocks in one group
+    sw = _mm256_set1_ps(srow[group_of(p, b)]);
+    zw = _mm256_set1_ps(zrow[group_of(p, b)]);
+  }
   for (int r = 0; r < R; ++r) {
     const int64_t row = (m0 + r) * p.nb + b;
     const int8_t* xr = p.xq + row * BLOCK;
+    const float* xs = p.xs + ((m0 + r) * (p.nb / 2) + b / 2) * 16;
     const __m256i even = _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr)));
     const __m256i odd = _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32)));
     const __m256i dot = _mm256_madd_epi16(_mm256_add_epi16(even, odd), _mm256_set1_epi16(1));
-    const __m128 xd = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p.xd + row)));
-    const __m256 s = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_mul_ps(sw, xd)), spread);
-    acc[r][A] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[r][A]);
+    acc[r][A] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sw, _mm256_loadu_ps(xs)), acc[r][A]);
+    acc[r][1 - A] = _mm256_fmadd_ps(zw, _mm256_loadu_ps(xs + 8), acc[r][1 - A]);
   }
 }
 
@@ -202,12 +216,18 @@ inline void column(const Pass& p, int64_t n, int64_t m0, float* Y, int64_t ldy) 
   const float* srow = w.scales + n * w.G;
   int64_t b = 0;
   if constexpr (INT4) {
+    const float* zrow = w.zeros + n * w.G;
     for (; b + 3 < p.nb; b += 4) {
-      pair4<R, 0>(acc, wrow, srow, p, m0, b);
-      pair4<R, 1>(acc, wrow, srow, p, m0, b + 2);
+      pair4<R, 0>(acc, wrow, srow, zrow, p, m0, b);
+      pair4<R, 1>(acc, wrow, srow, zrow, p, m0, b + 2);
     }
-    if (b + 1 < p.nb) pair4<R, 0>(acc, wrow, srow, p, m0, b), b += 2;
-    if (b < p.nb) block4<R>(acc, wrow, srow[group_of(p, b)], p, m0, b);
+    if (b + 1 < p.nb) pair4<R, 0>(acc, wrow, srow, zrow, p, m0, b), b += 2;
+    if (b < p.nb) {  // an odd last block, its zero term too
+      block4<R>(acc, wrow, srow[group_of(p, b)], p, m0, b);
+      for (int r = 0; r < R; ++r)
+        acc[r][1] = _mm256_add_ps(acc[r][1], _mm256_setr_ps(zrow[group_of(p, b)] * p.xsums[(m0 + r) * p.nb + b], 0.f,
+                                                            0.f, 0.f, 0.f, 0.f, 0.f, 0.f));
+    }
   } else {
     for (; b + 1 < p.nb; b += 2) {
       block8<R, 0>(acc, wrow, srow[group_of(p, b)], p, m0, b);
@@ -215,10 +235,7 @@ inline void column(const Pass& p, int64_t n, int64_t m0, float* Y, int64_t ldy) 
     }
     if (b < p.nb) block8<R, 0>(acc, wrow, srow[group_of(p, b)], p, m0, b);
   }
-  for (int r = 0; r < R; ++r) {
-    const float zero_term = INT4 ? dot(w.zeros + n * w.G, p.xgs + (m0 + r) * w.G, w.G) : 0.f;
-    Y[(m0 + r) * ldy + n] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + zero_term;
-  }
+  for (int r = 0; r < R; ++r) Y[(m0 + r) * ldy + n] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
 
 constexpr int ROWS = 4;  // rows of x computed together (registers: ROWS accumulators per output)
@@ -346,6 +363,18 @@ void Product::prepare(const float* x, int64_t M, int64_t K, const std::vector<Qu
         for (int64_t b = 0; b < nb; ++b) xgs[m * w.G + b / (nb / w.G)] += x_.sums[m * nb + b];
     starts_.push_back(starts_.back() + w.N);
   }
+  if (int4) {  // Pass::xs
+    const int64_t pairs = nb / 2;
+    spread_.resize(M * pairs * 16);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t q = 0; q < pairs; ++q) {
+        float* o = spread_.data() + (m * pairs + q) * 16;
+        for (int i = 0; i < 4; ++i) {
+          o[i] = x_.d[m * nb + 2 * q], o[4 + i] = x_.d[m * nb + 2 * q + 1];
+          o[8 + i] = x_.sums[m * nb + 2 * q] / 4, o[12 + i] = x_.sums[m * nb + 2 * q + 1] / 4;
+        }
+      }
+  }
 }
 
 void Product::columns(int64_t j0, int64_t j1, float* y, int64_t ldy) const {
@@ -353,7 +382,8 @@ void Product::columns(int64_t j0, int64_t j1, float* y, int64_t ldy) const {
   for (size_t i = 0; i < ws_.size(); ++i) {  // the part of [j0, j1) that falls in matrix i
     const int64_t a = std::max(j0, starts_[i]) - starts_[i], e = std::min(j1, starts_[i + 1]) - starts_[i];
     if (a >= e) continue;
-    const Pass p{ws_[i], x_.q.data(), x_.d.data(), group_sums_[i].data(), nb, __builtin_ctzll(nb / ws_[i].G)};
+    const Pass p{ws_[i],         x_.q.data(), x_.d.data(), group_sums_[i].data(), spread_.data(), x_.sums.data(),
+                 nb,             __builtin_ctzll(nb / ws_[i].G)};
     if (p.w.int4)
       llmkit::columns<true>(p, x_.M, a, e, y + starts_[i], ldy);
     else
