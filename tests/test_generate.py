@@ -169,3 +169,36 @@ def test_the_finite_check_names_the_rows_with_nan_or_positive_infinity(bad):
     logits[2, 7] = bad
     with pytest.raises(GenerationError, match=r"step 5 \(rows \[2\]\)"):
         check_finite(logits, 5)
+
+
+@pytest.mark.parametrize("name", ["llama2-70b-tiny", "gemma2-2b-tiny", "deepseek-v3-tiny"])
+def test_an_eager_step_attends_over_the_filled_slots_only_and_writes_through(name, monkeypatch):
+    """decode_step's eager path hands attention views of the filled slots: the logits do not depend on how many
+    slots the cache was made with, and the keys land in the cache's own buffers."""
+    from llmkit.generate.step import decode_step
+
+    from llmkit.layers.attention import KVCache
+
+    seen = []  # the slots attention was handed, per update
+    update = KVCache.update
+    monkeypatch.setattr(KVCache, "update", lambda self, *a: seen.append(self.k.shape[2]) or update(self, *a))
+    torch.manual_seed(0)
+    m = build_model(get_preset(name)).eval()
+    prompt = torch.randint(0, m.cfg.vocab_size, (2, 7))
+    outs = []
+    for room in (10, 300):
+        cache = m.new_cache(2, room)
+        steps = [decode_step(m, prompt, cache)[0]]
+        for t in range(3):
+            steps.append(decode_step(m, prompt[:, t : t + 1], cache)[0])
+        outs.append((steps, cache))
+    (a, small), (b, big) = outs
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y)
+    with torch.no_grad():
+        full = m(torch.cat([prompt, prompt[:, :3]], 1))
+    torch.testing.assert_close(torch.cat([a[0], *a[1:]], 1), full, atol=1e-4, rtol=1e-4)
+    if type(small.layers[0]).__name__ == "KVCache":
+        assert set(seen) == {7, 8, 9, 10}  # the filled slots after each step, never the 300 made
+        torch.testing.assert_close(small.layers[0].k[:, :, :10], big.layers[0].k[:, :, :10])
+        assert big.layers[0].k[:, :, 10:].abs().sum() == 0

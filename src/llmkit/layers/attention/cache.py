@@ -45,6 +45,13 @@ class KVCache:
         self.v.index_copy_(2, slots, v.to(self.v.dtype))
         return self.k, self.v
 
+    def first(self, n: int) -> KVCache:
+        """A cache over this one's first n slots: views, so updates land in this cache's buffers (an eager step
+        attends over the slots filled so far rather than every preallocated one)."""
+        view = KVCache.__new__(KVCache)
+        view.k, view.v = self.k[:, :, :n], self.v[:, :, :n]
+        return view
+
     @property
     def nbytes(self) -> int:
         return _nbytes(self.k, self.v)
