@@ -176,7 +176,6 @@ def test_an_eager_step_attends_over_the_filled_slots_only_and_writes_through(nam
     """decode_step's eager path hands attention views of the filled slots: the logits do not depend on how many
     slots the cache was made with, and the keys land in the cache's own buffers."""
     from llmkit.generate.step import decode_step
-
     from llmkit.layers.attention import KVCache
 
     seen = []  # the slots attention was handed, per update
