@@ -170,9 +170,7 @@ void moe_forward(const MoEFeedForward& f, const Team& team, MoEWorkspace& w, con
       job.hidden.resize(n * Ie), job.y.resize(n * C);
       for (int64_t r = 0; r < n; ++r) {
         const float* row = job.up.data() + r * job.width;
-        for (int64_t j = 0; j < Ie; ++j)
-          job.hidden[r * Ie + j] =
-              f.gated ? activate(row[j], f.activation) * row[Ie + j] : activate(row[j], f.activation);
+        activate_rows(row, f.gated ? row + Ie : nullptr, job.hidden.data() + r * Ie, Ie, f.activation);
       }
       job.group.prepare({e >= 0 ? f.w2->rows(e * C, (e + 1) * C) : f.s2->all()}, job.hidden.data(), n);
       job.width = C, job.out = job.y.data();
