@@ -171,16 +171,19 @@ def test_the_finite_check_names_the_rows_with_nan_or_positive_infinity(bad):
         check_finite(logits, 5)
 
 
-@pytest.mark.parametrize("name", ["llama2-70b-tiny", "gemma2-2b-tiny", "deepseek-v3-tiny"])
+@pytest.mark.parametrize("name", ["llama2-70b-tiny", "gemma2-2b-tiny", "deepseek-v3-tiny", "deepseek-v3.2-tiny"])
 def test_an_eager_step_attends_over_the_filled_slots_only_and_writes_through(name, monkeypatch):
     """decode_step's eager path hands attention views of the filled slots: the logits do not depend on how many
     slots the cache was made with, and the keys land in the cache's own buffers."""
     from llmkit.generate.step import decode_step
-    from llmkit.layers.attention import KVCache
+    from llmkit.layers.attention import KVCache, LatentCache
 
     seen = []  # the slots attention was handed, per update
-    update = KVCache.update
+    update, latent_update = KVCache.update, LatentCache.update
     monkeypatch.setattr(KVCache, "update", lambda self, *a: seen.append(self.k.shape[2]) or update(self, *a))
+    monkeypatch.setattr(
+        LatentCache, "update", lambda self, *a: seen.append(self.c_kv.shape[1]) or latent_update(self, *a)
+    )
     torch.manual_seed(0)
     m = build_model(get_preset(name)).eval()
     prompt = torch.randint(0, m.cfg.vocab_size, (2, 7))
@@ -197,7 +200,10 @@ def test_an_eager_step_attends_over_the_filled_slots_only_and_writes_through(nam
     with torch.no_grad():
         full = m(torch.cat([prompt, prompt[:, :3]], 1))
     torch.testing.assert_close(torch.cat([a[0], *a[1:]], 1), full, atol=1e-4, rtol=1e-4)
-    if type(small.layers[0]).__name__ == "KVCache":
-        assert set(seen) == {7, 8, 9, 10}  # the filled slots after each step, never the 300 made
-        torch.testing.assert_close(small.layers[0].k[:, :, :10], big.layers[0].k[:, :, :10])
-        assert big.layers[0].k[:, :, 10:].abs().sum() == 0
+    assert set(seen) == {7, 8, 9, 10}  # the filled slots after each step, never the 300 made
+    layer_small, layer_big = small.layers[0], big.layers[0]
+    for name in ("k", "v") if hasattr(layer_small, "k") else ("c_kv", "k_pe"):
+        a_buf, b_buf = getattr(layer_small, name), getattr(layer_big, name)
+        slots = 2 if a_buf.dim() == 4 else 1  # (B, K, S, D) or (B, S, r)
+        torch.testing.assert_close(a_buf.narrow(slots, 0, 10), b_buf.narrow(slots, 0, 10))
+        assert b_buf.narrow(slots, 10, 290).abs().sum() == 0

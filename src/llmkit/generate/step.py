@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from llmkit.generate.native import NativeDecoder
-from llmkit.layers.attention import AttentionMask, KVCache
+from llmkit.layers.attention import AttentionMask, KVCache, LatentCache
 from llmkit.models import Cache, DecoderLM, Step
 
 _COMPILED: weakref.WeakKeyDictionary[DecoderLM, Callable[..., tuple[Tensor, Tensor]]] = weakref.WeakKeyDictionary()
@@ -99,8 +99,8 @@ def decode_step(
 def _filled(layers: list[Any], allowed: Tensor, length: int) -> tuple[list[Any], Tensor]:
     """The caches' first `length` slots (every slot filled so far) and the mask (B, 1, 1, S) over them, for an eager
     step: its attention then scores the tokens there are instead of every preallocated slot (a 48-token prefill into
-    a cache made for 1,000 more took 1.5 ms a layer in SDPA, ~0.2 with this). Grouped-query caches; other layouts
-    whole. The compiled step keeps the whole buffers: fixed shapes, one compilation."""
-    if length >= allowed.shape[-1] or not all(type(c) is KVCache for c in layers):
+    a cache made for 1,000 more took 1.5 ms a layer in SDPA, ~0.2 with this). Grouped-query and latent (MLA, DSA)
+    caches. The compiled step keeps the whole buffers: fixed shapes, one compilation."""
+    if length >= allowed.shape[-1] or not all(type(c) in (KVCache, LatentCache) for c in layers):
         return layers, allowed
     return [c.first(length) for c in layers], allowed[..., :length]

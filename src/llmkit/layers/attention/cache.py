@@ -91,6 +91,13 @@ class LatentCache:
         self.index_k.index_copy_(1, slots, index_k.to(self.index_k.dtype))
         return self.index_k
 
+    def first(self, n: int) -> LatentCache:
+        """A cache over this one's first n slots, as views (see KVCache.first)."""
+        view = LatentCache.__new__(LatentCache)
+        view.c_kv, view.k_pe = self.c_kv[:, :n], self.k_pe[:, :n]
+        view.index_k = None if self.index_k is None else self.index_k[:, :n]
+        return view
+
     @property
     def nbytes(self) -> int:
         return _nbytes(self.c_kv, self.k_pe, *([self.index_k] if self.index_k is not None else []))
