@@ -1,29 +1,39 @@
 """Speculative decoding on a real model: an MTP module grafted onto SmolLM2-135M-Instruct and trained with the trunk
-frozen (self-speculation, one draft token per round), and a small draft model distilled from it (--k tokens per
-round), against plain greedy decoding, in one run: tokens/s, acceptance rate, speed-up, and the check that the
-output is token for token the plain output.
+frozen (self-speculation), against plain greedy decoding, in one run: tokens/s, acceptance rate, speed-up, and the
+check that the output is token for token the plain output.
 
-    .venv/bin/python bench/smollm2_speculation_bench.py [--minutes 8] [--new 128] [--prompts 4] [--repeats 3]
+    .venv/bin/python bench/smollm2_speculation_bench.py [--sequences 800] [--own-minutes 12] [--chain 1,2,3,4]
+    .venv/bin/python bench/smollm2_speculation_bench.py --baselines     # also the earlier grafts and the draft model
 
-The graft: `model: {checkpoint: SmolLM2.gguf, mtp_depth: 1}` (the module's block starts as a copy of the last
-block), `train.trainable: [mtp]`, `loss.mtp_weight: 1`, on Shakespeare's plays prepared with SmolLM2's tokenizer,
-for --minutes, once learning the text's tokens (`loss.mtp_target: data`) and once the model's own distributions
-(`mtp_target: model`, self-distillation), kept in runs/bench/smollm2-mtp-{data,model} (--retrain to redo). The
-draft: SmolLM2's family at 256 wide and 4 layers (16M parameters, most of them the tied embedding), distilled from
-the grafted model on the same text for --draft-minutes (`loss.distill_from`, KL weight 0.8; runs/bench/smollm2-draft).
+The module taught on the model's own text (`llmkit graft-mtp`, llmkit/train/mtp_graft.py): SmolLM2 continues
+--sequences 48-token openings from Shakespeare's plays (train split) for 208 tokens (an int4 copy writes them); its
+states and top-8 logits there are the data; the module (block copied from the last block) learns the model's
+distribution of the token after next and to stand in for its next state, also from its own outputs (--unroll), so
+it drafts k tokens in a chain. Kept in runs/bench/smollm2-mtp-own (the text in runs/bench/smollm2-own-text;
+--retrain to redo).
+
+A draft model distilled from the target (llmkit/train/draft_distill.py): SmolLM2's embedding, head and blocks --keep
+(the first four and the last), trained on the same own text to match its next-token distributions for
+--pruned-minutes, then drafting from an int4 copy (head included) k tokens a round (runs/bench/smollm2-pruned-draft).
+
+--baselines adds what an earlier stop measured: the graft trained through `llmkit train` on the plays' text for
+--minutes (`model: {checkpoint: SmolLM2.gguf, mtp_depth: 1}`, `train.trainable: [mtp]`), once learning the text's
+tokens (`loss.mtp_target: data`) and once the model's distributions there (`mtp_target: model`), one draft a round,
+in runs/bench/smollm2-mtp-{data,model}; and a draft model of SmolLM2's family at 256 wide and 4 layers (16M
+parameters) distilled from it for --draft-minutes (runs/bench/smollm2-draft), --k drafts a round.
+
 The prompts are 48-token openings from the plays' validation split, continued for --new tokens at batch 1, fp32,
-with llmkit's C++ decode steps (--compiled adds torch.compile's steps).
-
-What bounds the gain: at batch 1 a decoding step reads every weight once (538 MB in fp32; the memory bandwidth is
-measured in the same run), and verifying two tokens reads them once too, so a round that accepts its draft yields
-two tokens for about one step's time. The draft is not free: the MTP module's block and the tied 49,152-row output
-head are about a quarter of a step's bytes; an int8 copy of the head for drafting (`draft_head_bits=8`) cuts the
-head's part to a quarter, the output unchanged.
+with llmkit's C++ decode steps (--compiled adds torch.compile's steps). What bounds the gain: at batch 1 a decoding
+step reads every weight once (538 MB in fp32; the memory bandwidth is measured in the same run), and verifying k + 1
+tokens reads them once too, so a round yields 1 + (drafts accepted) tokens for about one step's time plus the k
+drafts: each one block and the 49,152-row output head, read as an int4 copy (`draft_head_bits=4`, the output
+unchanged).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import statistics
@@ -75,6 +85,59 @@ def ensure_grafted(gguf: Path, args: argparse.Namespace, target: str) -> Path:
     return out
 
 
+def ensure_own_text_drafter(gguf: Path, args: argparse.Namespace) -> Path:
+    """The module taught on the model's own text (`llmkit graft-mtp`: --sequences continuations written by an int4
+    copy, --own-minutes of training, chains of --unroll), in runs/bench/smollm2-mtp-own unless it is there."""
+    from llmkit.cli.training import graft_mtp
+
+    out = RUNS / "smollm2-mtp-own"
+    if not args.retrain and (out / "drafter.json").is_file():
+        return out
+    graft_mtp(
+        str(gguf),
+        str(out),
+        data=str(DATA),
+        sequences=args.sequences,
+        minutes=args.own_minutes,
+        unroll=args.unroll,
+        work=str(RUNS / "smollm2-own-text"),
+    )
+    return out
+
+
+def ensure_pruned_draft(gguf: Path, args: argparse.Namespace) -> Path:
+    """A draft made of SmolLM2's embedding, head and blocks --keep, distilled on the same own text for
+    --pruned-minutes (llmkit/train/draft_distill.py), in runs/bench/smollm2-pruned-draft unless it is there."""
+    import json
+
+    from llmkit.interop.checkpoint import save_llmkit
+    from llmkit.interop.load import load_model
+    from llmkit.train.data import TokenData
+    from llmkit.train.draft_distill import distill_draft, prune
+    from llmkit.train.mtp_graft import collect_own_text
+
+    out = RUNS / "smollm2-pruned-draft"
+    if not args.retrain and (out / "drafter.json").is_file():
+        return out
+    loaded = load_model(gguf, quantized=False)
+    model = loaded.model.eval()
+
+    def openings(split: str, n: int) -> list[list[int]]:  # the same ones `llmkit graft-mtp` took: read back
+        stream = TokenData(DATA).split(split).tokens
+        starts = torch.linspace(0, len(stream) - 49, n).long().tolist()
+        return [[int(t) for t in stream[s : s + 48]] for s in starts]
+
+    text_dir = RUNS / "smollm2-own-text"
+    own = collect_own_text(model, openings("train", args.sequences), text_dir / "train", new_tokens=208)
+    held = collect_own_text(model, openings("val", 32), text_dir / "val", new_tokens=208)
+    draft = prune(model, [int(i) for i in args.keep.split(",")])
+    report = distill_draft(draft, own, seconds=args.pruned_minutes * 60, held_out=held, k=4, skip=48)
+    save_llmkit(draft, out, tokenizer=loaded.tokenizer)
+    (out / "drafter.json").write_text(json.dumps(dataclasses.asdict(report), indent=2))
+    print(f"pruned draft: {report}", flush=True)
+    return out
+
+
 def ensure_distilled(gguf: Path, target: Path, args: argparse.Namespace) -> Path:
     """A small draft model of SmolLM2's family (256 wide, 4 layers, its tokenizer) distilled from the target for
     --draft-minutes, in runs/bench/smollm2-draft unless it is there."""
@@ -107,7 +170,14 @@ def ensure_distilled(gguf: Path, target: Path, args: argparse.Namespace) -> Path
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--minutes", type=float, default=8.0, help="training time of each grafted module")
+    p.add_argument("--sequences", type=int, default=800, help="continuations the own-text module learns from")
+    p.add_argument("--own-minutes", type=float, default=12.0, help="training time of the own-text module")
+    p.add_argument("--unroll", type=int, default=3, help="the chain depth the own-text module trains for")
+    p.add_argument("--chain", default="1,2,3,4", help="draft lengths k timed for the own-text module")
+    p.add_argument("--baselines", action="store_true", help="also the text-trained grafts and the distilled draft")
+    p.add_argument("--pruned-minutes", type=float, default=12.0, help="distillation of the pruned draft (0: none)")
+    p.add_argument("--keep", default="0,1,2,3,29", help="SmolLM2's blocks the pruned draft keeps")
+    p.add_argument("--minutes", type=float, default=8.0, help="training time of each baseline graft")
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
@@ -128,15 +198,24 @@ def main() -> None:
     gguf = smollm2_gguf()
     if not (DATA / "meta.json").is_file():
         prepare("shakespeare", DATA, tokenizer=gguf)
-    runs = {target: ensure_grafted(gguf, args, target) for target in ("data", "model")}
-    draft_run = ensure_distilled(gguf, resolve_checkpoint(runs["data"]), args) if args.draft_minutes > 0 else None
+    runs = {"own": ensure_own_text_drafter(gguf, args)}
+    pruned_run = ensure_pruned_draft(gguf, args) if args.pruned_minutes > 0 else None
+    draft_run = None
+    if args.baselines:
+        runs.update({target: ensure_grafted(gguf, args, target) for target in ("data", "model")})
+        draft_run = ensure_distilled(gguf, resolve_checkpoint(runs["data"]), args) if args.draft_minutes > 0 else None
     if args.train_only:
         return
     limits = measure_limits(["fp32"], matmul_seconds=0.5)
     torch.set_grad_enabled(False)
     models = {target: load_model(resolve_checkpoint(run)).model.eval() for target, run in runs.items()}
-    model = models["model"]
+    model = models["own"]
     draft = load_model(resolve_checkpoint(draft_run)).model.eval() if draft_run is not None else None
+    pruned = None
+    if pruned_run is not None:  # drafting from an int4 copy of it (head included): a few percent of a step
+        from llmkit.quant import quantize
+
+        pruned = quantize(load_model(pruned_run).model.eval(), "int4", include_head=True)
     weight_bytes = sum(t.numel() * t.element_size() for n, t in model.state_dict().items() if not n.startswith("mtp."))
     val = TokenData(DATA).split("val").tokens
     starts = torch.linspace(0, len(val) - 1000, args.prompts).long().tolist()
@@ -147,12 +226,19 @@ def main() -> None:
         tag = "compiled" if compiled else "C++ steps"
         for prompt in prompts:
             run = partial(speculative_generate, prompts=[prompt], max_new_tokens=args.new, compiled=compiled)
-            variants = {
-                "plain": partial(generate, model, [prompt], max_new_tokens=args.new, compiled=compiled),
-                "MTP learnt from the text": partial(run, models["data"]),
-                "MTP self-distilled": partial(run, model),
-                "MTP self-distilled, int8 draft head": partial(run, model, draft_head_bits=8),
-            }
+            variants = {"plain": partial(generate, model, [prompt], max_new_tokens=args.new, compiled=compiled)}
+            for k in (int(k) for k in args.chain.split(",")):
+                variants[f"MTP taught on the model's own text, k={k}, int4 draft head"] = partial(
+                    run, model, k=k, draft_head_bits=4
+                )
+            if args.baselines:
+                variants["MTP learnt from the text"] = partial(run, models["data"])
+                variants["MTP self-distilled on the text"] = partial(run, models["model"])
+                variants["the same, int8 draft head"] = partial(run, models["model"], draft_head_bits=8)
+            if pruned is not None:
+                for k in (int(k) for k in args.chain.split(",") if int(k) > 1):
+                    name = f"draft distilled from the model's blocks {args.keep} on its own text, int4, k={k}"
+                    variants[name] = partial(run, model, draft=pruned, k=k)
             if draft is not None:
                 variants[f"distilled draft model, k={args.k}"] = partial(run, model, draft=draft, k=args.k)
             for fn in variants.values():  # warm-up (and the compilation)

@@ -69,6 +69,46 @@ def test_mtp_drafter_computes_the_training_path():
     torch.testing.assert_close(step, full[:, 5:7], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("preset", ["deepseek-v3-tiny", "llama2-7b-tiny"])
+@pytest.mark.parametrize("k", [2, 4])
+def test_chained_mtp_speculation_equals_plain_greedy(preset, k):
+    # k > 1: the module drafts from its own output; whatever it drafts, the output is the target's (with the
+    # one-token prompt, whose first round has no state to draft from)
+    model = tiny(preset, 0, mtp_depth=1)
+    expected = generate(model, PROMPTS, max_new_tokens=20).new_tokens
+    out = speculative_generate(model, PROMPTS, max_new_tokens=20, k=k)
+    assert out.new_tokens == expected
+    assert out.drafted >= k * out.target_passes - k * len(PROMPTS)
+
+
+def test_chained_mtp_drafter_redoes_accepted_positions_from_true_states():
+    """After a round that accepted a (per row) of k chained drafts, the drafter's next first step reads the same MTP
+    positions as the training-time forward over the accepted text: positions computed from drafted states are
+    forgotten, the accepted ones redone from the target's states (carried into the next call)."""
+    model = tiny("deepseek-v3-tiny", 0)
+    tokens = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        h = model.run(tokens, whole_sequence(16, None, tokens.device))
+        emb = model.inputs(model.embed, tokens[:, 1:], torch.arange(1, 16).unsqueeze(0))
+        from llmkit.layers.attention import AttentionInputs, AttentionMask
+
+        rope = model.rope(torch.arange(15).unsqueeze(0))
+        full = model.mtp[0](model.norm(h[:, :15]), emb, AttentionInputs(AttentionMask(causal=True), rope))
+        drafter = MTPDrafter(model, 2, 64, k=3)
+        seen: list[torch.Tensor] = []
+        drafter.head = lambda x: (seen.append(x.clone()), model.logits(x))[1]
+        drafter.start(tokens[:, :5], torch.ones(2, 5, dtype=torch.bool), h[:, :5])  # positions 0..3, last h_4
+        drafter.propose(tokens[:, 5], Sampling(), None)  # position 4 from (h_4, t_5), then two chained ones
+        torch.testing.assert_close(seen[0], full[:, 4], rtol=1e-4, atol=1e-5)
+        # row 0 accepted two drafts (t_6, t_7; next cur t_8), row 1 none (next cur t_6)
+        drafter.settle(tokens[:, 5], tokens[:, 6:9], torch.tensor([2, 0]), h[:, 5:9])
+        seen.clear()
+        drafter.propose(torch.stack([tokens[0, 8], tokens[1, 6]]), Sampling(), None)
+    torch.testing.assert_close(seen[0][0], full[0, 7], rtol=1e-4, atol=1e-5)  # reads (h_7, t_8) after (h_5..6)
+    torch.testing.assert_close(seen[0][1], full[1, 5], rtol=1e-4, atol=1e-5)  # reads (h_5, t_6)
+    assert len(seen) == 3
+
+
 @pytest.mark.parametrize("bits", [None, 8, 4])
 def test_mtp_speculation_with_a_native_block_and_a_quantized_draft_head_keeps_the_output(bits):
     """A LLaMA-style model with an MTP module: its block runs as a C++ step where the extension exists, and the
@@ -101,6 +141,27 @@ def test_the_mtp_drafters_native_block_equals_its_module():
                 rtol=1e-4,
                 atol=2e-5,
             )
+
+
+def test_the_mtp_drafters_quantized_block_reads_a_low_bit_copy():
+    # draft_head_bits also gives the module's block an int8 / int4 copy in its C++ step: close to the float block's
+    # outputs (not equal: the copy is rounded), the module's own weights untouched
+    from llmkit.generate.native import NativeDecoder
+
+    model = tiny("llama2-7b-tiny", 0, mtp_depth=1)
+    native = NativeDecoder.of(model)
+    if native is None:
+        pytest.skip("needs llmkit's AVX2 extension")
+    tokens = torch.randint(0, 256, (2, 9))
+    before = {k: v.clone() for k, v in model.mtp[0].state_dict().items()}
+    with torch.no_grad():
+        h = model.run(tokens, whole_sequence(9, None, tokens.device))
+        exact = MTPDrafter(model, 2, 32, native).run(tokens[:, 1:], h[:, :-1], None)
+        for bits, tol in [(8, 0.05), (4, 0.3)]:
+            low = MTPDrafter(model, 2, 32, native, head_bits=bits).run(tokens[:, 1:], h[:, :-1], None)
+            assert not torch.equal(low, exact)
+            torch.testing.assert_close(low, exact, rtol=0, atol=tol)
+    assert all(torch.equal(model.mtp[0].state_dict()[k], v) for k, v in before.items())
 
 
 def test_speculative_sampling_reproduces_the_target_distribution():

@@ -9,6 +9,7 @@ generation.py.
     llmkit quantize CHECKPOINT OUT --to int8|int4 [--group-size N] [--include-head]
     llmkit prepare chat FILE.jsonl --tokenizer CHECKPOINT   conversations for chat fine-tuning
     llmkit merge RUN OUT                    fold a LoRA run's adapters into its base checkpoint
+    llmkit graft-mtp CHECKPOINT OUT --data DIR   a drafting MTP module taught on the model's own text
     llmkit serve CHECKPOINT [--port 8000] [--api-key KEY] [--kv-memory 2GiB]   an OpenAI-compatible server
 """
 
@@ -21,7 +22,7 @@ from llmkit.cli.data import prepare
 from llmkit.cli.generation import chat, generate
 from llmkit.cli.models import compare, convert, inspect, presets, quantize
 from llmkit.cli.serving import serve
-from llmkit.cli.training import average, merge, train
+from llmkit.cli.training import average, graft_mtp, merge, train
 from llmkit.cli.translation import translate
 
 COMMANDS: tuple[Command, ...] = (
@@ -35,6 +36,7 @@ COMMANDS: tuple[Command, ...] = (
     translate,
     average,
     merge,
+    graft_mtp,
     generate,
     chat,
     serve,

@@ -86,9 +86,10 @@ class SpeculationOptions:
 
     draft: draft with this smaller model (same tokenizer).
     mtp: draft with the model's own multi-token-prediction module.
-    speculate: tokens the draft model proposes per round.
-    draft_head_bits: with --mtp, draft from an int8 (8) or int4 (4) copy of the output head: cheaper drafts, the
-        same output (the model checks every draft with its own head).
+    speculate: tokens drafted per round (default 4 with --draft; 1 with --mtp, whose module drafts more in a chain
+        when it was trained for it: llmkit graft-mtp).
+    draft_head_bits: with --mtp, draft from an int8 (8) or int4 (4) copy of the output head (and of the module's
+        block): cheaper drafts, the same output (the model checks every draft with its own weights).
     draft_dtype: the draft's precision (default: the model's --dtype); "file" keeps the draft checkpoint's own, so a
         GGUF file stays quantized: `--dtype fp32 --draft FILE.gguf --draft-dtype file` drafts with the file's int4
         weights for its fp32 model (BENCHMARKS.md: ~1.5x, the fp32 output exactly).
@@ -96,7 +97,7 @@ class SpeculationOptions:
 
     draft: str | None = None
     mtp: bool = False
-    speculate: int = 4
+    speculate: int | None = None
     draft_head_bits: int | None = None
     draft_dtype: Literal["fp32", "bf16", "fp16", "file"] | None = None
 
@@ -120,7 +121,8 @@ def check_range(name: str, value: int, bounds: tuple[int, int], what: str) -> No
 def _check_counts(samples: int, max_new_tokens: int, beam: BeamOptions, speculation: SpeculationOptions) -> None:
     check_range("--samples", samples, SAMPLES, "the number of continuations")
     check_range("--beams", beam.beams, BEAMS, "the number of beams (1: no beam search)")
-    check_range("--speculate", speculation.speculate, SPECULATE, "the tokens drafted per round")
+    if speculation.speculate is not None:
+        check_range("--speculate", speculation.speculate, SPECULATE, "the tokens drafted per round")
     if max_new_tokens < 1:
         raise LLMKitError(f"--max-new-tokens {max_new_tokens} is out of range: it must be at least 1")
     if speculation.draft_head_bits not in (None, 4, 8):

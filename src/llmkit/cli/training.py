@@ -1,9 +1,11 @@
-"""Training commands: train a model from a YAML config, average a run's last checkpoints, merge LoRA adapters."""
+"""Training commands: train a model from a YAML config, average a run's last checkpoints, merge LoRA adapters, graft
+a drafting MTP module onto a pretrained model."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 
 def train(
@@ -84,4 +86,92 @@ def merge(run: str, out: str) -> int:
     for note in loaded.notes:
         print(note)
     print(f"merged checkpoint: {out}")
+    return 0
+
+
+def graft_mtp(
+    checkpoint: str,
+    out: str,
+    *,
+    data: str,
+    sequences: int = 800,
+    opening: int = 48,
+    new_tokens: int = 208,
+    minutes: float = 12.0,
+    unroll: int = 3,
+    writer: Literal["model", "int8", "int4"] = "int4",
+    work: str | None = None,
+) -> int:
+    """Graft an MTP module onto a pretrained model and teach it to draft for the model (self-speculative decoding).
+
+    The module learns what the model itself says: its greedy continuations of openings from the data, with its
+    states and top-8 logits, computed once (the model stays frozen); then the module alone trains, EAGLE-style,
+    also on its own outputs so that it drafts several tokens in a chain. Decode with
+    `llmkit generate OUT --mtp --speculate 3 --draft-head-bits 4`: the model's own output, in fewer passes.
+
+    checkpoint: the pretrained model (an llmkit checkpoint or run, a Hugging Face folder, a GGUF file), float.
+    out: where to write the model with its module (an llmkit checkpoint).
+    data: a prepared token folder (llmkit prepare ... --tokenizer CHECKPOINT): openings from its train split, and
+        held-out ones from its val split for the acceptance estimate.
+    sequences: how many continuations to learn from (the longest part: ~18 s per 16 for SmolLM2-135M here).
+    opening: tokens of each opening; new_tokens: tokens the model continues it with.
+    minutes: the module's training time.
+    unroll: chain depth trained (and the k the estimate is for).
+    writer: who writes the continuations: the model, or an int8 / int4 copy of it (faster, nearly the same text;
+        the states and targets are always the model's own).
+    work: where the collected text is kept (default OUT.text); a run that stops resumes from it.
+    """
+    import copy
+    import json
+
+    import torch
+
+    from llmkit.cli.common import load_decoder
+    from llmkit.errors import InputError
+    from llmkit.interop.checkpoint import save_llmkit
+    from llmkit.models import DecoderLM
+    from llmkit.quant import quantize
+    from llmkit.tokenizer import Tokenizer
+    from llmkit.train.data import TokenData
+    from llmkit.train.mtp_graft import collect_own_text, graft, train_drafter
+    from llmkit.train.tasks import check_same_tokenizer
+
+    for name, value, ok, want in [
+        ("--sequences", sequences, sequences >= 2, "at least 2"),
+        ("--opening", opening, opening >= 1, "at least 1"),
+        ("--new-tokens", new_tokens, new_tokens >= 2, "at least 2"),
+        ("--minutes", minutes, minutes > 0, "positive"),
+        ("--unroll", unroll, 1 <= unroll <= 8, "between 1 and 8"),
+    ]:
+        if not ok:
+            raise InputError(f"{name} {value} is out of range: it must be {want}")
+    model, tokenizer = load_decoder(checkpoint, "fp32")
+    if len(model.mtp):
+        raise InputError(f"{checkpoint} already has MTP modules; give a model without")
+    tokens = TokenData(data)
+    check_same_tokenizer(tokenizer, Tokenizer.from_dir(data), checkpoint, data)
+
+    def openings(split: str, n: int) -> list[list[int]]:
+        stream = tokens.split(split).tokens
+        if len(stream) < opening + 1:
+            raise InputError(f"{data}'s {split} split holds {len(stream)} tokens: too few for {opening}-token openings")
+        starts = torch.linspace(0, len(stream) - opening - 1, n).long().tolist()
+        return [[int(t) for t in stream[s : s + opening]] for s in starts]
+
+    copy_ = None if writer == "model" else cast(DecoderLM, quantize(copy.deepcopy(model), writer))
+    text_dir = Path(work) if work is not None else Path(f"{out}.text")
+    own = collect_own_text(model, openings("train", sequences), text_dir / "train", new_tokens=new_tokens, writer=copy_)
+    held = collect_own_text(model, openings("val", 32), text_dir / "val", new_tokens=new_tokens, writer=copy_)
+    grafted = graft(model)
+    report = train_drafter(
+        grafted, own, seconds=minutes * 60, held_out=held, batch=min(16, sequences), unroll=unroll, skip=opening
+    )
+    save_llmkit(grafted, out, tokenizer=tokenizer)
+    (Path(out) / "drafter.json").write_text(json.dumps(dataclasses.asdict(report), indent=2))
+    agree = ", ".join(f"{a:.2f}" for a in report.agreement)
+    print(
+        f"drafter: {report.steps} steps over {report.sequences} sequences in {report.seconds:.0f} s; held out, depth "
+        f"1..{unroll} agree with the model {agree}; a round of k={unroll} accepts {report.accepted_per_round:.2f}"
+    )
+    print(f"checkpoint: {out}  (llmkit generate {out} --mtp --speculate {unroll} --draft-head-bits 4)")
     return 0

@@ -12,8 +12,9 @@ hidden state and keeps an attention cache of its own. Shapes: B rows, k drafts, 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor, nn
@@ -117,14 +118,34 @@ def draft_head(target: DecoderLM, bits: int | None, native: NativeDecoder | None
     return lambda h: soft_cap(layer(h) if bias is None else layer(h) + bias, cap)
 
 
+def draft_block(module: MTPModule, bits: int | None, native: NativeDecoder | None) -> Any | None:
+    """The C++ step of the MTP module's block (None without `native`), reading an int8 / int4 copy of its weights
+    with bits 8 / 4 (like the head's copy: cheaper drafts, the same output), or its own when they do not quantize."""
+    if native is None:
+        return None
+    if bits in (4, 8):
+        from llmkit.quant import quantize
+
+        try:
+            low: nn.Module | None = quantize(copy.deepcopy(module.block), "int8" if bits == 8 else "int4")
+        except InputError:  # widths the int4 groups do not divide, or an already quantized block
+            low = None
+        step = native.block(low) if low is not None else None
+        if step is not None:
+            return step
+    return native.block(module.block)
+
+
 class MTPDrafter:
-    """Drafts one token per round with the target's first multi-token-prediction module.
+    """Drafts k tokens per round with the target's first multi-token-prediction module, applied in a chain.
 
     MTP module 1 at position j reads the main model's hidden state h_j and the embedding of token j + 1, and
     predicts token j + 2. To draft the token after `cur` (position n + 1), it needs its input at position n - 1:
-    h_(n-1) and cur. With `native`, the module's block runs as a C++ step too."""
-
-    k = 1
+    h_(n-1) and cur. Its normed output stands in for the target's normed state at n (a module trained to regress
+    that state, as EAGLE's drafter is, keeps it close), so with k > 1 the module reads its own output and the first
+    draft next, and so on: k cheap steps of one block and the head. Positions computed from drafted states are
+    forgotten when the round settles; the accepted ones are redone from the target's true states, together with the
+    next round's first step (one call). With `native`, the module's block runs as a C++ step too."""
 
     def __init__(
         self,
@@ -133,26 +154,38 @@ class MTPDrafter:
         room: int,
         native: NativeDecoder | None = None,
         head_bits: int | None = None,
+        k: int = 1,
     ) -> None:
         module = target.mtp[0]
         assert isinstance(module, MTPModule)
-        self.target, self.module, self.native = target, module, native
-        self.block = native.block(module.block) if native is not None else None  # its C++ step, or None
+        self.target, self.module, self.native, self.k = target, module, native, k
+        self.block = draft_block(module, head_bits, native)  # its C++ step, or None
         self.head = draft_head(target, head_bits, native)
         device, dtype = target.embed.weight.device, target.embed.weight.dtype
         layer = module.block.attn.new_cache(batch, room, device, dtype)
         self.cache = Cache([layer], SequenceState.new(batch, room, device))
         self.last: Tensor | None = None  # (B, 1, C): the target's state before `cur`
+        # accepted drafts whose positions the cache has not seen from true states yet: tokens (B, c), the target's
+        # states before them (B, c, C), real (B, c) (rows accept different numbers: left-padded)
+        self.carry: tuple[Tensor, Tensor, Tensor] | None = None
+        self.chained = 0  # positions the last round computed from drafted states
 
-    def run(self, tokens: Tensor, hidden: Tensor, valid: Tensor | None) -> Tensor:
-        """MTP positions whose hidden states (B, T, C) and next tokens (B, T) are known -> normed outputs (B, T, C)."""
+    @classmethod
+    def room(cls, prompt: int, max_new_tokens: int, k: int) -> int:
+        """Cache slots a generation can use: each round writes up to k redone positions and k new ones."""
+        return prompt + (max_new_tokens + 1) * (2 * k + 1)
+
+    def run(self, tokens: Tensor, hidden: Tensor, valid: Tensor | None, normed: bool = False) -> Tensor:
+        """MTP positions whose hidden states (B, T, C) and next tokens (B, T) are known -> normed outputs (B, T, C).
+        hidden is the target's last-block output, or (normed) the module's own output standing in for it."""
         t, m = self.target, self.module
         step = self.cache.state.advance(tokens.shape[1], valid)
         emb = t.inputs(t.embed, tokens, step.positions)
+        h = hidden if normed else t.norm(hidden)
         if self.native is not None and self.block is not None and self.native.applies(tokens, step, self.cache.layers):
-            x = m.combine(t.norm(hidden), emb)  # (B, T, C)
+            x = m.combine(h, emb)  # (B, T, C)
             return m.norm(self.native.run_blocks([self.block], x, step, self.cache.layers))
-        return m(t.norm(hidden), emb, t.attention_inputs(step), self.cache.layers[0])
+        return m(h, emb, t.attention_inputs(step), self.cache.layers[0])
 
     def start(self, prefix: Tensor, valid: Tensor, hidden: Tensor | None) -> None:
         if hidden is None or prefix.shape[1] == 0:
@@ -165,21 +198,47 @@ class MTPDrafter:
     def propose(
         self, cur: Tensor, sampling: Sampling, generator: torch.Generator | None
     ) -> tuple[Tensor | None, Tensor]:
+        B = cur.shape[0]
         if self.last is None:  # a one-token prompt: no state to draft from yet. Propose token 0 with certainty (q is
             # one-hot, so the acceptance rule stays exact: accepted with probability p(0))
-            q = torch.zeros(cur.shape[0], 1, self.target.cfg.vocab_size, device=cur.device)
+            q = torch.zeros(B, self.k, self.target.cfg.vocab_size, device=cur.device)
             q[:, :, 0] = 1.0
-            return q, torch.zeros(cur.shape[0], 1, dtype=torch.long, device=cur.device)
-        out = self.run(cur.unsqueeze(1), self.last, None)  # (B, 1, C)
-        if sampling.greedy:
-            return None, self.head(out[:, -1]).argmax(dim=-1, keepdim=True)
-        q = distribution(self.head(out[:, -1]), sampling)  # (B, V)
-        return q.unsqueeze(1), draw(q, False, generator).unsqueeze(1)
+            self.chained = 0
+            return q, torch.zeros(B, self.k, dtype=torch.long, device=cur.device)
+        tokens, hidden, valid = cur.unsqueeze(1), self.last, None
+        if self.carry is not None:  # the accepted positions, redone from true states, in the same call
+            c_tokens, c_hidden, c_valid = self.carry
+            tokens, hidden = torch.cat([c_tokens, tokens], 1), torch.cat([c_hidden, hidden], 1)
+            valid = None if bool(c_valid.all()) else torch.cat([c_valid, c_valid.new_ones(B, 1)], 1)
+            self.carry = None
+        out = self.run(tokens, hidden, valid)[:, -1:]  # (B, 1, C)
+        qs, ds = [], []
+        for i in range(self.k):
+            logits = self.head(out[:, -1])  # (B, V)
+            if sampling.greedy:
+                nxt = logits.argmax(dim=-1)
+            else:
+                probs = distribution(logits, sampling)
+                nxt = draw(probs, False, generator)
+                qs.append(probs)
+            ds.append(nxt)
+            if i < self.k - 1:
+                out = self.run(nxt.unsqueeze(1), out, None, normed=True)  # the next position, from the draft
+        self.chained = self.k - 1
+        return (torch.stack(qs, 1) if qs else None), torch.stack(ds, 1)
 
     def settle(self, cur: Tensor, drafts: Tensor, accepted: Tensor, hidden: Tensor) -> None:
-        # the position of `cur` (its state hidden[:, 0], next token d1) once d1 is known to be right
-        took = (accepted >= 1).unsqueeze(1)  # (B, 1)
-        if bool(took.any()):
-            self.run(drafts[:, :1], hidden[:, :1], took)
-        rows = torch.arange(hidden.shape[0], device=hidden.device)
-        self.last = hidden[rows, accepted].unsqueeze(1)  # the state before the next round's cur
+        B = drafts.shape[0]
+        if self.chained:  # positions computed from drafted states: forgotten, whatever was accepted
+            self.cache.state.discard(torch.full((B,), self.chained, dtype=torch.long), span=self.chained)
+        self.chained = 0
+        # accepted drafts d_1 .. d_a: MTP positions (target state at cur, d_1), .., (state at d_(a-1), d_a), left-padded
+        most = int(accepted.max())
+        if most:
+            cols = torch.arange(most, device=drafts.device)  # (c,)
+            take = (cols.unsqueeze(0) - most + accepted.unsqueeze(1)).clamp(min=0)  # (B, c): right-aligned
+            real = cols.unsqueeze(0) >= most - accepted.unsqueeze(1)
+            rows = torch.arange(B, device=drafts.device).unsqueeze(1)
+            self.carry = (drafts.gather(1, take), hidden[rows, take], real)
+        rows1 = torch.arange(B, device=hidden.device)
+        self.last = hidden[rows1, accepted].unsqueeze(1)  # the state before the next round's cur

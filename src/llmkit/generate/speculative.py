@@ -87,7 +87,7 @@ def speculative_generate(
     *,
     draft: DecoderLM | None = None,
     max_new_tokens: int,
-    k: int = 4,
+    k: int | None = None,
     padding_mask: Tensor | None = None,
     sampling: Sampling | None = None,
     eos_id: int | Sequence[int] | None = None,
@@ -96,10 +96,12 @@ def speculative_generate(
     draft_head_bits: int | None = None,
 ) -> SpeculativeGeneration:
     """Generate with the target's exact distribution, drafting k tokens per round with `draft` (a smaller model with
-    the same tokenizer), or with the target's first MTP module when draft is None (then k is 1). `sampling`: greedy
-    by default; a repetition penalty is not supported (it would make the target's distribution depend on the
-    drafts). draft_head_bits (8 or 4): the MTP drafter reads an int8 / int4 copy of the output head (drafters.py's
-    draft_head): cheaper drafts, the same output."""
+    the same tokenizer; k 4 by default), or with the target's first MTP module when draft is None (k 1 by default;
+    k > 1 chains the module on its own outputs, which pays only for a module trained for it: see
+    llmkit.train.mtp_graft). `sampling`: greedy by default; a repetition penalty is not supported (it would make
+    the target's distribution depend on the drafts). draft_head_bits (8 or 4): the MTP drafter reads an int8 / int4
+    copy of the output head and, in its C++ step, of its block (drafters.py's draft_head and draft_block): cheaper
+    drafts, the same output."""
     if draft is None and not len(target.mtp):
         raise InputError("no draft model given and the target has no MTP module to draft with (mtp_depth 0)")
     if draft is not None and draft.cfg.vocab_size != target.cfg.vocab_size:
@@ -107,7 +109,7 @@ def speculative_generate(
             f"the draft's vocabulary ({draft.cfg.vocab_size}) differs from the target's ({target.cfg.vocab_size}): "
             "they must share a tokenizer"
         )
-    k = 1 if draft is None else k
+    k = (1 if draft is None else 4) if k is None else k
     if not isinstance(k, int) or k < 1:
         raise InputError(f"k={k!r} must be an int >= 1")
     sampling = sampling or Sampling()
@@ -120,7 +122,7 @@ def speculative_generate(
     cache = target.new_cache(B, room)
     native = None if compiled else NativeDecoder.of(target)  # the verifying steps' blocks (and head) in C++
     drafter: Drafter = (
-        MTPDrafter(target, B, room, native, draft_head_bits)
+        MTPDrafter(target, B, MTPDrafter.room(T, max_new_tokens, k), native, draft_head_bits, k)
         if draft is None
         else ModelDrafter(draft, k, B, room, compiled)
     )
