@@ -17,19 +17,15 @@ where the int4 target is fine: not understood yet.)
 from __future__ import annotations
 
 import dataclasses
-import math
-import time
 from collections.abc import Callable, Sequence
-from typing import cast
 
 import torch
 from torch import Tensor
 
 from llmkit.errors import InputError
-from llmkit.layers.softcap import soft_cap
 from llmkit.models import DecoderLM, build_model
 from llmkit.models.cache import whole_sequence
-from llmkit.train.mtp_graft import DrafterReport, OwnText
+from llmkit.train.mtp_graft import DrafterReport, OwnText, fit, teacher_ce
 
 
 def prune(model: DecoderLM, keep: Sequence[int]) -> DecoderLM:
@@ -79,53 +75,21 @@ def distill_draft(
 ) -> DrafterReport:
     """Train every weight of `draft` on the target's next-token distributions over `text` (its top-k logits,
     renormalised, against the draft's log-probabilities over the batch's candidate tokens) for `seconds` or
-    `steps` (give one; AdamW, 20 steps of warm-up, then a cosine to zero). The report's agreement has one entry,
-    and accepted_per_round is for rounds of k drafts."""
-    if (seconds is None) == (steps is None):
-        raise InputError("give exactly one of seconds and steps")
-    if batch < 1 or (seconds is not None and seconds <= 0) or (steps is not None and steps < 1):
-        raise InputError(f"batch={batch}, seconds={seconds} and steps={steps} must be positive")
-    if len(text) < batch:
-        raise InputError(f"{len(text)} sequences are fewer than a batch of {batch}")
+    `steps` (give one; see mtp_graft.fit). The report's agreement has one entry, and accepted_per_round is for
+    rounds of k drafts."""
     params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    generator = torch.Generator().manual_seed(seed)
-    T = text.tokens.shape[1]
-    step_info = whole_sequence(T, None, text.tokens.device)
+    positions = whole_sequence(text.tokens.shape[1], None, text.tokens.device)
+
+    def loss_of(rows: OwnText) -> Tensor:
+        h = draft.norm(draft.run(rows.tokens, positions))  # (b, T, C): position i predicts token i + 1
+        return teacher_ce(draft, h, rows.top_ids, rows.top_logits)
+
     draft.train()
-    started, step, seen = time.perf_counter(), 0, 0
-
-    def progress() -> float:
-        return step / steps if steps is not None else (time.perf_counter() - started) / cast(float, seconds)
-
     try:
-        while progress() < 1:
-            order = torch.randperm(len(text), generator=generator)
-            for b in range(0, len(text) - batch + 1, batch):
-                done = progress()
-                if done >= 1:
-                    break
-                for g in opt.param_groups:
-                    g["lr"] = lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * done))
-                rows = text.rows(order[b : b + batch])
-                candidates, index = torch.unique(rows.top_ids.long(), return_inverse=True)  # (V',), (b, T, K)
-                teacher = torch.softmax(rows.top_logits.float(), dim=-1)  # (b, T, K)
-                head = draft.embed.weight if draft.head is None else draft.head.weight
-                h = draft.norm(draft.run(rows.tokens, step_info))  # (b, T, C)
-                logits = torch.nn.functional.linear(h, cast(Tensor, head)[candidates])  # (b, T, V')
-                if draft.head_bias is not None:
-                    logits = logits + draft.head_bias[candidates]
-                logits = soft_cap(logits, draft.cfg.logit_softcap)
-                logp = torch.log_softmax(logits, dim=-1)
-                loss = -(teacher * logp.gather(-1, index)).sum(-1).mean()
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
-                opt.step()
-                step, seen = step + 1, seen + batch
-                if step % 25 == 0:
-                    log(f"draft step {step}: loss {float(loss.detach()):.3f}, {time.perf_counter() - started:.0f} s")
+        step, seen, seconds_taken = fit(
+            params, text, loss_of, seconds=seconds, steps=steps, batch=batch, lr=lr, seed=seed, log=log, name="draft"
+        )
     finally:
         draft.eval()
     agree, accepted = agreement(draft, held_out, k, skip) if held_out is not None else (0.0, 0.0)
-    return DrafterReport(step, seen, time.perf_counter() - started, [agree], accepted)
+    return DrafterReport(step, seen, seconds_taken, [agree], accepted)

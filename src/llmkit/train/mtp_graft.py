@@ -17,6 +17,8 @@ SmolLM2 after 10^5 tokens). This trains it on what the model says, as EAGLE trai
                                          its projection reading the model's state alone at first
     collect_own_text(model, openings)    the data, written in chunks to a folder (an interrupted run resumes)
     train_drafter(model, text, seconds)  trains model.mtp[0] alone; returns the held-out acceptance estimate
+    teacher_ce, fit                      the loss over candidate tokens and the training loop, which
+                                         draft_distill.py's pruned draft shares
 
 Shapes: N sequences of T tokens, C model width, K top-k.
 """
@@ -190,6 +192,66 @@ def evaluate_drafter(model: DecoderLM, text: OwnText, depths: int, skip: int = 0
     return agree, float(accepted.mean())
 
 
+def teacher_ce(model: DecoderLM, h: Tensor, top_ids: Tensor, top_logits: Tensor) -> Tensor:
+    """Cross-entropy of the model's head on normed states h (b, T, C) against a teacher's top-k distributions
+    (top_ids, top_logits (b, T, K), renormalised), over the batch's candidate tokens (every position's top-k) rather
+    than the whole vocabulary: the head's 49,152 rows would cost more than what is trained."""
+    candidates, index = torch.unique(top_ids.long(), return_inverse=True)  # (V',), (b, T, K)
+    head = cast(Tensor, model.embed.weight if model.head is None else model.head.weight)  # (V, C)
+    bias = None if model.head_bias is None else model.head_bias[candidates]
+    logits = soft_cap(F.linear(h, head[candidates], bias), model.cfg.logit_softcap)  # (b, T, V')
+    teacher = torch.softmax(top_logits.float(), dim=-1)  # (b, T, K)
+    return -(teacher * torch.log_softmax(logits, dim=-1).gather(-1, index)).sum(-1).mean()
+
+
+def fit(
+    params: Sequence[Tensor],
+    text: OwnText,
+    loss_of: Callable[[OwnText], Tensor],
+    *,
+    seconds: float | None,
+    steps: int | None,
+    batch: int,
+    lr: float,
+    seed: int,
+    log: Callable[[str], None],
+    name: str,
+) -> tuple[int, int, float]:
+    """Train `params` on loss_of(rows of `text`) for `seconds` or `steps` of `batch` rows (give one): AdamW, 20
+    steps of warm-up, then a cosine to zero over the time or the steps, gradients clipped to norm 1. Returns
+    (steps, sequences seen, seconds)."""
+    if (seconds is None) == (steps is None):
+        raise InputError("give exactly one of seconds and steps")
+    if batch < 1 or (seconds is not None and seconds <= 0) or (steps is not None and steps < 1):
+        raise InputError(f"batch={batch}, seconds={seconds} and steps={steps} must be positive")
+    if len(text) < batch:
+        raise InputError(f"{len(text)} sequences are fewer than a batch of {batch}")
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(seed)
+    started, step, seen = time.perf_counter(), 0, 0
+
+    def progress() -> float:
+        return step / steps if steps is not None else (time.perf_counter() - started) / cast(float, seconds)
+
+    while progress() < 1:
+        order = torch.randperm(len(text), generator=generator)
+        for b in range(0, len(text) - batch + 1, batch):
+            done = progress()
+            if done >= 1:
+                break
+            for g in opt.param_groups:
+                g["lr"] = lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * done))
+            loss = loss_of(text.rows(order[b : b + batch]))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            step, seen = step + 1, seen + batch
+            if step % 25 == 0:
+                log(f"{name} step {step}: loss {float(loss.detach()):.3f}, {time.perf_counter() - started:.0f} s")
+    return step, seen, time.perf_counter() - started
+
+
 def train_drafter(
     model: DecoderLM,
     text: OwnText,
@@ -205,18 +267,13 @@ def train_drafter(
     seed: int = 0,
     log: Callable[[str], None] = print,
 ) -> DrafterReport:
-    """Train model.mtp[0] alone on `text` for `seconds` or for `steps` of `batch` rows (give one; AdamW, 20 steps
-    of warm-up, then a cosine to zero over the time or the steps). The rest of the model is left untouched (its
-    gradients are not computed). `skip`: positions at the start of each row that are not the model's text (the
-    openings), left out of the held-out estimate."""
+    """Train model.mtp[0] alone on `text` for `seconds` or for `steps` of `batch` rows (give one; see `fit`). The
+    rest of the model is left untouched (its gradients are not computed). `skip`: positions at the start of each
+    row that are not the model's text (the openings), left out of the held-out estimate."""
     if not len(model.mtp):
         raise InputError("the model has no MTP module to train: graft one first (llmkit.train.mtp_graft.graft)")
-    if (seconds is None) == (steps is None):
-        raise InputError("give exactly one of seconds and steps")
-    if unroll < 1 or batch < 1 or (seconds is not None and seconds <= 0) or (steps is not None and steps < 1):
-        raise InputError(f"unroll={unroll}, batch={batch}, seconds={seconds} and steps={steps} must be positive")
-    if len(text) < batch:
-        raise InputError(f"{len(text)} sequences are fewer than a batch of {batch}")
+    if unroll < 1:
+        raise InputError(f"unroll={unroll} must be positive")
     module = cast_module(model)
     own = {id(p) for p in module.parameters()}
     frozen = [p for p in model.parameters() if p.requires_grad and id(p) not in own]
@@ -225,48 +282,24 @@ def train_drafter(
     params = list(module.parameters())
     for p in params:
         p.requires_grad_(True)
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    head = cast(Tensor, model.embed.weight if model.head is None else model.head.weight)  # (V, C)
-    generator = torch.Generator().manual_seed(seed)
+
+    def loss_of(rows: OwnText) -> Tensor:
+        # position i predicts the model's token i + 2: its top-k at i + 1; and stands in for its state at i + 1
+        target = model.norm(rows.hidden[:, 1:].float()).detach()  # (b, T - 1, C)
+        loss = torch.zeros(())
+        for out in _depths(model, rows, unroll):
+            ce = teacher_ce(model, out, rows.top_ids[:, 1:], rows.top_logits[:, 1:])
+            loss = loss + ce + feature_weight * F.smooth_l1_loss(out, target)
+        return loss / unroll
+
     model.train()
-    started, step, seen = time.perf_counter(), 0, 0
-
-    def progress() -> float:
-        return step / steps if steps is not None else (time.perf_counter() - started) / cast(float, seconds)
-
     try:
-        while progress() < 1:
-            order = torch.randperm(len(text), generator=generator)
-            for b in range(0, len(text) - batch + 1, batch):
-                done = progress()
-                if done >= 1:
-                    break
-                for g in opt.param_groups:  # 20 steps of warm-up, then a cosine over the time or steps left
-                    g["lr"] = lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * done))
-                rows = text.rows(order[b : b + batch])
-                ids = rows.top_ids[:, 1:].long()  # (b, T - 1, K): the model's candidates for token i + 2
-                candidates, index = torch.unique(ids, return_inverse=True)  # (V',), (b, T - 1, K)
-                teacher = torch.softmax(rows.top_logits[:, 1:].float(), dim=-1)  # (b, T - 1, K)
-                target = model.norm(rows.hidden[:, 1:].float()).detach()  # (b, T - 1, C): states at i + 1
-                rows_head = head[candidates].detach()  # (V', C)
-                bias = None if model.head_bias is None else model.head_bias[candidates].detach()
-                loss = torch.zeros(())
-                for out in _depths(model, rows, unroll):
-                    logits = soft_cap(F.linear(out, rows_head, bias), model.cfg.logit_softcap)  # (b, T - 1, V')
-                    logp = torch.log_softmax(logits, dim=-1)
-                    ce = -(teacher * logp.gather(-1, index)).sum(-1).mean()
-                    loss = loss + ce + feature_weight * F.smooth_l1_loss(out, target)
-                opt.zero_grad(set_to_none=True)
-                (loss / unroll).backward()
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
-                opt.step()
-                step, seen = step + 1, seen + batch
-                if step % 25 == 0:
-                    seconds_so_far = time.perf_counter() - started
-                    log(f"drafter step {step}: loss {float(loss.detach()) / unroll:.3f}, {seconds_so_far:.0f} s")
+        step, seen, seconds_taken = fit(
+            params, text, loss_of, seconds=seconds, steps=steps, batch=batch, lr=lr, seed=seed, log=log, name="drafter"
+        )
     finally:
         model.eval()
         for p in frozen:
             p.requires_grad_(True)
     agree, accepted = evaluate_drafter(model, held_out, unroll, skip) if held_out is not None else ([], 0.0)
-    return DrafterReport(step, seen, time.perf_counter() - started, agree, accepted)
+    return DrafterReport(step, seen, seconds_taken, agree, accepted)
