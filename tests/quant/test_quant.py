@@ -280,6 +280,18 @@ def test_quantized_experts_read_only_their_own_rows_of_the_stacks(method, monkey
     torch.testing.assert_close(exact, expected, atol=1e-5, rtol=1e-5)
     exact.sum().backward()
     assert xg.grad is not None and torch.isfinite(xg.grad).all()
+    q.kernel = "dequant"  # asked for (quantize(..., kernel="dequant")): the dequantized rows, without a gradient too
+    with torch.no_grad():
+        torch.testing.assert_close(q(x, counts), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_quantize_with_the_dequant_kernel_makes_exact_experts():
+    model = build_model(get_preset("mixtral-8x7b-tiny"))
+    quantize(model, "int8", kernel="dequant")
+    experts = [m for m in model.modules() if isinstance(m, QuantizedExperts)]
+    assert experts and all(m.kernel == "dequant" for m in experts)
+    with pytest.raises(InputError, match="auto"):
+        QuantizedExperts(GroupedExperts(2, 8, 4, "swiglu", "silu"), "int8", None, None, kernel="avx2")
 
 
 def test_the_native_extension_is_rebuilt_when_a_header_changes(tmp_path, monkeypatch):

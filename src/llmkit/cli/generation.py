@@ -181,6 +181,7 @@ def generate(
     speculation: SpeculationOptions = SpeculationOptions(),
     compile: bool = False,
     dtype: DType | None = None,
+    device: str | None = None,
     no_verify: bool = False,
 ) -> int:
     """Generate text from a training run folder (its latest checkpoint), an llmkit checkpoint, a Hugging Face
@@ -192,11 +193,12 @@ def generate(
     samples: how many continuations to generate (a batch).
     compile: decode through torch.compile (a one-time compilation, then faster steps).
     dtype: load the weights in this precision (bf16 halves the memory read per token).
+    device: cpu, cuda, cuda:1, ... (default: the CPU); a draft model goes to the same device.
     no_verify: load an llmkit checkpoint without checking its files against the checksums saved with them.
     """
     _check_counts(samples, max_new_tokens, beam_search, speculation)
     mode = _mode(output, beam_search, speculation)
-    model, tok = load_decoder(checkpoint, dtype, verify=not no_verify)
+    model, tok = load_decoder(checkpoint, dtype, device, verify=not no_verify)
     ids = tok.encode(prompt) if prompt else []
     if not ids:
         start = tok.bos_id if tok.bos_id is not None else tok.eos_id
@@ -210,7 +212,9 @@ def generate(
     elif mode == "speculate":
         draft_dtype = dtype if speculation.draft_dtype is None else speculation.draft_dtype
         precision = None if draft_dtype == "file" else draft_dtype
-        draft = load_decoder(speculation.draft, precision, verify=not no_verify)[0] if speculation.draft else None
+        draft = (
+            load_decoder(speculation.draft, precision, device, verify=not no_verify)[0] if speculation.draft else None
+        )
         _speculate(request, sampling, draft, speculation)
     elif mode == "stream":
         _stream(request, sampling, output.stop_strings)
@@ -307,6 +311,7 @@ def chat(
     top_p: float | None = 0.9,
     seed: int | None = None,
     dtype: DType | None = None,
+    device: str | None = None,
     no_verify: bool = False,
 ) -> int:
     """Chat with a model through its chat template (from its tokenizer files or GGUF metadata). One message per line
@@ -319,12 +324,13 @@ def chat(
     top_p: sample among the most likely tokens whose probabilities add up to p.
     seed: makes the answers repeatable (answer i is seeded seed + i).
     dtype: load the weights in this precision.
+    device: cpu, cuda, cuda:1, ... (default: the CPU).
     no_verify: load an llmkit checkpoint without checking its files against the checksums saved with them.
     """
     from llmkit.generate import Sampling, StopRule, stream
     from llmkit.tokenizer import render_chat
 
-    model, tok = load_decoder(checkpoint, dtype, verify=not no_verify)
+    model, tok = load_decoder(checkpoint, dtype, device, verify=not no_verify)
     if not tok.chat_template:
         raise LLMKitError(f"{checkpoint} has no chat template; use `llmkit generate` for plain continuation")
     messages = [{"role": "system", "content": system}] if system else []

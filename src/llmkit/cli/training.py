@@ -101,6 +101,7 @@ def graft_mtp(
     unroll: int = 3,
     writer: Literal["model", "int8", "int4"] = "int4",
     work: str | None = None,
+    device: str | None = None,
 ) -> int:
     """Graft an MTP module onto a pretrained model and teach it to draft for the model (self-speculative decoding).
 
@@ -120,6 +121,7 @@ def graft_mtp(
     writer: who writes the continuations: the model, or an int8 / int4 copy of it (faster, nearly the same text;
         the states and targets are always the model's own).
     work: where the collected text is kept (default OUT.text); a run that stops resumes from it.
+    device: cpu, cuda, cuda:1, ... (default: the CPU); the collected text is kept on the CPU either way.
     """
     import copy
     import json
@@ -145,7 +147,7 @@ def graft_mtp(
     ]:
         if not ok:
             raise InputError(f"{name} {value} is out of range: it must be {want}")
-    model, tokenizer = load_decoder(checkpoint, "fp32")
+    model, tokenizer = load_decoder(checkpoint, "fp32", device)
     if len(model.mtp):
         raise InputError(f"{checkpoint} already has MTP modules; give a model without")
     tokens = TokenData(data)

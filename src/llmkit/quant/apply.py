@@ -125,7 +125,7 @@ def _embedding(model: nn.Module) -> torch.Tensor:
 def _quantized(module: nn.Module, spec: QuantSpec, name: str, kernel: Kernel) -> nn.Module:
     method, group = spec.for_layer(name)
     if isinstance(module, GroupedExperts):
-        return QuantizedExperts.from_experts(module, method, group)
+        return QuantizedExperts.from_experts(module, method, group, "dequant" if kernel == "dequant" else "auto")
     assert isinstance(module, nn.Linear)
     return _layer_class(method).from_linear(module, group, kernel)
 

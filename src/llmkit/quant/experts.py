@@ -14,7 +14,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from llmkit.errors import InputError
 from llmkit.layers.moe import ACTIVATIONS, GroupedExperts
+from llmkit.quant.kernels import Kernel
 from llmkit.quant.linear import Int4Linear, Int8Linear, QuantizedLinear
 
 
@@ -25,10 +27,22 @@ def _stack(method: str, rows: int, cols: int, group: int | None, device: torch.d
 
 
 class QuantizedExperts(GroupedExperts):
-    """GroupedExperts whose w1, w3 (E, I, C) and w2 (E, C, I) are stored quantized (q1, q3, q2)."""
+    """GroupedExperts whose w1, w3 (E, I, C) and w2 (E, C, I) are stored quantized (q1, q3, q2). `kernel`: "auto"
+    lets an expert's product run llmkit's AVX2 kernel where it can (it rounds x to 8 bits per block); "dequant"
+    always multiplies by the dequantized rows (exact, as QuantizedLinear's "dequant")."""
 
-    def __init__(self, experts: GroupedExperts, method: str, group: int | None, device: torch.device | str | None):
+    def __init__(
+        self,
+        experts: GroupedExperts,
+        method: str,
+        group: int | None,
+        device: torch.device | str | None,
+        kernel: Kernel = "auto",
+    ):
         nn.Module.__init__(self)  # GroupedExperts' own __init__ would allocate the float stacks
+        if kernel not in ("auto", "dequant"):
+            raise InputError(f"quantized experts take kernel='auto' or 'dequant', not {kernel!r}")
+        self.kernel: Kernel = kernel
         self.kind, self.activation = experts.kind, experts.activation
         self.act = ACTIVATIONS[experts.activation]
         E, hidden, dim = experts.w1.shape
@@ -39,8 +53,10 @@ class QuantizedExperts(GroupedExperts):
 
     @classmethod
     @torch.no_grad()
-    def from_experts(cls, experts: GroupedExperts, method: str, group: int | None) -> QuantizedExperts:
-        out = cls(experts, method, group, experts.w1.device)
+    def from_experts(
+        cls, experts: GroupedExperts, method: str, group: int | None, kernel: Kernel = "auto"
+    ) -> QuantizedExperts:
+        out = cls(experts, method, group, experts.w1.device, kernel)
         for q, w in ((out.q1, experts.w1), (out.q2, experts.w2), (out.q3, experts.w3)):
             if q is not None and w is not None:
                 q.load_weight(w.detach().reshape(-1, w.shape[2]))
@@ -63,10 +79,11 @@ class QuantizedExperts(GroupedExperts):
     def expert(self, e: int, x: Tensor) -> Tensor:
         """Expert e on its tokens x (n, C) -> (n, C), reading only its rows of each stack."""
         _, hidden, dim = self.shape
-        h = self.act(self.q1.rows_product(x, e * hidden, (e + 1) * hidden))
+        native = self.kernel == "auto"
+        h = self.act(self.q1.rows_product(x, e * hidden, (e + 1) * hidden, native))
         if self.q3 is not None:
-            h = h * self.q3.rows_product(x, e * hidden, (e + 1) * hidden)
-        return self.q2.rows_product(h, e * dim, (e + 1) * dim)
+            h = h * self.q3.rows_product(x, e * hidden, (e + 1) * hidden, native)
+        return self.q2.rows_product(h, e * dim, (e + 1) * dim, native)
 
     def _stacked(self, q: QuantizedLinear, out: int, inp: int) -> Tensor:
         return q.dequantize(q.compute_dtype).view(self.shape[0], out, inp)
@@ -88,4 +105,4 @@ class QuantizedExperts(GroupedExperts):
 
     def extra_repr(self) -> str:
         E, hidden, dim = self.shape
-        return f"n_experts={E}, dim={dim}, hidden={hidden}, kind={self.kind}, int{self.q1.bits}"
+        return f"n_experts={E}, dim={dim}, hidden={hidden}, kind={self.kind}, int{self.q1.bits}, kernel={self.kernel}"

@@ -123,11 +123,18 @@ class QuantizedLinear(FP32Buffers, abc.ABC):
     def prepare(self) -> None:
         """Build the kernel's form of the weights for the current device (after loading or moving)."""
 
-    def rows_product(self, x: Tensor, start: int, end: int) -> Tensor:
+    def rows_product(self, x: Tensor, start: int, end: int, allow_native: bool = True) -> Tensor:
         """x (n, in) @ rows [start, end) of W^T -> (n, end - start), without the bias: one expert's product when the
         layer holds a stack of experts (llmkit.quant.experts). Only those rows are read: llmkit's AVX2 kernel on
-        their codes where it runs (fp32 on an AVX2 CPU, no gradient asked for x), else those rows dequantized."""
-        if native.available() and _avx2_rows(x) and not x.requires_grad and not torch.compiler.is_compiling():
+        their codes where it runs and `allow_native` (fp32 on an AVX2 CPU, no gradient asked for x), else those
+        rows dequantized."""
+        if (
+            allow_native
+            and native.available()
+            and _avx2_rows(x)
+            and not x.requires_grad
+            and not torch.compiler.is_compiling()
+        ):
             try:
                 return self._native_rows(x.contiguous(), start, end)
             except RuntimeError:  # a group size the kernel does not take

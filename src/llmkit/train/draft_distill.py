@@ -48,11 +48,12 @@ def prune(model: DecoderLM, keep: Sequence[int]) -> DecoderLM:
 def agreement(draft: DecoderLM, text: OwnText, k: int, skip: int = 0) -> tuple[float, float]:
     """(how often the draft's next token is the target's, the mean drafts a round of k accepts) on `text`, from
     position `skip` on, teacher-forced on the target's text (which is what an accepted chain reads)."""
+    text = text.to(draft.embed.weight.device)
     T = text.tokens.shape[1]
     logits = draft.logits(draft.norm(draft.run(text.tokens, whole_sequence(T, None, text.tokens.device))))
     hits = logits.argmax(-1)[:, skip:] == text.top_ids[:, skip:, 0].long()  # (N, T - skip)
     L = hits.shape[1] - k + 1
-    run, accepted = torch.ones_like(hits[:, :L]), torch.zeros(hits[:, :L].shape)
+    run, accepted = torch.ones_like(hits[:, :L]), torch.zeros(hits[:, :L].shape, device=hits.device)
     for d in range(k):
         run = run & hits[:, d : L + d]
         accepted += run.float()
@@ -78,9 +79,11 @@ def distill_draft(
     `steps` (give one; see mtp_graft.fit). The report's agreement has one entry, and accepted_per_round is for
     rounds of k drafts."""
     params = [p for p in draft.parameters() if p.requires_grad]
-    positions = whole_sequence(text.tokens.shape[1], None, text.tokens.device)
+    device = draft.embed.weight.device
+    positions = whole_sequence(text.tokens.shape[1], None, device)
 
     def loss_of(rows: OwnText) -> Tensor:
+        rows = rows.to(device)
         h = draft.norm(draft.run(rows.tokens, positions))  # (b, T, C): position i predicts token i + 1
         return teacher_ce(draft, h, rows.top_ids, rows.top_logits)
 

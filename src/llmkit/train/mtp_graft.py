@@ -85,6 +85,10 @@ class OwnText:
     def rows(self, index: Tensor | slice) -> OwnText:
         return OwnText(self.tokens[index], self.hidden[index], self.top_logits[index], self.top_ids[index])
 
+    def to(self, device: torch.device) -> OwnText:
+        """The same text on `device` (it is kept on the CPU; a model on a GPU reads it there)."""
+        return OwnText(*(getattr(self, f.name).to(device) for f in dataclasses.fields(OwnText)))
+
     @staticmethod
     def cat(parts: Sequence[OwnText]) -> OwnText:
         return OwnText(*(torch.cat([getattr(p, f.name) for p in parts]) for f in dataclasses.fields(OwnText)))
@@ -93,9 +97,9 @@ class OwnText:
 @torch.no_grad()
 def model_states(model: DecoderLM, tokens: Tensor, top_k: int = 8, batch: int = 8) -> OwnText:
     """The model's last-block states and top-k next-token logits over `tokens` (N, T)."""
-    parts = []
+    parts, device = [], model.embed.weight.device
     for i in range(0, tokens.shape[0], batch):
-        rows = tokens[i : i + batch]
+        rows = tokens[i : i + batch].to(device)
         h = model.run(rows, whole_sequence(rows.shape[1], None, rows.device))  # (b, T, C), before the final norm
         values, ids = model.logits(model.norm(h)).topk(top_k, dim=-1)  # (b, T, K)
         parts.append(OwnText(rows.cpu(), h.bfloat16().cpu(), values.bfloat16().cpu(), ids.int().cpu()))
@@ -162,6 +166,7 @@ def _depths(model: DecoderLM, text: OwnText, depths: int, noise: float = 0.0) ->
     state h_i and token i + 1; depth d reads depth d - 1's output at i - 1 instead of h_i (what a chain of drafts
     reads). Position i of every depth predicts the model's token at i + 1 (token i + 2)."""
     module = cast_module(model)
+    text = text.to(model.embed.weight.device)
     T = text.tokens.shape[1]
     step = whole_sequence(T - 1, None, text.tokens.device)
     inputs = model.attention_inputs(step)
@@ -180,12 +185,13 @@ def _depths(model: DecoderLM, text: OwnText, depths: int, noise: float = 0.0) ->
 def evaluate_drafter(model: DecoderLM, text: OwnText, depths: int, skip: int = 0) -> tuple[list[float], float]:
     """(agreement per depth, mean drafts accepted per round of k = depths) on `text`, from position `skip` on
     (past the openings, which are the corpus's text rather than the model's)."""
+    text = text.to(model.embed.weight.device)
     want = text.top_ids[:, 1:, 0].long()  # (N, T - 1): the model's token at i + 1
     hits = [model.logits(o).argmax(-1) == want for o in _depths(model, text, depths)]  # (N, T - 1) each
     agree = [float(h[:, skip:].float().mean()) for h in hits]
     L = want.shape[1] - depths + 1
     run = torch.ones_like(hits[0][:, skip:L])
-    accepted = torch.zeros(run.shape)
+    accepted = torch.zeros(run.shape, device=run.device)
     for d, h in enumerate(hits):  # a chain from position s: depth d + 1's draft sits at s + d
         run = run & h[:, skip + d : L + d]
         accepted += run.float()
@@ -285,8 +291,9 @@ def train_drafter(
 
     def loss_of(rows: OwnText) -> Tensor:
         # position i predicts the model's token i + 2: its top-k at i + 1; and stands in for its state at i + 1
+        rows = rows.to(model.embed.weight.device)
         target = model.norm(rows.hidden[:, 1:].float()).detach()  # (b, T - 1, C)
-        loss = torch.zeros(())
+        loss = torch.zeros((), device=target.device)
         for out in _depths(model, rows, unroll):
             ce = teacher_ce(model, out, rows.top_ids[:, 1:], rows.top_logits[:, 1:])
             loss = loss + ce + feature_weight * F.smooth_l1_loss(out, target)
