@@ -446,3 +446,17 @@ def test_speculative_rounds_take_the_native_path_and_keep_the_output(monkeypatch
     spec = speculative_generate(target, prompts, draft=draft, k=3, max_new_tokens=16)
     assert spec.new_tokens == plain.new_tokens
     assert 4 in widths  # the target's verifying steps (cur and three drafts) ran in C++
+
+
+@pytest.mark.parametrize("K", [64, 200, 576])
+def test_the_fp32_product_of_a_few_rows_equals_f_linear(K):
+    """float_linear (the C++ steps' fp32 products and output head): up to six rows of x a pass over each weight row
+    (a verifying step's k + 1 tokens), more rows in several passes, inputs that are not a multiple of 16."""
+    ext = native.module()
+    torch.manual_seed(0)
+    w, bias = torch.randn(300, K), torch.randn(300)
+    for M in (1, 2, 3, 4, 5, 6, 7, 8, 13):
+        x = torch.randn(M, K)
+        expected = torch.nn.functional.linear(x, w, bias)
+        torch.testing.assert_close(ext.float_linear(x, w, bias), expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ext.float_linear(x, w, None), expected - bias, rtol=1e-4, atol=1e-4)

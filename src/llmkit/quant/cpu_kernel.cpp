@@ -394,13 +394,16 @@ void Product::columns(int64_t j0, int64_t j1, float* y, int64_t ldy) const {
 
 namespace {
 
-// Output column n of an fp32 W for R rows of x starting at m0; 16 inputs a step in two chains of FMAs.
+// Output column n of an fp32 W for R rows of x starting at m0; 16 inputs a step in two chains of FMAs. `ahead`
+// (or null): the weight row PREFETCH_ROWS further on, requested a cache line per step, as the integer kernels do.
 template <int R>
-inline void float_column(const float* x, const float* wrow, int64_t K, int64_t m0, float* Y, int64_t ldy, int64_t n) {
+inline void float_column(const float* x, const float* wrow, const float* ahead, int64_t K, int64_t m0, float* Y,
+                         int64_t ldy, int64_t n) {
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
+    if (ahead != nullptr) _mm_prefetch(reinterpret_cast<const char*>(ahead + k), _MM_HINT_T0);
     const __m256 w0 = _mm256_loadu_ps(wrow + k), w1 = _mm256_loadu_ps(wrow + k + 8);
     for (int r = 0; r < R; ++r) {
       const float* xr = x + (m0 + r) * K + k;
@@ -449,15 +452,22 @@ void dequantize_rows(const QuantizedMatrix& w, int64_t n0, int64_t n1, float* ou
 
 void float_columns(const float* x, int64_t M, const float* w, int64_t K, int64_t n0, int64_t n1, float* y,
                    int64_t ldy) {
+  // up to FLOAT_ROWS rows of x a pass (2 accumulators each, 12 of the 16 registers at 6), so that a verifying step's
+  // k + 1 <= 6 tokens read each weight row once
+  constexpr int64_t FLOAT_ROWS = 6;
   for (int64_t n = n0; n < n1; ++n) {
     const float* wrow = w + n * K;
-    int64_t m0 = 0;
-    for (; m0 + ROWS <= M; m0 += ROWS) float_column<ROWS>(x, wrow, K, m0, y, ldy, n);
-    switch (M - m0) {
-      case 3: float_column<3>(x, wrow, K, m0, y, ldy, n); break;
-      case 2: float_column<2>(x, wrow, K, m0, y, ldy, n); break;
-      case 1: float_column<1>(x, wrow, K, m0, y, ldy, n); break;
-      default: break;
+    const float* ahead = n + PREFETCH_ROWS < n1 ? wrow + PREFETCH_ROWS * K : nullptr;
+    for (int64_t m0 = 0; m0 < M; m0 += FLOAT_ROWS) {
+      const float* pf = m0 == 0 ? ahead : nullptr;
+      switch (std::min<int64_t>(M - m0, FLOAT_ROWS)) {
+        case 6: float_column<6>(x, wrow, pf, K, m0, y, ldy, n); break;
+        case 5: float_column<5>(x, wrow, pf, K, m0, y, ldy, n); break;
+        case 4: float_column<4>(x, wrow, pf, K, m0, y, ldy, n); break;
+        case 3: float_column<3>(x, wrow, pf, K, m0, y, ldy, n); break;
+        case 2: float_column<2>(x, wrow, pf, K, m0, y, ldy, n); break;
+        default: float_column<1>(x, wrow, pf, K, m0, y, ldy, n); break;
+      }
     }
   }
 }
