@@ -33,7 +33,6 @@ unchanged).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import shutil
 import statistics
@@ -107,34 +106,22 @@ def ensure_own_text_drafter(gguf: Path, args: argparse.Namespace) -> Path:
 
 def ensure_pruned_draft(gguf: Path, args: argparse.Namespace) -> Path:
     """A draft made of SmolLM2's embedding, head and blocks --keep, distilled on the same own text for
-    --pruned-minutes (llmkit/train/draft_distill.py), in runs/bench/smollm2-pruned-draft unless it is there."""
-    import json
-
-    from llmkit.interop.checkpoint import save_llmkit
-    from llmkit.interop.load import load_model
-    from llmkit.train.data import TokenData
-    from llmkit.train.draft_distill import distill_draft, prune
-    from llmkit.train.mtp_graft import collect_own_text
+    --pruned-minutes (`llmkit distill-draft`), in runs/bench/smollm2-pruned-draft unless it is there."""
+    from llmkit.cli.training import distill_draft
 
     out = RUNS / "smollm2-pruned-draft"
     if not args.retrain and (out / "drafter.json").is_file():
         return out
-    loaded = load_model(gguf, quantized=False)
-    model = loaded.model.eval()
-
-    def openings(split: str, n: int) -> list[list[int]]:  # the same ones `llmkit graft-mtp` took: read back
-        stream = TokenData(DATA).split(split).tokens
-        starts = torch.linspace(0, len(stream) - 49, n).long().tolist()
-        return [[int(t) for t in stream[s : s + 48]] for s in starts]
-
-    text_dir = RUNS / "smollm2-own-text"
-    own = collect_own_text(model, openings("train", args.sequences), text_dir / "train", new_tokens=208)
-    held = collect_own_text(model, openings("val", 32), text_dir / "val", new_tokens=208)
-    draft = prune(model, [int(i) for i in args.keep.split(",")])
-    report = distill_draft(draft, own, seconds=args.pruned_minutes * 60, held_out=held, k=4, skip=48)
-    save_llmkit(draft, out, tokenizer=loaded.tokenizer)
-    (out / "drafter.json").write_text(json.dumps(dataclasses.asdict(report), indent=2))
-    print(f"pruned draft: {report}", flush=True)
+    distill_draft(
+        str(gguf),
+        str(out),
+        data=str(DATA),
+        keep=args.keep,
+        sequences=args.sequences,
+        minutes=args.pruned_minutes,
+        k=4,
+        work=str(RUNS / "smollm2-own-text"),
+    )
     return out
 
 

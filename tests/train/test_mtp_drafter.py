@@ -182,3 +182,30 @@ def test_a_pruned_draft_keeps_the_chosen_blocks_and_learns_the_targets_distribut
         prune(model, [0, 0])
     with pytest.raises(InputError, match="distinct blocks"):
         prune(model, [4])
+
+
+def test_distill_draft_command_writes_a_draft_that_speculates_exactly(pretrained, tiny_data, tmp_path, capsys):
+    base = str(resolve_checkpoint(pretrained))
+    out, work = tmp_path / "draft", tmp_path / "text"
+    flags = ["--data", str(tiny_data), "--sequences", "8", "--opening", "8", "--new-tokens", "16", "--work", str(work)]
+    assert main(["distill-draft", base, str(out), *flags, "--minutes", "0.05", "--keep", "-1", "--k", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "agrees with the model" in printed and f"--draft {out}" in printed
+    report = json.loads((out / "drafter.json").read_text())
+    assert report["steps"] >= 1 and len(report["agreement"]) == 1
+    draft = load_model(out).model
+    assert draft.cfg.n_layers == 1 and draft.cfg.mtp_depth == 0
+    last = base_model(pretrained).blocks[-1].state_dict()
+    assert set(draft.blocks[0].state_dict()) == set(last)  # the model's last block, trained since
+    assert main(["quantize", str(out), str(tmp_path / "draft8"), "--to", "int8", "--include-head"]) == 0
+    capsys.readouterr()
+    common = ["generate", base, "--prompt", "ROMEO", "--max-new-tokens", "16", "--temperature", "0"]
+    assert main(common) == 0
+    plain = capsys.readouterr().out
+    for draft_path in (out, tmp_path / "draft8"):
+        assert main([*common, "--draft", str(draft_path), "--speculate", "3"]) == 0
+        assert capsys.readouterr().out == plain  # the model's own greedy text
+    for keep in ("0,0", "5", "a"):
+        assert main(["distill-draft", base, str(tmp_path / "x"), *flags, "--keep", keep]) == 2
+        assert "--keep" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

@@ -10,6 +10,7 @@ generation.py.
     llmkit prepare chat FILE.jsonl --tokenizer CHECKPOINT   conversations for chat fine-tuning
     llmkit merge RUN OUT                    fold a LoRA run's adapters into its base checkpoint
     llmkit graft-mtp CHECKPOINT OUT --data DIR   a drafting MTP module taught on the model's own text
+    llmkit distill-draft CHECKPOINT OUT --data DIR   a draft model made of a few of its blocks, distilled likewise
     llmkit serve CHECKPOINT [--port 8000] [--api-key KEY] [--kv-memory 2GiB]   an OpenAI-compatible server
 """
 
@@ -22,7 +23,7 @@ from llmkit.cli.data import prepare
 from llmkit.cli.generation import chat, generate
 from llmkit.cli.models import compare, convert, inspect, presets, quantize
 from llmkit.cli.serving import serve
-from llmkit.cli.training import average, graft_mtp, merge, train
+from llmkit.cli.training import average, distill_draft, graft_mtp, merge, train
 from llmkit.cli.translation import translate
 
 COMMANDS: tuple[Command, ...] = (
@@ -37,6 +38,7 @@ COMMANDS: tuple[Command, ...] = (
     average,
     merge,
     graft_mtp,
+    distill_draft,
     generate,
     chat,
     serve,

@@ -1,11 +1,12 @@
 """Training commands: train a model from a YAML config, average a run's last checkpoints, merge LoRA adapters, graft
-a drafting MTP module onto a pretrained model."""
+a drafting MTP module onto a pretrained model, distil a draft model out of one."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 
 def train(
@@ -89,6 +90,63 @@ def merge(run: str, out: str) -> int:
     return 0
 
 
+def _own_text(
+    checkpoint: str,
+    data: str,
+    *,
+    sequences: int,
+    opening: int,
+    new_tokens: int,
+    minutes: float,
+    writer: Literal["model", "int8", "int4"],
+    work: str | None,
+    out: str,
+    device: str | None,
+    check: Callable[[Any], object],
+) -> tuple[Any, Any, Any, Any]:
+    """The checked settings' model, tokenizer and its own text (train, held-out) for a drafter: the model's greedy
+    continuations of openings from `data`'s train and val splits with its states and top-8 logits, collected into
+    `work` (default OUT.text), where a rerun finds them. check(model) refuses a model before any text is written."""
+    import copy
+
+    import torch
+
+    from llmkit.cli.common import load_decoder
+    from llmkit.errors import InputError
+    from llmkit.models import DecoderLM
+    from llmkit.quant import quantize
+    from llmkit.tokenizer import Tokenizer
+    from llmkit.train.data import TokenData
+    from llmkit.train.mtp_graft import collect_own_text
+    from llmkit.train.tasks import check_same_tokenizer
+
+    for name, value, ok, want in [
+        ("--sequences", sequences, sequences >= 2, "at least 2"),
+        ("--opening", opening, opening >= 1, "at least 1"),
+        ("--new-tokens", new_tokens, new_tokens >= 2, "at least 2"),
+        ("--minutes", minutes, minutes > 0, "positive"),
+    ]:
+        if not ok:
+            raise InputError(f"{name} {value} is out of range: it must be {want}")
+    model, tokenizer = load_decoder(checkpoint, "fp32", device)
+    check(model)
+    tokens = TokenData(data)
+    check_same_tokenizer(tokenizer, Tokenizer.from_dir(data), checkpoint, data)
+
+    def openings(split: str, n: int) -> list[list[int]]:
+        stream = tokens.split(split).tokens
+        if len(stream) < opening + 1:
+            raise InputError(f"{data}'s {split} split holds {len(stream)} tokens: too few for {opening}-token openings")
+        starts = torch.linspace(0, len(stream) - opening - 1, n).long().tolist()
+        return [[int(t) for t in stream[s : s + opening]] for s in starts]
+
+    copy_ = None if writer == "model" else cast(DecoderLM, quantize(copy.deepcopy(model), writer))
+    text_dir = Path(work) if work is not None else Path(f"{out}.text")
+    own = collect_own_text(model, openings("train", sequences), text_dir / "train", new_tokens=new_tokens, writer=copy_)
+    held = collect_own_text(model, openings("val", 32), text_dir / "val", new_tokens=new_tokens, writer=copy_)
+    return model, tokenizer, own, held
+
+
 def graft_mtp(
     checkpoint: str,
     out: str,
@@ -123,47 +181,32 @@ def graft_mtp(
     work: where the collected text is kept (default OUT.text); a run that stops resumes from it.
     device: cpu, cuda, cuda:1, ... (default: the CPU); the collected text is kept on the CPU either way.
     """
-    import copy
     import json
 
-    import torch
-
-    from llmkit.cli.common import load_decoder
     from llmkit.errors import InputError
     from llmkit.interop.checkpoint import save_llmkit
-    from llmkit.models import DecoderLM
-    from llmkit.quant import quantize
-    from llmkit.tokenizer import Tokenizer
-    from llmkit.train.data import TokenData
-    from llmkit.train.mtp_graft import collect_own_text, graft, train_drafter
-    from llmkit.train.tasks import check_same_tokenizer
+    from llmkit.train.mtp_graft import graft, train_drafter
 
-    for name, value, ok, want in [
-        ("--sequences", sequences, sequences >= 2, "at least 2"),
-        ("--opening", opening, opening >= 1, "at least 1"),
-        ("--new-tokens", new_tokens, new_tokens >= 2, "at least 2"),
-        ("--minutes", minutes, minutes > 0, "positive"),
-        ("--unroll", unroll, 1 <= unroll <= 8, "between 1 and 8"),
-    ]:
-        if not ok:
-            raise InputError(f"{name} {value} is out of range: it must be {want}")
-    model, tokenizer = load_decoder(checkpoint, "fp32", device)
-    if len(model.mtp):
-        raise InputError(f"{checkpoint} already has MTP modules; give a model without")
-    tokens = TokenData(data)
-    check_same_tokenizer(tokenizer, Tokenizer.from_dir(data), checkpoint, data)
+    if not 1 <= unroll <= 8:
+        raise InputError(f"--unroll {unroll} is out of range: it must be between 1 and 8")
 
-    def openings(split: str, n: int) -> list[list[int]]:
-        stream = tokens.split(split).tokens
-        if len(stream) < opening + 1:
-            raise InputError(f"{data}'s {split} split holds {len(stream)} tokens: too few for {opening}-token openings")
-        starts = torch.linspace(0, len(stream) - opening - 1, n).long().tolist()
-        return [[int(t) for t in stream[s : s + opening]] for s in starts]
+    def no_modules(model: Any) -> None:
+        if len(model.mtp):
+            raise InputError(f"{checkpoint} already has MTP modules; give a model without")
 
-    copy_ = None if writer == "model" else cast(DecoderLM, quantize(copy.deepcopy(model), writer))
-    text_dir = Path(work) if work is not None else Path(f"{out}.text")
-    own = collect_own_text(model, openings("train", sequences), text_dir / "train", new_tokens=new_tokens, writer=copy_)
-    held = collect_own_text(model, openings("val", 32), text_dir / "val", new_tokens=new_tokens, writer=copy_)
+    model, tokenizer, own, held = _own_text(
+        checkpoint,
+        data,
+        sequences=sequences,
+        opening=opening,
+        new_tokens=new_tokens,
+        minutes=minutes,
+        writer=writer,
+        work=work,
+        out=out,
+        device=device,
+        check=no_modules,
+    )
     grafted = graft(model)
     report = train_drafter(
         grafted, own, seconds=minutes * 60, held_out=held, batch=min(16, sequences), unroll=unroll, skip=opening
@@ -176,4 +219,88 @@ def graft_mtp(
         f"1..{unroll} agree with the model {agree}; a round of k={unroll} accepts {report.accepted_per_round:.2f}"
     )
     print(f"checkpoint: {out}  (llmkit generate {out} --mtp --speculate {unroll} --draft-head-bits 4)")
+    return 0
+
+
+def distill_draft(
+    checkpoint: str,
+    out: str,
+    *,
+    data: str,
+    keep: str = "0,1,2,3,-1",
+    sequences: int = 800,
+    opening: int = 48,
+    new_tokens: int = 208,
+    minutes: float = 12.0,
+    k: int = 3,
+    writer: Literal["model", "int8", "int4"] = "int4",
+    work: str | None = None,
+    device: str | None = None,
+) -> int:
+    """Make a draft model for speculative decoding out of a pretrained model: a few of its blocks (with its
+    embedding, final norm and head), distilled on the model's own text (its continuations of openings from the
+    data and its top-8 logits there, collected as `llmkit graft-mtp` does; the same --work folder serves both).
+    Decode with `llmkit generate CHECKPOINT --draft OUT --speculate 3`, the draft best held in int8
+    (`llmkit quantize OUT OUT-int8 --to int8 --include-head`); the output stays the model's own.
+
+    checkpoint: the pretrained model (an llmkit checkpoint or run, a Hugging Face folder, a GGUF file), float.
+    out: where to write the draft (an llmkit checkpoint).
+    data: a prepared token folder (llmkit prepare ... --tokenizer CHECKPOINT).
+    keep: the model's blocks the draft keeps, in order (negative counts from the last): the first few build the
+        representation and the last is what the head reads.
+    sequences: how many continuations to learn from.
+    opening: tokens of each opening; new_tokens: tokens the model continues it with.
+    minutes: the draft's training time.
+    k: drafts a round, for the held-out acceptance estimate.
+    writer: who writes the continuations: the model, or an int8 / int4 copy of it.
+    work: where the collected text is kept (default OUT.text); a run that stops resumes from it.
+    device: cpu, cuda, cuda:1, ... (default: the CPU).
+    """
+    import json
+
+    from llmkit.errors import InputError
+    from llmkit.interop.checkpoint import save_llmkit
+    from llmkit.train.draft_distill import distill_draft as distill
+    from llmkit.train.draft_distill import prune
+
+    try:
+        blocks = [int(i) for i in keep.split(",")]
+    except ValueError:
+        raise InputError(f"--keep {keep!r} must be block numbers separated by commas, e.g. 0,1,2,3,-1") from None
+    if not 1 <= k <= 8:
+        raise InputError(f"--k {k} is out of range: it must be between 1 and 8")
+
+    def chosen(model: Any) -> list[int]:
+        n = model.cfg.n_layers
+        out = [i + n if i < 0 else i for i in blocks]
+        if len(set(out)) != len(out) or not all(0 <= i < n for i in out):
+            raise InputError(
+                f"--keep {keep} must name distinct blocks of the model's {n} (0..{n - 1}, or -1 for the last)"
+            )
+        return out
+
+    model, tokenizer, own, held = _own_text(
+        checkpoint,
+        data,
+        sequences=sequences,
+        opening=opening,
+        new_tokens=new_tokens,
+        minutes=minutes,
+        writer=writer,
+        work=work,
+        out=out,
+        device=device,
+        check=chosen,
+    )
+    n = model.cfg.n_layers
+    draft = prune(model, chosen(model))
+    report = distill(draft, own, seconds=minutes * 60, held_out=held, k=k, skip=opening)
+    save_llmkit(draft, out, tokenizer=tokenizer)
+    (Path(out) / "drafter.json").write_text(json.dumps(dataclasses.asdict(report), indent=2))
+    print(
+        f"draft: {draft.cfg.n_layers} of {n} blocks, {report.steps} steps over {report.sequences} sequences in "
+        f"{report.seconds:.0f} s; held out, it agrees with the model {report.agreement[0]:.2f}; a round of k={k} "
+        f"accepts {report.accepted_per_round:.2f}"
+    )
+    print(f"checkpoint: {out}  (llmkit generate {checkpoint} --draft {out} --speculate {k})")
     return 0
