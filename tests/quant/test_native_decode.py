@@ -460,3 +460,13 @@ def test_the_fp32_product_of_a_few_rows_equals_f_linear(K):
         expected = torch.nn.functional.linear(x, w, bias)
         torch.testing.assert_close(ext.float_linear(x, w, bias), expected, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(ext.float_linear(x, w, None), expected - bias, rtol=1e-4, atol=1e-4)
+
+
+def test_argument_errors_with_numbers_in_their_message_raise():
+    """Such errors once crashed the process on another machine (torch 2.11, GCC 13.3: TORCH_CHECK with a formatted
+    number); the extension's checks now raise std::runtime_error built without iostreams."""
+    ext = native.module()
+    with pytest.raises(RuntimeError, match="x has 64 columns, the weights 32"):
+        ext.int8_linear(torch.randn(2, 64), torch.zeros(4, 32, dtype=torch.int8), torch.ones(4, 1))
+    with pytest.raises(RuntimeError, match="must be"):
+        ext.float_linear(torch.randn(2, 8).double(), torch.randn(4, 8), None)

@@ -166,3 +166,16 @@ def test_gpu_graft_mtp_command_and_generate_with_it(pretrained, tiny_data, tmp_p
     plain = capsys.readouterr().out
     assert main([*common, "--mtp", "--speculate", "2"]) == 0
     assert capsys.readouterr().out == plain  # greedy with the module's drafts: the same text
+
+
+def test_gpu_distill_draft_command_and_speculation_with_it(pretrained, tiny_data, tmp_path, capsys):
+    base = str(resolve_checkpoint(pretrained))
+    out = tmp_path / "draft"
+    flags = ["--data", str(tiny_data), "--sequences", "8", "--opening", "8", "--new-tokens", "16", "--minutes", "0.05"]
+    assert main(["distill-draft", base, str(out), *flags, "--keep", "-1", "--device", "cuda"]) == 0
+    assert "agrees with the model" in capsys.readouterr().out
+    common = ["generate", base, "--prompt", "ROMEO", "--max-new-tokens", "24", "--temperature", "0", "--device", "cuda"]
+    assert main(common) == 0
+    plain = capsys.readouterr().out
+    assert main([*common, "--draft", str(out), "--speculate", "3"]) == 0
+    assert capsys.readouterr().out == plain

@@ -127,21 +127,21 @@ struct DecodeBlock {
   // sin (1 | M, rope_dim / 2).
   void check_step(const Tensor& x, int64_t B, const Tensor& k, const Tensor& v, bool paged, int64_t S,
                   const Tensor& allowed, const std::optional<Tensor>& cos, const std::optional<Tensor>& sin) const {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() &&
+    LLMKIT_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() &&
                     x.size(1) == norm1_weight.size(0),
                 "x must be (M, C) fp32");
     const int64_t M = x.size(0);
     for (const Tensor* t : {&k, &v})
-      TORCH_CHECK(t->dim() == 4 && t->scalar_type() == torch::kFloat32 && t->is_contiguous() &&
+      LLMKIT_CHECK(t->dim() == 4 && t->scalar_type() == torch::kFloat32 && t->is_contiguous() &&
                       t->size(paged ? 0 : 1) == n_kv_heads && (paged || (t->size(0) == B && t->size(2) == S)),
                   paged ? "the pools must be (KH, N, bs, D) fp32, contiguous"
                         : "the caches must be (B, KH, S, D) fp32, contiguous");
-    TORCH_CHECK(k.size(3) == head_dim && v.size(3) == v_head_dim, "cache head dims do not match the layer");
-    TORCH_CHECK(allowed.dim() == 2 && allowed.size(0) == B && allowed.size(1) == S &&
+    LLMKIT_CHECK(k.size(3) == head_dim && v.size(3) == v_head_dim, "cache head dims do not match the layer");
+    LLMKIT_CHECK(allowed.dim() == 2 && allowed.size(0) == B && allowed.size(1) == S &&
                     allowed.scalar_type() == torch::kBool && allowed.is_contiguous(),
                 "allowed must be (B, S) bool");
     if (rope_dim)
-      TORCH_CHECK(cos && sin && cos->dim() == 2 && cos->sizes() == sin->sizes() && cos->size(1) == rope_dim / 2 &&
+      LLMKIT_CHECK(cos && sin && cos->dim() == 2 && cos->sizes() == sin->sizes() && cos->size(1) == rope_dim / 2 &&
                       (cos->size(0) == 1 || cos->size(0) == M) && cos->is_contiguous() && sin->is_contiguous() &&
                       cos->scalar_type() == torch::kFloat32 && sin->scalar_type() == torch::kFloat32,
                   "cos and sin must be (1 | M, rope_dim / 2) fp32");
@@ -318,24 +318,24 @@ struct DecodeBlock {
 
   // the shapes the projections must have, checked once when the block is built
   void check() const {
-    TORCH_CHECK(wq && wk && wv && wo && (moe || (w1 && w2 && (!gated || w3))), "a projection is missing");
-    TORCH_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0, "bad head counts");
-    TORCH_CHECK(rope_dim % 2 == 0 && rope_dim <= head_dim, "bad rope_dim");
-    TORCH_CHECK(q_norm_weight.has_value() == k_norm_weight.has_value(), "QK-norm needs both gains");
+    LLMKIT_CHECK(wq && wk && wv && wo && (moe || (w1 && w2 && (!gated || w3))), "a projection is missing");
+    LLMKIT_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0, "bad head counts");
+    LLMKIT_CHECK(rope_dim % 2 == 0 && rope_dim <= head_dim, "bad rope_dim");
+    LLMKIT_CHECK(q_norm_weight.has_value() == k_norm_weight.has_value(), "QK-norm needs both gains");
     for (const auto* g : {&q_norm_weight, &k_norm_weight})
       if (g->has_value())
-        TORCH_CHECK((*g)->dim() == 1 && (*g)->size(0) == head_dim && (*g)->scalar_type() == torch::kFloat32 &&
+        LLMKIT_CHECK((*g)->dim() == 1 && (*g)->size(0) == head_dim && (*g)->scalar_type() == torch::kFloat32 &&
                         (*g)->is_contiguous(),
                     "a QK-norm gain must be (head_dim,) fp32");
     const int64_t C = norm1_weight.size(0);
-    TORCH_CHECK(wq->N == n_heads * head_dim && wk->N == n_kv_heads * head_dim && wv->N == n_kv_heads * v_head_dim,
+    LLMKIT_CHECK(wq->N == n_heads * head_dim && wk->N == n_kv_heads * head_dim && wv->N == n_kv_heads * v_head_dim,
                 "q, k, v widths do not match the heads");
-    TORCH_CHECK(wq->K == C && wk->K == C && wv->K == C && wo->K == n_heads * v_head_dim && wo->N == C,
+    LLMKIT_CHECK(wq->K == C && wk->K == C && wv->K == C && wo->K == n_heads * v_head_dim && wo->N == C,
                 "attention projections do not match the model width");
     if (moe)
       moe_check(*moe, C);
     else
-      TORCH_CHECK(w1->K == C && w2->N == C && w2->K == w1->N && (!gated || (w3->K == C && w3->N == w1->N)),
+      LLMKIT_CHECK(w1->K == C && w2->N == C && w2->K == w1->N && (!gated || (w3->K == C && w3->N == w1->N)),
                   "feed-forward projections do not match");
   }
 };
@@ -346,7 +346,7 @@ struct DecodeBlock {
 Tensor run(const std::vector<DecodeBlock*>& blocks, const Tensor& x, const std::vector<KVLayout>& layouts,
            const std::vector<int64_t>& rows, const std::vector<int64_t>& slots, int64_t S, const Tensor& allowed,
            const std::optional<Tensor>& cos, const std::optional<Tensor>& sin) {
-  for (int64_t s : slots) TORCH_CHECK(s >= 0 && s < S, "slot ", s, " is outside the cache's ", S, " slots");
+  for (int64_t s : slots) LLMKIT_CHECK(s >= 0 && s < S, "slot ", s, " is outside the cache's ", S, " slots");
   Tensor out = x.clone();  // the residual stream
   float* X = out.data_ptr<float>();
   const bool* A = allowed.data_ptr<bool>();
@@ -364,7 +364,7 @@ Tensor run(const std::vector<DecodeBlock*>& blocks, const Tensor& x, const std::
 
 void check_lists(const std::vector<DecodeBlock*>& blocks, const std::vector<Tensor>& ks,
                  const std::vector<Tensor>& vs) {
-  TORCH_CHECK(!blocks.empty() && ks.size() == blocks.size() && vs.size() == blocks.size(),
+  LLMKIT_CHECK(!blocks.empty() && ks.size() == blocks.size() && vs.size() == blocks.size(),
               "one k and one v cache per block");
 }
 
@@ -375,7 +375,7 @@ Tensor decode(const std::vector<DecodeBlock*>& blocks, const Tensor& x, const st
               const std::optional<Tensor>& sin) {
   check_lists(blocks, ks, vs);
   const int64_t S = ks[0].dim() == 4 ? ks[0].size(2) : 0, B = ks[0].dim() == 4 ? ks[0].size(0) : 0;
-  TORCH_CHECK(x.dim() == 2 && B > 0 && x.size(0) % B == 0 && x.size(0) > 0,
+  LLMKIT_CHECK(x.dim() == 2 && B > 0 && x.size(0) % B == 0 && x.size(0) > 0,
               "x must be (B T, C): T new tokens for each of the caches' ", B, " rows");
   const int64_t M = x.size(0), T = M / B;
   std::vector<KVLayout> layouts;
@@ -395,17 +395,17 @@ Tensor decode_paged(const std::vector<DecodeBlock*>& blocks, const Tensor& x, co
                     const std::optional<Tensor>& cos, const std::optional<Tensor>& sin) {
   check_lists(blocks, ks, vs);
   const int64_t B = x.size(0);
-  TORCH_CHECK(table.dim() == 2 && table.size(0) == B && table.scalar_type() == torch::kInt64 && table.is_contiguous(),
+  LLMKIT_CHECK(table.dim() == 2 && table.size(0) == B && table.scalar_type() == torch::kInt64 && table.is_contiguous(),
               "table must be (B, nb) int64");
-  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == B && slots.scalar_type() == torch::kInt64 && slots.is_contiguous(),
+  LLMKIT_CHECK(slots.dim() == 1 && slots.size(0) == B && slots.scalar_type() == torch::kInt64 && slots.is_contiguous(),
               "slots must be (B,) int64");
   const int64_t nb = table.size(1), N = ks[0].dim() == 4 ? ks[0].size(1) : 0, bs = ks[0].dim() == 4 ? ks[0].size(2) : 1;
   const int64_t* T = table.data_ptr<int64_t>();
-  for (int64_t i = 0; i < B * nb; ++i) TORCH_CHECK(T[i] >= 0 && T[i] < N, "block ", T[i], " is not in the pool");
+  for (int64_t i = 0; i < B * nb; ++i) LLMKIT_CHECK(T[i] >= 0 && T[i] < N, "block ", T[i], " is not in the pool");
   std::vector<KVLayout> layouts;
   for (size_t i = 0; i < blocks.size(); ++i) {
     blocks[i]->check_step(x, B, ks[i], vs[i], true, nb * bs, allowed, cos, sin);
-    TORCH_CHECK(ks[i].size(1) == N && ks[i].size(2) == bs && vs[i].size(1) == N && vs[i].size(2) == bs,
+    LLMKIT_CHECK(ks[i].size(1) == N && ks[i].size(2) == bs && vs[i].size(1) == N && vs[i].size(2) == bs,
                 "every pool has the same blocks");
     layouts.push_back({ks[i].data_ptr<float>(), vs[i].data_ptr<float>(), 0, 0, T, N, bs, nb});
   }

@@ -318,13 +318,13 @@ void columns(const Pass& p, int64_t M, int64_t n0, int64_t n1, float* Y, int64_t
 }
 
 void check_matrix(const torch::Tensor& qweight, const torch::Tensor& scales, int64_t K, c10::ScalarType type) {
-  TORCH_CHECK(qweight.scalar_type() == type && qweight.is_contiguous() && qweight.dim() == 2, "bad qweight");
-  TORCH_CHECK(K % BLOCK == 0, "the input width must be a multiple of 32");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 2 &&
+  LLMKIT_CHECK(qweight.scalar_type() == type && qweight.is_contiguous() && qweight.dim() == 2, "bad qweight");
+  LLMKIT_CHECK(K % BLOCK == 0, "the input width must be a multiple of 32");
+  LLMKIT_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 2 &&
                   scales.size(0) == qweight.size(0),
               "bad scales");
   const int64_t per_group = K / BLOCK / scales.size(1);
-  TORCH_CHECK(K % (BLOCK * scales.size(1)) == 0 && (scales.size(1) == 1 || (per_group & (per_group - 1)) == 0),
+  LLMKIT_CHECK(K % (BLOCK * scales.size(1)) == 0 && (scales.size(1) == 1 || (per_group & (per_group - 1)) == 0),
               "the group size must be 32 times a power of two, or the whole row");
 }
 
@@ -333,7 +333,7 @@ void check_matrix(const torch::Tensor& qweight, const torch::Tensor& scales, int
 QuantizedMatrix int4_matrix(const torch::Tensor& qweight, const torch::Tensor& scales, const torch::Tensor& zeros) {
   const int64_t K = qweight.size(1) * 2;
   check_matrix(qweight, scales, K, torch::kUInt8);
-  TORCH_CHECK(zeros.sizes() == scales.sizes() && zeros.is_contiguous() && zeros.scalar_type() == torch::kFloat32,
+  LLMKIT_CHECK(zeros.sizes() == scales.sizes() && zeros.is_contiguous() && zeros.scalar_type() == torch::kFloat32,
               "zeros must match scales");
   return {qweight.data_ptr<uint8_t>(), scales.data_ptr<float>(), zeros.data_ptr<float>(), qweight.size(0), K,
           scales.size(1), true};
@@ -347,7 +347,7 @@ QuantizedMatrix int8_matrix(const torch::Tensor& qweight, const torch::Tensor& s
 }
 
 void Product::prepare(const float* x, int64_t M, int64_t K, const std::vector<QuantizedMatrix>& ws) {
-  TORCH_CHECK(!ws.empty(), "a product needs a matrix");
+  LLMKIT_CHECK(!ws.empty(), "a product needs a matrix");
   const bool int4 = ws[0].int4;
   quantize_rows(x, M, K, int4, x_);
   const int64_t nb = K / BLOCK;
@@ -356,7 +356,7 @@ void Product::prepare(const float* x, int64_t M, int64_t K, const std::vector<Qu
   starts_.assign(1, 0);
   for (size_t i = 0; i < ws.size(); ++i) {
     const QuantizedMatrix& w = ws[i];
-    TORCH_CHECK(w.K == K && w.int4 == int4, "matrices in one product share K and kind");
+    LLMKIT_CHECK(w.K == K && w.int4 == int4, "matrices in one product share K and kind");
     std::vector<float>& xgs = group_sums_[i];
     xgs.assign(M * w.G, 0.f);
     if (int4)
@@ -498,8 +498,8 @@ torch::Tensor dequantized_product(const torch::Tensor& x, const llmkit::Quantize
 }
 
 torch::Tensor run(const torch::Tensor& x, const llmkit::QuantizedMatrix& w) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be (M, K) fp32");
-  TORCH_CHECK(x.size(1) == w.K, "x has ", x.size(1), " columns, the weights ", w.K);
+  LLMKIT_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be (M, K) fp32");
+  LLMKIT_CHECK(x.size(1) == w.K, "x has ", x.size(1), " columns, the weights ", w.K);
   if (x.size(0) >= MANY_ROWS) return dequantized_product(x, w);
   llmkit::Product product;
   product.prepare(x.data_ptr<float>(), x.size(0), w.K, {w});
@@ -522,11 +522,11 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
 // as for one here (and 15 ms for SmolLM2's 49,152 x 576 head at one row, a third of the bandwidth), where a step
 // verifying speculative drafts needs the head for each of its few tokens.
 torch::Tensor float_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be (M, K) fp32");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.size(1) == x.size(1),
+  LLMKIT_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be (M, K) fp32");
+  LLMKIT_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.size(1) == x.size(1),
               "w must be (N, K) fp32, contiguous, with x's K columns");
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
-  if (bias) TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == torch::kFloat32 &&
+  if (bias) LLMKIT_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == torch::kFloat32 &&
                             bias->is_contiguous(), "the bias must be (N,) fp32");
   auto y = torch::empty({M, N}, x.options());
   const float* X = x.data_ptr<float>();

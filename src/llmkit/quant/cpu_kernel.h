@@ -6,9 +6,33 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 namespace llmkit {
+
+// Argument checks throw std::runtime_error (Python's RuntimeError through pybind11) with a message put together
+// from strings and std::to_string, not TORCH_CHECK: on one machine (torch 2.11 + CUDA 13, the extension built by GCC
+// 13.3) every TORCH_CHECK whose message formats a number crashed the process (SIGSEGV) instead of raising, while
+// constant messages raised; this path uses neither c10::Error nor iostreams.
+inline void append_to(std::string& s, const char* v) { s += v; }
+inline void append_to(std::string& s, const std::string& v) { s += v; }
+template <typename T, std::enable_if_t<std::is_arithmetic_v<T>, int> = 0>
+inline void append_to(std::string& s, T v) {
+  s += std::to_string(v);
+}
+template <typename... Args>
+[[noreturn]] void check_failed(const Args&... parts) {
+  std::string message;
+  (append_to(message, parts), ...);
+  throw std::runtime_error(message);
+}
+#define LLMKIT_CHECK(condition, ...)                         \
+  do {                                                       \
+    if (!(condition)) ::llmkit::check_failed(__VA_ARGS__); \
+  } while (0)
 
 constexpr int64_t BLOCK = 32;  // inputs per block of x's int8 codes (and per smallest weight group)
 

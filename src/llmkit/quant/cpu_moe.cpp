@@ -191,32 +191,32 @@ void moe_forward(const MoEFeedForward& f, const Team& team, MoEWorkspace& w, con
 
 void moe_check(const MoEFeedForward& f, int64_t C) {
   const Tensor& r = f.router;
-  TORCH_CHECK(r.dim() == 2 && r.size(0) > 0 && r.size(1) == C && r.scalar_type() == torch::kFloat32 &&
+  LLMKIT_CHECK(r.dim() == 2 && r.size(0) > 0 && r.size(1) == C && r.scalar_type() == torch::kFloat32 &&
                   r.is_contiguous(),
               "the router must be (E, C) fp32");
   const int64_t E = r.size(0);
   if (f.score_bias)
-    TORCH_CHECK(f.score_bias->dim() == 1 && f.score_bias->size(0) == E &&
+    LLMKIT_CHECK(f.score_bias->dim() == 1 && f.score_bias->size(0) == E &&
                     f.score_bias->scalar_type() == torch::kFloat32 && f.score_bias->is_contiguous(),
                 "the score bias must be (E,) fp32");
-  TORCH_CHECK(f.n_groups >= 1 && E % f.n_groups == 0 && f.topk_groups >= 1 && f.topk_groups <= f.n_groups,
+  LLMKIT_CHECK(f.n_groups >= 1 && E % f.n_groups == 0 && f.topk_groups >= 1 && f.topk_groups <= f.n_groups,
               "bad expert groups");
-  TORCH_CHECK(f.top_k >= 1 && f.top_k <= f.topk_groups * (E / f.n_groups), "top_k exceeds the eligible experts");
-  TORCH_CHECK(f.w1 && f.w2 && (!f.gated || f.w3), "an expert projection is missing");
-  TORCH_CHECK(f.w1->N % E == 0 && f.w1->K == C, "w1 must be (E I, C)");
+  LLMKIT_CHECK(f.top_k >= 1 && f.top_k <= f.topk_groups * (E / f.n_groups), "top_k exceeds the eligible experts");
+  LLMKIT_CHECK(f.w1 && f.w2 && (!f.gated || f.w3), "an expert projection is missing");
+  LLMKIT_CHECK(f.w1->N % E == 0 && f.w1->K == C, "w1 must be (E I, C)");
   const int64_t I = f.w1->N / E;
-  TORCH_CHECK(f.w2->N == E * C && f.w2->K == I, "w2 must be (E C, I)");
-  TORCH_CHECK(!f.gated || (f.w3->N == f.w1->N && f.w3->K == C), "w3 must be (E I, C)");
-  TORCH_CHECK(!f.w1->bias && !f.w2->bias && (!f.w3 || !f.w3->bias), "experts have no biases");
+  LLMKIT_CHECK(f.w2->N == E * C && f.w2->K == I, "w2 must be (E C, I)");
+  LLMKIT_CHECK(!f.gated || (f.w3->N == f.w1->N && f.w3->K == C), "w3 must be (E I, C)");
+  LLMKIT_CHECK(!f.w1->bias && !f.w2->bias && (!f.w3 || !f.w3->bias), "experts have no biases");
   if (f.s1) {
-    TORCH_CHECK(f.s2 && (!f.gated || f.s3), "a shared-expert projection is missing");
-    TORCH_CHECK(f.s1->K == C && f.s2->N == C && f.s2->K == f.s1->N &&
+    LLMKIT_CHECK(f.s2 && (!f.gated || f.s3), "a shared-expert projection is missing");
+    LLMKIT_CHECK(f.s1->K == C && f.s2->N == C && f.s2->K == f.s1->N &&
                     (!f.gated || (f.s3->K == C && f.s3->N == f.s1->N)),
                 "shared-expert projections do not match");
-    TORCH_CHECK(!f.s1->bias && !f.s2->bias && (!f.s3 || !f.s3->bias), "shared experts have no biases");
+    LLMKIT_CHECK(!f.s1->bias && !f.s2->bias && (!f.s3 || !f.s3->bias), "shared experts have no biases");
   }
   if (f.shared_gate)
-    TORCH_CHECK(f.s1 && f.shared_gate->dim() == 1 && f.shared_gate->size(0) == C &&
+    LLMKIT_CHECK(f.s1 && f.shared_gate->dim() == 1 && f.shared_gate->size(0) == C &&
                     f.shared_gate->scalar_type() == torch::kFloat32 && f.shared_gate->is_contiguous(),
                 "the shared gate must be (C,) fp32, with shared experts");
 }

@@ -41,16 +41,16 @@ struct Projection {
   Projection(int kind_, Tensor weight_, std::optional<Tensor> scales_, std::optional<Tensor> zeros_,
              std::optional<Tensor> bias_)
       : kind(kind_), weight(std::move(weight_)), bias(std::move(bias_)) {
-    TORCH_CHECK(kind >= FLOAT && kind <= INT8, "unknown projection kind ", kind);
+    LLMKIT_CHECK(kind >= FLOAT && kind <= INT8, "unknown projection kind ", kind);
     if (kind == FLOAT) {
-      TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32 && weight.is_contiguous(),
+      LLMKIT_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32 && weight.is_contiguous(),
                   "a float projection's weight must be (N, K) fp32");
       N = weight.size(0), K = weight.size(1);
     } else {
-      TORCH_CHECK(scales_.has_value(), "a quantized projection needs scales");
+      LLMKIT_CHECK(scales_.has_value(), "a quantized projection needs scales");
       scales = *scales_;
       if (kind == INT4) {
-        TORCH_CHECK(zeros_.has_value(), "an int4 projection needs zeros");
+        LLMKIT_CHECK(zeros_.has_value(), "an int4 projection needs zeros");
         zeros = *zeros_;
         matrix = int4_matrix(weight, scales, zeros);
       } else {
@@ -58,7 +58,7 @@ struct Projection {
       }
       N = matrix.N, K = matrix.K;
     }
-    if (bias) TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == torch::kFloat32 &&
+    if (bias) LLMKIT_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == torch::kFloat32 &&
                               bias->is_contiguous(),
                           "the bias must be (N,) fp32");
   }
