@@ -15,8 +15,9 @@ namespace llmkit {
 
 // Argument checks throw std::runtime_error (Python's RuntimeError through pybind11) with a message put together
 // from strings and std::to_string, not TORCH_CHECK: on one machine (torch 2.11 + CUDA 13, the extension built by GCC
-// 13.3) every TORCH_CHECK whose message formats a number crashed the process (SIGSEGV) instead of raising, while
-// constant messages raised; this path uses neither c10::Error nor iostreams.
+// 13.3) the two failing TORCH_CHECKs tried whose messages format a number crashed the process (SIGSEGV) instead of
+// raising, while the two with constant messages raised (cause not found); this path uses neither c10::Error nor
+// iostreams (not yet run on that machine).
 inline void append_to(std::string& s, const char* v) { s += v; }
 inline void append_to(std::string& s, const std::string& v) { s += v; }
 template <typename T, std::enable_if_t<std::is_arithmetic_v<T>, int> = 0>
