@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 # The main job: prepare Shakespeare's plays, train a small LLaMA-style model for about 5 minutes on the CPU,
 # report the validation bits per character, draw runs/demo/loss.png, and generate from the model.
 demo: $(STAMP)
-	$(BIN)/llmkit prepare shakespeare --out runs/data/shakespeare --vocab-size 4096
+	$(BIN)/llmkit prepare shakespeare --out runs/data/shakespeare --vocab-size 4096 --overwrite
 	rm -rf runs/demo
 	$(BIN)/llmkit train configs/demo.yaml
 	$(BIN)/llmkit generate runs/demo --prompt "ROMEO:" --max-new-tokens 120 --seed 0
@@ -31,7 +31,7 @@ demo: $(STAMP)
 # Translation: German -> English Bible verses, the paper's recipe at CPU size; 20 minutes of training, then the last
 # checkpoints averaged and the test split translated with beam 4 and scored with sacreBLEU (about 22 minutes in all).
 translate: $(STAMP)
-	$(BIN)/llmkit prepare bible:de-en --out runs/data/bible-de-en
+	$(BIN)/llmkit prepare bible:de-en --out runs/data/bible-de-en --overwrite
 	rm -rf runs/translate
 	$(BIN)/llmkit train configs/translate.yaml
 	$(BIN)/llmkit translate runs/translate "Und Gott sprach: Es werde Licht! und es ward Licht." --plot-attention runs/translate/attention.png

@@ -138,7 +138,9 @@ def main() -> None:
     train_pairs = random.Random(0).sample(splits["train"], min(args.train_pairs, len(splits["train"])))
     test = splits["test"][: args.test]
     (out / "chat.jsonl").write_text("\n".join(chat_lines(train_pairs)) + "\n", encoding="utf-8")
-    meta = prepare_chat(out / "chat.jsonl", out / "data", tokenizer=gguf, val_fraction=0.03, progress=False)
+    meta = prepare_chat(
+        out / "chat.jsonl", out / "data", tokenizer=gguf, val_fraction=0.03, progress=False, overwrite=True
+    )
     sources, references = [p.source for p in test], [p.target for p in test]
     max_new = 160
     results: dict[str, Any] = {

@@ -100,6 +100,7 @@ def ensure_own_text_drafter(gguf: Path, args: argparse.Namespace) -> Path:
         minutes=args.own_minutes,
         unroll=args.unroll,
         work=str(RUNS / "smollm2-own-text"),
+        overwrite=True,  # reached with --retrain, or when OUT is not a finished drafter
     )
     return out
 
@@ -121,6 +122,7 @@ def ensure_pruned_draft(gguf: Path, args: argparse.Namespace) -> Path:
         minutes=args.pruned_minutes,
         k=4,
         work=str(RUNS / "smollm2-own-text"),
+        overwrite=True,  # reached with --retrain, or when OUT is not a finished drafter
     )
     return out
 

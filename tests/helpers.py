@@ -15,3 +15,11 @@ def tiny_tokenizer() -> Tokenizer:
     )
     backend.train_from_iterator(["to be or not to be, that is the question"] * 20, trainer)
     return Tokenizer(backend, bos_id=0, eos_id=1, add_bos=True, chat_template="{{ messages }}")
+
+
+def one_line_error(err: str) -> str:
+    """The error line of a failed command (captured stderr), checked to be all it said and not a traceback."""
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("llmkit "), err
+    return lines[0]

@@ -6,6 +6,9 @@ user never has to decode a shape mismatch from deep inside torch.
 
 from __future__ import annotations
 
+import os
+import re
+
 
 class LLMKitError(Exception):
     """Base class of llmkit's errors."""
@@ -19,8 +22,23 @@ class InputError(LLMKitError, ValueError):
     """A tensor or argument passed to a model or layer is invalid (names the argument, its shape or value)."""
 
 
+class OutputError(LLMKitError, ValueError):
+    """A command may not write where it was asked to: over its own input, over an existing output without
+    --overwrite, or over something of another kind (see llmkit.outputs)."""
+
+
 class GenerationError(LLMKitError, RuntimeError):
     """Decoding cannot go on: the model's outputs are not numbers (names the step)."""
+
+
+def os_error_in(e: Exception, path: str | os.PathLike[str]) -> OSError | None:
+    """The OSError inside an error a Rust library (safetensors, tokenizers) raised as its own type, whose message
+    ends in "(os error 28)": an OSError naming `path`, so that it is reported as one; None when there is none."""
+    found = re.search(r"\(os error (\d+)\)", str(e))
+    if found is None:
+        return None
+    code = int(found.group(1))
+    return OSError(code, os.strerror(code), str(path))
 
 
 def check_features(x: object, dim: int, name: str, ndim: int | None = 3) -> None:

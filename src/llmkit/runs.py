@@ -13,6 +13,7 @@ written into a temporary folder and renamed into place together (see train/check
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from llmkit.errors import LLMKitError
@@ -39,18 +40,31 @@ def is_complete(checkpoint: Path) -> bool:
 
 
 def latest_checkpoint(run: str | os.PathLike[str]) -> Path | None:
-    """The newest complete checkpoint of a run folder, or None."""
+    """The newest complete checkpoint of a run folder, or None. `latest` names it; when that file is gone or names a
+    checkpoint that is not there (removed by hand, say, because it was damaged), the newest complete one."""
     pointer = checkpoint_dir(run) / LATEST
-    if not pointer.is_file():
-        return None
-    path = checkpoint_dir(run) / pointer.read_text().strip()
-    return path if is_complete(path) else None
+    if pointer.is_file():
+        try:
+            name = pointer.read_text(encoding="utf-8").strip()
+        except UnicodeDecodeError:
+            raise LLMKitError(
+                f"{pointer} does not hold a checkpoint name (its bytes are not text): write the name of one of the "
+                "run's checkpoints in it (e.g. step-000500), or remove it to use the newest"
+            ) from None
+        if _STEP.fullmatch(name) and is_complete(checkpoint_dir(run) / name):
+            return checkpoint_dir(run) / name
+    complete = [p for p in run_checkpoints(run) if is_complete(p)]
+    return complete[-1] if complete else None
+
+
+# a checkpoint folder's name: not step-000500.tmp (unfinished) nor step-000500.old-<pid> (being replaced)
+_STEP = re.compile(r"step-\d+")
 
 
 def run_checkpoints(run: str | os.PathLike[str]) -> list[Path]:
     """The complete checkpoints of a run folder, oldest first."""
     found = checkpoint_dir(run).glob("step-*")
-    return sorted(p for p in found if p.is_dir() and not p.name.endswith(".tmp") and (p / FORMAT_FILE).is_file())
+    return sorted(p for p in found if _STEP.fullmatch(p.name) and p.is_dir() and (p / FORMAT_FILE).is_file())
 
 
 def resolve_checkpoint(path: str | os.PathLike[str], *, averaged: bool = True) -> Path:

@@ -19,7 +19,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-from llmkit.errors import ConfigError, InputError
+from llmkit.errors import ConfigError, InputError, os_error_in
 
 # how GGUF files name the pre-tokenizer split of their vocabulary -> the split regex (published with the models)
 _LLAMA3_SPLIT = (
@@ -70,7 +70,9 @@ class Tokenizer:
         if not isinstance(text, str):
             raise InputError(f"encode expects a str, got {type(text).__name__}")
         try:
-            ids = list(self.backend.encode(text, add_special_tokens=False).ids)
+            # encode_batch, not encode: it releases the GIL while it works (encode holds it, 3.3 s for 5 MB of text
+            # here), so a server's event loop goes on while a worker thread tokenizes; same pipeline, same ids
+            ids = list(self.backend.encode_batch([text], add_special_tokens=False)[0].ids)
         except TypeError:  # the backend takes Unicode scalar values only: say which character is not one
             raise InputError(unencodable(text)) from None
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
@@ -103,10 +105,20 @@ class Tokenizer:
         d = Path(directory)
         if not (d / "tokenizer.json").is_file():
             return None
-        backend = Backend.from_file(str(d / "tokenizer.json"))
+        try:
+            backend = Backend.from_file(str(d / "tokenizer.json"))
+        except Exception as e:  # the tokenizers library raises a bare Exception, for a file it cannot read or parse
+            raise os_error_in(e, d / "tokenizer.json") or InputError(
+                f"{d / 'tokenizer.json'} is not a valid tokenizer file: {e}"
+            ) from None
         config: dict[str, Any] = {}
         if (d / "tokenizer_config.json").is_file():
-            config = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
+            try:
+                config = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
+            except ValueError as e:  # JSON or UTF-8
+                raise InputError(f"{d / 'tokenizer_config.json'} is not valid JSON: {e}") from None
+            if not isinstance(config, dict):
+                raise InputError(f"{d / 'tokenizer_config.json'} must hold a JSON object")
 
         def ident(key: str) -> int | None:
             token = config.get(key)

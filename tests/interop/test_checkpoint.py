@@ -37,12 +37,14 @@ def test_errors(tmp_path):
     meta = json.loads((tmp_path / "ck" / "llmkit.json").read_text())
     meta["config"]["d_model"] = 32
     (tmp_path / "ck" / "llmkit.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"llmkit\.json was changed after the checkpoint was saved"):
+        load_llmkit(tmp_path / "ck")  # the manifest catches the edit; unverified, the config is checked itself
     with pytest.raises(MappingError, match=r"shape mismatch: .* but the config implies"):
-        load_llmkit(tmp_path / "ck")
+        load_llmkit(tmp_path / "ck", verify=False)
     meta["config"]["attention"]["n_heads"] = 5
     (tmp_path / "ck" / "llmkit.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match=r"invalid config: .*n_heads=5"):
-        load_llmkit(tmp_path / "ck")
+        load_llmkit(tmp_path / "ck", verify=False)
     with pytest.raises(CheckpointError, match=r"does not exist"):
         detect_format(tmp_path / "none")
     (tmp_path / "empty").mkdir()

@@ -74,14 +74,74 @@ def test_finite_damage_is_caught_by_the_checksum_alone(saved):
     assert load_llmkit(saved, verify=False).model is not None
 
 
-def test_a_listed_file_that_is_gone_and_old_checkpoints_without_checksums(saved):
+def test_a_listed_file_that_is_gone(saved):
     (saved / "tokenizer.json").unlink()
     with pytest.raises(CheckpointError, match=r"tokenizer\.json is missing"):
         load_llmkit(saved)
+
+
+def logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([[5, 17, 3, 99, 42, 7]]))
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [('"eps": 1e-05', '"eps": 0.1'), ('"theta": 10000.0', '"theta": 90000.0')],
+    ids=["norm-eps", "rope-theta"],
+)
+def test_a_one_byte_config_edit_is_refused(saved, before, after):
+    """The config decides what the weights compute: an edited eps or RoPE theta loads without a word unless the
+    manifest covers llmkit.json's own fields (it changes the logits, so loading it silently would be wrong)."""
+    meta_file = saved / FORMAT_FILE
+    text = meta_file.read_text()
+    assert text.count(before) == 1
+    meta_file.write_text(text.replace(before, after))
+    with pytest.raises(CheckpointError, match=r"llmkit\.json was changed after the checkpoint was saved"):
+        load_model(saved)
+    edited = load_model(saved, verify=False).model  # the edit matters: the same weights compute other logits
+    assert not torch.allclose(logits(edited), logits(tiny()))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("generation_config", {"eos_token_id": 7}), ("hf", {"model_type": "llama", "config": {}}), ("checksums", {})],
+)
+def test_every_field_of_llmkit_json_is_covered(saved, field, value):
     meta = json.loads((saved / FORMAT_FILE).read_text())
-    del meta["checksums"]
+    assert meta[field] != value
+    meta[field] = value
     (saved / FORMAT_FILE).write_text(json.dumps(meta))
-    assert load_llmkit(saved).model is not None  # saved before checksums existed: nothing to verify
+    with pytest.raises(CheckpointError, match="was changed after the checkpoint was saved"):
+        load_model(saved)
+
+
+def test_a_checkpoint_without_a_manifest_loads_only_unverified_and_says_so(saved, capsys):
+    """Removing the manifest (with the checksums, or alone) must not turn verification off silently: such a
+    checkpoint loads only with --no-verify / verify=False, with a note; the error says what to do."""
+    overwrite_inside(saved / "model.safetensors", "blocks.1.ffn.w2.weight", bytes(64))  # damage that still loads
+    meta = json.loads((saved / FORMAT_FILE).read_text())
+    del meta["manifest"], meta["checksums"]
+    (saved / FORMAT_FILE).write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"has no manifest .* load it with --no-verify") as info:
+        load_model(saved)
+    assert "llmkit convert" in str(info.value)
+    loaded = load_model(saved, verify=False)
+    assert any("has no manifest" in note for note in loaded.notes)
+    assert main(["generate", str(saved), "--prompt", "to be", "--max-new-tokens", "2"]) == 2
+    assert "has no manifest" in capsys.readouterr().err
+    assert main(["generate", str(saved), "--prompt", "to be", "--max-new-tokens", "2", "--no-verify"]) == 0
+    assert "loaded unverified" in capsys.readouterr().err
+    # a verified copy of one the user trusts
+    assert main(["convert", str(saved), str(saved.parent / "copy"), "--to", "llmkit", "--no-verify"]) == 0
+    assert load_model(saved.parent / "copy").notes == []
+
+
+def test_a_weight_file_added_after_the_save_is_refused(saved):
+    """Loading prefers an index over model.safetensors: an index put there later would change the weights read."""
+    (saved / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+    with pytest.raises(CheckpointError, match=r"index\.json is not in the checkpoint's manifest"):
+        load_model(saved)
 
 
 def test_non_finite_logits_name_the_step_in_every_decoder():
@@ -112,4 +172,21 @@ def test_a_damaged_trainer_state_stops_a_resume(tmp_path):
     blob[len(blob) // 2] ^= 0xFF
     (ckpt / "trainer_state.pt").write_bytes(bytes(blob))
     with pytest.raises(ResumeError, match=r"trainer_state\.pt is damaged"):
+        load(ckpt, model.cfg)
+
+
+def test_a_truncated_trainer_state_json_stops_a_resume(tmp_path):
+    """trainer_state.json holds the checksum of the optimizer state: one that cannot be read must not skip the
+    check (a damaged moment would surface steps later as a diverging loss)."""
+    from llmkit.train.checkpoint import ResumeError, TrainState, load, save
+
+    model = tiny()
+    state = TrainState(step=3, tokens=96, elapsed=1.0)
+    ckpt = save(tmp_path / "run", model, model.state_dict(), {"state": {}, "param_groups": []}, state, 2, None, {})
+    readable = ckpt / "trainer_state.json"
+    readable.write_bytes(readable.read_bytes()[:40])
+    with pytest.raises(ResumeError, match=r"trainer_state\.json cannot be read"):
+        load(ckpt, model.cfg)
+    readable.unlink()
+    with pytest.raises(ResumeError, match=r"trainer_state\.json is missing"):
         load(ckpt, model.cfg)

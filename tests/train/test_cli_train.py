@@ -1,7 +1,12 @@
 from __future__ import annotations
 
+import errno
+import os
+from pathlib import Path
+
 import pytest
 import yaml
+from helpers import one_line_error
 
 from llmkit.cli import main
 from llmkit.errors import ConfigError
@@ -79,3 +84,78 @@ def test_widths_derived_by_a_preset_follow_the_overrides():
     assert unset.model_config(vocab_size=300).ffn_hidden_dim == 768  # LLaMA's rule for d_model 256
     kept = load_train_config(None, ["model.preset=llama2-7b-tiny", "model.attention.head_dim=8"])
     assert kept.model_config(vocab_size=300).head_dim == 8
+
+
+def write_config(tiny_data: Path, out: Path, **train: object) -> Path:
+    path = out.parent / f"{out.name}.yaml"
+    path.write_text(yaml.safe_dump(tiny_config(tiny_data, out, train=train)))
+    return path
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_resume_works(tiny_data, tmp_path, capsys, monkeypatch):
+    """The second checkpoint fills the disk: one line naming it, the first checkpoint intact, the partial one
+    removed at once (else the disk stays full); a step-N.tmp that a killed run left is removed at the next start."""
+    import llmkit.train.checkpoint as ckpt
+
+    config = write_config(tiny_data, tmp_path / "run", steps=12, save_every=6)
+    save, calls = ckpt.torch_save, []
+
+    def second_save_fills_the_disk(obj: object, path: Path) -> None:
+        calls.append(path)
+        if len(calls) == 2:
+            path.write_bytes(b"the first megabytes of the optimizer state")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        save(obj, path)
+
+    monkeypatch.setattr(ckpt, "torch_save", second_save_fills_the_disk)
+    assert main(["train", str(config)]) == 1
+    assert "trainer_state.pt: no space left on the device" in one_line_error(capsys.readouterr().err)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step-000006"]
+    monkeypatch.undo()
+    killed = checkpoints / "step-000012.tmp"  # what a SIGKILL in the middle of a save leaves
+    killed.mkdir()
+    (killed / "model.safetensors").write_bytes(b"half a file")
+    assert main(["train", str(config), "--resume"]) == 0
+    assert f"removed {killed}" in capsys.readouterr().err
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step-000006", "step-000012"]
+
+
+def test_a_batch_that_cannot_fit_in_memory_is_refused_before_anything_is_built(
+    tiny_data, tmp_path, capsys, monkeypatch
+):
+    """data.batch_size=100000000 used to run for minutes, then die in the allocator (or be killed outright)."""
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was built: the batch should have been refused before")
+
+    monkeypatch.setattr("llmkit.train.loop.build_any", never)
+    config = write_config(tiny_data, tmp_path / "run")
+    assert main(["train", str(config), "--set", "data.batch_size=100000000"]) == 2
+    line = one_line_error(capsys.readouterr().err)
+    assert "data.batch_size=100,000,000 cannot fit in memory" in line and "GiB" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_is_never_written_into_a_checkpoint_or_a_data_folder(tiny_data, tmp_path, capsys):
+    from helpers import tiny_tokenizer
+
+    from llmkit import build_model, get_preset
+    from llmkit.interop.checkpoint import save_llmkit
+
+    ck = save_llmkit(build_model(get_preset("llama2-7b-tiny")), tmp_path / "ck", tokenizer=tiny_tokenizer())
+    before = sorted(p.name for p in ck.iterdir())
+    config = write_config(tiny_data, tmp_path / "run")
+    assert main(["train", str(config), "--set", f"train.out={ck}"]) == 2
+    assert "is a checkpoint: a run is never written into one" in one_line_error(capsys.readouterr().err)
+    assert sorted(p.name for p in ck.iterdir()) == before
+    assert main(["train", str(config), "--set", f"train.out={tiny_data}"]) == 2
+    assert "is a prepared data folder" in one_line_error(capsys.readouterr().err)
+    assert main(["train", str(config), "--set", f"train.out={tiny_data / 'run'}"]) == 2
+    assert "inside its input" in one_line_error(capsys.readouterr().err)
+
+
+def test_a_device_that_is_not_there_is_one_line(tiny_data, tmp_path, capsys):
+    config = write_config(tiny_data, tmp_path / "run")
+    assert main(["train", str(config), "--set", "train.device=tpu:7"]) == 2
+    assert "train.device 'tpu:7' is not a device" in one_line_error(capsys.readouterr().err)

@@ -11,6 +11,11 @@ gives `llmkit average RUN [--last LAST] [--out OUT]`. Parameters before `*` are 
 default); `name_` becomes `--name`; a `bool` is a switch, a `Literal` a choice, a `list[str]` a repeatable flag. A
 parameter typed as a frozen dataclass is a group of options: an argument group titled with the parameter's name,
 described by the dataclass's docstring, whose fields are the flags; the function receives the dataclass.
+
+`run` reports every failure a user can act on in one line naming the path and what to do, with a non-zero exit
+status and no traceback (`--debug`, or LLMKIT_DEBUG=1, shows the traceback instead): llmkit's own errors (2), the
+operating system's (1: permission denied, a read-only or full disk, a missing device, a symlink loop; see
+failure.py), running out of memory (1), Ctrl-C (130).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import os
 import shutil
 import sys
 import textwrap
@@ -25,6 +31,7 @@ import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
+from llmkit.cli.failure import describe
 from llmkit.errors import LLMKitError
 
 Command = Callable[..., int]
@@ -111,6 +118,8 @@ def _add(
 def _add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser], fn: Command) -> None:
     summary, helps = _docs(fn)
     parser = sub.add_parser(command_name(fn), description=summary)
+    # after the command too; SUPPRESS keeps `llmkit --debug CMD`'s value when it is not repeated here
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
     for param, tp in _parameters(fn):
         group = _option_group(tp)
         if group is None:
@@ -140,6 +149,9 @@ def _overview(commands: Sequence[Command]) -> str:
     return "\n\n".join(f"{title}:\n" + "\n".join(lines) for title, lines in sections.items())
 
 
+_DEBUG_HELP = "show the traceback of a failure instead of its one-line message (also LLMKIT_DEBUG=1)"
+
+
 def build_parser(commands: Sequence[Command]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llmkit",
@@ -147,6 +159,7 @@ def build_parser(commands: Sequence[Command]) -> argparse.ArgumentParser:
         epilog=_overview(commands),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="one of the commands below")
     for fn in commands:
         _add_command(sub, fn)
@@ -166,10 +179,24 @@ def _arguments(fn: Command, values: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(commands: Sequence[Command], argv: Sequence[str] | None = None) -> int:
-    """Parse the command line and run its command; an LLMKitError is reported on one line, with exit status 2."""
+    """Parse the command line and run its command; a failure is reported on one line (see the module docstring)."""
     args = build_parser(commands).parse_args(argv)
+    debug = args.debug or os.environ.get("LLMKIT_DEBUG", "") not in ("", "0")
     try:
         return int(args._fn(**_arguments(args._fn, vars(args))))
     except LLMKitError as e:
+        if debug:
+            raise
         print(f"llmkit {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"llmkit {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        message = describe(e)
+        if debug or message is None:
+            raise
+        print(f"llmkit {args.command}: error: {message} (--debug shows the traceback)", file=sys.stderr)
+        return 1

@@ -50,10 +50,13 @@ def load_decoder(
     checkpoint: str, dtype: DType | None, device: str | None = None, verify: bool = True
 ) -> tuple[DecoderLM, Tokenizer]:
     """A decoder-only model, in eval mode, and its tokenizer; a run folder gives its latest checkpoint."""
+    from llmkit.devices import check_device
     from llmkit.interop.load import load_model
     from llmkit.models import DecoderLM
     from llmkit.runs import resolve_checkpoint
 
+    if device is not None:
+        check_device(device)
     path = resolve_checkpoint(checkpoint, averaged=False)
     loaded = load_model(path, dtype=torch_dtype(dtype), device=device, verify=verify)
     if loaded.tokenizer is None:

@@ -45,6 +45,7 @@ def prepare(
     out: str | None = None,
     vocab_size: int | None = None,
     val_fraction: float | None = None,
+    overwrite: bool = False,
     text_corpus: TextOptions = TextOptions(),
     sentence_pairs: PairOptions = PairOptions(),
 ) -> int:
@@ -57,25 +58,26 @@ def prepare(
     conversations: with 'chat': a .jsonl file with one {"messages": [{"role": ..., "content": ...}, ...]} per line;
         the loss of fine-tuning counts only the assistant's tokens.
     out: the folder to write (default runs/data/shakespeare, runs/data/bible-SRC-TGT for the Bible, runs/data/chat
-        for conversations).
+        for conversations); built beside it and renamed into place when complete. Never a checkpoint or a run.
     vocab_size: size of the byte-level BPE vocabulary to train (default 4096; 8000 for sentence pairs).
     val_fraction: language models: the share of every document, at its end, kept for validation (0.1);
         sentence pairs: the share of pairs, chosen by a hash of the source sentence (0.01); conversations: the
         share of lines, chosen by a hash of the line (0.05).
+    overwrite: replace an existing data folder at OUT (never the corpus itself).
     """
     if source == "chat":
-        prepare_conversations(conversations, out, val_fraction, text_corpus)
+        prepare_conversations(conversations, out, val_fraction, text_corpus, overwrite)
     elif conversations is not None:
         raise InputError(f"a second argument ({conversations!r}) is only for 'llmkit prepare chat FILE.jsonl'")
     elif sentence_pairs.parallel or source == "bible" or source.startswith("bible:"):
-        prepare_pairs(source, out, vocab_size, val_fraction, sentence_pairs)
+        prepare_pairs(source, out, vocab_size, val_fraction, sentence_pairs, overwrite)
     else:
-        prepare_text(source, out, vocab_size, val_fraction, text_corpus)
+        prepare_text(source, out, vocab_size, val_fraction, text_corpus, overwrite)
     return 0
 
 
 def prepare_conversations(
-    conversations: str | None, out: str | None, val_fraction: float | None, options: TextOptions
+    conversations: str | None, out: str | None, val_fraction: float | None, options: TextOptions, overwrite: bool
 ) -> None:
     """Prepare a .jsonl file of conversations with a checkpoint's chat template and print what it came to."""
     from llmkit.data.chat import prepare_chat
@@ -88,7 +90,11 @@ def prepare_conversations(
         )
     target = out or "runs/data/chat"
     meta = prepare_chat(
-        conversations, target, tokenizer=options.tokenizer, val_fraction=0.05 if val_fraction is None else val_fraction
+        conversations,
+        target,
+        tokenizer=options.tokenizer,
+        val_fraction=0.05 if val_fraction is None else val_fraction,
+        overwrite=overwrite,
     )
     s = meta["splits"]
     print(
@@ -100,7 +106,12 @@ def prepare_conversations(
 
 
 def prepare_text(
-    source: str, out: str | None, vocab_size: int | None, val_fraction: float | None, options: TextOptions
+    source: str,
+    out: str | None,
+    vocab_size: int | None,
+    val_fraction: float | None,
+    options: TextOptions,
+    overwrite: bool,
 ) -> None:
     """Prepare a text corpus for a language model and print what it came to (None: the default)."""
     from llmkit.data.prepare import prepare as run_prepare
@@ -113,6 +124,7 @@ def prepare_text(
         tokenizer=options.tokenizer,
         val_fraction=0.1 if val_fraction is None else val_fraction,
         text_field=options.text_field,
+        overwrite=overwrite,
     )
     s = meta["splits"]
     print(
@@ -123,7 +135,12 @@ def prepare_text(
 
 
 def prepare_pairs(
-    source: str, out: str | None, vocab_size: int | None, val_fraction: float | None, options: PairOptions
+    source: str,
+    out: str | None,
+    vocab_size: int | None,
+    val_fraction: float | None,
+    options: PairOptions,
+    overwrite: bool,
 ) -> None:
     """Prepare sentence pairs (the Bible, or a .tsv / .jsonl file) for translation and print what they came to
     (None: the default)."""
@@ -140,6 +157,7 @@ def prepare_pairs(
         test_fraction=options.test_fraction,
         src_field=options.src_field,
         tgt_field=options.tgt_field,
+        overwrite=overwrite,
     )
     sp = meta["splits"]
     print(

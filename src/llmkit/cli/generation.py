@@ -109,6 +109,8 @@ Mode = Literal["sample", "stream", "beam", "speculate"]
 SAMPLES = (1, 1024)
 BEAMS = (1, 256)
 SPECULATE = (1, 16)
+# what torch.Generator.manual_seed takes (a 64-bit integer), with room for seed + i, the seed of sample or turn i
+SEEDS = (-(2**63), 2**63 - 1 - 2**20)
 
 
 def check_range(name: str, value: int, bounds: tuple[int, int], what: str) -> None:
@@ -127,6 +129,17 @@ def _check_counts(samples: int, max_new_tokens: int, beam: BeamOptions, speculat
         raise LLMKitError(f"--max-new-tokens {max_new_tokens} is out of range: it must be at least 1")
     if speculation.draft_head_bits not in (None, 4, 8):
         raise LLMKitError(f"--draft-head-bits {speculation.draft_head_bits} is out of range: it must be 4 or 8")
+
+
+def _check_seed(seed: int | None) -> None:
+    if seed is not None:
+        check_range("--seed", seed, SEEDS, "the seed (a 64-bit integer)")
+
+
+def _check_stops(output: OutputOptions) -> None:
+    """An empty stop text would end every continuation before its first token (the server refuses it too)."""
+    if any(not s for s in output.stop_strings):
+        raise LLMKitError("--stop '' is empty: a stop text must hold at least one character")
 
 
 def _mode(output: OutputOptions, beam: BeamOptions, speculation: SpeculationOptions) -> Mode:
@@ -197,6 +210,9 @@ def generate(
     no_verify: load an llmkit checkpoint without checking its files against the checksums saved with them.
     """
     _check_counts(samples, max_new_tokens, beam_search, speculation)
+    _check_seed(sampling.seed)
+    _check_stops(output)
+    sampling.rule()  # its values checked (finite, in range) before the model loads
     mode = _mode(output, beam_search, speculation)
     model, tok = load_decoder(checkpoint, dtype, device, verify=not no_verify)
     ids = tok.encode(prompt) if prompt else []
@@ -330,11 +346,12 @@ def chat(
     from llmkit.generate import Sampling, StopRule, stream
     from llmkit.tokenizer import render_chat
 
+    _check_seed(seed)
+    sampling = Sampling(temperature, None, top_p)  # its values checked before the model loads
     model, tok = load_decoder(checkpoint, dtype, device, verify=not no_verify)
     if not tok.chat_template:
         raise LLMKitError(f"{checkpoint} has no chat template; use `llmkit generate` for plain continuation")
     messages = [{"role": "system", "content": system}] if system else []
-    sampling = Sampling(temperature, None, top_p)
     rule = StopRule.of(tok.eos_id)
     turn = 0
     for line in sys.stdin:

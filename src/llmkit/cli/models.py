@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -45,7 +46,7 @@ def presets(*, json_: bool = False) -> int:
     return 0
 
 
-def _checkpoint(spec: str) -> Any:
+def _checkpoint(spec: str, verify: bool) -> Any:
     """The loaded checkpoint when `spec` is one (a GGUF file, an llmkit or Hugging Face directory), else None."""
     from llmkit.interop.load import detect_format, load_model
     from llmkit.interop.safetensors_io import CheckpointError
@@ -59,7 +60,8 @@ def _checkpoint(spec: str) -> Any:
         return None
     from llmkit.config import ModelConfig
 
-    loaded = load_model(p)
+    loaded = load_model(p, verify=verify)
+    _print_notes(loaded.notes)
     if not isinstance(loaded.model.cfg, ModelConfig):
         raise LLMKitError(f"{spec}: inspect reports Transformer configs; this is an RNN checkpoint")
     return loaded
@@ -82,6 +84,7 @@ def inspect(
     seq_len: int | None = None,
     dtype: DType = "bf16",
     compare: str | None = None,
+    no_verify: bool = False,
 ) -> int:
     """Parameters (total, active, by component), weight memory, KV cache and FLOPs of a preset, config file or
     checkpoint (whose weights in memory are reported as loaded: quantized layers at their own size).
@@ -91,13 +94,14 @@ def inspect(
     seq_len: context length for the KV-cache size and FLOPs (default: the model's max_seq_len; 4096 with --compare).
     dtype: element type for weight and cache bytes.
     compare: comma-separated presets or config files to show side by side.
+    no_verify: load an llmkit checkpoint without checking it against its manifest.
     """
     from llmkit.analysis import analyze, format_compare, format_report
 
     if compare is None:
         if model is None:
             raise LLMKitError("give a preset or config file to inspect, or --compare A,B,...")
-        loaded = _checkpoint(model)
+        loaded = _checkpoint(model, verify=not no_verify)
         name, cfg = (Path(model).name, loaded.model.cfg) if loaded is not None else _load_config(model)
         report = analyze(cfg, name, seq_len, dtype)
         if loaded is None:
@@ -136,50 +140,66 @@ def convert(
     to: Literal["hf", "llmkit"] | None = None,
     dtype: DType | None = None,
     model_type: str | None = None,
+    overwrite: bool = False,
+    no_verify: bool = False,
 ) -> int:
     """Convert a checkpoint between Hugging Face, GGUF and llmkit formats.
 
     source: a Hugging Face directory, a .gguf file, or an llmkit checkpoint directory.
-    target: the directory to write.
+    target: the directory to write (built beside it and renamed into place when complete).
     to: output format (default: llmkit for Hugging Face and GGUF sources, hf for llmkit sources).
     dtype: cast the floating-point weights (default: keep the source's; GGUF is dequantized to fp32).
     model_type: the Hugging Face model_type to write (default: the source's, or the one the architecture matches).
+    overwrite: replace an existing checkpoint at the target (never the source itself).
+    no_verify: load an llmkit source without checking it against its manifest (a checkpoint saved before llmkit
+        wrote one: the copy written is verified from then on).
     """
     from llmkit.analysis import human
     from llmkit.interop.checkpoint import save_llmkit
     from llmkit.interop.hf import save_hf
     from llmkit.interop.load import load_model
     from llmkit.models import RNNSeq2Seq
+    from llmkit.outputs import building, claim
 
-    loaded = load_model(source, dtype=torch_dtype(dtype), quantized=False)
+    output = claim(target, "checkpoint", inputs=[source], overwrite=overwrite)
+    loaded = load_model(source, dtype=torch_dtype(dtype), quantized=False, verify=not no_verify)
+    _print_notes(loaded.notes)
     fmt = to or ("hf" if loaded.source == "llmkit" else "llmkit")
     source_dir = Path(source) if Path(source).is_dir() else None
-    if fmt == "hf":
-        if isinstance(loaded.model, RNNSeq2Seq):
-            raise LLMKitError("the RNN encoder-decoder has no Hugging Face counterpart to convert to")
-        out = save_hf(
-            loaded.model,
-            target,
-            model_type=model_type or loaded.hf_model_type,
-            hf_config=loaded.hf_config,
-            generation_config=loaded.generation_config,
-            tokenizer_dir=source_dir,
-        )
-        if source_dir is None and loaded.tokenizer is not None:
-            loaded.tokenizer.save(out)
-    else:
-        out = save_llmkit(
-            loaded.model,
-            target,
-            tokenizer=loaded.tokenizer,
-            tokenizer_dir=source_dir,
-            hf_model_type=model_type or loaded.hf_model_type,
-            hf_config=loaded.hf_config,
-            generation_config=loaded.generation_config,
-        )
+    if fmt == "hf" and isinstance(loaded.model, RNNSeq2Seq):
+        raise LLMKitError("the RNN encoder-decoder has no Hugging Face counterpart to convert to")
+    with building(output) as tmp:
+        if fmt == "hf":
+            assert not isinstance(loaded.model, RNNSeq2Seq)
+            save_hf(
+                loaded.model,
+                tmp,
+                model_type=model_type or loaded.hf_model_type,
+                hf_config=loaded.hf_config,
+                generation_config=loaded.generation_config,
+                tokenizer_dir=source_dir,
+            )
+            if source_dir is None and loaded.tokenizer is not None:
+                loaded.tokenizer.save(tmp)
+        else:
+            save_llmkit(
+                loaded.model,
+                tmp,
+                tokenizer=loaded.tokenizer,
+                tokenizer_dir=source_dir,
+                hf_model_type=model_type or loaded.hf_model_type,
+                hf_config=loaded.hf_config,
+                generation_config=loaded.generation_config,
+            )
     n = sum(p.numel() for p in loaded.model.parameters())
-    print(f"{loaded.source} {source} -> {fmt} {out} ({human(n)} parameters)")
+    print(f"{loaded.source} {source} -> {fmt} {target} ({human(n)} parameters)")
     return 0
+
+
+def _print_notes(notes: list[str]) -> None:
+    """What loading changed or could not check (a checkpoint loaded unverified, GGUF tensors dequantized)."""
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
 
 
 def quantize(
@@ -189,39 +209,47 @@ def quantize(
     to: Literal["int8", "int4"],
     group_size: int | None = None,
     include_head: bool = False,
+    overwrite: bool = False,
+    no_verify: bool = False,
 ) -> int:
     """Quantize a checkpoint's weights to int8 or int4 and write an llmkit checkpoint that every command loads.
 
     checkpoint: a Hugging Face directory, a .gguf file (dequantized first), an llmkit checkpoint or a run folder.
-    out: the directory to write.
+    out: the directory to write (built beside it and renamed into place when complete).
     to: int8 (one scale per output row, or per group with --group-size) or int4 (groups, default 32).
     group_size: inputs per scale: 32, 64, 128 or 256 (must divide every layer's input width).
     include_head: quantize the output head too (a tied head gets a quantized copy of the embedding).
+    overwrite: replace an existing checkpoint at OUT (never the input itself).
+    no_verify: load an llmkit checkpoint without checking it against its manifest.
     """
     from llmkit.interop.checkpoint import save_llmkit
     from llmkit.interop.load import load_model
     from llmkit.models import RNNSeq2Seq
+    from llmkit.outputs import building, claim
     from llmkit.quant import describe
     from llmkit.quant import quantize as quantize_model
     from llmkit.runs import resolve_checkpoint
 
     source = resolve_checkpoint(checkpoint, averaged=False)
-    loaded = load_model(source, quantized=False)
+    output = claim(out, "checkpoint", inputs=[checkpoint, source], overwrite=overwrite)
+    loaded = load_model(source, quantized=False, verify=not no_verify)
+    _print_notes(loaded.notes)
     if isinstance(loaded.model, RNNSeq2Seq):
         raise LLMKitError("the RNN encoder-decoder has no linear layers to quantize")
     before = describe(loaded.model)
     quantize_model(loaded.model, to, group_size, include_head)
     source_dir = Path(source) if Path(source).is_dir() else None
-    save_llmkit(
-        loaded.model,
-        out,
-        tokenizer=loaded.tokenizer,
-        tokenizer_dir=source_dir if loaded.source == "hf" else None,
-        source_tokenizer=loaded.source_tokenizer,
-        hf_model_type=loaded.hf_model_type,
-        hf_config=loaded.hf_config,
-        generation_config=loaded.generation_config,
-    )
+    with building(output) as tmp:
+        save_llmkit(
+            loaded.model,
+            tmp,
+            tokenizer=loaded.tokenizer,
+            tokenizer_dir=source_dir if loaded.source == "hf" else None,
+            source_tokenizer=loaded.source_tokenizer,
+            hf_model_type=loaded.hf_model_type,
+            hf_config=loaded.hf_config,
+            generation_config=loaded.generation_config,
+        )
     print(f"{checkpoint} ({before}) -> {out} ({describe(loaded.model)})")
     return 0
 

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, cast
 
+from llmkit.outputs import Output, building, claim, overlaps
+
 
 def train(
     config: str | None = None,
@@ -46,44 +48,52 @@ def train(
     return 0
 
 
-def average(run: str, *, last: int = 5, out: str | None = None) -> int:
+def average(run: str, *, last: int = 5, out: str | None = None, overwrite: bool = False) -> int:
     """Average the weights of a run's last checkpoints (as the paper did for its base models).
 
     run: a training run folder.
     last: how many of its newest checkpoints to average.
-    out: where to write the averaged checkpoint (default RUN/averaged).
+    out: where to write the averaged checkpoint (default RUN/averaged, which each average replaces).
+    overwrite: replace an existing checkpoint at --out.
     """
     from llmkit.train.average import average_run
 
-    path = average_run(run, last, out)
+    path = average_run(run, last, out, overwrite=overwrite)
     print(f"averaged the last {last} checkpoints of {run} -> {path}")
     return 0
 
 
-def merge(run: str, out: str) -> int:
+def merge(run: str, out: str, *, overwrite: bool = False) -> int:
     """Fold a LoRA run's adapters into its base checkpoint's weights: a plain checkpoint, as fast as the base.
 
     run: a LoRA fine-tuning run (its latest checkpoint), one of its checkpoints, or a folder PEFT saved.
     out: where to write the merged llmkit checkpoint (`llmkit convert` turns it into Hugging Face's or GGUF).
+    overwrite: replace an existing checkpoint at OUT (never the run or its base).
     """
     from llmkit.errors import InputError
     from llmkit.interop.checkpoint import read_meta, save_llmkit
     from llmkit.interop.load import load_model
+    from llmkit.interop.peft import read_adapter_config
+    from llmkit.outputs import building, claim
     from llmkit.runs import resolve_checkpoint
 
     path = resolve_checkpoint(run)
     adapters = (path / "adapter_config.json").is_file()
-    if not adapters or ((path / "llmkit.json").is_file() and not read_meta(path).get("adapter")):
+    meta = read_meta(path) if (path / "llmkit.json").is_file() else None
+    if not adapters or (meta is not None and not meta.get("adapter")):
         raise InputError(f"{path} holds no LoRA adapters (train with lora.r > 0, or give a folder PEFT saved)")
+    base = meta["adapter"]["base"] if meta is not None else read_adapter_config(path).get("base_model_name_or_path")
+    output = claim(out, "checkpoint", inputs=[run, path, base], overwrite=overwrite)
     loaded = load_model(path)
-    save_llmkit(
-        loaded.model,
-        out,
-        tokenizer=loaded.tokenizer,
-        hf_model_type=loaded.hf_model_type,
-        hf_config=loaded.hf_config,
-        generation_config=loaded.generation_config,
-    )
+    with building(output) as tmp:
+        save_llmkit(
+            loaded.model,
+            tmp,
+            tokenizer=loaded.tokenizer,
+            hf_model_type=loaded.hf_model_type,
+            hf_config=loaded.hf_config,
+            generation_config=loaded.generation_config,
+        )
     for note in loaded.notes:
         print(note)
     print(f"merged checkpoint: {out}")
@@ -100,13 +110,14 @@ def _own_text(
     minutes: float,
     writer: Literal["model", "int8", "int4"],
     work: str | None,
-    out: str,
+    output: Output,
     device: str | None,
     check: Callable[[Any], object],
 ) -> tuple[Any, Any, Any, Any]:
     """The checked settings' model, tokenizer and its own text (train, held-out) for a drafter: the model's greedy
     continuations of openings from `data`'s train and val splits with its states and top-8 logits, collected into
-    `work` (default OUT.text), where a rerun finds them. check(model) refuses a model before any text is written."""
+    `work` (default OUT.text; the command's own folder, where a rerun finds them). check(model) refuses a model
+    before any text is written."""
     import copy
 
     import torch
@@ -128,6 +139,12 @@ def _own_text(
     ]:
         if not ok:
             raise InputError(f"{name} {value} is out of range: it must be {want}")
+    text_dir = Path(work) if work is not None else Path(f"{output.path}.text")
+    if overlaps(text_dir, output.path):
+        raise InputError(f"--work {text_dir} would be replaced with OUT {output.path}: keep it beside OUT")
+    claim(text_dir, "work", inputs=[checkpoint, data], owned=True)
+    for leftover in text_dir.glob("*/*.tmp"):  # a part a killed collection left unfinished
+        leftover.unlink()
     model, tokenizer = load_decoder(checkpoint, "fp32", device)
     check(model)
     tokens = TokenData(data)
@@ -141,7 +158,6 @@ def _own_text(
         return [[int(t) for t in stream[s : s + opening]] for s in starts]
 
     copy_ = None if writer == "model" else cast(DecoderLM, quantize(copy.deepcopy(model), writer))
-    text_dir = Path(work) if work is not None else Path(f"{out}.text")
     own = collect_own_text(model, openings("train", sequences), text_dir / "train", new_tokens=new_tokens, writer=copy_)
     held = collect_own_text(model, openings("val", 32), text_dir / "val", new_tokens=new_tokens, writer=copy_)
     return model, tokenizer, own, held
@@ -160,6 +176,7 @@ def graft_mtp(
     writer: Literal["model", "int8", "int4"] = "int4",
     work: str | None = None,
     device: str | None = None,
+    overwrite: bool = False,
 ) -> int:
     """Graft an MTP module onto a pretrained model and teach it to draft for the model (self-speculative decoding).
 
@@ -180,6 +197,7 @@ def graft_mtp(
         the states and targets are always the model's own).
     work: where the collected text is kept (default OUT.text); a run that stops resumes from it.
     device: cpu, cuda, cuda:1, ... (default: the CPU); the collected text is kept on the CPU either way.
+    overwrite: replace an existing checkpoint at OUT (never the input).
     """
     import json
 
@@ -189,6 +207,7 @@ def graft_mtp(
 
     if not 1 <= unroll <= 8:
         raise InputError(f"--unroll {unroll} is out of range: it must be between 1 and 8")
+    output = claim(out, "checkpoint", inputs=[checkpoint, data], overwrite=overwrite)
 
     def no_modules(model: Any) -> None:
         if len(model.mtp):
@@ -203,7 +222,7 @@ def graft_mtp(
         minutes=minutes,
         writer=writer,
         work=work,
-        out=out,
+        output=output,
         device=device,
         check=no_modules,
     )
@@ -211,8 +230,9 @@ def graft_mtp(
     report = train_drafter(
         grafted, own, seconds=minutes * 60, held_out=held, batch=min(16, sequences), unroll=unroll, skip=opening
     )
-    save_llmkit(grafted, out, tokenizer=tokenizer)
-    (Path(out) / "drafter.json").write_text(json.dumps(dataclasses.asdict(report), indent=2))
+    with building(output) as tmp:
+        save_llmkit(grafted, tmp, tokenizer=tokenizer)
+        (tmp / "drafter.json").write_text(json.dumps(dataclasses.asdict(report), indent=2))
     agree = ", ".join(f"{a:.2f}" for a in report.agreement)
     print(
         f"drafter: {report.steps} steps over {report.sequences} sequences in {report.seconds:.0f} s; held out, depth "
@@ -236,6 +256,7 @@ def distill_draft(
     writer: Literal["model", "int8", "int4"] = "int4",
     work: str | None = None,
     device: str | None = None,
+    overwrite: bool = False,
 ) -> int:
     """Make a draft model for speculative decoding out of a pretrained model: a few of its blocks (with its
     embedding, final norm and head), distilled on the model's own text (its continuations of openings from the
@@ -255,6 +276,7 @@ def distill_draft(
     writer: who writes the continuations: the model, or an int8 / int4 copy of it.
     work: where the collected text is kept (default OUT.text); a run that stops resumes from it.
     device: cpu, cuda, cuda:1, ... (default: the CPU).
+    overwrite: replace an existing checkpoint at OUT (never the input).
     """
     import json
 
@@ -269,6 +291,7 @@ def distill_draft(
         raise InputError(f"--keep {keep!r} must be block numbers separated by commas, e.g. 0,1,2,3,-1") from None
     if not 1 <= k <= 8:
         raise InputError(f"--k {k} is out of range: it must be between 1 and 8")
+    output = claim(out, "checkpoint", inputs=[checkpoint, data], overwrite=overwrite)
 
     def chosen(model: Any) -> list[int]:
         n = model.cfg.n_layers
@@ -288,15 +311,16 @@ def distill_draft(
         minutes=minutes,
         writer=writer,
         work=work,
-        out=out,
+        output=output,
         device=device,
         check=chosen,
     )
     n = model.cfg.n_layers
     draft = prune(model, chosen(model))
     report = distill(draft, own, seconds=minutes * 60, held_out=held, k=k, skip=opening)
-    save_llmkit(draft, out, tokenizer=tokenizer)
-    (Path(out) / "drafter.json").write_text(json.dumps(dataclasses.asdict(report), indent=2))
+    with building(output) as tmp:
+        save_llmkit(draft, tmp, tokenizer=tokenizer)
+        (tmp / "drafter.json").write_text(json.dumps(dataclasses.asdict(report), indent=2))
     print(
         f"draft: {draft.cfg.n_layers} of {n} blocks, {report.steps} steps over {report.sequences} sequences in "
         f"{report.seconds:.0f} s; held out, it agrees with the model {report.agreement[0]:.2f}; a round of k={k} "

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from llmkit.cli.common import DType, torch_dtype
 from llmkit.errors import LLMKitError
+from llmkit.outputs import Output, building, claim
 
 if TYPE_CHECKING:
     from llmkit.translate import Translator
@@ -26,6 +27,7 @@ def translate(
     score_test: str | None = None,
     test_pairs: int = 0,
     dtype: DType | None = None,
+    overwrite: bool = False,
 ) -> int:
     """Translate with an encoder-decoder model: a training run folder (its averaged checkpoint if any, else the
     latest), an llmkit checkpoint or a Hugging Face Marian directory.
@@ -41,6 +43,7 @@ def translate(
     score_test: translate the test split of this prepared parallel data folder and print BLEU and chrF.
     test_pairs: with --score-test, only the first N test pairs (0: all).
     dtype: load the weights in this precision.
+    overwrite: replace an existing --output file (never the --file read).
     """
     from llmkit.translate import Translator
     from llmkit.translate import score_test as run_score
@@ -51,6 +54,7 @@ def translate(
         raise LLMKitError("--plot-attention draws one sentence: give the sentence as the text argument")
     if output is not None and file is None:
         raise LLMKitError("--output goes with --file")
+    target = claim(output, "file", inputs=[file, checkpoint], overwrite=overwrite) if output is not None else None
     if score_test is not None:
         from llmkit.runs import is_run
 
@@ -74,12 +78,12 @@ def translate(
             print(f"attention map: {draw(amap, plot_attention, title=title)}", file=sys.stderr)
         return 0
     assert file is not None
-    _translate_file(translator, Path(file), output, beams=beams, length_penalty=length_penalty, batch_size=batch_size)
+    _translate_file(translator, Path(file), target, beams=beams, length_penalty=length_penalty, batch_size=batch_size)
     return 0
 
 
 def _translate_file(
-    translator: Translator, path: Path, output: str | None, *, beams: int, length_penalty: float, batch_size: int
+    translator: Translator, path: Path, output: Output | None, *, beams: int, length_penalty: float, batch_size: int
 ) -> None:
     """Translate a file, one sentence per line, to `output` or standard output."""
     if not path.is_file():
@@ -98,5 +102,6 @@ def _translate_file(
     if output is None:
         sys.stdout.write(text_out)
         return
-    Path(output).write_text(text_out, encoding="utf-8")
-    print(f"{len(results)} sentences -> {output}", file=sys.stderr)
+    with building(output) as tmp:
+        tmp.write_text(text_out, encoding="utf-8")
+    print(f"{len(results)} sentences -> {output.path}", file=sys.stderr)

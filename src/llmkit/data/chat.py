@@ -34,6 +34,7 @@ import numpy as np
 
 from llmkit.data.arrays import META, token_dtype, write_array
 from llmkit.errors import ConfigError, InputError
+from llmkit.outputs import building, claim
 from llmkit.tokenizer import Tokenizer, render_chat
 
 FORMAT = "llmkit-chat"
@@ -107,9 +108,11 @@ def prepare_chat(
     tokenizer: str | os.PathLike[str],
     val_fraction: float = 0.05,
     progress: bool = True,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Prepare a .jsonl file of conversations into `out` with the chat template of `tokenizer` (a checkpoint);
-    returns the metadata written to meta.json."""
+    returns the metadata written to meta.json. `out` is built beside itself and renamed into place when complete
+    (an existing data folder is replaced only with `overwrite`; never a checkpoint, a run or an input)."""
     from tqdm import tqdm
 
     from llmkit.data.prepare import load_tokenizer
@@ -119,6 +122,7 @@ def prepare_chat(
     path = Path(source)
     if not path.is_file():
         raise InputError(f"{path} does not exist (expected a .jsonl file of conversations)")
+    output = claim(out, "data", inputs=[source, tokenizer], overwrite=overwrite)
     start = time.time()
     tok = load_tokenizer(tokenizer)
     if not tok.chat_template:
@@ -139,40 +143,39 @@ def prepare_chat(
         part["chars"].append(chars)
     if not parts["train"]["ids"]:
         raise InputError(f"{path} holds no training conversations")
-    out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok.save(out_dir)
-    dtype = token_dtype(tok.vocab_size)
-    splits: dict[str, Any] = {}
-    for name, part in parts.items():
-        lengths = [len(x) for x in part["ids"]]
-        offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
-        ids = np.concatenate(part["ids"]) if lengths else np.zeros(0, np.int64)
-        targets = np.concatenate(part["targets"]) if lengths else np.zeros(0, np.uint8)
-        files = {kind: f"{name}_{kind}.bin" for kind in ("tokens", "targets", "offsets")}
-        write_array(ids.astype(dtype), out_dir / files["tokens"])
-        write_array(targets, out_dir / files["targets"])
-        write_array(offsets, out_dir / files["offsets"])
-        splits[name] = {
-            "files": files,
-            "examples": len(lengths),
-            "tokens": int(offsets[-1]),
-            "target_tokens": int(targets.sum()),
-            "target_chars": int(sum(part["chars"])),
-            "longest": max(lengths, default=0),
+    with building(output) as out_dir:
+        tok.save(out_dir)
+        dtype = token_dtype(tok.vocab_size)
+        splits: dict[str, Any] = {}
+        for name, part in parts.items():
+            lengths = [len(x) for x in part["ids"]]
+            offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
+            ids = np.concatenate(part["ids"]) if lengths else np.zeros(0, np.int64)
+            targets = np.concatenate(part["targets"]) if lengths else np.zeros(0, np.uint8)
+            files = {kind: f"{name}_{kind}.bin" for kind in ("tokens", "targets", "offsets")}
+            write_array(ids.astype(dtype), out_dir / files["tokens"])
+            write_array(targets, out_dir / files["targets"])
+            write_array(offsets, out_dir / files["offsets"])
+            splits[name] = {
+                "files": files,
+                "examples": len(lengths),
+                "tokens": int(offsets[-1]),
+                "target_tokens": int(targets.sum()),
+                "target_chars": int(sum(part["chars"])),
+                "longest": max(lengths, default=0),
+            }
+        meta = {
+            "format": FORMAT,
+            "version": 1,
+            "source": str(source),
+            "tokenizer": "tokenizer.json",
+            "vocab_size": tok.vocab_size,
+            "eot_id": int(tok.eos_id if tok.eos_id is not None else 0),
+            "dtype": np.dtype(dtype).name,
+            "val_fraction": val_fraction,
+            "splits": splits,
         }
-    meta = {
-        "format": FORMAT,
-        "version": 1,
-        "source": str(source),
-        "tokenizer": "tokenizer.json",
-        "vocab_size": tok.vocab_size,
-        "eot_id": int(tok.eos_id if tok.eos_id is not None else 0),
-        "dtype": np.dtype(dtype).name,
-        "val_fraction": val_fraction,
-        "splits": splits,
-    }
-    (out_dir / META).write_text(json.dumps(meta, indent=2) + "\n")
+        (out_dir / META).write_text(json.dumps(meta, indent=2) + "\n")
     meta["seconds"] = time.time() - start
     return meta
 

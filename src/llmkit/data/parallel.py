@@ -36,6 +36,7 @@ from llmkit.data.pairs import (
     split_pairs,
 )
 from llmkit.errors import InputError
+from llmkit.outputs import building, claim
 from llmkit.tokenizer import Tokenizer
 
 # the corpus readers and the split live in llmkit.data.pairs; importable from here too
@@ -98,52 +99,57 @@ def prepare_parallel(
     test_fraction: float = 0.02,
     src_field: str = "source",
     tgt_field: str = "target",
+    overwrite: bool = False,
 ) -> dict[str, Any]:
-    """Prepare a parallel corpus into `out`; returns the metadata written to meta.json."""
+    """Prepare a parallel corpus into `out` (built beside it and renamed into place when complete; an existing data
+    folder is replaced only with `overwrite`, never a checkpoint, a run or the corpus); returns the metadata written
+    to meta.json."""
     check_vocab_size(vocab_size, 3)  # before reading the corpus: <pad> <s> </s>
+    output = claim(out, "data", inputs=[source], overwrite=overwrite)
     start = time.time()
     corpus = load_pairs(source, src_field, tgt_field)
     splits = split_pairs(corpus.pairs, val_fraction, test_fraction)
     if not splits["train"]:
         raise InputError(f"{source}: no pairs left for training after the split")
-    out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    train = splits["train"]
-    if shared_vocab:
-        target_tok = source_tok = _train_tokenizer([p.source for p in train] + [p.target for p in train], vocab_size)
-    else:
-        source_tok = _train_tokenizer([p.source for p in train], vocab_size)
-        target_tok = _train_tokenizer([p.target for p in train], vocab_size)
-        source_tok.save(out_dir / SOURCE_TOKENIZER)
-    target_tok.save(out_dir)
-    dtype = token_dtype(max(source_tok.vocab_size, target_tok.vocab_size))
-    info: dict[str, Any] = {}
-    for split in SPLITS:
-        rows = splits[split]
-        info[split] = {
-            "pairs": len(rows),
-            "src_tokens": _write_side(source_tok, [p.source for p in rows], out_dir, f"{split}.src", dtype),
-            "tgt_tokens": _write_side(target_tok, [p.target for p in rows], out_dir, f"{split}.tgt", dtype),
-            "tgt_chars": sum(len(p.target) for p in rows),
+    with building(output) as out_dir:
+        train = splits["train"]
+        if shared_vocab:
+            target_tok = source_tok = _train_tokenizer(
+                [p.source for p in train] + [p.target for p in train], vocab_size
+            )
+        else:
+            source_tok = _train_tokenizer([p.source for p in train], vocab_size)
+            target_tok = _train_tokenizer([p.target for p in train], vocab_size)
+            source_tok.save(out_dir / SOURCE_TOKENIZER)
+        target_tok.save(out_dir)
+        dtype = token_dtype(max(source_tok.vocab_size, target_tok.vocab_size))
+        info: dict[str, Any] = {}
+        for split in SPLITS:
+            rows = splits[split]
+            info[split] = {
+                "pairs": len(rows),
+                "src_tokens": _write_side(source_tok, [p.source for p in rows], out_dir, f"{split}.src", dtype),
+                "tgt_tokens": _write_side(target_tok, [p.target for p in rows], out_dir, f"{split}.tgt", dtype),
+                "tgt_chars": sum(len(p.target) for p in rows),
+            }
+        meta = {
+            "format": FORMAT,
+            "version": 1,
+            "source": corpus.name,
+            "licence": corpus.licence,
+            "skipped_pairs": corpus.skipped,
+            "shared_vocab": shared_vocab,
+            "vocab_size": target_tok.vocab_size,
+            "src_vocab_size": source_tok.vocab_size,
+            "pad_id": target_tok.pad_id,
+            "bos_id": target_tok.bos_id,
+            "eos_id": target_tok.eos_id,
+            "dtype": np.dtype(dtype).name,
+            "val_fraction": val_fraction,
+            "test_fraction": test_fraction,
+            "splits": info,
         }
-    meta = {
-        "format": FORMAT,
-        "version": 1,
-        "source": corpus.name,
-        "licence": corpus.licence,
-        "skipped_pairs": corpus.skipped,
-        "shared_vocab": shared_vocab,
-        "vocab_size": target_tok.vocab_size,
-        "src_vocab_size": source_tok.vocab_size,
-        "pad_id": target_tok.pad_id,
-        "bos_id": target_tok.bos_id,
-        "eos_id": target_tok.eos_id,
-        "dtype": np.dtype(dtype).name,
-        "val_fraction": val_fraction,
-        "test_fraction": test_fraction,
-        "splits": info,
-    }
-    (out_dir / META).write_text(json.dumps(meta, indent=2) + "\n")
+        (out_dir / META).write_text(json.dumps(meta, indent=2) + "\n")
     meta["seconds"] = time.time() - start
     return meta
 

@@ -7,7 +7,8 @@
 
 The split is deterministic: the last `val_fraction` of every document (cut at a line boundary) is validation text,
 so both splits cover every document. Characters are counted so that losses can be reported in bits per character,
-which compares models across tokenizers. The same input always gives byte-identical shards.
+which compares models across tokenizers. The same input always gives byte-identical shards. OUT is built in a
+temporary folder beside it and renamed into place when complete (llmkit.outputs).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from llmkit.data.arrays import META, token_dtype, write_array
 from llmkit.data.bpe import check_vocab_size, train_bpe
 from llmkit.data.corpus import Document, load_corpus
 from llmkit.errors import InputError
+from llmkit.outputs import building, claim
 from llmkit.tokenizer import Tokenizer
 
 EOT = "<|endoftext|>"
@@ -126,12 +128,16 @@ def prepare(
     val_fraction: float = 0.1,
     text_field: str = "text",
     progress: bool = True,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
-    """Prepare `source` into `out`; returns the metadata written to meta.json."""
+    """Prepare `source` into `out` (built beside it and renamed into place when complete; an existing data folder
+    is replaced only with `overwrite`, never a checkpoint, a run or the source); returns the metadata written to
+    meta.json."""
     if not 0.0 <= val_fraction < 1.0:
         raise InputError(f"val_fraction={val_fraction} must be in [0, 1)")
     if tokenizer is None:
         check_vocab_size(vocab_size, 1)  # before reading the corpus: one end-of-text token
+    output = claim(out, "data", inputs=[source, tokenizer], overwrite=overwrite)
     start = time.time()
     docs: list[Document] = load_corpus(source, text_field)
     parts = [split_document(d.text, val_fraction) for d in docs]
@@ -139,39 +145,38 @@ def prepare(
     val_texts = [v for _, v in parts if v]
     if not train_texts:
         raise InputError(f"corpus {str(source)!r} is empty")
-    out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     # trained: one end-of-text token, both the start and the end of a document (GPT-2's convention)
     tok = load_tokenizer(tokenizer) if tokenizer is not None else train_bpe(train_texts, vocab_size, bos=EOT, eos=EOT)
     eot = tok.eos_id if tok.eos_id is not None else tok.token_id(EOT)
     if eot is None:
         raise InputError("the tokenizer has no end-of-text token (eos_token, or <|endoftext|>) to separate documents")
-    tok.save(out_dir)
-    dtype = token_dtype(tok.vocab_size)
-    splits: dict[str, Any] = {}
-    for split, texts in (("train", train_texts), ("val", val_texts)):
-        tokens = encode_split(tok, texts, eot, progress, split)
-        splits[split] = {
-            "files": write_shards(tokens, out_dir, split, dtype),
-            "documents": len(texts),
-            "tokens": len(tokens),
-            "chars": sum(len(t) for t in texts),
-            "bytes": sum(len(t.encode("utf-8")) for t in texts),
+    with building(output) as out_dir:
+        tok.save(out_dir)
+        dtype = token_dtype(tok.vocab_size)
+        splits: dict[str, Any] = {}
+        for split, texts in (("train", train_texts), ("val", val_texts)):
+            tokens = encode_split(tok, texts, eot, progress, split)
+            splits[split] = {
+                "files": write_shards(tokens, out_dir, split, dtype),
+                "documents": len(texts),
+                "tokens": len(tokens),
+                "chars": sum(len(t) for t in texts),
+                "bytes": sum(len(t.encode("utf-8")) for t in texts),
+            }
+        train = splits["train"]
+        meta = {
+            "format": "llmkit-tokens",
+            "version": 1,
+            "source": str(source),
+            "tokenizer": "tokenizer.json",
+            "vocab_size": tok.vocab_size,
+            "eot_id": int(eot),
+            "dtype": np.dtype(dtype).name,
+            "val_fraction": val_fraction,
+            "splits": splits,
+            "chars_per_token": train["chars"] / max(train["tokens"], 1),
+            "bytes_per_token": train["bytes"] / max(train["tokens"], 1),
         }
-    train = splits["train"]
-    meta = {
-        "format": "llmkit-tokens",
-        "version": 1,
-        "source": str(source),
-        "tokenizer": "tokenizer.json",
-        "vocab_size": tok.vocab_size,
-        "eot_id": int(eot),
-        "dtype": np.dtype(dtype).name,
-        "val_fraction": val_fraction,
-        "splits": splits,
-        "chars_per_token": train["chars"] / max(train["tokens"], 1),
-        "bytes_per_token": train["bytes"] / max(train["tokens"], 1),
-    }
-    (out_dir / META).write_text(json.dumps(meta, indent=2) + "\n")
+        (out_dir / META).write_text(json.dumps(meta, indent=2) + "\n")
     meta["seconds"] = time.time() - start
     return meta

@@ -17,15 +17,27 @@ A LoRA fine-tuning checkpoint holds adapters instead of weights:
 
 `load_model` (interop/load.py) opens it: the base checkpoint (float weights) with the adapters folded in.
 
-Integrity: llmkit.json's "checksums" holds the SHA-256 of every other file the save wrote ({"model.safetensors":
-"sha256:..."}), and loading verifies them first (`verify=False` skips it; SHA-256 runs at ~1.5 GB/s here, a third of
-a second for 500 MB): bytes damaged in place (a bad disk, an interrupted copy) are reported with the file's name
-instead of loading as garbage weights.
-Checkpoints written before checksums existed load unverified.
+Integrity: llmkit.json carries a manifest of everything that decides what the checkpoint computes, and loading
+verifies it first (`verify=False`, `--no-verify`, skips it; SHA-256 runs at ~1.5 GB/s here, a third of a second for
+500 MB):
+
+    "checksums"   the SHA-256 of every other file the save wrote ({"model.safetensors": "sha256:...", tokenizer
+                  files, adapters, source_tokenizer/...}): bytes damaged in place (a bad disk, an interrupted copy) are
+                  reported with the file's name instead of loading as garbage weights
+    "manifest"    the SHA-256 of llmkit.json's own other fields, "checksums" included, written canonically (sorted
+                  keys, no spaces): a one-byte edit of the config (eps 1e-05 -> 1e-01 changes every logit), of the
+                  quantization record, the adapter's base or the Hugging Face config, or a removed "checksums", is
+                  a mismatch
+
+A file that loading would read (weights, index, tokenizer files) but the checksums do not list was added after the
+save, and is refused too. A checkpoint without a manifest (saved before llmkit wrote one, or with the manifest
+removed) loads only unverified, with a note saying so: nothing else tells it apart from one whose config was edited.
+`llmkit convert OLD NEW --to llmkit --no-verify` writes a verified copy of one you trust.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -67,11 +79,50 @@ def record_checksums(directory: Path) -> dict[str, str]:
     return {p.relative_to(directory).as_posix(): file_digest(p) for p in files}
 
 
-def verify_checksums(directory: str | os.PathLike[str], meta: dict[str, Any] | None = None) -> None:
-    """A CheckpointError naming the first file whose bytes differ from what the save recorded (or that is gone).
-    Nothing to check in a checkpoint saved without checksums."""
+# the files a load reads: one of them that the checksums do not list was put there after the save
+READ_BY_LOADING = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "model-*.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "adapter_config.json",
+    "adapter_model.safetensors",
+)
+
+
+def manifest_digest(meta: dict[str, Any]) -> str:
+    """ "sha256:<hex>" of llmkit.json's fields but "manifest" itself, as canonical JSON (sorted keys, no spaces):
+    the same for the dict that was written and the one read back, whatever the file's layout."""
+    fields = {k: v for k, v in meta.items() if k != "manifest"}
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return f"sha256:{hashlib.sha256(text.encode('ascii')).hexdigest()}"
+
+
+def has_manifest(meta: dict[str, Any]) -> bool:
+    return "manifest" in meta
+
+
+def verify_manifest(directory: str | os.PathLike[str], meta: dict[str, Any] | None = None) -> None:
+    """A CheckpointError unless llmkit.json's fields match its manifest and every file matches its recorded
+    checksum (names the first field set or file that does not), and no file that loading reads is unlisted."""
     d = Path(directory)
-    recorded = (meta if meta is not None else read_meta(d)).get("checksums") or {}
+    meta = meta if meta is not None else read_meta(d)
+    if not has_manifest(meta):
+        raise CheckpointError(
+            f"{d / FORMAT_FILE} has no manifest (the checksums of the checkpoint's config and files), so nothing tells "
+            "it apart from one whose config or weights were changed: it was saved by an older llmkit, or the manifest "
+            f"was removed. If you trust it, load it with --no-verify (verify=False), or write a verified copy with "
+            f"`llmkit convert {d} NEW --to llmkit --no-verify`"
+        )
+    if meta["manifest"] != manifest_digest(meta):
+        raise CheckpointError(
+            f"{d / FORMAT_FILE} was changed after the checkpoint was saved: its fields (config, checksums, ...) differ "
+            "from the manifest recorded with them, and a changed config changes what the model computes. Restore it "
+            "from a copy (or load anyway with --no-verify / verify=False)"
+        )
+    recorded = meta.get("checksums") or {}
     for name, digest in recorded.items():
         path = d / name
         if not path.resolve().is_relative_to(d.resolve()):
@@ -83,12 +134,20 @@ def verify_checksums(directory: str | os.PathLike[str], meta: dict[str, Any] | N
                 f"{path} is damaged: its SHA-256 differs from the one recorded when it was saved. Restore it from a "
                 "copy (or load anyway with --no-verify / verify=False)"
             )
+    for path in [*d.iterdir(), *(d / SOURCE_TOKENIZER).glob("*")]:
+        name = path.relative_to(d).as_posix()
+        if path.is_file() and name not in recorded and any(fnmatch.fnmatch(path.name, p) for p in READ_BY_LOADING):
+            raise CheckpointError(
+                f"{path} is not in the checkpoint's manifest: it was put there after the save, and loading would read "
+                "it. Remove it (or load anyway with --no-verify / verify=False)"
+            )
 
 
 def _write_meta(d: Path, meta: dict[str, Any]) -> None:
-    """llmkit.json with the checksums of the files already written, atomically (written last: its presence says
-    the checkpoint is complete)."""
+    """llmkit.json with the checksums of the files already written and the manifest over both, atomically
+    (written last: its presence says the checkpoint is complete)."""
     meta = {**meta, "checksums": record_checksums(d)}
+    meta["manifest"] = manifest_digest(meta)
     tmp = d / (FORMAT_FILE + ".tmp")
     tmp.write_text(json.dumps(meta, indent=2) + "\n")
     tmp.replace(d / FORMAT_FILE)
@@ -194,6 +253,8 @@ def read_meta(directory: str | os.PathLike[str]) -> dict[str, Any]:
     if hf and not (isinstance(hf.get("model_type"), str | None) and isinstance(hf.get("config"), dict | None)):
         raise CheckpointError(f"{d / FORMAT_FILE}: 'hf' must hold a model_type string and a config mapping")
     checksums = meta.get("checksums") or {}
+    if "manifest" in meta and not isinstance(meta["manifest"], str):
+        raise CheckpointError(f"{d / FORMAT_FILE}: 'manifest' must be a digest string")
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in checksums.items()):
         raise CheckpointError(f"{d / FORMAT_FILE}: 'checksums' must map file names to digests")
     return meta
@@ -217,13 +278,13 @@ def load_llmkit(
     device: torch.device | str | None = None,
     verify: bool = True,
 ) -> Loaded:
-    """An llmkit checkpoint, its files verified against their recorded checksums first (unless not `verify`)."""
+    """An llmkit checkpoint, its config and files verified against their manifest first (unless not `verify`)."""
     d = Path(directory)
     meta = read_meta(d)
     if meta.get("adapter"):
         raise CheckpointError(f"{d} holds LoRA adapters, not weights: open it with llmkit.interop.load.load_model")
     if verify:
-        verify_checksums(d, meta)
+        verify_manifest(d, meta)
     try:
         raw = meta["config"]
         rnn = isinstance(raw, dict) and raw.get("arch") == "rnn"
@@ -248,7 +309,7 @@ def load_llmkit(
             cfg, concrete, tensors.__getitem__, tensors.shapes, lambda n: False, dtype, device, str(d)
         )
     hf = meta.get("hf") or {}
-    return Loaded(
+    loaded = Loaded(
         model,
         Tokenizer.from_dir(d),
         "llmkit",
@@ -258,6 +319,16 @@ def load_llmkit(
         meta.get("generation_config") or {},
         Tokenizer.from_dir(d / SOURCE_TOKENIZER) if (d / SOURCE_TOKENIZER).is_dir() else None,
     )
+    if not verify:
+        loaded.notes.extend(unverified_notes(d, meta))
+    return loaded
+
+
+def unverified_notes(d: Path, meta: dict[str, Any]) -> list[str]:
+    """What to say of a checkpoint loaded with verify=False that has no manifest: nothing vouches for it."""
+    if has_manifest(meta):
+        return []
+    return [f"{d} has no manifest: its config and files were loaded unverified (--no-verify)"]
 
 
 def _load_rnn(

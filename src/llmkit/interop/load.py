@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from llmkit.interop.checkpoint import FORMAT_FILE, load_llmkit, read_meta, verify_checksums
+from llmkit.interop.checkpoint import FORMAT_FILE, load_llmkit, read_meta, unverified_notes, verify_manifest
 from llmkit.interop.gguf import load_gguf
 from llmkit.interop.hf import load_hf
 from llmkit.interop.loaded import Format, Loaded
@@ -36,8 +36,9 @@ def load_with_adapters(
         raise CheckpointError(
             f"{d} holds LoRA adapters for the checkpoint {b}, which is not there (the adapters need their base)"
         )
-    if verify and (d / FORMAT_FILE).is_file():
-        verify_checksums(d)
+    own = read_meta(d) if (d / FORMAT_FILE).is_file() else None  # an llmkit checkpoint's, not a folder PEFT saved
+    if verify and own is not None:
+        verify_manifest(d, own)
     loaded = load_model(b, dtype=dtype, device=device, quantized=False, verify=verify)
     model = loaded.model
     if not isinstance(model, DecoderLM):
@@ -46,6 +47,8 @@ def load_with_adapters(
     merge_lora(model)
     loaded.path = d
     loaded.notes.append(f"LoRA adapters on {len(names)} projections from {d} merged into {b}")
+    if not verify and own is not None:
+        loaded.notes.extend(unverified_notes(d, own))
     if tokenizer is not None:
         loaded.tokenizer = tokenizer
     return loaded
@@ -77,7 +80,17 @@ def detect_format(path: str | os.PathLike[str]) -> Format:
         return "llmkit"
     if p.is_dir() and ((p / "config.json").is_file() or (p / "adapter_config.json").is_file()):
         return "hf"  # a Hugging Face model, or PEFT's adapters for one
+    if p.is_symlink() and not p.exists():
+        os.stat(p)  # a link that loops or leads nowhere: the OSError says which (ELOOP, ENOENT) and names the path
     if not p.exists():
+        from llmkit.outputs import leftovers
+
+        aside = leftovers(p, "old")
+        if aside:  # a replacement killed between its two renames (llmkit.outputs)
+            raise CheckpointError(
+                f"{p} does not exist, but {aside[-1]} holds its previous version, left by an interrupted replacement: "
+                f"rename it back to {p.name} (the next command that writes {p.name} does so itself)"
+            )
         raise CheckpointError(f"{p} does not exist")
     raise CheckpointError(
         f"{p} is not a checkpoint: expected a .gguf file, a directory with {FORMAT_FILE} (llmkit) or one with "

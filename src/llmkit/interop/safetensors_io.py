@@ -19,7 +19,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from llmkit.errors import LLMKitError
+from llmkit.errors import LLMKitError, os_error_in
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -167,7 +167,7 @@ def save_tensors(
         names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
     for shard, fname in zip(shards, names, strict=True):
         tmp = d / (fname + ".tmp")
-        save_file(_unshare(shard), str(tmp), metadata=meta)
+        _save_file(_unshare(shard), tmp, meta)
         tmp.replace(d / fname)
         written.append(d / fname)
     if len(shards) > 1:
@@ -179,6 +179,15 @@ def save_tensors(
         (d / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         written.append(d / INDEX)
     return written
+
+
+def _save_file(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """safetensors' save_file, with its I/O failures (a full disk: "I/O error: No space left on device (os error
+    28)") raised as the OSError they are, naming the file, so that the command line reports them as one."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as e:
+        raise os_error_in(e, path) or e from None
 
 
 def _unshare(tensors: dict[str, Tensor]) -> dict[str, Tensor]:

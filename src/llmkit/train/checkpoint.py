@@ -6,8 +6,10 @@
         trainer_state.json             the same step and counters, readable
     OUT/checkpoints/latest             the name of the newest complete checkpoint
 
-A checkpoint is written into a temporary folder and renamed into place only when complete, and `latest` is
-replaced atomically afterwards: a crash at any moment leaves the previous checkpoint as the latest, intact.
+A checkpoint is written into a temporary folder (step-000500.tmp) and renamed into place only when complete, and
+`latest` is replaced atomically afterwards: a crash at any moment leaves the previous checkpoint as the latest,
+intact. A save that fails (a full disk) removes its temporary folder at once, and the next start of training removes
+any a killed run left (`remove_leftovers`): otherwise a full disk would stay full and the resume fail as well.
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ from llmkit.interop.checkpoint import (
     read_meta,
     save_llmkit,
     save_llmkit_adapter,
-    verify_checksums,
+    verify_manifest,
 )
 from llmkit.interop.safetensors_io import CheckpointError
 from llmkit.models import DecoderLM, EncoderDecoder, RNNConfig, RNNSeq2Seq
-from llmkit.runs import LATEST, TRAINER_STATE, TRAINER_STATE_JSON, checkpoint_dir
+from llmkit.outputs import publish, recover, torch_save
+from llmkit.runs import LATEST, TRAINER_STATE, TRAINER_STATE_JSON, checkpoint_dir, run_checkpoints
 from llmkit.tokenizer import Tokenizer
 
 
@@ -111,6 +114,35 @@ def save(
     tmp = root / (name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
+    try:
+        _write(tmp, model, model_state, tokenizer, source_tokenizer, generation_config, adapter)
+        blob = {"optimizer": optimizer_state, "rng": rng_state(), "state": state.__dict__, "config": train_config}
+        torch_save(blob, tmp / TRAINER_STATE)
+        readable = {**state.__dict__, "model": model.cfg.to_dict(), "checksum": file_digest(tmp / TRAINER_STATE)}
+        (tmp / TRAINER_STATE_JSON).write_text(json.dumps(readable, indent=2) + "\n")
+        final = root / name
+        publish(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # what a failed save wrote would keep a full disk full
+        raise
+    pointer = root / (LATEST + ".tmp")
+    pointer.write_text(name + "\n")
+    pointer.replace(root / LATEST)
+    for old in run_checkpoints(out)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _write(
+    tmp: Path,
+    model: DecoderLM | EncoderDecoder | RNNSeq2Seq,
+    model_state: dict[str, torch.Tensor],
+    tokenizer: Tokenizer | None,
+    source_tokenizer: Tokenizer | None,
+    generation_config: dict[str, Any] | None,
+    adapter: dict[str, Any] | None,
+) -> None:
+    """The llmkit checkpoint part: the model's weights, or its LoRA adapters in PEFT's layout."""
     if adapter is not None:
         assert isinstance(model.cfg, ModelConfig)
         save_llmkit_adapter(
@@ -131,23 +163,28 @@ def save(
             source_tokenizer=source_tokenizer,
             generation_config=generation_config,
         )
-    torch.save(
-        {"optimizer": optimizer_state, "rng": rng_state(), "state": state.__dict__, "config": train_config},
-        tmp / TRAINER_STATE,
-    )
-    readable = {**state.__dict__, "model": model.cfg.to_dict(), "checksum": file_digest(tmp / TRAINER_STATE)}
-    (tmp / TRAINER_STATE_JSON).write_text(json.dumps(readable, indent=2) + "\n")
-    final = root / name
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.replace(final)
-    pointer = root / (LATEST + ".tmp")
-    pointer.write_text(name + "\n")
-    pointer.replace(root / LATEST)
-    complete = sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
-    for old in complete[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+
+
+def remove_leftovers(out: str | Path) -> list[str]:
+    """Remove what an interrupted save left in a run's checkpoints folder (unfinished step-*.tmp folders, a
+    latest.tmp; a step folder set aside while being replaced comes back if its replacement never arrived);
+    returns what was done, to be reported. Called when training starts, before a resume looks for its checkpoint."""
+    root = checkpoint_dir(out)
+    if not root.is_dir():
+        return []
+    done = []
+    for tmp in [*sorted(root.glob("step-*.tmp")), root / (LATEST + ".tmp")]:
+        if tmp.is_dir():
+            shutil.rmtree(tmp)
+        elif tmp.exists():
+            tmp.unlink()
+        else:
+            continue
+        done.append(f"removed {tmp}, left by an interrupted checkpoint save")
+    for old in sorted(root.glob("step-*.old-*")):
+        if old.exists():  # recovering an earlier one may have handled this one
+            done.extend(recover(old.with_name(old.name.partition(".old-")[0])))
+    return done
 
 
 class _StateHolder:
@@ -176,7 +213,7 @@ def load(path: Path, expected: ModelConfig | RNNConfig) -> Resumed:
         if read_meta(path).get("adapter"):
             from llmkit.interop.peft import read_peft
 
-            verify_checksums(path)
+            verify_manifest(path)
             cfg = ModelConfig.from_dict(read_meta(path)["config"])
             model_state = read_peft(path, cfg)[1]
         else:
@@ -205,13 +242,25 @@ def load(path: Path, expected: ModelConfig | RNNConfig) -> Resumed:
 
 
 def _verify_trainer_state(path: Path) -> None:
-    """A ResumeError if trainer_state.pt's bytes differ from the checksum trainer_state.json recorded (checkpoints
-    from before checksums have none)."""
+    """A ResumeError unless trainer_state.json can be read and trainer_state.pt's bytes match the checksum it
+    recorded: a state that cannot be checked is not loaded (a damaged moment would surface steps later as a
+    diverging loss)."""
+    readable = path / TRAINER_STATE_JSON
     try:
-        recorded = json.loads((path / TRAINER_STATE_JSON).read_text(encoding="utf-8")).get("checksum")
-    except (OSError, ValueError, AttributeError):
-        return  # the readable copy is for people; the state itself is checked by loading it
-    if recorded and (path / TRAINER_STATE).is_file() and file_digest(path / TRAINER_STATE) != recorded:
+        recorded = json.loads(readable.read_text(encoding="utf-8"))["checksum"]
+        if not isinstance(recorded, str):
+            raise TypeError("'checksum' is not a string")
+    except FileNotFoundError:
+        raise ResumeError(
+            f"cannot resume from {path}: {readable} is missing, so the checksum of {TRAINER_STATE} cannot be checked; "
+            "remove this checkpoint folder to resume from the one before"
+        ) from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ResumeError(
+            f"cannot resume from {path}: {readable} cannot be read ({type(e).__name__}: {e}), so the checksum of "
+            f"{TRAINER_STATE} cannot be checked; remove this checkpoint folder to resume from the one before"
+        ) from None
+    if not (path / TRAINER_STATE).is_file() or file_digest(path / TRAINER_STATE) != recorded:
         raise ResumeError(
             f"cannot resume from {path}: {TRAINER_STATE} is damaged (its SHA-256 differs from the one recorded in "
             f"{TRAINER_STATE_JSON}); resume from an earlier checkpoint by removing this one"

@@ -350,6 +350,8 @@ def load_train_config(path: str | os.PathLike[str] | None, overrides: list[str] 
             loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
         except yaml.YAMLError as e:
             raise ConfigError(f"{p} is not valid YAML: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{p} is not a YAML text file: byte {e.start} is not UTF-8 ({e.reason})") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{p} must hold a mapping of sections (model, data, optim, ...)")
         data = loaded or {}

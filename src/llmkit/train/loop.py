@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,12 +26,15 @@ import torch
 from tqdm import tqdm
 
 from llmkit.adapters import add_lora, trainable_count
+from llmkit.errors import OutputError
 from llmkit.models import build_any
+from llmkit.outputs import DESCRIBED, check_not_input, found_at
 from llmkit.perf import matmul_flops, tune_allocator
 from llmkit.runs import latest_checkpoint
 from llmkit.train import checkpoint as ckpt
 from llmkit.train.config import TrainConfig
 from llmkit.train.control import StopSignal, autocast, checkpoint_keys, resolve_precision, wrapper_keys
+from llmkit.train.memory import check_fits
 from llmkit.train.metrics import MetricsLog, bits_per_char
 from llmkit.train.optim import build_optimizer
 from llmkit.train.parallel import (
@@ -79,15 +83,21 @@ class Trainer:
         if t.precision == "fp16" and not torch.cuda.is_available():
             raise TrainingError("train.precision='fp16' needs CUDA (its gradient scaling); use 'bf16' on CPU")
         tune_allocator()  # reuse the large per-step buffers instead of faulting in fresh pages each step
+        self.out = Path(t.out)
+        check_run_folder(cfg)
         self.rt = setup(t.parallel, t.device)
         self.precision = resolve_precision(t.precision, self.rt.device)  # "auto": bf16 only where it is fast
-        self.out = Path(t.out)
+        if self.rt.main:  # before a resume looks for its checkpoint: a full disk's leftover would keep it full
+            for note in ckpt.remove_leftovers(self.out):
+                print(f"note: {note}", file=sys.stderr)
         self.task = build_task(cfg, self.rt)
         if self.task.model_config.vocab_size < self.task.vocab_size:
             raise TrainingError(
                 f"model vocab_size={self.task.model_config.vocab_size} is smaller than the data's "
                 f"{self.task.vocab_size}"
             )
+        tokens, setting, value, unit = self.task.micro_batch()
+        check_fits(self.task.model_config, tokens, self.rt.device, setting, value, unit)  # before any allocation
         torch.manual_seed(t.seed)  # the same initial weights in every process
         self.model: Model
         if self.task.pretrained_model is not None:  # QLoRA: the quantized checkpoint as loaded
@@ -402,7 +412,11 @@ class Trainer:
         bar.set_postfix(postfix, refresh=False)
 
     def close(self) -> None:
-        teardown(self.rt)
+        try:
+            with contextlib.suppress(OSError):  # a full disk: the error that stopped the run is the one to report
+                self.metrics.close()
+        finally:
+            teardown(self.rt)
 
 
 def freeze_except(model: torch.nn.Module, prefixes: list[str]) -> None:
@@ -414,6 +428,23 @@ def freeze_except(model: torch.nn.Module, prefixes: list[str]) -> None:
             raise TrainingError(f"train.trainable: no parameter is named {prefix} or under it; the model has {tops}")
     for name, p in model.named_parameters():
         p.requires_grad_(any(name == q or name.startswith(q + ".") for q in prefixes))
+
+
+def check_run_folder(cfg: TrainConfig) -> None:
+    """A TrainingError when train.out is not a place for a run: a checkpoint, a data folder or a file (whose files
+    the run's config.yaml, metrics and checkpoints would mix with or overwrite), or one of the run's own inputs."""
+    out = Path(cfg.train.out)
+    found = found_at(out)
+    if found in ("file", "checkpoint", "data"):
+        raise TrainingError(
+            f"train.out={cfg.train.out} is {DESCRIBED[found]}: a run is never written into one; choose another "
+            "train.out (--set train.out=runs/NAME)"
+        )
+    inputs = [cfg.data.dir, cfg.model.get("checkpoint"), cfg.loss.distill_from]
+    try:
+        check_not_input(out, inputs)
+    except OutputError as e:
+        raise TrainingError(f"train.out: {e}") from None
 
 
 def train(cfg: TrainConfig, *, resume: bool = False) -> Result:

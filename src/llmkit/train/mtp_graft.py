@@ -42,6 +42,7 @@ from llmkit.layers.mtp import MTPModule
 from llmkit.layers.softcap import soft_cap
 from llmkit.models import DecoderLM, build_model
 from llmkit.models.cache import whole_sequence
+from llmkit.outputs import torch_save
 
 
 def graft(model: DecoderLM) -> DecoderLM:
@@ -141,7 +142,7 @@ def collect_own_text(
         out = generate(writer if writer is not None else model, rows, max_new_tokens=new_tokens)
         tokens = torch.tensor([r + list(n) for r, n in zip(rows, out.new_tokens, strict=True)])  # (b, T)
         part = model_states(model, tokens, top_k)
-        torch.save(dataclasses.asdict(part), path.with_suffix(".tmp"))
+        torch_save(dataclasses.asdict(part), path.with_suffix(".tmp"))
         path.with_suffix(".tmp").rename(path)  # whole or absent
         parts.append(part)
         done = min(i + batch, len(openings))

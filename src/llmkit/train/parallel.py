@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from llmkit.errors import ConfigError
+from llmkit.devices import check_device
+from llmkit.errors import ConfigError, InputError
 from llmkit.layers.block import CrossAttentionBlock, TransformerBlock
 
 
@@ -47,12 +48,9 @@ def pick_device(spec: str) -> torch.device:
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        device = torch.device(spec)
-    except RuntimeError:
-        raise ConfigError(f"train.device={spec!r} is not a device (auto, cpu, cuda, cuda:1, ...)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"train.device={spec!r} but CUDA is not available")
-    return device
+        return check_device(spec, "train.device")
+    except InputError as e:
+        raise ConfigError(str(e)) from None
 
 
 def setup(parallel: str, device_spec: str) -> Runtime:

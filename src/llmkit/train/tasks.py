@@ -90,6 +90,12 @@ class Task(abc.ABC):
     def batch(self, step: int, micro: int) -> tuple[tuple[Tensor, ...], int]:
         """This process's batch for (step, micro-step), and the tokens it holds."""
 
+    def micro_batch(self) -> tuple[int, str, int, int]:
+        """The most tokens of one micro-batch, the setting that sizes it, its value and the tokens a unit of it
+        holds (for the memory check before training: train/memory.py): batch_size rows of seq_len tokens."""
+        d = self.cfg.data
+        return d.batch_size * d.seq_len, "data.batch_size", d.batch_size, d.seq_len
+
     @abc.abstractmethod
     def eval_batches(self, full: bool) -> Iterator[tuple[Tensor, ...]]:
         """The evaluation batches of this process (all of the split when `full`)."""
@@ -442,6 +448,11 @@ class TranslationTask(Task):
     def attach(self, model: Model) -> nn.Module:
         assert isinstance(model, (EncoderDecoder, RNNSeq2Seq))
         return TranslationModule(model, self.cfg, self.data.bos_id)
+
+    def micro_batch(self) -> tuple[int, str, int, int]:
+        """batch_tokens padded tokens a side: source and target."""
+        d = self.cfg.data
+        return 2 * d.batch_tokens, "data.batch_tokens", d.batch_tokens, 2
 
     def batch(self, step: int, micro: int) -> tuple[tuple[Tensor, ...], int]:
         """This process's batch for (step, micro-step), and its real tokens (source + target)."""
