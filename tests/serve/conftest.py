@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -48,3 +50,46 @@ def post(url: str, body: bytes | dict[str, Any], headers: dict[str, str] | None 
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+class Stepper:
+    """Holds a running server's engine between steps: each `step()` lets exactly one engine step run, so a test
+    decides what happens between steps instead of racing the engine thread. `release()` lets it run freely."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine, self._step = engine, engine.step
+        self._allowed, self._done = threading.Semaphore(0), threading.Semaphore(0)
+        self._free = False
+        engine.step = self._gated
+
+    def _gated(self) -> Any:
+        if not self._free:
+            self._allowed.acquire()
+        try:
+            return self._step()
+        finally:
+            self._done.release()
+
+    def step(self, timeout: float = 60.0, unless: Any = None) -> bool:
+        """Let one engine step run and wait until it ended (True); False, without waiting further, as soon as
+        `unless()` holds (the engine may have run out of work meanwhile, and then takes no step)."""
+        self._allowed.release()
+        deadline = time.monotonic() + timeout
+        while not self._done.acquire(timeout=0.01):
+            if unless is not None and unless():
+                return False
+            assert time.monotonic() < deadline, "the engine did not take a step"
+        return True
+
+    def release(self) -> None:
+        self._free = True
+        self.engine.step = self._step
+        self._allowed.release()
+
+
+def wait_for(condition: Any, timeout: float = 60.0, what: str = "the condition") -> None:
+    """Wait until condition() holds (checking every 10 ms): for state another thread reaches, never for time."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import sys
 from pathlib import Path
 
 from llmkit.cli.common import DType, load_decoder
@@ -14,6 +16,7 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
     api_key: str | None = None,
+    metrics_key: str | None = None,
     model_name: str | None = None,
     max_batch: int = 32,
     kv_memory: str = "1GiB",
@@ -22,6 +25,10 @@ def serve(
     max_queue: int = 256,
     no_prefix_cache: bool = False,
     request_timeout: float = 600.0,
+    max_body_size: str = "8MiB",
+    body_timeout: float = 30.0,
+    header_timeout: float = 30.0,
+    shutdown_timeout: float = 30.0,
     dtype: DType | None = None,
     device: str | None = None,
     no_verify: bool = False,
@@ -33,7 +40,8 @@ def serve(
     checkpoint: the model to serve.
     host: the address to bind (127.0.0.1: this machine only).
     port: the port to listen on.
-    api_key: when given, clients must send it as "Authorization: Bearer KEY".
+    api_key: when given, clients must send it as "Authorization: Bearer KEY" (everywhere but /health).
+    metrics_key: a second key that opens /metrics only (for a Prometheus scraper).
     model_name: the name clients ask for (default: the checkpoint's file or folder name).
     max_batch: sequences decoded together at most.
     kv_memory: memory for the paged KV cache, e.g. 512MiB, 2GiB.
@@ -43,6 +51,11 @@ def serve(
     max_queue: requests waiting before new ones get HTTP 429.
     no_prefix_cache: do not reuse the cache blocks of shared prompt prefixes.
     request_timeout: seconds a request may run before it is ended.
+    max_body_size: the largest request body taken, e.g. 8MiB (larger: HTTP 413).
+    body_timeout: seconds a client has to send its whole request body (slower: HTTP 408).
+    header_timeout: seconds a client has to send its request line and headers (slower: the connection is closed).
+    shutdown_timeout: on SIGTERM or Ctrl-C, seconds the requests in flight get to finish before they are ended
+      (streams get an error event and [DONE]); a second signal ends them at once.
     dtype: load the weights in this precision.
     device: cpu, cuda, cuda:1, ... (default: where the checkpoint loads).
     no_verify: load an llmkit checkpoint without checking its files against the checksums saved with them.
@@ -53,10 +66,21 @@ def serve(
     except ImportError as missing:  # fastapi / uvicorn / prometheus_client are the `serve` extra
         raise LLMKitError(f"serving needs {missing.name}: pip install 'llmkit[serve]'") from missing
 
-    model, tok = load_decoder(checkpoint, dtype, device, verify=not no_verify)
     name = model_name or Path(checkpoint).name
+    options = ServeOptions(
+        name,
+        api_key=api_key,
+        metrics_key=metrics_key,
+        request_timeout=request_timeout,
+        max_body_size=parse_size(max_body_size),
+        body_timeout=body_timeout,
+        header_timeout=header_timeout,
+        shutdown_timeout=shutdown_timeout,
+    )
     config = EngineConfig(parse_size(kv_memory), block_size, max_batch, step_tokens, max_queue, not no_prefix_cache)
-    server = Server(model, tok, ServeOptions(name, api_key, request_timeout), config, host, port)
+    model, tok = load_decoder(checkpoint, dtype, device, verify=not no_verify)
+    _log_to_stderr()
+    server = Server(model, tok, options, config, host, port)
     e = server.engine
     from llmkit.quant import describe, parameter_count
 
@@ -70,3 +94,14 @@ def serve(
     )
     server.run_foreground()
     return 0
+
+
+def _log_to_stderr() -> None:
+    """The server's own messages (refused requests, shutdown) on stderr, one line each."""
+    logger = logging.getLogger("llmkit.serve")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("llmkit serve: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False

@@ -14,6 +14,7 @@ V vocabulary.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,10 @@ class Sampling:
     repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise InputError(f"{name}={value} must be a finite number")
         if self.temperature < 0:
             raise InputError(f"temperature={self.temperature} must be >= 0 (0 is greedy)")
         if self.top_k is not None and self.top_k < 1:
@@ -49,15 +54,23 @@ class Sampling:
         return self.temperature == 0.0
 
 
+# Penalties are applied in float32, whose range is about 1e-38..3e38: a penalty of 1e-300 would be 0 there, and
+# -inf * 0 is NaN. Beyond these bounds a penalty only makes a seen token more certainly first or last anyway.
+_PENALTY_RANGE = (1e-30, 1e30)
+
+
 def penalize_repetition(logits: Tensor, history: Tensor | None, penalty: float) -> Tensor:
-    """logits (B, V); history (B, L) token ids already in each sequence (negative ids are ignored)."""
+    """logits (B, V); history (B, L) token ids already in each sequence (negative ids are ignored). The result is
+    never NaN or +inf for finite (or -inf) logits, whatever the penalty: overflows saturate at float32's largest."""
     if penalty == 1.0 or history is None or history.numel() == 0:
         return logits
+    penalty = min(max(penalty, _PENALTY_RANGE[0]), _PENALTY_RANGE[1])
     V = logits.shape[-1]
     index = torch.where(history >= 0, history, V)  # padding goes to a spare column, dropped below
     seen = torch.zeros(logits.shape[0], V + 1, dtype=torch.bool, device=logits.device).scatter_(-1, index, True)
     seen = seen[:, :V]
-    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+    out = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+    return torch.nan_to_num(out, posinf=torch.finfo(out.dtype).max, neginf=float("-inf"))
 
 
 def filter_logits(
@@ -71,6 +84,7 @@ def filter_logits(
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
         drop_sorted = probs.cumsum(dim=-1) - probs >= top_p  # the mass before this token already reaches p
+        drop_sorted[..., 0] = False  # the most likely token always stays (a p below float32's range would drop it)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     if min_p is not None and min_p > 0.0:
@@ -84,7 +98,13 @@ def distribution(logits: Tensor, s: Sampling, history: Tensor | None = None) -> 
     logits = penalize_repetition(logits.float(), history, s.repetition_penalty)
     if s.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
-    return filter_logits(logits / s.temperature, s.top_k, s.top_p, s.min_p).softmax(dim=-1)
+    # softmax(x / T) = softmax((x - max x) / T): dividing the gaps to the best logit, which are <= 0, cannot overflow
+    # however small T is (x / 1e-300 is inf, and inf - inf NaN), and T is kept at or above float32's smallest
+    # normal number (1e-300 would be 0 there, and 0 / 0 NaN); as T -> 0 this is the one-hot on the argmax.
+    top = logits.amax(dim=-1, keepdim=True)
+    gaps = logits - torch.where(top.isfinite(), top, 0.0)  # (B, V)
+    temperature = max(s.temperature, torch.finfo(gaps.dtype).tiny)
+    return filter_logits(gaps / temperature, s.top_k, s.top_p, s.min_p).softmax(dim=-1)
 
 
 def draw(probs: Tensor, greedy: bool, generator: torch.Generator | None = None) -> Tensor:

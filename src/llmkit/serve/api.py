@@ -1,22 +1,32 @@
 """The OpenAI-compatible HTTP API over an engine runner (FastAPI).
 
     POST /v1/completions, /v1/chat/completions   whole JSON, or server-sent events ending with `data: [DONE]`
-    GET  /v1/models, /health, /metrics
+    GET  /v1/models, /metrics, /openapi.json     behind the API key when one is set (/metrics: or --metrics-key)
+    GET  /health                                 open: 200, or 503 while shutting down or when the engine stopped
 
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a malformed body, a wrong type,
-an unknown parameter or a request that cannot fit the context; 401 for a missing or wrong API key; 404 for an
-unknown model; 429 when the queue is full; 504 when a request runs past its time limit. A client that goes away
-aborts its request, and its cache blocks return to the pool at the next step.
+a value out of range (the message gives the range), an unknown parameter or a request that cannot fit the context;
+401 for a missing or wrong API key; 404 for an unknown model; 408 / 413 for a body too slow or too large
+(serve/limits.py); 429 when the queue is full; 503 while the server shuts down; 504 when a request runs past its
+time limit. Nothing a client sends reaches a traceback: an unexpected failure is a 500 in the same shape.
+
+The event loop only routes. Tokenizing and rendering chat templates (milliseconds to seconds for a large body) run
+in a small thread pool of their own, and the engine steps in its own thread (serve/runner.py), so one heavy request
+never stalls /health or another client's stream. A client that goes away, streamed or not, aborts its request; its
+cache blocks return to the pool at the next step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,11 +34,42 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from llmkit.errors import ConfigError, InputError
-from llmkit.serve.engine import QueueFull
+from llmkit.serve.engine import QueueFull, Refused
+from llmkit.serve.limits import BodyLimits
 from llmkit.serve.protocol import ChatRequest, CompletionRequest
 from llmkit.serve.request import Delta, SamplingParams
 from llmkit.serve.runner import EngineRunner
 from llmkit.tokenizer import Tokenizer, render_chat
+
+log = logging.getLogger("llmkit.serve")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """model_name: the name clients ask for; api_key: required as a Bearer token when given (for everything but
+    /health); metrics_key: a second key that opens /metrics only (for a scraper); request_timeout: seconds a
+    request may take before it is ended; max_body_size: bytes of request body at most; body_timeout /
+    header_timeout: seconds a client has to send its body / its request line and headers; shutdown_timeout:
+    seconds in-flight requests get to finish after SIGTERM or SIGINT before they are ended."""
+
+    model_name: str
+    api_key: str | None = None
+    metrics_key: str | None = None
+    request_timeout: float = 600.0
+    max_body_size: int = 8 << 20
+    body_timeout: float = 30.0
+    header_timeout: float = 30.0
+    shutdown_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("request_timeout", "body_timeout", "header_timeout"):
+            if not getattr(self, name) > 0:
+                raise InputError(f"{name}={getattr(self, name)} must be a positive number of seconds")
+        if not self.shutdown_timeout >= 0:
+            raise InputError(f"shutdown_timeout={self.shutdown_timeout} must be >= 0 seconds")
+        if self.max_body_size < 1024:
+            raise InputError(f"max_body_size={self.max_body_size} must be at least 1 KiB")
 
 
 class APIError(Exception):
@@ -42,26 +83,37 @@ def _error(status: int, message: str, kind: str, param: str | None = None, code:
     return JSONResponse(body, status_code=status)
 
 
+class Gate:
+    """Whether the server takes new requests (it stops when shutting down)."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+
 def build_app(
-    runner: EngineRunner,
-    tokenizer: Tokenizer | None,
-    model_name: str,
-    api_key: str | None = None,
-    request_timeout: float = 600.0,
-) -> FastAPI:
-    """The app serving `runner`'s engine under the name `model_name`."""
-    app = FastAPI(title="llmkit", docs_url=None, redoc_url=None)
+    runner: EngineRunner, tokenizer: Tokenizer | None, options: ServeOptions, gate: Gate | None = None
+) -> Any:
+    """The ASGI app serving `runner`'s engine under `options.model_name` (FastAPI inside the body limits)."""
+    app = FastAPI(title="llmkit", docs_url=None, redoc_url=None, openapi_url=None)
+    gate = gate or Gate()
     created = int(time.time())
     max_len = runner.engine.max_len
+    model_name, api_key = options.model_name, options.api_key
+    # off the event loop: tokenizing and chat templates (the engine has its own thread; two workers keep one long
+    # body from holding up every other request's tokenizing)
+    workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="llmkit-tokenize")
+
+    async def off_loop(fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(workers, fn)
+
+    text_limit = _TextLimit.of(tokenizer, max_len)  # text that cannot fit the context is refused untokenized
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        if first.get("type") == "json_invalid":
+        param, message, malformed = _explain(exc.errors())
+        if malformed:
             return _error(400, "the body is not valid JSON", "invalid_request_error")
-        param = ".".join(loc) or None
-        return _error(400, f"{param or 'body'}: {first.get('msg')}", "invalid_request_error", param)
+        return _error(400, f"{param or 'body'}: {message}", "invalid_request_error", param)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -70,11 +122,31 @@ def build_app(
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        return _error(exc.status_code, str(exc.detail), "invalid_request_error")
+        response = _error(exc.status_code, str(exc.detail), "invalid_request_error")
+        response.headers.update(exc.headers or {})
+        return response
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:  # a bug: logged, answered in shape
+        log.error("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc, exc_info=exc)
+        return _error(500, "the server failed on this request", "server_error")
+
+    def bearer(request: Request) -> str:
+        return request.headers.get("authorization", "")
 
     async def authorized(request: Request) -> None:
-        if api_key is not None and request.headers.get("authorization", "") != f"Bearer {api_key}":
+        if api_key is not None and bearer(request) != f"Bearer {api_key}":
             raise APIError(401, "a valid API key is required (Authorization: Bearer ...)", "authentication_error")
+
+    async def metrics_authorized(request: Request) -> None:
+        keys = [k for k in (api_key, options.metrics_key) if k is not None]
+        if keys and bearer(request) not in [f"Bearer {k}" for k in keys]:
+            message = "/metrics needs the API key or the metrics key (Authorization: Bearer ...)"
+            raise APIError(401, message, "authentication_error")
+
+    async def admitting() -> None:
+        if gate.closed:
+            raise APIError(503, "the server is shutting down; send the request to another one", "server_error")
 
     def check_model(name: str) -> None:
         if name != model_name:
@@ -84,11 +156,17 @@ def build_app(
     async def health() -> Response:
         if not runner.alive:
             return _error(503, "the engine has stopped", "server_error")
+        if gate.closed:
+            return _error(503, "the server is shutting down", "server_error")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[Depends(metrics_authorized)])
     async def metrics() -> Response:
         return Response(runner.metrics.text(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/openapi.json", dependencies=[Depends(authorized)], include_in_schema=False)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> dict[str, Any]:
@@ -97,37 +175,51 @@ def build_app(
             "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "llmkit"}],
         }
 
-    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    @app.post("/v1/completions", dependencies=[Depends(authorized), Depends(admitting)])
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        prompts = [_encode(tokenizer, p) for p in body.prompts()]
+        prompts = await off_loop(lambda: [_encode(tokenizer, p, "prompt", text_limit) for p in body.prompts()])
         if not prompts:
             raise APIError(400, "prompt: give at least one prompt", param="prompt")
         limit = body.max_tokens if body.max_tokens is not None else max_len - max(len(p) for p in prompts)
-        call = _Call(runner, prompts, _params(body, limit), request_timeout, "prompt")
+        call = _Call(runner, prompts, _params(body, max(limit, 1)), options.request_timeout, "prompt")
         call.start()  # before any response: a refused request is an HTTP error, not a broken stream
         if body.stream:
             return _sse(call.completion_chunks(body.model, _usage_wanted(body)))
         return JSONResponse(await call.completion(body.model, request))
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized), Depends(admitting)])
     async def chat(body: ChatRequest, request: Request) -> Response:
         check_model(body.model)
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it cannot chat", param="messages")
-        try:
-            text = render_chat(tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages])
-        except (ConfigError, InputError) as e:
-            raise APIError(400, f"messages: {e}", param="messages") from e
-        ids = tokenizer.encode(text, add_bos=False)
+        conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
+        text_limit.check(sum(len(m["content"]) for m in conversation), "messages")
+        ids = await off_loop(lambda: _render(tokenizer, conversation))
         limit = body.limit() if body.limit() is not None else max_len - len(ids)
-        call = _Call(runner, [ids], _params(body, max(limit or 0, 1)), request_timeout, "messages")
+        call = _Call(runner, [ids], _params(body, max(limit or 0, 1)), options.request_timeout, "messages")
         call.start()
         if body.stream:
             return _sse(call.chat_chunks(body.model, _usage_wanted(body)))
         return JSONResponse(await call.chat(body.model, request))
 
-    return app
+    return BodyLimits(app, options.max_body_size, options.body_timeout)
+
+
+def _explain(errors: Any) -> tuple[str | None, str, bool]:
+    """pydantic's errors -> (the field, what is wrong with it, whether the body was not JSON at all).
+
+    A field that may take several shapes (a prompt: a string, strings, token ids) fails once per shape; the error
+    that says most is the one whose type is not merely "not this shape" (a value out of range, a list too long, a
+    lone surrogate), and the field is named without pydantic's tags for the shapes."""
+    errors = list(errors) or [{"loc": (), "msg": "invalid request", "type": "value_error"}]
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return None, "", True
+    telling = [e for e in errors if not str(e.get("type", "")).endswith("_type")]
+    first = (telling or errors)[0]
+    parts = [str(x) for x in first.get("loc", ()) if x != "body" and not (isinstance(x, str) and "[" in x)]
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return ".".join(parts) or None, message, False
 
 
 def _usage_wanted(body: CompletionRequest | ChatRequest) -> bool:
@@ -141,16 +233,52 @@ def _params(body: CompletionRequest | ChatRequest, max_tokens: int) -> SamplingP
         raise APIError(400, str(e)) from e
 
 
-def _encode(tokenizer: Tokenizer | None, prompt: str | list[int]) -> list[int]:
+# how many characters of input one token can stand for, at most, per character of its own text: normalizers that
+# compose characters (NFC, NFKC: "e" + U+0301 -> "é", three Hangul jamo -> one syllable) make it more than one
+_CHARS_PER_TOKEN_CHAR = 4
+
+
+@dataclass(frozen=True)
+class _TextLimit:
+    """Characters beyond which a text cannot fit the context's `max_len` tokens: the context times the longest
+    token's text (with a margin for normalizers). A 5 MB prompt is then a 400 in microseconds, not seconds of
+    tokenizing and hundreds of MB of token objects."""
+
+    max_chars: int
+    max_len: int
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer | None, max_len: int) -> _TextLimit:
+        longest = max((len(t) for t in tokenizer.backend.get_vocab()), default=1) if tokenizer is not None else 1
+        return cls(max_len * max(longest, 1) * _CHARS_PER_TOKEN_CHAR, max_len)
+
+    def check(self, chars: int, field: str) -> None:
+        if chars > self.max_chars:
+            message = f"{field}: {chars:,} characters cannot fit the model's context of {self.max_len:,} tokens"
+            raise APIError(400, message, param=field)
+
+
+def _encode(tokenizer: Tokenizer | None, prompt: str | list[int], field: str, limit: _TextLimit) -> list[int]:
     if isinstance(prompt, list):
         if not prompt:
-            raise APIError(400, "prompt: a token list is empty", param="prompt")
+            raise APIError(400, f"{field}: a token list is empty", param=field)
         return prompt
     if not prompt:
-        raise APIError(400, "prompt: the prompt is empty", param="prompt")
+        raise APIError(400, f"{field}: the prompt is empty", param=field)
     if tokenizer is None:
-        raise APIError(400, "prompt: this model has no tokenizer; send token ids", param="prompt")
-    return tokenizer.encode(prompt)
+        raise APIError(400, f"{field}: this model has no tokenizer; send token ids", param=field)
+    limit.check(len(prompt), field)
+    try:
+        return tokenizer.encode(prompt)
+    except InputError as e:
+        raise APIError(400, f"{field}: {e}", param=field) from e
+
+
+def _render(tokenizer: Tokenizer, conversation: list[dict[str, str]]) -> list[int]:
+    try:
+        return tokenizer.encode(render_chat(tokenizer, conversation), add_bos=False)
+    except (ConfigError, InputError) as e:
+        raise APIError(400, f"messages: {e}", param="messages") from e
 
 
 def _sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
@@ -166,6 +294,15 @@ def _sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     return StreamingResponse(lines(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
+async def _disconnected(request: Request) -> None:
+    """Returns when the client of `request` (whose body has been read) goes away."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # the connection is unusable: as good as gone
+        log.debug("reading from a client failed; taking it as gone", exc_info=True)
+
+
 class _Call:
     """The engine requests of one HTTP request (one per prompt, each with n sequences) and their deltas."""
 
@@ -176,7 +313,7 @@ class _Call:
         self.id = uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.ids: list[str] = []
-        self.queue: asyncio.Queue[tuple[int, Delta]] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[int, Delta] | None] = asyncio.Queue()  # None: the client went away
         self.pending = len(prompts) * params.n
         self.completion_tokens = 0
 
@@ -189,10 +326,12 @@ class _Call:
                     loop.call_soon_threadsafe(self.queue.put_nowait, (i, d))
 
                 self.ids.append(self.runner.submit(prompt, self.params, deliver, self.timeout))
+        except Refused as e:
+            self.abort()
+            raise APIError(400, str(e), param=e.param if e.param != "prompt" else self.field) from e
         except InputError as e:
             self.abort()
-            param = "max_tokens" if "max_tokens" in str(e) else self.field
-            raise APIError(400, str(e), param=param) from e
+            raise APIError(400, str(e), param=self.field) from e
         except QueueFull as e:
             self.abort()
             raise APIError(429, str(e), "rate_limit_error") from e
@@ -202,24 +341,33 @@ class _Call:
             self.runner.abort(request_id)
 
     async def deltas(self, request: Request | None = None) -> AsyncIterator[tuple[int, Delta]]:
-        """(choice index, delta) until every sequence finished; aborts everything if the consumer stops early."""
+        """(choice index, delta) until every sequence finished; aborts everything if the consumer stops early or,
+        given the request, when its client goes away."""
+        watcher = None
+        if request is not None:
+
+            def gone(future: asyncio.Future[None]) -> None:
+                if not future.cancelled():
+                    self.queue.put_nowait(None)
+
+            watcher = asyncio.ensure_future(_disconnected(request))
+            watcher.add_done_callback(gone)
         try:
             while self.pending:
-                try:
-                    i, d = await asyncio.wait_for(self.queue.get(), 1.0)
-                except TimeoutError:
-                    if request is not None and await request.is_disconnected():
-                        return
-                    continue
+                item = await self.queue.get()
+                if item is None:  # the client went away: nobody is waiting for the rest
+                    return
+                i, d = item
                 if d.finish_reason is not None:
                     self.pending -= 1
-                    if d.finish_reason in ("error", "timeout"):
-                        raise APIError(
-                            504 if d.finish_reason == "timeout" else 500, _FAILED[d.finish_reason], "server_error"
-                        )
+                    if d.finish_reason in _FAILED:
+                        status, message = _FAILED[d.finish_reason]
+                        raise APIError(status, message, "server_error")
                 self.completion_tokens += len(d.token_ids)
                 yield i * self.params.n + d.index, d
         finally:
+            if watcher is not None:
+                watcher.cancel()
             if self.pending:
                 self.abort()
 
@@ -298,4 +446,9 @@ class _StreamError(Exception):
         self.error = error
 
 
-_FAILED = {"timeout": "the request ran past the server's time limit", "error": "the engine failed on this request"}
+# finish reasons that are failures: the HTTP status and message the client gets
+_FAILED = {
+    "timeout": (504, "the request ran past the server's time limit"),
+    "error": (500, "the engine failed on this request"),
+    "shutdown": (503, "the server shut down before the request finished"),
+}

@@ -42,6 +42,14 @@ class QueueFull(LLMKitError):
     """The engine's waiting queue is full; the request was not taken (HTTP 429)."""
 
 
+class Refused(InputError):
+    """A request that can never run (HTTP 400); `param` names the field to change."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """kv_memory: bytes for the paged cache (all layers); block_size: token slots per block; max_batch: sequences
@@ -69,7 +77,7 @@ class EngineStats:
     generated_tokens: int = 0
     finished: int = 0
     steps: int = 0
-    failed: int = 0  # sequences ended because their logits were not finite
+    failed: int = 0  # sequences ended because their logits were not finite or their sampling failed
 
 
 class Engine:
@@ -124,23 +132,26 @@ class Engine:
         return request_id
 
     def check(self, prompt: list[int], params: SamplingParams) -> None:
+        """A Refused error naming the field unless the request can run on this engine."""
         if not prompt:
-            raise InputError("the prompt is empty")
+            raise Refused("the prompt is empty", "prompt")
+        if len(prompt) + params.max_tokens > self.max_len:  # first: it costs nothing, and refuses huge prompts
+            raise Refused(
+                f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's "
+                f"context of {self.max_len} tokens",
+                "max_tokens",
+            )
         V = self.model.cfg.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < V for t in prompt):
-            raise InputError(f"prompt token ids must be integers in [0, {V})")
+            raise Refused(f"prompt token ids must be integers in [0, {V})", "prompt")
         if any(not 0 <= t < V for t, _ in params.logit_bias):
-            raise InputError(f"logit_bias: token ids must be in [0, {V})")
-        if len(prompt) + params.max_tokens > self.max_len:
-            raise InputError(
-                f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's "
-                f"context of {self.max_len} tokens"
-            )
+            raise Refused(f"logit_bias: token ids must be in [0, {V})", "logit_bias")
         blocks = -(-(len(prompt) + params.max_tokens) // self.pool.block_size)
         if blocks > self.pool.n_blocks:
-            raise InputError(
+            raise Refused(
                 f"the request needs {blocks} cache blocks and the cache has {self.pool.n_blocks}: "
-                "give the server more kv memory or ask for fewer tokens"
+                "give the server more kv memory or ask for fewer tokens",
+                "max_tokens",
             )
 
     def _sequence(self, request: Request, index: int) -> Sequence:
@@ -148,6 +159,7 @@ class Engine:
         generator = None
         if not request.params.sampling.greedy:
             generator = torch.Generator(device=self.device)
+            # seed + index stays in manual_seed's range: seeds are int64 (SamplingParams), which it takes up to 2**64
             generator.manual_seed(seed + index if seed is not None else int(torch.randint(2**62, ()).item()))
         decoder = IncrementalDecoder(self.tokenizer, request.prompt) if self.tokenizer is not None else None
         return Sequence(request, index, list(request.prompt), generator, decoder)
@@ -173,14 +185,12 @@ class Engine:
         if not work:
             return deltas
         self.stats.steps += 1
-        rows = [w for w in work if w.count == 1]
-        logits: dict[int, Tensor] = {}
-        if rows:
-            out = self._forward(rows)  # (B, V)
-            logits.update({id(w): out[i] for i, w in enumerate(rows)})
-        for w in work:
-            if w.count > 1:
-                logits[id(w)] = self._forward([w])[0]
+        logits = self._logits(work)
+        for w in [w for w in work if id(w) not in logits]:  # its forward failed even alone: it ends, alone
+            self.stats.failed += 1
+            self._finish(w.seq, "error")
+            deltas.append(self._delta(w.seq, [], "", []))
+        work = [w for w in work if id(w) in logits]
         for w in work:
             self.scheduler.computed(w)
             if w.start < w.seq.prompt_len:
@@ -199,10 +209,46 @@ class Engine:
             keep = [i for i, b in enumerate(bad) if not b]
             ready, batch = [ready[i] for i in keep], batch[keep]
         if ready:
-            ids, logprobs = sample(batch, [w.seq for w in ready])
-            for w, token, logprob in zip(ready, ids, logprobs, strict=True):
-                deltas.append(self._append(w.seq, token, logprob))
+            sampled = sample(batch, [w.seq for w in ready])
+            for w, token, logprob in zip(ready, sampled.tokens, sampled.logprobs, strict=True):
+                if token is None or logprob is None:  # this row's settings failed: it ends alone
+                    self.stats.failed += 1
+                    self._finish(w.seq, "error")
+                    deltas.append(self._delta(w.seq, [], "", []))
+                else:
+                    deltas.append(self._append(w.seq, token, logprob))
         return deltas
+
+    def _logits(self, work: list[Work]) -> dict[int, Tensor]:
+        """The last-token logits (V,) of each work item, by id: decoding rows as one batch, each prompt chunk on its
+        own. When a batch's forward raises (out of memory, a kernel refusing a shape), its rows are computed one by
+        one, so that the failure is pinned on the rows that cause it; those are missing from the result."""
+        rows = [w for w in work if w.count == 1]
+        groups = ([rows] if rows else []) + [[w] for w in work if w.count > 1]
+        logits: dict[int, Tensor] = {}
+        for group in groups:
+            try:
+                out = self._forward(group)  # (B, V)
+            except Exception as e:
+                if len(group) > 1:
+                    log.warning(
+                        "a batch of %d rows failed (%s: %s); computing them one by one", len(group), type(e).__name__, e
+                    )
+                    logits.update(self._logits_alone(group))
+                else:
+                    log.error("request %s failed: %s: %s; ending it", group[0].seq.request.id, type(e).__name__, e)
+                continue
+            logits.update({id(w): out[i] for i, w in enumerate(group)})
+        return logits
+
+    def _logits_alone(self, rows: list[Work]) -> dict[int, Tensor]:
+        logits = {}
+        for w in rows:
+            try:
+                logits[id(w)] = self._forward([w])[0]
+            except Exception as e:
+                log.error("request %s failed: %s: %s; ending it", w.seq.request.id, type(e).__name__, e)
+        return logits
 
     def _forward(self, work: list[Work]) -> Tensor:
         """The model over the given rows (all with the same count T) -> logits of each row's last token (B, V)."""
@@ -267,6 +313,10 @@ class Engine:
     def fail(self) -> list[Delta]:
         """End every request in flight with finish reason "error" (a step failed; the engine stays usable)."""
         return self._end(list(self.requests.values()), "error")
+
+    def shut_down(self) -> list[Delta]:
+        """End every request in flight with finish reason "shutdown" (the server is stopping)."""
+        return self._end(list(self.requests.values()), "shutdown")
 
     def _end(self, requests: list[list[Sequence]], reason: FinishReason) -> list[Delta]:
         deltas = []

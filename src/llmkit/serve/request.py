@@ -20,7 +20,9 @@ from llmkit.errors import InputError
 from llmkit.generate.sampling import Sampling
 from llmkit.tokenizer import IncrementalDecoder
 
-FinishReason = Literal["stop", "length", "abort", "timeout", "error"]
+# abort: the client went away; timeout: past the request's time limit; error: the model's logits or the request's
+# sampling failed; shutdown: the server stopped before the request finished
+FinishReason = Literal["stop", "length", "abort", "timeout", "error", "shutdown"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,8 @@ class SamplingParams:
             raise InputError("logit_bias values must be in [-100, 100]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InputError("stop strings must be non-empty strings")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise InputError(f"seed={self.seed} must be a 64-bit signed integer")
 
     @property
     def sampling(self) -> Sampling:

@@ -47,6 +47,8 @@ class EngineRunner:
         self._ids = 0
         self._id_lock = threading.Lock()
         self._pending = 0  # submitted requests the loop has not taken yet (counted against the queue)
+        self._idle = threading.Condition()  # notified when the last request in flight is done
+        self.aborts = 0  # abort() calls (clients that went away), for /metrics and tests
         self.thread = threading.Thread(target=self._loop, name="llmkit-engine", daemon=True)
 
     def start(self) -> EngineRunner:
@@ -61,6 +63,31 @@ class EngineRunner:
     @property
     def alive(self) -> bool:
         return self.thread.is_alive()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not yet finished."""
+        return len(self._flights) + self._pending
+
+    def wait_idle(self, timeout: float | None) -> bool:
+        """Wait until no request is in flight (True) or `timeout` seconds pass (False)."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self.in_flight == 0, timeout)
+
+    def shut_down(self) -> None:
+        """End every request in flight with finish reason "shutdown" (their streams get an error event), at the
+        start of the loop's next iteration."""
+
+        def end_all() -> None:
+            deltas = self.engine.shut_down()
+            ended = sorted({d.request_id for d in deltas})
+            if ended:
+                log.warning("shutting down: ended %d requests in flight (%s)", len(ended), ", ".join(ended))
+            for delta in deltas:
+                self._deliver(delta)
+
+        self._commands.append(end_all)
+        self._wake.set()
 
     def submit(self, prompt: list[int], params: SamplingParams, on_delta: OnDelta, timeout: float | None) -> str:
         """Queue a request; returns its id. Raises InputError (bad request) or QueueFull at once."""
@@ -95,6 +122,7 @@ class EngineRunner:
             self._flights.pop(request_id, None)
             self.engine.abort(request_id)
 
+        self.aborts += 1
         self._commands.append(cancel)
         self._wake.set()
 
@@ -102,6 +130,9 @@ class EngineRunner:
         while not self._stop.is_set():
             while self._commands:
                 self._commands.popleft()()
+            if not self._flights and not self._pending:
+                with self._idle:
+                    self._idle.notify_all()
             if not self.engine.has_work:
                 self.metrics.observe_engine(self.engine)
                 self._wake.wait(self.idle_wait)

@@ -4,15 +4,33 @@ Greedy rows without penalties take one argmax together; every other row goes thr
 its own settings and its own random generator, so a request's seed gives the same tokens whatever else is in the
 batch. The log-probability reported for a token is the model's own (log-softmax of the raw logits), before
 temperature and filters, which is what makes outputs comparable across settings.
+
+Rows are isolated: a row whose settings leave no valid distribution (which llmkit.generate.sampling is written
+never to produce, but a sampler is the one place where one client's numbers meet the batch) is reported as failed
+and ends that sequence alone; the other rows get their tokens as if it had not been there.
 """
 
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from llmkit.generate.sampling import distribution, draw
 from llmkit.serve.request import Sequence
+
+log = logging.getLogger("llmkit.serve")
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """The tokens of a batch: tokens[i] and logprobs[i] for row i, or failed[i] saying why row i has none."""
+
+    tokens: list[int | None]
+    logprobs: list[float | None]
+    failed: dict[int, str]
 
 
 def penalize_presence(logits: Tensor, generated: list[int], presence: float, frequency: float) -> Tensor:
@@ -24,24 +42,46 @@ def penalize_presence(logits: Tensor, generated: list[int], presence: float, fre
     return logits.index_add(0, ids, -penalty)
 
 
-def sample(logits: Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
+def _row_distribution(x: Tensor, seq: Sequence) -> Tensor:
+    """One row's logits (V,) -> the probabilities (1, V) its settings draw from."""
+    p = seq.request.params
+    s = p.sampling
+    if p.logit_bias:
+        index = torch.tensor([t for t, _ in p.logit_bias], device=x.device)
+        x = x.index_add(0, index, torch.tensor([b for _, b in p.logit_bias], device=x.device))
+    x = penalize_presence(x, seq.generated, p.presence_penalty, p.frequency_penalty)
+    history = torch.tensor([seq.tokens], device=x.device) if s.repetition_penalty != 1.0 else None
+    return distribution(x.unsqueeze(0), s, history)
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    p = seq.request.params
+    s = p.sampling
+    penalties = s.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0
+    return s.greedy and not penalties and not p.logit_bias
+
+
+def sample(logits: Tensor, seqs: list[Sequence]) -> Sampled:
     """logits (B, V), one row per sequence -> the next token of each and its log-probability under the model."""
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)  # (B, V)
     chosen = logits.argmax(dim=-1)  # (B,): right for greedy rows without penalties
+    failed: dict[int, str] = {}
     for row, seq in enumerate(seqs):
-        p = seq.request.params
-        s = p.sampling
-        penalties = s.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0
-        if s.greedy and not penalties and not p.logit_bias:
+        if _plain_greedy(seq):
             continue
-        x = logits[row]
-        if p.logit_bias:
-            index = torch.tensor([t for t, _ in p.logit_bias], device=x.device)
-            x = x.index_add(0, index, torch.tensor([b for _, b in p.logit_bias], device=x.device))
-        x = penalize_presence(x, seq.generated, p.presence_penalty, p.frequency_penalty)
-        history = torch.tensor([seq.tokens], device=logits.device) if s.repetition_penalty != 1.0 else None
-        probs = distribution(x.unsqueeze(0), s, history)  # (1, V)
-        chosen[row] = draw(probs, s.greedy, seq.generator)[0]
+        try:
+            probs = _row_distribution(logits[row], seq)  # (1, V)
+            if not bool(probs.isfinite().all()) or not float(probs.sum()) > 0.0:
+                raise ValueError("its sampling settings leave no token with a finite, positive probability")
+            chosen[row] = draw(probs, seq.request.params.sampling.greedy, seq.generator)[0]
+        except (RuntimeError, ValueError) as e:  # this row only: the batch goes on without it
+            log.error("request %s: sampling failed (%s); ending that sequence", seq.request.id, e)
+            failed[row] = str(e)
     ids = chosen.tolist()
-    return ids, logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+    lps = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+    return Sampled(
+        [None if i in failed else t for i, t in enumerate(ids)],
+        [None if i in failed else lp for i, lp in enumerate(lps)],
+        failed,
+    )

@@ -1,25 +1,40 @@
-"""Starting the HTTP server: in the foreground for `llmkit serve`, or in a background thread (tests, benchmarks).
+"""Starting and stopping the HTTP server: in the foreground for `llmkit serve`, or in a background thread (tests,
+benchmarks). Both bind to 127.0.0.1 unless told otherwise.
 
-Both bind to 127.0.0.1 unless told otherwise.
+Stopping is the same in both, `Server.shut_down()` (what SIGTERM and SIGINT do in the foreground):
+
+    1. the gate closes: new requests get 503 and /health says so; uvicorn stops listening and closes idle
+       connections;
+    2. the requests in flight get up to `shutdown_timeout` seconds to finish;
+    3. whatever is still running then is ended: a stream gets an error event and `data: [DONE]`, a waiting client
+       a 503; what was ended is logged; the process exits once those answers are sent.
+
+A second signal skips the wait (step 3 at once). A request is never cut off mid-stream without its `[DONE]`.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
-from types import TracebackType
+from types import FrameType, TracebackType
 
 import uvicorn
 
 from llmkit.errors import InputError
 from llmkit.models.decoder import DecoderLM
-from llmkit.serve.api import build_app
+from llmkit.serve.api import Gate, ServeOptions, build_app
 from llmkit.serve.engine import Engine, EngineConfig
+from llmkit.serve.limits import with_header_timeout
 from llmkit.serve.runner import EngineRunner
 from llmkit.tokenizer import Tokenizer
+
+__all__ = ["ServeOptions", "Server", "free_port", "parse_size"]
+
+log = logging.getLogger("llmkit.serve")
 
 _UNITS = {
     "": 1,
@@ -34,6 +49,10 @@ _UNITS = {
     "gb": 1e9,
     "gib": 2**30,
 }
+
+# once the in-flight requests have been ended, how long their answers get to reach the clients before the server
+# closes anyway (a client that stopped reading must not hold the exit)
+_FLUSH_SECONDS = 10.0
 
 
 def parse_size(text: str) -> int:
@@ -50,18 +69,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-@dataclass(frozen=True)
-class ServeOptions:
-    """model_name: the name clients ask for; api_key: required as a Bearer token when given; request_timeout:
-    seconds a request may take before it is ended."""
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server with our answer to SIGTERM / SIGINT instead of its own (which waits for every connection
+    however long it takes, and cuts streams on a second Ctrl-C)."""
 
-    model_name: str
-    api_key: str | None = None
-    request_timeout: float = 600.0
+    def __init__(self, config: uvicorn.Config, owner: Server) -> None:
+        super().__init__(config)
+        self.owner = owner
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.owner.shut_down(now=self.owner.shutting_down, reason=signal.Signals(sig).name)
 
 
 class Server:
-    """An engine, its runner and the HTTP app on host:port, in a background thread (a context manager)."""
+    """An engine, its runner and the HTTP app on host:port (a context manager: in a background thread)."""
 
     def __init__(
         self,
@@ -72,16 +93,33 @@ class Server:
         host: str = "127.0.0.1",
         port: int | None = None,
     ) -> None:
+        self.options = options
         self.engine = Engine(model, tokenizer, config)
         self.runner = EngineRunner(self.engine)
-        self.app = build_app(self.runner, tokenizer, options.model_name, options.api_key, options.request_timeout)
+        self.gate = Gate()
+        self.app = build_app(self.runner, tokenizer, options, self.gate)
         self.host, self.port = host, port if port is not None else free_port(host)
-        self._server = uvicorn.Server(uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning"))
+        uvicorn_config = uvicorn.Config(
+            self.app,
+            host=self.host,
+            port=self.port,
+            log_level="warning",
+            http=with_header_timeout(options.header_timeout),
+            lifespan="off",
+        )
+        self._server = _Uvicorn(uvicorn_config, self)
         self._thread = threading.Thread(target=self._server.run, name="llmkit-http", daemon=True)
+        self._drainer: threading.Thread | None = None
+        self._drain_now = threading.Event()  # a second signal: stop waiting for the requests in flight
+        self._lock = threading.RLock()  # re-entrant: a second signal can arrive while the first is handled
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def shutting_down(self) -> bool:
+        return self.gate.closed
 
     def start(self, timeout: float = 30.0) -> Server:
         self.runner.start()
@@ -93,10 +131,55 @@ class Server:
             time.sleep(0.02)
         return self
 
+    def shut_down(self, now: bool = False, reason: str = "shutdown requested") -> None:
+        """Stop taking requests, give those in flight `options.shutdown_timeout` seconds (none when `now`), end the
+        rest, and let the HTTP server exit once their answers are out. Safe from a signal handler and any thread;
+        a second call with `now` ends the wait."""
+        with self._lock:
+            first = not self.gate.closed
+            self.gate.closed = True
+            self._server.should_exit = True  # uvicorn: stop listening, close idle connections, wait for the rest
+            if first:
+                grace = 0.0 if now else self.options.shutdown_timeout
+                log.warning(
+                    "%s: not taking new requests; %d in flight get up to %g s to finish",
+                    reason,
+                    self.runner.in_flight,
+                    grace,
+                )
+                self._drainer = threading.Thread(target=self._drain, args=(grace,), name="llmkit-drain", daemon=True)
+                self._drainer.start()
+            elif now:
+                log.warning("%s again: ending the %d requests in flight now", reason, self.runner.in_flight)
+                self._drain_now.set()
+
+    def _drain(self, grace: float) -> None:
+        """Wait up to `grace` seconds (or a second signal) for the requests in flight, then end the rest."""
+        deadline = time.monotonic() + grace
+        while not self._drain_now.is_set() and time.monotonic() < deadline:
+            if self.runner.wait_idle(min(0.1, max(deadline - time.monotonic(), 0.0))):
+                log.warning("shutting down: every request in flight finished")
+                return
+        if self.runner.in_flight:
+            self.runner.shut_down()  # streams end with an error event and [DONE]; logged by the runner
+        if not self.runner.wait_idle(_FLUSH_SECONDS):
+            log.warning("shutting down: %d requests did not take their answers; closing", self.runner.in_flight)
+        # the answers are handed to the event loop; give the connections a bounded time to send them
+        flush = time.monotonic() + _FLUSH_SECONDS
+        while self._server.server_state.connections and time.monotonic() < flush:
+            time.sleep(0.05)
+        self._server.force_exit = True
+
     def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(10)
+        """Stop at once (tests): end what is in flight and wait for the HTTP thread and the engine thread."""
+        self.shut_down(now=True, reason="stop")
+        self._thread.join(30)
         self.runner.stop()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the HTTP server (after shut_down) to exit; True when it did."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def __enter__(self) -> Server:
         return self.start()
@@ -105,9 +188,12 @@ class Server:
         self.stop()
 
     def run_foreground(self) -> None:
-        """Serve until interrupted (Ctrl-C), in this thread."""
+        """Serve in this thread until SIGTERM or SIGINT (Ctrl-C), then shut down as the module docstring says."""
         self.runner.start()
         try:
             self._server.run()
         finally:
+            if self._drainer is not None:
+                self._drainer.join(_FLUSH_SECONDS)
             self.runner.stop()
+            log.warning("stopped")
