@@ -112,3 +112,18 @@ def test_an_os_error_in_a_command_is_one_line_with_exit_status_1(ck, capsys, mon
     monkeypatch.setattr("llmkit.interop.checkpoint.file_digest", fails)
     assert main(generate(ck)) == 1
     assert "model.safetensors: input/output error" in one_line_error(capsys.readouterr().err)
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(ck):
+    """`llmkit generate ... | head -c 10`: more than a pipe's 64 KiB of text, the reader gone after 10 bytes."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "llmkit", *generate(ck, "--samples", "400", "--temperature", "1")]
+    command[command.index("3")] = "200"  # --max-new-tokens: 400 x 200 tokens, at least a byte each
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert child.stdout is not None and child.stderr is not None
+    assert len(child.stdout.read(10)) == 10
+    child.stdout.close()
+    err = child.stderr.read().decode()
+    assert child.wait() == 141 and "Traceback" not in err and "error" not in err

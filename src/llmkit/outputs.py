@@ -214,9 +214,12 @@ def building(out: Output) -> Iterator[Path]:
     tmp = sibling(out.path, "tmp")
     if tmp.exists() or tmp.is_symlink():
         _remove(tmp)
-    out.path.parent.mkdir(parents=True, exist_ok=True)
-    if out.kind != "file":
-        tmp.mkdir()
+    try:
+        out.path.parent.mkdir(parents=True, exist_ok=True)
+        if out.kind != "file":
+            tmp.mkdir()
+    except OSError as e:  # name the folder the user chose, not the temporary one inside it
+        raise OSError(e.errno, e.strerror, str(out.path.parent if e.filename == str(tmp) else e.filename)) from None
     try:
         yield tmp
         out.check()  # again: something may have appeared at OUT while the output was being built

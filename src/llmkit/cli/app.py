@@ -15,7 +15,7 @@ described by the dataclass's docstring, whose fields are the flags; the function
 `run` reports every failure a user can act on in one line naming the path and what to do, with a non-zero exit
 status and no traceback (`--debug`, or LLMKIT_DEBUG=1, shows the traceback instead): llmkit's own errors (2), the
 operating system's (1: permission denied, a read-only or full disk, a missing device, a symlink loop; see
-failure.py), running out of memory (1), Ctrl-C (130).
+failure.py), running out of memory (1), Ctrl-C (130); a closed pipe on stdout ends it quietly (141).
 """
 
 from __future__ import annotations
@@ -194,6 +194,9 @@ def run(commands: Sequence[Command], argv: Sequence[str] | None = None) -> int:
             raise
         print(f"llmkit {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`llmkit generate ... | head`): stop quietly, as cat does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not fail again
+        return 141
     except Exception as e:
         message = describe(e)
         if debug or message is None:
