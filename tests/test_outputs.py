@@ -83,6 +83,10 @@ def test_what_may_be_replaced(tmp_path):
     for path, kind, why in refused:
         with pytest.raises(OutputError, match=f"{why}.*even with --overwrite"):
             claim(path, kind, overwrite=True)  # type: ignore[arg-type]
+    with pytest.raises(OutputError, match="is a folder: the output is a file"):
+        claim(tmp_path / "empty", "file", overwrite=True)
+    with pytest.raises(OutputError, match=r"already exists \(a file\): give --overwrite"):
+        claim(tmp_path / "file", "file")
 
 
 def test_an_error_while_building_leaves_the_old_output_and_no_leftover(tmp_path):

@@ -195,16 +195,21 @@ def test_translate_errors(trained, tmp_path, capsys):
     run = str(trained["transformer"])
     src = tmp_path / "in.txt"
     src.write_text("haus\n\nbaum\n   \n", encoding="utf-8")
+    done = tmp_path / "translated.txt"
+    done.write_text("yesterday's translations\n")
     cases = [
         (["translate", run, "--file", str(src)], "line(s) 2, 4 are empty"),
         (["translate", run, "--file", str(tmp_path / "missing.txt")], "does not exist"),
         (["translate", run, ""], "sentence 1 is empty"),
         (["translate", run], "give exactly one of"),
         (["translate", run, "haus", "--output", "x"], "--output goes with --file"),
+        (["translate", run, "--file", str(src), "--output", str(src)], "is also the input"),
+        (["translate", run, "--file", str(src), "--output", str(done)], "already exists (a file): give --overwrite"),
     ]
     for argv, message in cases:
         assert main(argv) == 2
         assert message in capsys.readouterr().err
+    assert done.read_text() == "yesterday's translations\n" and src.read_text().startswith("haus")
 
 
 @pytest.mark.slow  # trains models through the loop (the shared fixture takes minutes)

@@ -172,10 +172,11 @@ class Output:
     def check(self) -> None:
         """An OutputError unless what is at the path now may be replaced by this output."""
         found = found_at(self.path)
-        if found in ("missing", "empty"):
+        if found == "missing" or (found == "empty" and self.kind != "file"):
             return
-        want = "file" if self.kind == "file" else self.kind
-        if found == want:
+        if found == "empty":  # a file never replaces a folder, even an empty one
+            raise OutputError(f"{self.path} is a folder: the output is a file; give a file name")
+        if found == self.kind:
             if not self.replace:
                 raise OutputError(
                     f"{self.path} already exists ({DESCRIBED[found]}): give --overwrite to replace it, or choose "
