@@ -23,3 +23,19 @@ def one_line_error(err: str) -> str:
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("llmkit "), err
     return lines[0]
+
+
+def fuzz_settings() -> object:
+    """Hypothesis settings shared by the fuzz tests: a bounded number of examples (40; LLMKIT_FUZZ_EXAMPLES=N for
+    more), the same examples every run (a failure in CI is a failure on every machine) unless LLMKIT_FUZZ_RANDOM=1
+    draws new ones, no deadline (a busy machine is not a failure)."""
+    import os
+
+    from hypothesis import HealthCheck, settings
+
+    return settings(
+        max_examples=int(os.environ.get("LLMKIT_FUZZ_EXAMPLES", "40")),
+        deadline=None,
+        derandomize=os.environ.get("LLMKIT_FUZZ_RANDOM") != "1",
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+    )

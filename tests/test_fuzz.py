@@ -7,7 +7,7 @@ answer is a correct result or a clear LLMKitError, never another exception, a ha
 - random Unicode (Chinese, emoji, combining marks, controls, lone surrogates) through the tokenizer, the streaming
   detokenizer and `prepare`.
 
-The number of examples is bounded (EXAMPLES, 40; LLMKIT_FUZZ_EXAMPLES=N for more) so the suite stays fast in CI, and
+The number of examples is bounded (40; LLMKIT_FUZZ_EXAMPLES=N for more) so the suite stays fast in CI, and
 the examples are the same every run (a failure in CI is a failure on every machine); LLMKIT_FUZZ_RANDOM=1 draws
 new ones, for a longer hunt.
 """
@@ -15,7 +15,6 @@ new ones, for a longer hunt.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import struct
 import tempfile
@@ -25,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_tokenizer
+from helpers import fuzz_settings, tiny_tokenizer
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -38,13 +37,7 @@ from llmkit.interop.checkpoint import FORMAT_FILE, save_llmkit  # noqa: E402
 from llmkit.interop.load import load_model  # noqa: E402
 from llmkit.tokenizer import IncrementalDecoder  # noqa: E402
 
-EXAMPLES = int(os.environ.get("LLMKIT_FUZZ_EXAMPLES", "40"))
-FUZZ = settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize=os.environ.get("LLMKIT_FUZZ_RANDOM") != "1",
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+FUZZ = fuzz_settings()
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=True) | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),

@@ -6,21 +6,21 @@ while two clients stream greedy completions. The properties:
 - every stream completes with exactly its greedy text;
 - /health answers 200 throughout, and afterwards every cache block is back in the pool.
 
-Bounded like the file fuzzing: EXAMPLES (40; LLMKIT_FUZZ_EXAMPLES=N for more), the same examples every run unless
-LLMKIT_FUZZ_RANDOM=1.
+Bounded like the file fuzzing (helpers.fuzz_settings): 40 examples (LLMKIT_FUZZ_EXAMPLES=N for more), the same
+examples every run unless LLMKIT_FUZZ_RANDOM=1.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
-import os
 import threading
 import urllib.request
 from typing import Any
 
 import pytest
 import torch
+from helpers import fuzz_settings
 
 from llmkit.generate import generate
 from llmkit.serve.engine import EngineConfig
@@ -29,16 +29,10 @@ from llmkit.serve.server import ServeOptions, Server
 from .conftest import post, wait_for
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-EXAMPLES = int(os.environ.get("LLMKIT_FUZZ_EXAMPLES", "40"))
-FUZZ = settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize=os.environ.get("LLMKIT_FUZZ_RANDOM") != "1",
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+FUZZ = fuzz_settings()
 
 EXTREME = st.sampled_from([0, -0.0, 1e-300, 5e-324, 1e300, 2, 0.5, 1, -1, 2**63, -(2**63), 2**64, -(2**70)])
 NUMBER = st.floats(allow_nan=True, allow_infinity=True) | st.integers(-(2**70), 2**70) | EXTREME
