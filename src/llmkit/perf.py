@@ -23,9 +23,7 @@ def matmul_flops(
         probe @ probe
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-        rate = 2 * 256**3 / max(time.perf_counter() - start, 1e-9)
-        fits = int((rate * seconds / 4 / 2) ** (1 / 3)) // 64 * 64
-        n = max(256, min(n, fits))
+        n = fitted_size(2 * 256**3 / max(time.perf_counter() - start, 1e-9), seconds, n)
     a = torch.randn(n, n, device=dev, generator=g).to(dtype)
     b = torch.randn(n, n, device=dev, generator=g).to(dtype)
     a @ b  # warm up
@@ -38,6 +36,13 @@ def matmul_flops(
         elapsed = time.perf_counter() - start
         if elapsed >= seconds:
             return 2 * n**3 * count / elapsed
+
+
+def fitted_size(rate: float, seconds: float, n: int) -> int:
+    """The matrix size (a multiple of 64, from 256 to n) whose product, at `rate` FLOP/s, takes at most a quarter of
+    `seconds`: 2 m^3 / rate <= seconds / 4."""
+    fits = int((rate * seconds / 4 / 2) ** (1 / 3)) // 64 * 64
+    return max(256, min(n, fits))
 
 
 def memory_bandwidth(device: torch.device | str = "cpu", mib: int = 512, seconds: float = 0.5) -> float:

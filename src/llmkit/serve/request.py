@@ -9,7 +9,6 @@ sample the next token.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Literal
@@ -83,8 +82,8 @@ class Request:
     id: str
     prompt: list[int]
     params: SamplingParams
-    arrival: float = field(default_factory=time.monotonic)
-    deadline: float | None = None  # monotonic time after which the request is ended with finish reason "timeout"
+    arrival: float  # when the engine took it, on the engine's clock
+    deadline: float | None = None  # the time (engine's clock) after which it is ended with finish reason "timeout"
 
 
 @dataclass
@@ -107,7 +106,6 @@ class Sequence:
     finish_reason: FinishReason | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
-    admitted_at: float | None = None  # when it was (last) admitted: preemption picks the newest
 
     @property
     def prompt_len(self) -> int:
@@ -120,10 +118,6 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return (self.request.id, self.index)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,6 @@ oldest sequences running while others take their turn.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -111,7 +110,7 @@ class Scheduler:
             self.waiting.remove(seq)
             self.prefix.queried += (len(seq.tokens) - 1) // self.pool.block_size
             self.prefix.hit += seq.computed // self.pool.block_size  # the blocks its prefix lookup found
-            seq.status, seq.admitted_at = Status.RUNNING, time.monotonic()
+            seq.status = Status.RUNNING
             self.running.append(seq)
             work.append(Work(seq, seq.computed, count))
             budget -= count
