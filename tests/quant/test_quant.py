@@ -305,3 +305,14 @@ def test_the_native_extension_is_rebuilt_when_a_header_changes(tmp_path, monkeyp
     assert before == native.build_name() and before.startswith("llmkit_quant_cpu_")
     header.write_text("// two\n")
     assert native.build_name() != before
+
+
+def test_the_first_build_of_the_kernels_is_announced(tmp_path, monkeypatch, capsys):
+    """`llmkit generate` once sat ~45 s without a word while the kernels compiled: a build that is due is said on
+    stderr, and a cached one is not."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert native.announce_build("llmkit_test_ext") is True
+    assert "compiling the native CPU kernels" in capsys.readouterr().err
+    (tmp_path / "llmkit_test_ext" / "llmkit_test_ext.so").write_bytes(b"")  # what a finished build leaves
+    assert native.announce_build("llmkit_test_ext") is False
+    assert capsys.readouterr().err == ""

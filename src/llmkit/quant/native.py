@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ def module() -> Any | None:
     try:
         from torch.utils.cpp_extension import load
 
+        announce_build(build_name())
         return load(
             name=build_name(),
             sources=[str(s) for s in SOURCES],
@@ -61,6 +63,25 @@ def module() -> Any | None:
             f"llmkit's AVX2 kernels could not be built ({type(e).__name__}: {e}); using torch's", stacklevel=2
         )
         return None
+
+
+def announce_build(name: str) -> bool:
+    """Say on stderr that the kernels are being compiled, when they are not in torch's cache yet (the first command
+    after an install or an upgrade: about a minute on 2 cores, which would otherwise pass without a word).
+    Returns whether a build is due."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory  # where load() builds and caches `name`
+    except ImportError:  # another torch: nothing to say is better than a wrong guess
+        return False
+    directory = Path(_get_build_directory(name, verbose=False))
+    if (directory / f"{name}.so").is_file():
+        return False
+    print(
+        f"llmkit: compiling the native CPU kernels (first use after install, about a minute; cached in {directory})",
+        file=sys.stderr,
+        flush=True,
+    )
+    return True
 
 
 def available() -> bool:
