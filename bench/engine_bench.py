@@ -175,7 +175,7 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def print_table(summary: dict[str, Any], limits: Any) -> None:
-    """The table BENCHMARKS.md quotes."""
+    """The summary as a table: seconds, output tokens/s and peak memory per variant."""
     print(
         f"{summary['model']} on {summary['device']} ({summary['dtype']}, {summary['threads']} threads; {limits}); "
         f"{summary['requests']} requests, {summary['prompt_tokens']} prompt and {summary['output_tokens']} output "
