@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo translate finetune test lint typecheck pytest clean
+.PHONY: demo translate finetune test test-fast lint typecheck pytest pytest-fast clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -51,7 +51,14 @@ typecheck: $(STAMP)
 pytest: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2
 
+# everything, as CI runs it (.ci/run); test-fast leaves out the tests marked slow (compiling, training, child
+# processes: about half the time) for quick local runs
 test: lint typecheck pytest
+
+pytest-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 -m "not slow"
+
+test-fast: lint typecheck pytest-fast
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache src/*.egg-info

@@ -136,6 +136,7 @@ def test_chat_never_splits_a_character_across_tokens(tmp_path, capsys, monkeypat
     assert out == text + "\n"
 
 
+@pytest.mark.slow
 def test_a_gguf_file_drafts_for_itself_kept_quantized(capsys):
     """`--dtype fp32 --draft FILE --draft-dtype file`: the target dequantized, the draft the file's int4 weights; the
     output is the fp32 model's greedy output."""

@@ -136,6 +136,7 @@ def test_compiled_decoding_gives_the_same_tokens():
 
 # mixtral: softmax routing; deepseek-v3.2: grouped sigmoid routing with shared experts over MLA with sparse attention
 # (deepseek-v2-lite's MLA with softmax routing adds nothing these two do not cover, and took 70 s to compile)
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mixtral-8x7b-tiny", "deepseek-v3.2-tiny"])
 def test_compiled_moe_decoding_gives_the_same_tokens_and_does_not_recompile_per_routing(name):
     """MoE layers compile into the decode step: five rows route 10 assignments over 8 experts (more than the

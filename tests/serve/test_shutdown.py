@@ -18,6 +18,8 @@ from llmkit.serve.server import free_port
 
 from .conftest import wait_for
 
+pytestmark = pytest.mark.slow  # each test starts `llmkit serve` in a process of its own
+
 
 @pytest.fixture(scope="module")
 def checkpoint(tiny, tmp_path_factory):

@@ -89,6 +89,7 @@ def test_set_model_checkpoint_on_the_command_line_replaces_the_default_preset():
     assert load_train_config(None, ["model.d_model=32"]).model["preset"] == "llama2-7b-tiny"
 
 
+@pytest.mark.slow
 def test_continued_pretraining_of_smollm2_from_its_gguf_file(tmp_path):
     """The real checkpoint: data prepared with the GGUF file's tokenizer, two steps from its dequantized weights; the
     first loss is the checkpoint's on that batch (a pretrained model on English verse: far below ln(49152) = 10.8)."""

