@@ -61,7 +61,7 @@ def test_a_shared_prompt_prefix_is_taken_from_the_cache():
     s.add(second)
     work = run(s)
     assert (work[-1].seq, work[-1].start, work[-1].count) == (second, 8, 2)  # only what differs is computed
-    assert second.blocks[:2] == first.blocks[:2] and pool.refs[first.blocks[0]] == 2
+    assert s.kv.table(second)[:2] == s.kv.table(first)[:2] and pool.refs[s.kv.table(first)[0]] == 2
     assert (s.prefix.queried, s.prefix.hit) == (2 + 2, 2)
 
 
@@ -81,7 +81,7 @@ def test_the_victim_is_the_newest_sequence_of_the_request_holding_most_blocks():
     assert [x.status for x in big] == [Status.RUNNING, Status.RUNNING, Status.WAITING]
     assert small.status is Status.RUNNING and any(w.seq is small for w in work)
     assert list(s.waiting) == [big[2]] and s.preemptions == 1
-    assert big[2].blocks == [] and big[2].computed == 0  # its blocks went back; it will be recomputed
+    assert s.kv.table(big[2]) == [] and big[2].computed == 0  # its blocks went back; it will be recomputed
 
 
 def test_a_request_holding_no_blocks_is_admitted_before_the_preempted_ones():
@@ -111,4 +111,4 @@ def test_a_waiting_sequence_that_does_not_fit_keeps_its_place_and_holds_nothing(
     s.add(seq("c", [8]))  # fits, but b came first and holds nothing: c waits behind it
     run(s)
     assert [x.request.id for x in s.waiting] == ["b", "c"]
-    assert all(x.blocks == [] for x in s.waiting)
+    assert all(s.kv.table(x) == [] for x in s.waiting)

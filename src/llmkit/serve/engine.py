@@ -261,8 +261,9 @@ class Engine:
         tokens = torch.tensor([w.seq.tokens[w.start : w.start + T] for w in work], device=dev)  # (B, T)
         starts = torch.tensor([w.start for w in work], device=dev)
         slots = starts[:, None] + torch.arange(T, device=dev)  # (B, T)
-        nb = max(len(w.seq.blocks) for w in work)
-        table = torch.tensor([w.seq.blocks + w.seq.blocks[:1] * (nb - len(w.seq.blocks)) for w in work], device=dev)
+        tables = [self.scheduler.kv.table(w.seq) for w in work]
+        nb = max(len(t) for t in tables)
+        table = torch.tensor([t + t[:1] * (nb - len(t)) for t in tables], device=dev)  # (B, nb), padded
         filled = torch.arange(nb * bs, device=dev) < (starts + T)[:, None]  # (B, S): slots holding tokens
         if self.native is not None and self.native.applies_paged(tokens, self.cache.layers):
             h = self.native.run_paged(tokens, slots, table, starts, filled, self.cache.layers)  # (B, 1, C)

@@ -88,7 +88,7 @@ class Request:
 
 @dataclass
 class Sequence:
-    """One completion of a request: its tokens, its place in the cache and what it has given out so far."""
+    """One completion of a request: its tokens, how many of them are cached, and what it has given out so far."""
 
     request: Request
     index: int  # which of the request's n completions
@@ -96,10 +96,7 @@ class Sequence:
     generator: torch.Generator | None
     decoder: IncrementalDecoder | None
     status: Status = Status.WAITING
-    computed: int = 0  # tokens[:computed] have their keys in the cache
-    blocks: list[int] = field(default_factory=list)
-    digest: bytes = b""  # digest of the prefix held by the last full registered block
-    registered: int = 0  # full blocks whose digest has been registered
+    computed: int = 0  # tokens[:computed] have their keys in the cache (where: serve/kv_manager.py)
     text: str = ""  # generated text given out so far (after stop-string truncation)
     held: str = ""  # decoded text held back because it may be the start of a stop string
     logprobs: list[float] = field(default_factory=list)
@@ -118,6 +115,11 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """Which sequence this is: its request and its index among the request's n."""
+        return (self.request.id, self.index)
 
 
 @dataclass(frozen=True)

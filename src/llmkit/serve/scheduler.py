@@ -29,7 +29,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from llmkit.serve.blocks import BlockPool, PrefixStats, block_digest
+from llmkit.serve.blocks import BlockPool, PrefixStats
+from llmkit.serve.kv_manager import KVCacheManager
 from llmkit.serve.request import Sequence, Status
 
 
@@ -48,10 +49,11 @@ class Work:
 
 
 class Scheduler:
-    """The waiting queue, the running batch and the block pool they share."""
+    """The waiting queue and the running batch; `kv` (kv_manager.py) holds their blocks of the pool."""
 
     def __init__(self, pool: BlockPool, max_batch: int, step_tokens: int) -> None:
         self.pool, self.max_batch, self.step_tokens = pool, max_batch, step_tokens
+        self.kv = KVCacheManager(pool)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
@@ -66,8 +68,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.pool.release(seq.blocks)
-        seq.blocks = []
+        self.kv.free(seq)
 
     def plan(self) -> list[Work]:
         """The work of the next step (possibly none)."""
@@ -79,7 +80,7 @@ class Scheduler:
             if len(seq.tokens) - seq.computed != 1:
                 i += 1
                 continue
-            if self._reserve(seq, seq.computed + 1):
+            if self.kv.allocate(seq, seq.computed + 1):
                 work.append(Work(seq, seq.computed, 1))
                 i += 1
                 continue
@@ -94,7 +95,7 @@ class Scheduler:
             need = len(seq.tokens) - seq.computed
             if need > 1 and budget > 0:
                 count = min(need, budget)
-                if not self._reserve(seq, seq.computed + count):
+                if not self.kv.allocate(seq, seq.computed + count):
                     break
                 work.append(Work(seq, seq.computed, count))
                 budget -= count
@@ -102,9 +103,9 @@ class Scheduler:
         for seq in self._admission_order(holding):  # 2b. new ones, fewest blocks held first
             if budget <= 0 or len(self.running) >= self.max_batch or (preempted and seq.request.id in holding):
                 break
-            self._take_prefix(seq)
+            seq.computed = self.kv.find_computed(seq)
             count = min(len(seq.tokens) - seq.computed, budget)
-            if not self._reserve(seq, seq.computed + count):
+            if not self.kv.allocate(seq, seq.computed + count):
                 self._unadmit(seq)  # no room yet: it keeps its place and holds nothing while it waits
                 break
             self.waiting.remove(seq)
@@ -120,7 +121,7 @@ class Scheduler:
         """The newest running sequence of the request that holds the most blocks (ties: the newer request)."""
         held: dict[str, int] = {}
         for seq in self.running:  # in admission order, so the last of a request is its newest
-            held[seq.request.id] = held.get(seq.request.id, 0) + len(seq.blocks)
+            held[seq.request.id] = held.get(seq.request.id, 0) + self.kv.held(seq)
         arrival = {seq.request.id: seq.request.arrival for seq in self.running}
         hog = max(held, key=lambda r: (held[r], arrival[r]))
         return next(seq for seq in reversed(self.running) if seq.request.id == hog)
@@ -133,39 +134,15 @@ class Scheduler:
 
     def computed(self, work: Work) -> None:
         """After the model ran `work`: its tokens are cached, and the blocks it filled can be shared."""
-        seq = work.seq
-        seq.computed = work.start + work.count
-        bs = self.pool.block_size
-        while (seq.registered + 1) * bs <= seq.computed:
-            k = seq.registered
-            seq.digest = block_digest(seq.digest, seq.tokens[k * bs : (k + 1) * bs])
-            self.pool.register(seq.blocks[k], seq.digest)
-            seq.registered += 1
-
-    def _take_prefix(self, seq: Sequence) -> None:
-        blocks, digest = self.pool.match(seq.tokens, limit=len(seq.tokens) - 1)  # at least one token to compute
-        seq.blocks, seq.digest = blocks, digest
-        seq.registered = len(blocks)
-        seq.computed = len(blocks) * self.pool.block_size
-
-    def _reserve(self, seq: Sequence, length: int) -> bool:
-        """Make `seq` hold enough blocks for `length` tokens; on failure it keeps what it had."""
-        bs = self.pool.block_size
-        need = -(-length // bs) - len(seq.blocks)
-        if need > self.pool.free:
-            return False
-        for _ in range(need):
-            block = self.pool.allocate()
-            assert block is not None
-            seq.blocks.append(block)
-        return True
+        work.seq.computed = work.start + work.count
+        self.kv.cache_full_blocks(work.seq, work.seq.computed)
 
     def _unadmit(self, seq: Sequence) -> None:
         """Give back all of `seq`'s blocks: a waiting sequence holds none, so whatever waits can never keep the
         running ones from the memory they need. It will be computed again from its tokens (what was cached of
         them is found again through the prefix cache unless the pool needed those blocks meanwhile)."""
-        self.pool.release(seq.blocks)
-        seq.blocks, seq.computed, seq.digest, seq.registered = [], 0, b"", 0
+        self.kv.free(seq)
+        seq.computed = 0
         seq.status = Status.WAITING
 
     def _preempt(self, seq: Sequence) -> None:

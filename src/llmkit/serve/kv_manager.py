@@ -1,0 +1,85 @@
+"""Which blocks of the pool hold each sequence's keys and values (vLLM v1's KV-cache manager, over blocks.py's pool).
+
+The scheduler decides which tokens are computed; this decides where their keys go:
+
+    find_computed(seq)          at admission: take the cached blocks that already hold a prefix of its tokens;
+                                returns how many tokens they cover (the sequence computes only the rest)
+    allocate(seq, length)       blocks enough for `length` tokens (added at the end of its table), or False with
+                                nothing changed when the pool cannot give them
+    cache_full_blocks(seq, n)   after a step that computed its tokens up to n: register the digests of the blocks
+                                that are now full, so that later prompts with the same prefix find them
+    free(seq)                   give every block back (finished, aborted, preempted)
+    table(seq)                  its block table: logical block i of the sequence -> physical block in the pool
+
+A sequence holds nothing here until it is admitted, and nothing again once freed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmkit.serve.blocks import BlockPool, block_digest
+from llmkit.serve.request import Sequence
+
+
+@dataclass
+class _Held:
+    """One sequence's blocks, and how far its full blocks have been registered in the prefix cache."""
+
+    blocks: list[int] = field(default_factory=list)
+    digest: bytes = b""  # the digest of the prefix held by the last registered full block
+    registered: int = 0  # full blocks whose digest is registered
+
+
+class KVCacheManager:
+    """The block tables of the sequences that hold blocks of `pool`."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self._held: dict[tuple[str, int], _Held] = {}
+
+    def table(self, seq: Sequence) -> list[int]:
+        held = self._held.get(seq.key)
+        return held.blocks if held is not None else []
+
+    def held(self, seq: Sequence) -> int:
+        """Blocks `seq` holds (shared ones count for each holder)."""
+        return len(self.table(seq))
+
+    def find_computed(self, seq: Sequence) -> int:
+        """Take the cached blocks holding the longest prefix of `seq`'s tokens (whole blocks, at least one token
+        left to compute, so that the step that finishes the prompt has a token to sample from); returns the
+        number of tokens they hold."""
+        assert seq.key not in self._held, f"sequence {seq.key} already holds blocks"
+        blocks, digest = self.pool.match(seq.tokens, limit=len(seq.tokens) - 1)
+        self._held[seq.key] = _Held(blocks, digest, len(blocks))
+        return len(blocks) * self.pool.block_size
+
+    def allocate(self, seq: Sequence, length: int) -> bool:
+        """Make `seq` hold blocks enough for `length` tokens; on failure it keeps what it had."""
+        held = self._held.setdefault(seq.key, _Held())
+        need = -(-length // self.pool.block_size) - len(held.blocks)
+        if need > self.pool.free:
+            return False
+        for _ in range(need):
+            block = self.pool.allocate()
+            assert block is not None
+            held.blocks.append(block)
+        return True
+
+    def cache_full_blocks(self, seq: Sequence, computed: int) -> None:
+        """Register the digests of `seq`'s blocks that its first `computed` tokens fill (each digest covers the
+        whole prefix up to its block, through the digest of the block before)."""
+        held = self._held[seq.key]
+        bs = self.pool.block_size
+        while (held.registered + 1) * bs <= computed:
+            k = held.registered
+            held.digest = block_digest(held.digest, seq.tokens[k * bs : (k + 1) * bs])
+            self.pool.register(held.blocks[k], held.digest)
+            held.registered += 1
+
+    def free(self, seq: Sequence) -> None:
+        """Give back every block of `seq` (cached prefixes stay findable until the pool needs the room)."""
+        held = self._held.pop(seq.key, None)
+        if held is not None:
+            self.pool.release(held.blocks)
