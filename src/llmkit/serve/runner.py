@@ -1,7 +1,10 @@
-"""An engine driven by its own thread, for callers that must not block (the HTTP server's event loop).
+"""An engine driven by a loop of its own, for callers that must not block (the HTTP server's event loop).
 
-The loop thread owns the engine: new requests and aborts reach it through a queue of commands, applied between
-steps, so a caller never waits for a step to end. A request's deltas go to the callback given with it (the server
+The loop's thread owns the engine: new requests and aborts reach it through a queue of commands, applied between
+steps, so a caller never waits for a step to end. The loop runs in a thread of its own (`start`), or in the calling
+thread (`run`): `llmkit serve` runs it in the thread that loaded the model, because OpenMP's worker threads belong
+to the thread that first ran a parallel region, and another thread's regions then ran 3x slower on a 2-core VM
+(21-27 ms a SmolLM2 token against 7 ms). A request's deltas go to the callback given with it (the server
 passes one that hands them to its event loop). Validation happens in the caller's thread, so a bad request fails
 at once with the engine's message.
 """
@@ -34,7 +37,8 @@ class _Flight:
 
 
 class EngineRunner:
-    """Runs `engine.step()` in a background thread while there is work; `submit` and `abort` from any thread."""
+    """Runs `engine.step()` while there is work (`start`: in a thread of its own; `run`: in this one); `submit`
+    and `abort` from any thread."""
 
     def __init__(self, engine: Engine, metrics: Metrics | None = None, idle_wait: float = 0.05) -> None:
         self.engine = engine
@@ -49,20 +53,31 @@ class EngineRunner:
         self._pending = 0  # submitted requests the loop has not taken yet (counted against the queue)
         self._idle = threading.Condition()  # notified when the last request in flight is done
         self.aborts = 0  # abort() calls (clients that went away), for /metrics and tests
-        self.thread = threading.Thread(target=self._loop, name="llmkit-engine", daemon=True)
+        self.thread = threading.Thread(target=self.run, name="llmkit-engine", daemon=True)
+        self._running = threading.Event()  # the loop is running, in whichever thread
 
     def start(self) -> EngineRunner:
+        """Run the loop in a thread of its own."""
         self.thread.start()
         return self
+
+    def run(self) -> None:
+        """Run the loop in this thread until `stop`."""
+        self._running.set()
+        try:
+            self._loop()
+        finally:
+            self._running.clear()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._wake.set()
-        self.thread.join(timeout)
+        if self.thread.is_alive():
+            self.thread.join(timeout)
 
     @property
     def alive(self) -> bool:
-        return self.thread.is_alive()
+        return self._running.is_set()
 
     @property
     def in_flight(self) -> int:

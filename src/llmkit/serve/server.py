@@ -69,18 +69,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-class _Uvicorn(uvicorn.Server):
-    """uvicorn's server with our answer to SIGTERM / SIGINT instead of its own (which waits for every connection
-    however long it takes, and cuts streams on a second Ctrl-C)."""
-
-    def __init__(self, config: uvicorn.Config, owner: Server) -> None:
-        super().__init__(config)
-        self.owner = owner
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        self.owner.shut_down(now=self.owner.shutting_down, reason=signal.Signals(sig).name)
-
-
 class Server:
     """An engine, its runner and the HTTP app on host:port (a context manager: in a background thread)."""
 
@@ -107,7 +95,9 @@ class Server:
             http=with_header_timeout(options.header_timeout),
             lifespan="off",
         )
-        self._server = _Uvicorn(uvicorn_config, self)
+        # uvicorn runs off the main thread, where it installs no answer to SIGTERM / SIGINT of its own (it would wait
+        # for every connection however long it takes, and cut streams on a second Ctrl-C): run_foreground installs ours
+        self._server = uvicorn.Server(uvicorn_config)
         self._thread = threading.Thread(target=self._server.run, name="llmkit-http", daemon=True)
         self._drainer: threading.Thread | None = None
         self._drain_now = threading.Event()  # a second signal: stop waiting for the requests in flight
@@ -188,12 +178,25 @@ class Server:
         self.stop()
 
     def run_foreground(self) -> None:
-        """Serve in this thread until SIGTERM or SIGINT (Ctrl-C), then shut down as the module docstring says."""
-        self.runner.start()
+        """Serve until SIGTERM or SIGINT (Ctrl-C), then shut down as the module docstring says. The engine steps in
+        this thread, the one that loaded the model (see runner.py for why), and HTTP in a thread of its own."""
+        handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
-            self._server.run()
+            self._thread.start()
+
+            def stop_engine_after_http() -> None:
+                self._thread.join()
+                self.runner.stop()
+
+            threading.Thread(target=stop_engine_after_http, name="llmkit-http-watch", daemon=True).start()
+            self.runner.run()
         finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
             if self._drainer is not None:
                 self._drainer.join(_FLUSH_SECONDS)
             self.runner.stop()
             log.warning("stopped")
+
+    def _on_signal(self, sig: int, frame: FrameType | None) -> None:
+        self.shut_down(now=self.shutting_down, reason=signal.Signals(sig).name)
