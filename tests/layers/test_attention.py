@@ -304,3 +304,30 @@ def test_window_layers_take_the_local_rope_tables():
         base = plain(tokens)
     torch.testing.assert_close(with_local(1e6), base)
     assert not torch.allclose(with_local(1e4), base)
+
+
+@pytest.mark.parametrize("window, softcap", [(None, None), (3, None), (None, 5.0)])
+@pytest.mark.parametrize("heads_first", [False, True])
+def test_packed_rows_of_different_lengths_attend_as_each_row_alone(window, softcap, heads_first):
+    """A ragged mask (one-query rows and longer rows packed into one row of queries) gives every query what
+    attending within its own row gives, with the rows' keys laid out either way a cache holds them."""
+    torch.manual_seed(0)
+    H, K, S, D = 4, 2, 12, 8
+    lengths, starts = (1, 1, 1, 5, 1, 3), [6, 2, 9, 0, 4, 7]  # each row's first new slot
+    R, N = len(lengths), sum(lengths)
+    k, v = torch.randn(R, K, S, D), torch.randn(R, K, S, D)
+    if heads_first:  # stored (K, R, S, D), as a paged cache's gather gives them
+        k, v = k.transpose(0, 1).contiguous().transpose(0, 1), v.transpose(0, 1).contiguous().transpose(0, 1)
+    q = torch.randn(1, H, N, D)
+    slots = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)])[None]  # (1, N)
+    filled = torch.arange(S) < torch.tensor([s + n for s, n in zip(starts, lengths, strict=True)])[:, None]
+    mask = AttentionMask(filled[:, None, None, :], causal=True, query_slots=slots, ragged=lengths).with_window(window)
+    out, _ = attend(q, k, v, mask, scale=D**-0.5, softcap=softcap)
+    at = 0
+    for r, n in enumerate(lengths):
+        alone = AttentionMask(filled[r : r + 1, None, None, :], causal=True, query_slots=slots[:, at : at + n])
+        ref, _ = attend(
+            q[:, :, at : at + n], k[r : r + 1], v[r : r + 1], alone.with_window(window), D**-0.5, softcap=softcap
+        )
+        torch.testing.assert_close(out[:, :, at : at + n], ref, atol=1e-5, rtol=1e-5)
+        at += n

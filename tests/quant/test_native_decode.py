@@ -363,14 +363,14 @@ def test_the_serving_engine_takes_the_native_path_over_its_paged_pools(name, mon
     calls = {"n": 0}
     real = NativeDecoder.run_paged
 
-    def counting(self, *args):
+    def counting(self, *args, **kwargs):
         calls["n"] += 1
-        return real(self, *args)
+        return real(self, *args, **kwargs)
 
     monkeypatch.setattr(NativeDecoder, "run_paged", counting)
     fast = run()
     assert calls["n"] >= 9
-    monkeypatch.setattr(NativeDecoder, "applies_paged", lambda self, tokens, pools: False)
+    monkeypatch.setattr(NativeDecoder, "applies_paged", lambda self, new_tokens, keys: False)
     slow = run()
     for a, b in zip(fast, slow, strict=True):
         assert a.token_ids == b.token_ids

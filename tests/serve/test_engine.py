@@ -229,3 +229,37 @@ def test_non_finite_logits_end_only_that_sequence():
     assert good.finish_reason == "length" and len(good.token_ids) == 10 and 3 not in good.token_ids
     assert engine.stats.failed == 1
     _assert_pool_empty(engine)
+
+
+# learned positions and MHA; GQA; soft-capped scores and sliding windows; qk-norm; mixture of experts
+@pytest.mark.parametrize(
+    "name", ["gpt2-tiny", "llama2-70b-tiny", "gemma2-2b-tiny", "qwen3-0.6b-tiny", "mixtral-8x7b-tiny"]
+)
+def test_one_forward_per_step_over_rows_of_every_length(name, monkeypatch):
+    """Decoding rows and prompt chunks of different lengths go through the model as one packed row per step, and
+    give what a forward per row length gives: the same greedy tokens and log-probabilities."""
+    model = _model(name)
+    prompts = _prompts(model, [5, 17, 30, 3, 9])
+    real_run = model.run
+    assert Engine(model, None, EngineConfig(kv_memory=1 << 22)).packs
+
+    def run(packs: bool) -> tuple[list, int, int]:
+        engine = _engine(model)
+        engine.native, engine.packs = None, packs  # every row through PyTorch
+        calls = {"n": 0}
+
+        def counting(*args, **kwargs):
+            calls["n"] += 1
+            return real_run(*args, **kwargs)
+
+        monkeypatch.setattr(model, "run", counting)
+        outs = engine.generate(prompts, GREEDY)
+        monkeypatch.setattr(model, "run", real_run)
+        return outs, calls["n"], engine.stats.steps
+
+    packed, packed_calls, steps = run(True)
+    grouped, grouped_calls, _ = run(False)
+    assert packed_calls == steps < grouped_calls
+    for a, b in zip(packed, grouped, strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=1e-4)

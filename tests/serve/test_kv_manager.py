@@ -9,7 +9,7 @@ from llmkit.serve.request import Request, SamplingParams, Sequence
 
 
 def seq(request: str, tokens: list[int]) -> Sequence:
-    return Sequence(Request(request, tokens, SamplingParams(), 0.0), 0, list(tokens), None, None)
+    return Sequence(Request(request, tokens, SamplingParams(), 0.0), 0, list(tokens))
 
 
 def test_tables_grow_by_whole_blocks_and_a_failed_allocation_changes_nothing():

@@ -9,7 +9,7 @@ from llmkit.serve.scheduler import Scheduler, Work
 
 
 def seq(request: str, prompt: list[int], index: int = 0, arrival: float = 0.0) -> Sequence:
-    return Sequence(Request(request, prompt, SamplingParams(max_tokens=64), arrival), index, list(prompt), None, None)
+    return Sequence(Request(request, prompt, SamplingParams(max_tokens=64), arrival), index, list(prompt))
 
 
 def run(scheduler: Scheduler) -> list[Work]:

@@ -256,30 +256,36 @@ class NativeDecoder:
         out = self.ext.float_linear(rows.contiguous(), weight.contiguous(), model.head_bias)
         return soft_cap(out.view(*h.shape[:-1], -1), model.cfg.logit_softcap)
 
-    def applies_paged(self, tokens: Tensor, pools: list[Any]) -> bool:
-        """Whether the serving engine's step over paged pools (llmkit.serve.paged) is one the C++ blocks take."""
-        first = pools[0] if pools else None
+    def applies_paged(self, new_tokens: int, keys: list[Tensor]) -> bool:
+        """Whether the serving engine's step over paged pools (llmkit.serve.paged) is one the C++ blocks take:
+        one new token per row, and every layer's keys (K, N, bs, D) contiguous fp32."""
         return (
-            tokens.shape[1] == 1
-            and type(first) is KVCache
-            and first.k.dtype == torch.float32
-            and first.k.is_contiguous()
+            new_tokens == 1
+            and len(keys) == len(self.blocks)
+            and all(k.dtype == torch.float32 and k.is_contiguous() for k in keys)
             and not torch.is_grad_enabled()
         )
 
     def run_paged(
-        self, tokens: Tensor, positions: Tensor, table: Tensor, slots: Tensor, allowed: Tensor, pools: list[Any]
+        self,
+        tokens: Tensor,
+        *,
+        positions: Tensor,
+        table: Tensor,
+        slots: Tensor,
+        allowed: Tensor,
+        keys: list[Tensor],
+        values: list[Tensor],
     ) -> Tensor:
         """The blocks over tokens (B, 1) at `positions` (B, 1), row b's new token into its logical slot slots[b]
-        (B,) of the pools (KVCaches holding (K, N, bs, D) blocks) through block table (B, nb); allowed (B, nb * bs):
-        the slots each row may see. What the engine's `model.run` over the pools' views computes; returns the last
-        block's output (B, 1, C)."""
+        (B,) of each layer's pool of keys and values (K, N, bs, D) through block table (B, nb); allowed
+        (B, nb * bs): the slots each row may see. What the engine's `model.run` over the pools' views computes;
+        returns the last block's output (B, 1, C)."""
         B = tokens.shape[0]
         model = self.model
         x = model.inputs(model.embed, tokens, positions).reshape(B, -1).contiguous()  # (B, C)
         cos, sin = self._rope(positions)
-        ks, vs = [c.k for c in pools], [c.v for c in pools]
-        out = self.ext.decode_paged(self.blocks, x, ks, vs, table, slots, allowed, cos, sin)
+        out = self.ext.decode_paged(self.blocks, x, keys, values, table, slots, allowed, cos, sin)
         return out.view(B, 1, -1)
 
     def _rope(self, positions: Tensor) -> tuple[Tensor | None, Tensor | None]:

@@ -6,8 +6,10 @@
 
 `step()` does one iteration: the scheduler picks the work (every decoding sequence's newest token, plus prompt
 chunks up to the step's token budget), the model computes it through a view of the paged cache, and every sequence
-that reached the end of its known tokens gets its next token. Decoding rows run as one batch (B, 1); each prompt
-chunk runs as its own (1, T) call. Nothing here is threaded: `llmkit.serve.runner` drives an engine from a thread
+that reached the end of its known tokens gets its next token. A step's rows go through the model in one forward:
+decoding rows and prompt chunks of different lengths packed into one row (1, N), each attending within its own
+sequence (AttentionMask.ragged); the decoding rows run in one C++ call instead where the model allows it
+(llmkit's native step). Nothing here is threaded: `llmkit.serve.runner` drives an engine
 for the HTTP server, and `generate` drives it to completion for a Python caller.
 """
 
@@ -24,6 +26,7 @@ from torch import Tensor
 
 from llmkit.errors import InputError, LLMKitError
 from llmkit.generate.native import NativeDecoder
+from llmkit.layers.attention.gqa import GroupedQueryAttention
 from llmkit.layers.attention.mask import AttentionMask
 from llmkit.models.cache import Step
 from llmkit.models.decoder import DecoderLM
@@ -32,7 +35,7 @@ from llmkit.serve.paged import PagedCache, Pages
 from llmkit.serve.request import Completion, Delta, FinishReason, Request, SamplingParams, Sequence, Status
 from llmkit.serve.sampler import sample
 from llmkit.serve.scheduler import Scheduler, Work
-from llmkit.serve.text import TextStops
+from llmkit.serve.text import TextOutput
 from llmkit.tokenizer import IncrementalDecoder, Tokenizer
 
 log = logging.getLogger("llmkit.serve")
@@ -97,6 +100,9 @@ class Engine:
             raise InputError(f"kv_memory={config.kv_memory} bytes is less than one block ({per_block} bytes)")
         self.cache = PagedCache(model, n_blocks, config.block_size, self.device, self.dtype)
         self.native = NativeDecoder.of(model)  # decoding rows' blocks in one C++ call, where the model allows
+        # whether rows of different lengths can go through the model as one packed row: grouped-query attention
+        # takes them (AttentionMask.ragged); latent attention's paths size their work by the queries' batch
+        self.packs = all(type(b.attn) is GroupedQueryAttention for b in model.blocks)
         self.pool = BlockPool(n_blocks, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_batch, config.step_tokens)
         self.max_len = model.max_seq_len
@@ -165,7 +171,7 @@ class Engine:
             # seed + index stays in manual_seed's range: seeds are int64 (SamplingParams), which it takes up to 2**64
             generator.manual_seed(seed + index if seed is not None else int(torch.randint(2**62, ()).item()))
         decoder = IncrementalDecoder(self.tokenizer, request.prompt) if self.tokenizer is not None else None
-        return Sequence(request, index, list(request.prompt), generator, decoder)
+        return Sequence(request, index, list(request.prompt), generator, TextOutput(decoder, request.params.stop))
 
     def abort(self, request_id: str) -> None:
         """End a request now (a client went away); its blocks go back to the pool. Unknown ids are ignored."""
@@ -223,13 +229,21 @@ class Engine:
         return deltas
 
     def _logits(self, work: list[Work]) -> dict[int, Tensor]:
-        """The last-token logits (V,) of each work item, by id: decoding rows as one batch, each prompt chunk on its
-        own. When a batch's forward raises (out of memory, a kernel refusing a shape), its rows are computed one by
-        one, so that the failure is pinned on the rows that cause it; those are missing from the result."""
-        rows = [w for w in work if w.count == 1]
-        groups = ([rows] if rows else []) + [[w] for w in work if w.count > 1]
+        """The last-token logits (V,) of each work item, by id. All the rows go through the model in one forward
+        (packed, see _forward); the decoding rows in C++ instead where it applies (self.native), and each row length
+        on its own for models whose attention cannot take packed rows. When a forward raises (out of memory, a
+        kernel refusing a shape), its rows are computed one by one, so that the failure is pinned on the rows that
+        cause it; those are missing from the result."""
+        decoding = [w for w in work if w.count == 1]
+        chunks = [w for w in work if w.count > 1]
+        if self._native_applies(decoding):
+            groups = [decoding, chunks]
+        elif self.packs:
+            groups = [decoding + chunks]
+        else:
+            groups = [decoding] + [[w] for w in chunks]
         logits: dict[int, Tensor] = {}
-        for group in groups:
+        for group in (g for g in groups if g):
             try:
                 out = self._forward(group)  # (B, V)
             except Exception as e:
@@ -253,49 +267,53 @@ class Engine:
                 log.error("request %s failed: %s: %s; ending it", w.seq.request.id, type(e).__name__, e)
         return logits
 
-    def _forward(self, work: list[Work]) -> Tensor:
-        """The model over the given rows (all with the same count T) -> logits of each row's last token (B, V)."""
-        T = work[0].count
+    def _native_applies(self, rows: list[Work]) -> bool:
+        kv = self.cache.grouped_query()
+        return bool(rows) and self.native is not None and kv is not None and self.native.applies_paged(1, kv[0])
+
+    def _forward(self, rows: list[Work]) -> Tensor:
+        """The model over the rows -> logits of each row's last token (B, V). Rows of one token each run in C++
+        where it applies; rows of one length run as a batch (B, T); rows of different lengths as one packed row
+        (1, N) whose attention runs row by row (AttentionMask.ragged)."""
         bs = self.pool.block_size
         dev = self.device
-        tokens = torch.tensor([w.seq.tokens[w.start : w.start + T] for w in work], device=dev)  # (B, T)
-        starts = torch.tensor([w.start for w in work], device=dev)
-        slots = starts[:, None] + torch.arange(T, device=dev)  # (B, T)
-        tables = [self.scheduler.kv.table(w.seq) for w in work]
+        counts = [w.count for w in rows]
+        starts = torch.tensor([w.start for w in rows], device=dev)  # (B,) each row's first new slot
+        tables = [self.scheduler.kv.table(w.seq) for w in rows]
         nb = max(len(t) for t in tables)
         table = torch.tensor([t + t[:1] * (nb - len(t)) for t in tables], device=dev)  # (B, nb), padded
-        filled = torch.arange(nb * bs, device=dev) < (starts + T)[:, None]  # (B, S): slots holding tokens
-        if self.native is not None and self.native.applies_paged(tokens, self.cache.layers):
-            h = self.native.run_paged(tokens, slots, table, starts, filled, self.cache.layers)  # (B, 1, C)
-        else:
-            mask = AttentionMask(allowed=filled[:, None, None, :], causal=T > 1, query_slots=slots)
-            layers = self.cache.views(Pages.of(table, slots, bs))
-            h = self.model.run(tokens, Step(slots, mask, slots), layers)  # (B, T, C)
-        return self.model.logits(self.model.norm(h[:, -1]))  # (B, V)
+        filled = torch.arange(nb * bs, device=dev) < (starts + torch.tensor(counts, device=dev))[:, None]  # (B, S)
+        if len(set(counts)) == 1:
+            T = counts[0]
+            tokens = torch.tensor([w.seq.tokens[w.start : w.start + T] for w in rows], device=dev)  # (B, T)
+            positions = starts[:, None] + torch.arange(T, device=dev)  # (B, T): logical slots, which are positions
+            if T == 1 and self._native_applies(rows):
+                keys, values = self.cache.grouped_query() or ([], [])
+                h = self.native.run_paged(  # type: ignore[union-attr]
+                    tokens, positions=positions, table=table, slots=starts, allowed=filled, keys=keys, values=values
+                )  # (B, 1, C)
+                return self.model.logits(self.model.norm(h[:, -1]))
+            pages = Pages.of(table, positions, bs)
+            mask = AttentionMask(allowed=filled[:, None, None, :], causal=T > 1, query_slots=positions)
+            h = self.model.run(tokens, Step(positions, mask, positions), self.cache.views(pages))  # (B, T, C)
+            return self.model.logits(self.model.norm(h[:, -1]))  # (B, V)
+        tokens = torch.tensor([t for w in rows for t in w.seq.tokens[w.start : w.start + w.count]], device=dev)
+        positions = torch.cat([torch.arange(w.start, w.start + w.count, device=dev) for w in rows])[None]  # (1, N)
+        row = torch.repeat_interleave(torch.arange(len(rows), device=dev), torch.tensor(counts, device=dev))  # (N,)
+        pages = Pages(table, table[row, positions[0] // bs][None], positions % bs)
+        mask = AttentionMask(allowed=filled[:, None, None, :], causal=True, query_slots=positions, ragged=tuple(counts))
+        h = self.model.run(tokens[None], Step(positions, mask, positions), self.cache.views(pages))  # (1, N, C)
+        last = torch.tensor(counts, device=dev).cumsum(0) - 1  # each row's last query
+        return self.model.logits(self.model.norm(h[0, last]))  # (B, V)
 
     def _append(self, seq: Sequence, token: int, logprob: float) -> Delta:
-        now = self.clock()
         seq.tokens.append(token)
-        seq.logprobs.append(logprob)
-        seq.first_token_at = seq.first_token_at or now
-        seq.last_token_at = now
         self.stats.generated_tokens += 1
         p = seq.request.params
-        stops = TextStops(p.stop)
-        reason: FinishReason | None = None
-        if token in self.eos_ids and not p.ignore_eos:
-            reason = "stop"
-            piece = ""
-        else:
-            piece = seq.decoder.push(token) if seq.decoder is not None else ""
-        if reason is None and (len(seq.generated) >= p.max_tokens or len(seq.tokens) >= self.max_len):
-            reason = "length"
-        if reason is not None and seq.decoder is not None:
-            piece += seq.decoder.finish()
-        text, seq.held, stopped = stops.release(seq.held + piece, final=reason is not None)
-        if stopped:
-            reason = "stop"
-        seq.text += text
+        eos = token in self.eos_ids and not p.ignore_eos  # its text is never shown
+        length = not eos and (len(seq.generated) >= p.max_tokens or len(seq.tokens) >= self.max_len)
+        text, stopped = seq.output.push(None if eos else token, final=eos or length)
+        reason: FinishReason | None = "stop" if eos or stopped else "length" if length else None
         if reason is not None:
             self._finish(seq, reason)
         return self._delta(seq, [token], text, [logprob])

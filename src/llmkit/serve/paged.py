@@ -1,11 +1,11 @@
 """The paged KV cache's tensors: one pool of blocks per layer, in that layer's own cache layout, and per-step views
 that let an unchanged attention layer write its new keys into the blocks and read back its sequences' keys.
 
-    GQA / MHA / MQA   k, v           (K, N, block, D)          KVCache's with batch = N blocks, heads first
-    MLA               c_kv, k_pe     (N, block, r), (N, block, d_rope)
-    DSA               + index_k      (N, block, d_index)
+    GQA / MHA / MQA   KVPool       k, v           (K, N, block, D)     heads first (see _rows)
+    MLA               LatentPool   c_kv, k_pe     (N, block, r), (N, block, d_rope)
+    DSA               LatentPool   + index_k      (N, block, d_index)
 
-Each attention variant builds its pool with its own `new_cache(batch=N, max_len=block_size)`, so a variant's cache
+Each pool starts as its attention variant's own `new_cache(batch=N, max_len=block_size)`, so a variant's per-token
 layout is written down once, and MLA's 576-element latent takes 576 elements per token here too: more blocks, so
 more concurrent sequences, in the same memory.
 
@@ -42,10 +42,53 @@ class Pages:
         return cls(table, table.gather(1, slots // block_size), slots % block_size)
 
 
+@dataclass
+class KVPool:
+    """A grouped-query layer's blocks: k (K, N, bs, D), v (K, N, bs, Dv). Heads come first, unlike KVCache's
+    (batch, K, S, D): a step's gather of whole blocks then lays each kv head's rows out contiguously (see _rows)."""
+
+    k: Tensor
+    v: Tensor
+
+    @classmethod
+    def of(cls, cache: KVCache) -> KVPool:
+        """The pool whose blocks are the rows of `cache` (batch = N blocks, max_len = block size)."""
+        return cls(cache.k.transpose(0, 1).contiguous(), cache.v.transpose(0, 1).contiguous())
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.k, self.v)
+
+
+@dataclass
+class LatentPool:
+    """A latent-attention layer's blocks: c_kv (N, bs, r), k_pe (N, bs, d_rope), and the indexer's keys index_k
+    (N, bs, d_index) when the layer has one (LatentCache's layout with batch = N blocks)."""
+
+    c_kv: Tensor
+    k_pe: Tensor
+    index_k: Tensor | None = None
+
+    @classmethod
+    def of(cls, cache: LatentCache) -> LatentPool:
+        return cls(cache.c_kv, cache.k_pe, cache.index_k)
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.c_kv, self.k_pe, *([self.index_k] if self.index_k is not None else []))
+
+
+Pool = KVPool | LatentPool
+
+
+def _nbytes(*tensors: Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 class PagedKV:
     """A grouped-query layer's view of the pool for one step (what KVCache.update is to a contiguous cache)."""
 
-    def __init__(self, store: KVCache, pages: Pages) -> None:
+    def __init__(self, store: KVPool, pages: Pages) -> None:
         self.store, self.pages = store, pages
 
     def update(self, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -60,7 +103,7 @@ class PagedKV:
 class PagedLatent:
     """A latent-attention layer's view of the pool for one step (what LatentCache is to a contiguous cache)."""
 
-    def __init__(self, store: LatentCache, pages: Pages) -> None:
+    def __init__(self, store: LatentPool, pages: Pages) -> None:
         self.store, self.pages = store, pages
 
     def update(self, slots: Tensor, c_kv: Tensor, k_pe: Tensor) -> tuple[Tensor, Tensor]:
@@ -100,7 +143,9 @@ class PagedCache:
         self, model: DecoderLM, n_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype
     ) -> None:
         self.n_blocks, self.block_size = n_blocks, block_size
-        self.layers = [_heads_first(_attention(b).new_cache(n_blocks, block_size, device, dtype)) for b in model.blocks]
+        self.layers: list[Pool] = [
+            _pool(_attention(b).new_cache(n_blocks, block_size, device, dtype)) for b in model.blocks
+        ]
 
     @staticmethod
     def bytes_per_block(model: DecoderLM, block_size: int, dtype: torch.dtype) -> int:
@@ -113,15 +158,19 @@ class PagedCache:
 
     def views(self, pages: Pages) -> list[object]:
         """Each layer's view of its pool for one step over `pages`."""
-        return [PagedKV(c, pages) if isinstance(c, KVCache) else PagedLatent(c, pages) for c in self.layers]
+        return [PagedKV(c, pages) if isinstance(c, KVPool) else PagedLatent(c, pages) for c in self.layers]
+
+    def grouped_query(self) -> tuple[list[Tensor], list[Tensor]] | None:
+        """Every layer's keys and values (K, N, bs, D) when all the layers are grouped-query (what the C++ step
+        reads), else None."""
+        if not all(isinstance(c, KVPool) for c in self.layers):
+            return None
+        pools = cast(list[KVPool], self.layers)
+        return [p.k for p in pools], [p.v for p in pools]
 
 
-def _heads_first(cache: LayerCache) -> LayerCache:
-    """A grouped-query pool stored (K, N, block, D) rather than KVCache's (N, K, block, D), so that a step's gather
-    lays each kv head's rows out contiguously (see _rows). Latent pools keep their layout."""
-    if isinstance(cache, KVCache):
-        cache.k, cache.v = cache.k.transpose(0, 1).contiguous(), cache.v.transpose(0, 1).contiguous()
-    return cache
+def _pool(cache: LayerCache) -> Pool:
+    return KVPool.of(cache) if isinstance(cache, KVCache) else LatentPool.of(cache)
 
 
 def _attention(block: torch.nn.Module) -> SelfAttention:

@@ -17,7 +17,7 @@ import torch
 
 from llmkit.errors import InputError
 from llmkit.generate.sampling import Sampling
-from llmkit.tokenizer import IncrementalDecoder
+from llmkit.serve.text import TextOutput
 
 # abort: the client went away; timeout: past the request's time limit; error: the model's logits or the request's
 # sampling failed; shutdown: the server stopped before the request finished
@@ -88,21 +88,17 @@ class Request:
 
 @dataclass
 class Sequence:
-    """One completion of a request: its tokens, how many of them are cached, and what it has given out so far."""
+    """One completion of a request: its tokens, how many of them are cached, and where it stands. Its blocks are
+    the KV-cache manager's (serve/kv_manager.py), its timings the request's and the client's."""
 
     request: Request
     index: int  # which of the request's n completions
     tokens: list[int]
-    generator: torch.Generator | None
-    decoder: IncrementalDecoder | None
+    generator: torch.Generator | None = None  # its own random stream (None: greedy)
+    output: TextOutput = field(default_factory=lambda: TextOutput(None, ()))  # detokenizer, stop strings
     status: Status = Status.WAITING
-    computed: int = 0  # tokens[:computed] have their keys in the cache (where: serve/kv_manager.py)
-    text: str = ""  # generated text given out so far (after stop-string truncation)
-    held: str = ""  # decoded text held back because it may be the start of a stop string
-    logprobs: list[float] = field(default_factory=list)
+    computed: int = 0  # tokens[:computed] have their keys in the cache
     finish_reason: FinishReason | None = None
-    first_token_at: float | None = None
-    last_token_at: float | None = None
 
     @property
     def prompt_len(self) -> int:

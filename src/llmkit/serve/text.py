@@ -1,4 +1,4 @@
-"""Stop strings over text that arrives piece by piece.
+"""A sequence's text as it is given out: tokens detokenized one at a time, with stop strings held back.
 
 A stop string may arrive split over several tokens ("\\n\\n" as "\\n" then "\\n"), so text that could be the start of
 one is held back until the next piece shows whether it is. The output ends just before the first stop string found,
@@ -8,6 +8,8 @@ and never contains it (OpenAI's convention).
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from llmkit.tokenizer import IncrementalDecoder
 
 
 class TextStops:
@@ -36,3 +38,21 @@ class TextStops:
                     longest = n
                     break
         return longest
+
+
+class TextOutput:
+    """One sequence's detokenizer and the text it holds back for its stop strings. Without a tokenizer (a
+    Python caller working in token ids) every piece is empty."""
+
+    def __init__(self, decoder: IncrementalDecoder | None, stops: Sequence[str]) -> None:
+        self.decoder, self.stops = decoder, TextStops(stops)
+        self.held = ""  # decoded text not given out yet: it may be the start of a stop string
+
+    def push(self, token: int | None, final: bool = False) -> tuple[str, bool]:
+        """Add a token (None: only end, as at an end-of-sequence token, whose text is never shown); returns the
+        text to give out now and whether a stop string ended it. With `final` nothing is held back."""
+        piece = self.decoder.push(token) if self.decoder is not None and token is not None else ""
+        if final and self.decoder is not None:
+            piece += self.decoder.finish()
+        text, self.held, stopped = self.stops.release(self.held + piece, final)
+        return text, stopped

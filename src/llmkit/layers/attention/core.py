@@ -45,9 +45,12 @@ def attend(
 ) -> tuple[Tensor, Tensor | None]:
     """q (B, H, T, D), k (B, K, S, D), v (B, K, S, Dv) -> out (B, H, T, Dv), weights (B, H, T, S) or None.
     softcap: scores soft-capped before the softmax (Gemma 2), which SDPA cannot do: the explicit paths compute it."""
+    mask = mask or AttentionMask()
+    if mask.ragged is not None:
+        assert not need_weights and dropout_p == 0.0, "packed rows of different lengths are an inference path"
+        return _attend_ragged(q, k, v, mask, scale, softcap), None
     B, H, T, _ = q.shape
     K, S = k.shape[1], k.shape[2]
-    mask = mask or AttentionMask()
     one_query_path = torch.compiler.is_compiling() or _heads_first(k) or softcap is not None
     if T == 1 and not need_weights and dropout_p == 0.0 and one_query_path:
         return _one_query(q, k, v, mask, scale, softcap), None
@@ -70,9 +73,25 @@ def attend(
     return out.reshape(B, H, T, -1), weights.reshape(B, H, T, S)
 
 
+def _attend_ragged(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, softcap: float | None) -> Tensor:
+    """Packed rows of different lengths (mask.ragged): q (1, H, N, D), k (R, K, S, D), v (R, K, S, Dv) ->
+    (1, H, N, Dv). A run of one-query rows attends as a batch (G, H, 1, D); a longer row alone (1, H, T, D)."""
+    outs = []
+    for rows, queries, sub in mask.row_groups():
+        G = rows.stop - rows.start
+        qg = q[:, :, queries]  # (1, H, G T, D)
+        if G > 1:
+            qg = qg.transpose(0, 2)  # (G, H, 1, D)
+        out, _ = attend(qg, k[rows], v[rows], sub, scale, softcap=softcap)  # (G, H, T, Dv)
+        outs.append(out.transpose(0, 2) if G > 1 else out)  # (1, H, G T, Dv)
+    return torch.cat(outs, dim=2)
+
+
 def _heads_first(k: Tensor) -> bool:
-    """Keys stored (K, B, S, D) and viewed as (B, K, S, D) (a paged cache's gather)."""
-    return k.shape[1] > 1 and k.shape[0] > 1 and not k.is_contiguous() and k.transpose(0, 1).is_contiguous()
+    """Keys stored (K, B', S, D) and viewed as (B, K, S, D), B <= B' (a paged cache's gather, or some of its rows):
+    each (row, head) pair's slots are one run of memory, and rows lie closer together than heads."""
+    B, K, S, D = k.shape
+    return B > 1 and K > 1 and k.stride(3) == 1 and k.stride(2) == D and k.stride(0) == S * D < k.stride(1)
 
 
 def _one_query(
@@ -85,7 +104,7 @@ def _one_query(
     q (B, H, 1, D), k (B, K, S, D), v (B, K, S, Dv) -> (B, H, 1, Dv)."""
     B, H, _, D = q.shape
     K, S = k.shape[1], k.shape[2]
-    qg = q.view(B, K, H // K, D)  # (B, K, G, D): the query heads that share each kv head
+    qg = q.reshape(B, K, H // K, D)  # (B, K, G, D): the query heads that share each kv head
     allowed = mask.dense(1, S, q.device)  # (B | 1, 1, 1, S) or None
     visible = None if allowed is None else allowed[:, :, 0, :].unsqueeze(2)  # (B | 1, 1, 1, S)
     heads_first = _heads_first(k)

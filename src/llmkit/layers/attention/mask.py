@@ -14,6 +14,12 @@ causal rule hides them). A sliding window (Mistral) further limits a query to th
 slot(q) - slot(k) < window. A mask stays symbolic (`causal=True`, no tensor) as long as possible so that SDPA can
 take its fused causal path.
 
+Rows of different lengths can also go through a layer as one packed row (a serving step: each decoding sequence's
+newest token and each prompt chunk, N queries in all): `ragged` gives the rows' lengths, in the order their queries
+are packed, `allowed` (R, 1, 1, S) and the keys (R, K, S, D) have one row each, and `query_slots` (1, N) gives each
+query's slot in its own row. Attention then runs per run of rows of the same kind (`row_groups`): all the one-query
+rows at once, and each longer row alone, so no query is ever scored against another row's keys.
+
 Shapes: B batch, T queries, S key slots.
 """
 
@@ -47,12 +53,31 @@ class AttentionMask:
     causal: additionally restrict each query to keys up to its own slot.
     window: additionally restrict each query to the `window` most recent slots (itself included).
     query_slots: (T,) long, the queries' slots among the keys (a cache's write slots), or (B, T) when each row's
-    queries sit elsewhere (a serving batch of sequences of different lengths); None: the last T."""
+    queries sit elsewhere (a serving batch of sequences of different lengths); None: the last T.
+    ragged: the lengths of packed rows (see the module docstring); None for an ordinary batch."""
 
     allowed: Tensor | None = None
     causal: bool = False
     window: int | None = None
     query_slots: Tensor | None = None
+    ragged: tuple[int, ...] | None = None
+
+    def row_groups(self) -> list[tuple[slice, slice, AttentionMask]]:
+        """A ragged mask's groups: (rows, their queries in the packed row, the mask of that batch of rows). Adjacent
+        rows of one query form one group (a batch of (G, 1) queries), each longer row its own group."""
+        assert self.ragged is not None and self.allowed is not None and self.query_slots is not None
+        groups, row, start = [], 0, 0
+        while row < len(self.ragged):
+            end = row + 1
+            if self.ragged[row] == 1:
+                while end < len(self.ragged) and self.ragged[end] == 1:
+                    end += 1
+            n = sum(self.ragged[row:end])
+            rows, queries = slice(row, end), slice(start, start + n)
+            slots = self.query_slots[0, queries].view(end - row, -1)  # (G, T)
+            groups.append((rows, queries, replace(self, allowed=self.allowed[rows], query_slots=slots, ragged=None)))
+            row, start = end, start + n
+        return groups
 
     def with_window(self, window: int | None) -> AttentionMask:
         return self if window is None else replace(self, window=window)
