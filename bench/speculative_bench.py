@@ -16,7 +16,7 @@ tokenizer. Both train on the prepared Shakespeare data for --train-seconds (400)
 Then, for each prompt (a speaker's name, as in the plays), batch 1: generate --new tokens greedily with the target
 alone, with the draft proposing k tokens per round, and with the MTP module proposing one. A sampled run (temperature
 1) reports acceptance too: there, speculative sampling keeps the target's distribution exactly (tested in
-tests/test_speculative.py), not its tokens.
+tests/generate/test_speculative.py), not its tokens.
 
 transformers' assisted generation (`assistant_model=`) is the reference where it applies: the target and draft are
 exported to transformers' Llama format and timed in the same run. transformers has no counterpart for the MTP drafter.
