@@ -193,7 +193,7 @@ def build_app(
         check_model(body.model)
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it cannot chat", param="messages")
-        conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
+        conversation = [{"role": m.template_role, "content": m.text()} for m in body.messages]
         text_limit.check(sum(len(m["content"]) for m in conversation), "messages")
         ids = await off_loop(lambda: _render(tokenizer, conversation))
         limit = body.limit() if body.limit() is not None else max_len - len(ids)

@@ -1,8 +1,11 @@
-"""The request bodies of OpenAI's completions and chat-completions APIs, as far as llmkit serves them.
+"""The request bodies of OpenAI's completions and chat-completions APIs.
 
-Each is a pydantic model that forbids unknown fields, so a misspelt or unsupported parameter is a 400 naming it
-rather than something silently ignored. Parameters that other OpenAI-compatible servers accept as extensions
-(top_k, min_p, repetition_penalty, ignore_eos) are accepted too.
+Every field OpenAI defines for the two endpoints is a field here, so a client that sends them all with their
+defaults or nulls (LangChain sends `"logprobs": null` on every call) is served. A field llmkit does not implement
+is accepted only at its default: any other value is a 400 naming the field and saying it is not supported, never
+something silently ignored. Unknown fields are forbidden, so a misspelt parameter is a 400 naming it too.
+Parameters that other OpenAI-compatible servers accept as extensions (top_k, min_p, repetition_penalty,
+ignore_eos) are accepted.
 
 Every number has a range and every list a length limit, checked here, before anything is tokenized or queued: a
 value outside them is a 400 that names the field and the range. Text must be Unicode scalar values: JSON can carry
@@ -11,7 +14,8 @@ a lone surrogate ("\ud800"), which no tokenizer can encode, so it is refused her
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
@@ -40,9 +44,26 @@ def _scalar_values(text: str) -> str:
 Text = Annotated[str, AfterValidator(_scalar_values)]
 
 
+def _only(*defaults: Any, why: str = "") -> AfterValidator:
+    """A field llmkit does not implement: accepted at one of its default values only."""
+    hint = why or f"leave it out or give {json.dumps(defaults[0])}"
+
+    def check(value: Any) -> Any:
+        if value not in defaults:
+            what = f"{value!r} is" if isinstance(value, str) else "a value other than the default is"
+            raise ValueError(f"{what} not supported by llmkit serve; {hint}")
+        return value
+
+    return AfterValidator(check)
+
+
+Unsupported = Annotated[Any, _only(None)]  # anything but null is refused
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # padding against side channels over the network; nothing to pad here
 
 
 class _Sampling(BaseModel):
@@ -64,6 +85,10 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     logit_bias: dict[int, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     user: Text | None = None
+    # hints that change no output: a key for routing to a cache (llmkit's prefix cache needs none), an end user's id
+    prompt_cache_key: Text | None = None
+    safety_identifier: Text | None = None
+    service_tier: Annotated[str | None, _only(None, "auto", "default")] = None
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -102,6 +127,10 @@ class CompletionRequest(_Sampling):
         | Annotated[list[list[int]], Field(max_length=MAX_PROMPTS)]
     )
     max_tokens: int | None = Field(16, ge=1, le=MAX_INT)
+    logprobs: Annotated[int | None, _only(None)] = None
+    echo: Annotated[bool | None, _only(False, None)] = False
+    best_of: Annotated[int | None, _only(None, 1)] = None
+    suffix: Unsupported = None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -118,14 +147,44 @@ class TextPart(BaseModel):
     text: Text
 
 
+class _OtherPart(BaseModel):
+    """Images, audio and files: the models llmkit serves read text only."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Annotated[
+        Literal["image_url", "input_audio", "file", "refusal"], _only(why="the models it serves read text parts only")
+    ]
+
+
+Part = Annotated[TextPart | _OtherPart, Field(discriminator="type")]
+
+
 class Message(BaseModel):
+    """One turn. `developer` is OpenAI's newer name for `system` and is rendered as one."""
+
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
-    content: Text | Annotated[list[TextPart], Field(max_length=MAX_PARTS)]
+    role: Annotated[
+        Literal["developer", "system", "user", "assistant", "tool", "function"],
+        _only("developer", "system", "user", "assistant", why="tool results need tools, which are not served yet"),
+    ]
+    content: Text | Annotated[list[Part], Field(max_length=MAX_PARTS)]
     name: Text | None = None
+    refusal: Text | None = None  # an assistant turn's refusal, as OpenAI returns it; not shown to the model
+    tool_calls: Annotated[list[Any] | None, _only(None, [])] = None
+    function_call: Unsupported = None
+    audio: Unsupported = None
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)  # type: ignore[union-attr]
+
+    @property
+    def template_role(self) -> str:
+        return "system" if self.role == "developer" else self.role
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Annotated[Literal["text", "json_object", "json_schema"], _only("text")]
 
 
 class ChatRequest(_Sampling):
@@ -134,6 +193,22 @@ class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
+    logprobs: Annotated[bool | None, _only(False, None)] = False
+    top_logprobs: Annotated[int | None, _only(None)] = None
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list[Any] | None, _only(None, [])] = None
+    tool_choice: Annotated[Any, _only(None, "none", "auto")] = None  # with no tools, "auto" calls none
+    parallel_tool_calls: bool | None = None  # whether tool calls may come several at once: no tools, no calls
+    functions: Annotated[list[Any] | None, _only(None, [])] = None  # the deprecated form of tools
+    function_call: Annotated[Any, _only(None, "none", "auto")] = None
+    modalities: Annotated[list[str] | None, _only(None, ["text"])] = None
+    audio: Unsupported = None
+    prediction: Unsupported = None
+    reasoning_effort: Unsupported = None
+    verbosity: Unsupported = None
+    web_search_options: Unsupported = None
+    store: Annotated[bool | None, _only(None, False)] = None
+    metadata: dict[str, Text] | None = Field(None, max_length=16)  # labels for stored completions; none are stored
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
