@@ -91,13 +91,18 @@ class Tokenizer:
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         self.backend.save(str(d / "tokenizer.json"))
+        config = self.config()
+        (d / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+    def config(self) -> dict[str, Any]:
+        """Its settings as Hugging Face's tokenizer_config.json holds them (special tokens by their text)."""
         config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": self.add_bos}
         for key, ident in (("bos_token", self.bos_id), ("eos_token", self.eos_id), ("pad_token", self.pad_id)):
             if ident is not None:
                 config[key] = self.backend.id_to_token(ident)
         if self.chat_template:
             config["chat_template"] = self.chat_template
-        (d / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+        return config
 
     @classmethod
     def from_dir(cls, directory: str | os.PathLike[str]) -> Tokenizer | None:

@@ -263,3 +263,44 @@ def test_one_forward_per_step_over_rows_of_every_length(name, monkeypatch):
     for a, b in zip(packed, grouped, strict=True):
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["llama2-70b-tiny", "deepseek-v3-tiny"])
+def test_prompt_and_token_logprobs_are_the_models_own(name):
+    """Each prompt token's log-probability (and its top alternatives) is what one uncached forward gives, whatever
+    the chunking, the batch and the prefix cache (a shared prefix is computed again, not reused); the generated
+    tokens' alternatives are the model's too, best first, and greedy picks the best. max_tokens 0 gives only the
+    prompt's."""
+    model = _model(name)
+    prompts = _prompts(model, [5, 17, 30, 1], prefix=8)
+    asked = SamplingParams(max_tokens=4, temperature=0.0, top_logprobs=3, prompt_logprobs=2)
+    engine = _engine(model)
+    engine.generate(prompts[:1], GREEDY)  # puts the shared prefix in the cache
+    outs = engine.generate(prompts, asked)
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([prompt + out.token_ids]))[0].float(), -1)  # (L, V)
+        assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt)
+        assert out.prompt_logprobs[0] is None
+        for i, entry in enumerate(out.prompt_logprobs[1:], start=1):
+            assert entry is not None
+            value, top = entry
+            assert value == pytest.approx(lp[i - 1, prompt[i]].item(), abs=1e-4)
+            best = lp[i - 1].topk(2)
+            assert [t for t, _ in top] == best.indices.tolist()
+            assert [v for _, v in top] == pytest.approx(best.values.tolist(), abs=1e-4)
+        for j, (token, top) in enumerate(zip(out.token_ids, out.top_logprobs, strict=True)):
+            row = lp[len(prompt) - 1 + j]
+            assert len(top) == 3 and top[0][0] == token == row.argmax().item()
+            assert [v for _, v in top] == pytest.approx(row.topk(3).values.tolist(), abs=1e-4)
+    only_prompt = engine.generate(prompts[1:2], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
+    assert only_prompt.token_ids == [] and only_prompt.finish_reason == "length"
+    assert only_prompt.prompt_logprobs is not None
+    assert (
+        [e[0] for e in only_prompt.prompt_logprobs[1:]]
+        == pytest.approx(  # type: ignore[index]
+            [e[0] for e in outs[1].prompt_logprobs[1:]],
+            abs=1e-5,  # type: ignore[index, union-attr]
+        )
+    )
+    _assert_pool_empty(engine)

@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
@@ -36,8 +36,9 @@ from starlette.exceptions import HTTPException
 from llmkit.errors import ConfigError, InputError
 from llmkit.serve.engine import QueueFull, Refused
 from llmkit.serve.limits import BodyLimits
-from llmkit.serve.protocol import ChatRequest, CompletionRequest
-from llmkit.serve.request import Delta, SamplingParams
+from llmkit.serve.logprobs import CompletionLogprobs, TokenNames, chat_logprobs
+from llmkit.serve.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from llmkit.serve.request import Delta, SamplingParams, TokenLogprob, Top
 from llmkit.serve.runner import EngineRunner
 from llmkit.tokenizer import Tokenizer, render_chat
 
@@ -107,6 +108,7 @@ def build_app(
         return await asyncio.get_running_loop().run_in_executor(workers, fn)
 
     text_limit = _TextLimit.of(tokenizer, max_len)  # text that cannot fit the context is refused untokenized
+    names = TokenNames(tokenizer)  # the text tokens are reported under in log-probabilities
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -168,12 +170,50 @@ def build_app(
     async def openapi() -> JSONResponse:
         return JSONResponse(app.openapi())
 
+    card = {"id": model_name, "object": "model", "created": created, "owned_by": "llmkit", "max_model_len": max_len}
+
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "llmkit"}],
-        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{name:path}", dependencies=[Depends(authorized)])
+    async def model(name: str) -> dict[str, Any]:
+        check_model(name)
+        return card
+
+    def needs_tokenizer(field: str) -> Tokenizer:
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", param=field)
+        return tokenizer
+
+    @app.get("/tokenizer_info", dependencies=[Depends(authorized)])
+    async def tokenizer_info() -> dict[str, Any]:
+        return needs_tokenizer("model").config() | {"model_max_length": max_len}
+
+    @app.post("/tokenize", dependencies=[Depends(authorized)])
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        if body.model is not None:
+            check_model(body.model)
+        tok = needs_tokenizer("prompt")
+        if body.messages is not None:
+            conversation = [{"role": m.template_role, "content": m.text()} for m in body.messages]
+            text_limit.check(sum(len(m["content"]) for m in conversation), "messages")
+            ids = await off_loop(lambda: _render(tok, conversation, body.add_generation_prompt))
+        else:
+            prompt = body.prompt or ""
+            text_limit.check(len(prompt), "prompt")
+            ids = await off_loop(lambda: tok.encode(prompt, add_bos=None if body.add_special_tokens else False))
+        return {"count": len(ids), "max_model_len": max_len, "tokens": ids}
+
+    @app.post("/detokenize", dependencies=[Depends(authorized)])
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        if body.model is not None:
+            check_model(body.model)
+        tok = needs_tokenizer("tokens")
+        V = runner.engine.model.cfg.vocab_size
+        if any(not 0 <= t < V for t in body.tokens):
+            raise APIError(400, f"tokens: token ids must be in [0, {V})", param="tokens")
+        return {"prompt": await off_loop(lambda: tok.decode(body.tokens, skip_special=False))}
 
     @app.post("/v1/completions", dependencies=[Depends(authorized), Depends(admitting)])
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -181,8 +221,15 @@ def build_app(
         prompts = await off_loop(lambda: [_encode(tokenizer, p, "prompt", text_limit) for p in body.prompts()])
         if not prompts:
             raise APIError(400, "prompt: give at least one prompt", param="prompt")
-        limit = body.max_tokens if body.max_tokens is not None else max_len - max(len(p) for p in prompts)
-        call = _Call(runner, prompts, _params(body, max(limit, 1)), options.request_timeout, "prompt")
+        limit = body.max_tokens if body.max_tokens is not None else max(max_len - max(len(p) for p in prompts), 1)
+        logprobs = body.logprobs is not None
+        texts = None
+        if body.echo or logprobs:  # the prompts' text: echoed, and where the completion's text offsets start
+            texts = await off_loop(lambda: [p if isinstance(p, str) else names.text(p) for p in body.prompts()])
+        params = _params(body, limit)
+        call = _Call(
+            runner, prompts, params, options.request_timeout, "prompt", names, texts, bool(body.echo), logprobs
+        )
         call.start()  # before any response: a refused request is an HTTP error, not a broken stream
         if body.stream:
             return _sse(call.completion_chunks(body.model, _usage_wanted(body)))
@@ -196,8 +243,9 @@ def build_app(
         conversation = [{"role": m.template_role, "content": m.text()} for m in body.messages]
         text_limit.check(sum(len(m["content"]) for m in conversation), "messages")
         ids = await off_loop(lambda: _render(tokenizer, conversation))
-        limit = body.limit() if body.limit() is not None else max_len - len(ids)
-        call = _Call(runner, [ids], _params(body, max(limit or 0, 1)), options.request_timeout, "messages")
+        limit = body.limit()
+        params = _params(body, limit if limit is not None else max(max_len - len(ids), 1))
+        call = _Call(runner, [ids], params, options.request_timeout, "messages", names, logprobs=bool(body.logprobs))
         call.start()
         if body.stream:
             return _sse(call.chat_chunks(body.model, _usage_wanted(body)))
@@ -274,9 +322,9 @@ def _encode(tokenizer: Tokenizer | None, prompt: str | list[int], field: str, li
         raise APIError(400, f"{field}: {e}", param=field) from e
 
 
-def _render(tokenizer: Tokenizer, conversation: list[dict[str, str]]) -> list[int]:
+def _render(tokenizer: Tokenizer, conversation: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
     try:
-        return tokenizer.encode(render_chat(tokenizer, conversation), add_bos=False)
+        return tokenizer.encode(render_chat(tokenizer, conversation, add_generation_prompt), add_bos=False)
     except (ConfigError, InputError) as e:
         raise APIError(400, f"messages: {e}", param="messages") from e
 
@@ -303,13 +351,48 @@ async def _disconnected(request: Request) -> None:
         log.debug("reading from a client failed; taking it as gone", exc_info=True)
 
 
+@dataclass
+class _Choice:
+    """What the deltas of one sequence have added up to."""
+
+    text: str = ""
+    reason: str | None = None
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    tops: list[Top] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)  # the text each token brought (a delta carries one token)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    def add(self, d: Delta) -> None:
+        self.text += d.text
+        self.reason = d.finish_reason or self.reason
+        self.ids += d.token_ids
+        self.logprobs += d.logprobs
+        self.tops += d.top_logprobs
+        self.pieces += [d.text] if d.token_ids else []
+        self.prompt_logprobs = d.prompt_logprobs if d.prompt_logprobs is not None else self.prompt_logprobs
+
+
 class _Call:
-    """The engine requests of one HTTP request (one per prompt, each with n sequences) and their deltas."""
+    """The engine requests of one HTTP request (one per prompt, each with n sequences) and their deltas.
+
+    texts: the prompts' own text, for echo and for log-probabilities' text offsets (which count from the start
+    of the prompt); logprobs: whether the answer reports log-probabilities."""
 
     def __init__(
-        self, runner: EngineRunner, prompts: list[list[int]], params: SamplingParams, timeout: float, field: str
+        self,
+        runner: EngineRunner,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        timeout: float,
+        field: str,
+        names: TokenNames,
+        texts: list[str] | None = None,
+        echo: bool = False,
+        logprobs: bool = False,
     ) -> None:
         self.runner, self.prompts, self.params, self.timeout, self.field = runner, prompts, params, timeout, field
+        self.names, self.texts, self.echo, self.logprobs = names, texts, echo, logprobs
         self.id = uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.ids: list[str] = []
@@ -379,33 +462,69 @@ class _Call:
             "total_tokens": prompt + self.completion_tokens,
         }
 
-    async def _collect(self, request: Request) -> tuple[list[str], list[str | None]]:
-        count = len(self.prompts) * self.params.n
-        texts, reasons = [""] * count, [None] * count  # type: list[str], list[str | None]
+    async def _collect(self, request: Request) -> list[_Choice]:
+        choices = [_Choice() for _ in range(len(self.prompts) * self.params.n)]
         async for k, d in self.deltas(request):
-            texts[k] += d.text
-            reasons[k] = d.finish_reason or reasons[k]
-        return texts, reasons
+            choices[k].add(d)
+        return choices
+
+    def _prompt_of(self, k: int) -> int:
+        return k // self.params.n
+
+    def _echo(self, k: int) -> str:
+        return self.texts[self._prompt_of(k)] if self.echo and self.texts is not None else ""
 
     async def completion(self, model: str, request: Request) -> dict[str, Any]:
-        texts, reasons = await self._collect(request)
-        choices = [
-            {"index": k, "text": t, "logprobs": None, "finish_reason": r}
-            for k, (t, r) in enumerate(zip(texts, reasons, strict=True))
-        ]
+        choices = []
+        for k, c in enumerate(await self._collect(request)):
+            logprobs = None
+            if self.logprobs:
+                lp = self._echoed_logprobs(k, c.prompt_logprobs)
+                for token, value, top, piece in zip(c.ids, c.logprobs, c.tops, c.pieces, strict=True):
+                    lp.add(token, value, top, piece)
+                logprobs = lp.take()
+            choices.append(
+                {"index": k, "text": self._echo(k) + c.text, "logprobs": logprobs, "finish_reason": c.reason}
+            )
         return self._body("text_completion", model, choices) | {"usage": self.usage()}
 
+    def _echoed_logprobs(self, k: int, prompt_logprobs: list[TokenLogprob | None] | None) -> CompletionLogprobs:
+        """Choice k's log-probabilities, started: with echo the prompt's tokens (with their log-probabilities when
+        they were computed), otherwise only the offset past the prompt's text."""
+        prompt = self.prompts[self._prompt_of(k)]
+        lp = CompletionLogprobs(self.names)
+        if self.echo:
+            lp.add_prompt(prompt, prompt_logprobs or [None] * len(prompt))
+        elif self.texts is not None:
+            lp.offset = len(self.texts[self._prompt_of(k)])
+        return lp
+
     async def chat(self, model: str, request: Request) -> dict[str, Any]:
-        texts, reasons = await self._collect(request)
         choices = [
-            {"index": k, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": r}
-            for k, (t, r) in enumerate(zip(texts, reasons, strict=True))
+            {
+                "index": k,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(self.names, c.ids, c.logprobs, c.tops) if self.logprobs else None,
+                "finish_reason": c.reason,
+            }
+            for k, c in enumerate(await self._collect(request))
         ]
         return self._body("chat.completion", model, choices) | {"usage": self.usage()}
 
     async def completion_chunks(self, model: str, usage: bool) -> AsyncIterator[dict[str, Any]]:
+        started: dict[int, CompletionLogprobs] = {}  # each choice's, from its first delta on
         async for k, d in self._guarded():
-            choice = {"index": k, "text": d.text, "logprobs": None, "finish_reason": d.finish_reason}
+            text = d.text
+            if k not in started:  # its first delta: the echoed prompt comes first
+                started[k] = self._echoed_logprobs(k, d.prompt_logprobs)
+                text = self._echo(k) + text
+            logprobs = None
+            if self.logprobs:
+                lp = started[k]
+                for token, value, top in zip(d.token_ids, d.logprobs, d.top_logprobs, strict=True):
+                    lp.add(token, value, top, d.text)
+                logprobs = lp.take()
+            choice = {"index": k, "text": text, "logprobs": logprobs, "finish_reason": d.finish_reason}
             yield self._body("text_completion", model, [choice])
         if usage:
             yield self._body("text_completion", model, []) | {"usage": self.usage()}
@@ -416,7 +535,8 @@ class _Call:
             yield self._body("chat.completion.chunk", model, [first])
         async for k, d in self._guarded():
             delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-            choice = {"index": k, "delta": delta, "logprobs": None, "finish_reason": d.finish_reason}
+            logprobs = chat_logprobs(self.names, d.token_ids, d.logprobs, d.top_logprobs) if self.logprobs else None
+            choice = {"index": k, "delta": delta, "logprobs": logprobs, "finish_reason": d.finish_reason}
             yield self._body("chat.completion.chunk", model, [choice])
         if usage:
             yield self._body("chat.completion.chunk", model, []) | {"usage": self.usage()}

@@ -32,8 +32,18 @@ from llmkit.models.cache import Step
 from llmkit.models.decoder import DecoderLM
 from llmkit.serve.blocks import BlockPool
 from llmkit.serve.paged import PagedCache, Pages
-from llmkit.serve.request import Completion, Delta, FinishReason, Request, SamplingParams, Sequence, Status
-from llmkit.serve.sampler import sample
+from llmkit.serve.request import (
+    Completion,
+    Delta,
+    FinishReason,
+    Request,
+    SamplingParams,
+    Sequence,
+    Status,
+    TokenLogprob,
+    Top,
+)
+from llmkit.serve.sampler import sample, top_logprobs
 from llmkit.serve.scheduler import Scheduler, Work
 from llmkit.serve.text import TextOutput
 from llmkit.tokenizer import IncrementalDecoder, Tokenizer
@@ -171,7 +181,10 @@ class Engine:
             # seed + index stays in manual_seed's range: seeds are int64 (SamplingParams), which it takes up to 2**64
             generator.manual_seed(seed + index if seed is not None else int(torch.randint(2**62, ()).item()))
         decoder = IncrementalDecoder(self.tokenizer, request.prompt) if self.tokenizer is not None else None
-        return Sequence(request, index, list(request.prompt), generator, TextOutput(decoder, request.params.stop))
+        seq = Sequence(request, index, list(request.prompt), generator, TextOutput(decoder, request.params.stop))
+        if request.params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None] * len(request.prompt)  # the first token has none: nothing comes before it
+        return seq
 
     def abort(self, request_id: str) -> None:
         """End a request now (a client went away); its blocks go back to the pool. Unknown ids are ignored."""
@@ -198,13 +211,17 @@ class Engine:
         for w in [w for w in work if id(w) not in logits]:  # its forward failed even alone: it ends, alone
             self.stats.failed += 1
             self._finish(w.seq, "error")
-            deltas.append(self._delta(w.seq, [], "", []))
+            deltas.append(self._delta(w.seq))
         work = [w for w in work if id(w) in logits]
         for w in work:
             self.scheduler.computed(w)
             if w.start < w.seq.prompt_len:
                 self.stats.prompt_tokens += min(w.start + w.count, w.seq.prompt_len) - w.start
         ready = [w for w in work if w.samples]
+        for w in [w for w in ready if w.seq.request.params.max_tokens == 0]:  # the prompt was all it asked for
+            self._finish(w.seq, "length")
+            deltas.append(self._delta(w.seq, prompt_logprobs=w.seq.prompt_logprobs))
+        ready = [w for w in ready if w.seq.request.params.max_tokens > 0]
         if not ready:
             return deltas
         batch = torch.stack([logits[id(w)] for w in ready])  # (B, V)
@@ -214,18 +231,18 @@ class Engine:
                 log.error("request %s: the model's logits are NaN or infinite; ending it", w.seq.request.id)
                 self.stats.failed += 1
                 self._finish(w.seq, "error")
-                deltas.append(self._delta(w.seq, [], "", []))
+                deltas.append(self._delta(w.seq))
             keep = [i for i, b in enumerate(bad) if not b]
             ready, batch = [ready[i] for i in keep], batch[keep]
         if ready:
             sampled = sample(batch, [w.seq for w in ready])
-            for w, token, logprob in zip(ready, sampled.tokens, sampled.logprobs, strict=True):
+            for w, token, logprob, top in zip(ready, sampled.tokens, sampled.logprobs, sampled.top, strict=True):
                 if token is None or logprob is None:  # this row's settings failed: it ends alone
                     self.stats.failed += 1
                     self._finish(w.seq, "error")
-                    deltas.append(self._delta(w.seq, [], "", []))
+                    deltas.append(self._delta(w.seq))
                 else:
-                    deltas.append(self._append(w.seq, token, logprob))
+                    deltas.append(self._append(w.seq, token, logprob, top))
         return deltas
 
     def _logits(self, work: list[Work]) -> dict[int, Tensor]:
@@ -292,10 +309,11 @@ class Engine:
                 h = self.native.run_paged(  # type: ignore[union-attr]
                     tokens, positions=positions, table=table, slots=starts, allowed=filled, keys=keys, values=values
                 )  # (B, 1, C)
-                return self.model.logits(self.model.norm(h[:, -1]))
-            pages = Pages.of(table, positions, bs)
-            mask = AttentionMask(allowed=filled[:, None, None, :], causal=T > 1, query_slots=positions)
-            h = self.model.run(tokens, Step(positions, mask, positions), self.cache.views(pages))  # (B, T, C)
+            else:
+                pages = Pages.of(table, positions, bs)
+                mask = AttentionMask(allowed=filled[:, None, None, :], causal=T > 1, query_slots=positions)
+                h = self.model.run(tokens, Step(positions, mask, positions), self.cache.views(pages))  # (B, T, C)
+            self._prompt_logprobs(rows, list(h))
             return self.model.logits(self.model.norm(h[:, -1]))  # (B, V)
         tokens = torch.tensor([t for w in rows for t in w.seq.tokens[w.start : w.start + w.count]], device=dev)
         positions = torch.cat([torch.arange(w.start, w.start + w.count, device=dev) for w in rows])[None]  # (1, N)
@@ -303,10 +321,25 @@ class Engine:
         pages = Pages(table, table[row, positions[0] // bs][None], positions % bs)
         mask = AttentionMask(allowed=filled[:, None, None, :], causal=True, query_slots=positions, ragged=tuple(counts))
         h = self.model.run(tokens[None], Step(positions, mask, positions), self.cache.views(pages))  # (1, N, C)
+        self._prompt_logprobs(rows, list(h[0].split(counts)))
         last = torch.tensor(counts, device=dev).cumsum(0) - 1  # each row's last query
         return self.model.logits(self.model.norm(h[0, last]))  # (B, V)
 
-    def _append(self, seq: Sequence, token: int, logprob: float) -> Delta:
+    def _prompt_logprobs(self, rows: list[Work], hidden: list[Tensor]) -> None:
+        """Record the log-probabilities of the prompt tokens that the rows' states (T, C) predict, for the
+        sequences that asked for them: the state at position i gives token i + 1."""
+        for w, h in zip(rows, hidden, strict=True):
+            record, k = w.seq.prompt_logprobs, w.seq.request.params.prompt_logprobs
+            n = min(w.count, w.seq.prompt_len - 1 - w.start)  # positions whose next token is a prompt token
+            if record is None or k is None or n <= 0:
+                continue
+            logprobs = torch.log_softmax(self.model.logits(self.model.norm(h[:n])).float(), dim=-1)  # (n, V)
+            targets = torch.tensor(w.seq.tokens[w.start + 1 : w.start + 1 + n], device=logprobs.device)
+            values = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+            for i, (value, top) in enumerate(zip(values, top_logprobs(logprobs, k), strict=True)):
+                record[w.start + 1 + i] = (value, top)
+
+    def _append(self, seq: Sequence, token: int, logprob: float, top: Top) -> Delta:
         seq.tokens.append(token)
         self.stats.generated_tokens += 1
         p = seq.request.params
@@ -316,7 +349,8 @@ class Engine:
         reason: FinishReason | None = "stop" if eos or stopped else "length" if length else None
         if reason is not None:
             self._finish(seq, reason)
-        return self._delta(seq, [token], text, [logprob])
+        prompt = seq.prompt_logprobs if len(seq.generated) == 1 else None  # with the first token
+        return self._delta(seq, [token], text, [logprob], [top], prompt)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.scheduler.remove(seq)
@@ -346,12 +380,29 @@ class Engine:
             for seq in seqs:
                 if not seq.finished:
                     self._finish(seq, reason)
-                    deltas.append(self._delta(seq, [], "", []))
+                    deltas.append(self._delta(seq))
         return deltas
 
-    def _delta(self, seq: Sequence, ids: list[int], text: str, logprobs: list[float]) -> Delta:
+    def _delta(
+        self,
+        seq: Sequence,
+        ids: list[int] | None = None,
+        text: str = "",
+        logprobs: list[float] | None = None,
+        top: list[Top] | None = None,
+        prompt_logprobs: list[TokenLogprob | None] | None = None,
+    ) -> Delta:
         return Delta(
-            seq.request.id, seq.index, ids, text, logprobs, seq.finish_reason, seq.prompt_len, len(seq.generated)
+            seq.request.id,
+            seq.index,
+            ids or [],
+            text,
+            logprobs or [],
+            seq.finish_reason,
+            seq.prompt_len,
+            len(seq.generated),
+            top or [],
+            prompt_logprobs,
         )
 
     # ---- whole requests from Python
@@ -365,12 +416,17 @@ class Engine:
         texts: dict[tuple[str, int], list[str]] = {}
         tokens: dict[tuple[str, int], list[int]] = {}
         lps: dict[tuple[str, int], list[float]] = {}
+        tops: dict[tuple[str, int], list[Top]] = {}
+        prompt_lps: dict[tuple[str, int], list[TokenLogprob | None]] = {}
         while pending:
             for d in self.step():
                 key = (d.request_id, d.index)
                 texts.setdefault(key, []).append(d.text)
                 tokens.setdefault(key, []).extend(d.token_ids)
                 lps.setdefault(key, []).extend(d.logprobs)
+                tops.setdefault(key, []).extend(d.top_logprobs)
+                if d.prompt_logprobs is not None:
+                    prompt_lps[key] = d.prompt_logprobs
                 if d.finish_reason is not None and key in pending:
                     pending.discard(key)
                     done[key] = Completion(
@@ -381,5 +437,7 @@ class Engine:
                         lps[key],
                         d.finish_reason,
                         d.prompt_tokens,
+                        tops[key],
+                        prompt_lps.get(key),
                     )
         return [done[(i, k)] for i in ids for k in range(params.n)]

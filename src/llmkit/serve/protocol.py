@@ -15,11 +15,12 @@ a lone surrogate ("\ud800"), which no tokenizer can encode, so it is refused her
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from llmkit.serve.request import SamplingParams
+from llmkit.serve.request import MAX_TOP_LOGPROBS, SamplingParams
 
 INT64 = (-(2**63), 2**63 - 1)  # seeds: what torch.Generator.manual_seed takes (with room for seed + n)
 MAX_INT = 2**31 - 1  # counts (max_tokens, top_k): far beyond any context, small enough for every kernel
@@ -126,11 +127,15 @@ class CompletionRequest(_Sampling):
         | list[int]
         | Annotated[list[list[int]], Field(max_length=MAX_PROMPTS)]
     )
-    max_tokens: int | None = Field(16, ge=1, le=MAX_INT)
-    logprobs: Annotated[int | None, _only(None)] = None
-    echo: Annotated[bool | None, _only(False, None)] = False
+    max_tokens: int | None = Field(16, ge=0, le=MAX_INT)  # 0: only the prompt (with echo, its log-probabilities)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # each token's, with this many alternatives
+    echo: bool | None = False  # the prompt before the completion, with its log-probabilities when asked for
     best_of: Annotated[int | None, _only(None, 1)] = None
     suffix: Unsupported = None
+
+    def sampling(self, max_tokens: int) -> SamplingParams:
+        k = self.logprobs
+        return replace(super().sampling(max_tokens), top_logprobs=k or 0, prompt_logprobs=k if self.echo else None)
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -142,21 +147,20 @@ class CompletionRequest(_Sampling):
 
 
 class TextPart(BaseModel):
+    """A content part. OpenAI's other kinds (images, audio, files, refusals) are refused by name: the models llmkit
+    serves read text."""
+
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
     text: Text
 
-
-class _OtherPart(BaseModel):
-    """Images, audio and files: the models llmkit serves read text only."""
-
-    model_config = ConfigDict(extra="allow")
-    type: Annotated[
-        Literal["image_url", "input_audio", "file", "refusal"], _only(why="the models it serves read text parts only")
-    ]
-
-
-Part = Annotated[TextPart | _OtherPart, Field(discriminator="type")]
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        kind = data.get("type") if isinstance(data, dict) else None
+        if kind in ("image_url", "input_audio", "file", "refusal"):
+            raise ValueError(f"{kind!r} parts are not supported by llmkit serve; the models it serves read text parts")
+        return data
 
 
 class Message(BaseModel):
@@ -167,7 +171,7 @@ class Message(BaseModel):
         Literal["developer", "system", "user", "assistant", "tool", "function"],
         _only("developer", "system", "user", "assistant", why="tool results need tools, which are not served yet"),
     ]
-    content: Text | Annotated[list[Part], Field(max_length=MAX_PARTS)]
+    content: Text | Annotated[list[TextPart], Field(max_length=MAX_PARTS)]
     name: Text | None = None
     refusal: Text | None = None  # an assistant turn's refusal, as OpenAI returns it; not shown to the model
     tool_calls: Annotated[list[Any] | None, _only(None, [])] = None
@@ -175,7 +179,7 @@ class Message(BaseModel):
     audio: Unsupported = None
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)  # type: ignore[union-attr]
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
     @property
     def template_role(self) -> str:
@@ -193,8 +197,8 @@ class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
-    logprobs: Annotated[bool | None, _only(False, None)] = False
-    top_logprobs: Annotated[int | None, _only(None)] = None
+    logprobs: bool | None = False  # each generated token's log-probability
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # and this many alternatives
     response_format: ResponseFormat | None = None
     tools: Annotated[list[Any] | None, _only(None, [])] = None
     tool_choice: Annotated[Any, _only(None, "none", "auto")] = None  # with no tools, "auto" calls none
@@ -210,5 +214,40 @@ class ChatRequest(_Sampling):
     store: Annotated[bool | None, _only(None, False)] = None
     metadata: dict[str, Text] | None = Field(None, max_length=16)  # labels for stored completions; none are stored
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
+        return value
+
+    def sampling(self, max_tokens: int) -> SamplingParams:
+        return replace(super().sampling(max_tokens), top_logprobs=self.top_logprobs or 0)
+
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's shape): a prompt, or a conversation rendered with the chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: Annotated[list[Message], Field(max_length=MAX_MESSAGES)] | None = None
+    add_special_tokens: bool = True  # a prompt's beginning-of-sequence token, where the tokenizer adds one
+    add_generation_prompt: bool = True  # a conversation ends with the assistant's turn opened
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: Text | None = None
+    tokens: list[int] = Field(max_length=1 << 20)

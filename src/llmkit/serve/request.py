@@ -23,6 +23,10 @@ from llmkit.serve.text import TextOutput
 # sampling failed; shutdown: the server stopped before the request finished
 FinishReason = Literal["stop", "length", "abort", "timeout", "error", "shutdown"]
 
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI allows
+Top = list[tuple[int, float]]  # the most likely tokens at one position and their log-probabilities, best first
+TokenLogprob = tuple[float, Top]  # one token's log-probability and the alternatives at its position
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -31,7 +35,13 @@ class SamplingParams:
     logit_bias adds to the logits of given tokens before anything else; presence_penalty / frequency_penalty
     subtract from the logits of tokens already generated (once, or per occurrence); repetition_penalty divides
     them (CTRL) and counts the prompt too. stop: strings that end the text (not included in it). n: independent
-    completions of the same prompt. seed: makes sampling repeatable."""
+    completions of the same prompt. seed: makes sampling repeatable.
+
+    Log-probabilities are the model's own (log-softmax of its logits, before logit_bias, penalties, temperature
+    and filters: what evaluation compares). Every generated token's is reported; top_logprobs adds that many most
+    likely alternatives to each; prompt_logprobs (None: not computed) reports each prompt token's (the first's is
+    None) with that many alternatives, computing the whole prompt (no prefix-cache hits). max_tokens 0 computes the
+    prompt and generates nothing."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -46,11 +56,17 @@ class SamplingParams:
     n: int = 1
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); -100 bans, 100 forces
+    top_logprobs: int = 0
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.sampling  # validates the shared settings  # noqa: B018
-        if self.max_tokens < 1:
-            raise InputError(f"max_tokens={self.max_tokens} must be >= 1")
+        if self.max_tokens < 0:
+            raise InputError(f"max_tokens={self.max_tokens} must be >= 0")
+        for name in ("top_logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+                raise InputError(f"{name}={value} must be in [0, {MAX_TOP_LOGPROBS}]")
         if self.n < 1:
             raise InputError(f"n={self.n} must be >= 1")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -99,6 +115,7 @@ class Sequence:
     status: Status = Status.WAITING
     computed: int = 0  # tokens[:computed] have their keys in the cache
     finish_reason: FinishReason | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token, when the request asks for them
 
     @property
     def prompt_len(self) -> int:
@@ -131,6 +148,8 @@ class Delta:
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    top_logprobs: list[Top] = field(default_factory=list)  # per new token, when the request asks for them
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with a sequence's first delta, when asked for
 
 
 @dataclass
@@ -144,3 +163,5 @@ class Completion:
     logprobs: list[float]
     finish_reason: FinishReason
     prompt_tokens: int
+    top_logprobs: list[Top] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None

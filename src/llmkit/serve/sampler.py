@@ -19,18 +19,28 @@ import torch
 from torch import Tensor
 
 from llmkit.generate.sampling import distribution, draw
-from llmkit.serve.request import Sequence
+from llmkit.serve.request import Sequence, Top
 
 log = logging.getLogger("llmkit.serve")
 
 
 @dataclass(frozen=True)
 class Sampled:
-    """The tokens of a batch: tokens[i] and logprobs[i] for row i, or failed[i] saying why row i has none."""
+    """The tokens of a batch: tokens[i] and logprobs[i] for row i, or failed[i] saying why row i has none; top[i]:
+    the alternatives row i asked for (top_logprobs)."""
 
     tokens: list[int | None]
     logprobs: list[float | None]
     failed: dict[int, str]
+    top: list[Top]
+
+
+def top_logprobs(logprobs: Tensor, k: int) -> list[Top]:
+    """logprobs (N, V) -> the k most likely tokens of each row and their log-probabilities, best first."""
+    if k == 0:
+        return [[] for _ in range(logprobs.shape[0])]
+    values, ids = logprobs.topk(k, dim=-1)
+    return [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
 
 
 def penalize_presence(logits: Tensor, generated: list[int], presence: float, frequency: float) -> Tensor:
@@ -80,8 +90,10 @@ def sample(logits: Tensor, seqs: list[Sequence]) -> Sampled:
             failed[row] = str(e)
     ids = chosen.tolist()
     lps = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+    top = [top_logprobs(logprobs[row : row + 1], seq.request.params.top_logprobs)[0] for row, seq in enumerate(seqs)]
     return Sampled(
         [None if i in failed else t for i, t in enumerate(ids)],
         [None if i in failed else lp for i, lp in enumerate(lps)],
         failed,
+        top,
     )

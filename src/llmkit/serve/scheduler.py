@@ -103,7 +103,8 @@ class Scheduler:
         for seq in self._admission_order(holding):  # 2b. new ones, fewest blocks held first
             if budget <= 0 or len(self.running) >= self.max_batch or (preempted and seq.request.id in holding):
                 break
-            seq.computed = self.kv.find_computed(seq)
+            # a request for the prompt's log-probabilities computes the whole prompt: no prefix-cache hits
+            seq.computed = self.kv.find_computed(seq) if seq.request.params.prompt_logprobs is None else 0
             count = min(len(seq.tokens) - seq.computed, budget)
             if not self.kv.allocate(seq, seq.computed + count):
                 self._unadmit(seq)  # no room yet: it keeps its place and holds nothing while it waits
