@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
+import re
 import threading
 import urllib.request
 
@@ -229,3 +231,21 @@ def test_time_limit_and_metrics(tiny):
         ]
         assert float(counts[0]) >= 1  # the answered request's first token, and the timed-out one's if it had one
         assert "llmkit_kv_blocks_total" in text and "llmkit_prefix_cache_hit_blocks" in text
+
+
+def test_counters_histograms_and_one_log_line_per_request(tiny, caplog):
+    """Totals are exported as counters; each request adds one end-to-end and one queue-time observation, and one
+    line to the log with its tokens, time and finish reason."""
+    with _server(tiny) as server, caplog.at_level(logging.INFO, logger="llmkit.serve"):
+        for n in (3, 4):
+            assert post(server.url + "/v1/completions", {"model": "m", "prompt": "hi there", "max_tokens": n})[0] == 200
+        with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        prompt_tokens = server.engine.stats.prompt_tokens
+    for name in ("llmkit_prompt_tokens", "llmkit_preemptions", "llmkit_prefix_cache_hit_blocks"):
+        assert re.search(rf"# TYPE {name}(_total)? counter", text), name
+    assert f"llmkit_prompt_tokens_total {float(prompt_tokens)}" in text
+    assert "llmkit_request_latency_seconds_count 2.0" in text and "llmkit_request_queue_seconds_count 2.0" in text
+    lines = [r.getMessage() for r in caplog.records if "generated" in r.getMessage()]
+    assert len(lines) == 2 and "3 generated" in lines[0] and "4 generated" in lines[1]
+    assert all("finish length" in line and "in queue" in line for line in lines)

@@ -207,6 +207,9 @@ class Engine:
         if not work:
             return deltas
         self.stats.steps += 1
+        now = self.clock()
+        for w in work:
+            w.seq.request.admitted = w.seq.request.admitted or now
         logits = self._logits(work)
         for w in [w for w in work if id(w) not in logits]:  # its forward failed even alone: it ends, alone
             self.stats.failed += 1

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 # seconds: from a few ms (a decode step of a small model) to minutes (a long queue)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 class Metrics:
@@ -24,10 +25,12 @@ class Metrics:
         self.waiting = Gauge("llmkit_requests_waiting", "Sequences waiting to be admitted", registry=r)
         self.blocks_used = Gauge("llmkit_kv_blocks_used", "Paged-cache blocks in use", registry=r)
         self.blocks_total = Gauge("llmkit_kv_blocks_total", "Paged-cache blocks in the pool", registry=r)
-        self.prefix_queried = Gauge("llmkit_prefix_cache_queried_blocks", "Prompt blocks looked up", registry=r)
-        self.prefix_hit = Gauge("llmkit_prefix_cache_hit_blocks", "Prompt blocks found in the cache", registry=r)
-        self.preemptions = Gauge("llmkit_preemptions", "Sequences preempted for memory since start", registry=r)
-        self.prompt_tokens = Gauge("llmkit_prompt_tokens", "Prompt tokens computed since start", registry=r)
+        # the engine's own counts since start, exported as counters (they only grow; see _advance)
+        self.prefix_queried = Counter("llmkit_prefix_cache_queried_blocks", "Prompt blocks looked up", registry=r)
+        self.prefix_hit = Counter("llmkit_prefix_cache_hit_blocks", "Prompt blocks found in the cache", registry=r)
+        self.preemptions = Counter("llmkit_preemptions", "Sequences preempted for memory", registry=r)
+        self.prompt_tokens = Counter("llmkit_prompt_tokens", "Prompt tokens computed", registry=r)
+        self._seen: dict[Counter, float] = {}
         self.generated = Counter("llmkit_generated_tokens", "Tokens generated", registry=r)
         self.requests = Counter("llmkit_requests_finished", "Requests finished", ["finish_reason"], registry=r)
         self.ttft = Histogram(
@@ -36,6 +39,12 @@ class Metrics:
         self.itl = Histogram(
             "llmkit_inter_token_latency_seconds", "Time between a sequence's tokens", buckets=_ITL_BUCKETS, registry=r
         )
+        self.e2e = Histogram(
+            "llmkit_request_latency_seconds", "Arrival to the last sequence's end", buckets=_E2E_BUCKETS, registry=r
+        )
+        self.queue = Histogram(
+            "llmkit_request_queue_seconds", "Arrival to the first step with its work", buckets=_E2E_BUCKETS, registry=r
+        )
 
     def observe_engine(self, engine: Engine) -> None:
         s = engine.scheduler
@@ -43,10 +52,15 @@ class Metrics:
         self.waiting.set(len(s.waiting))
         self.blocks_used.set(engine.pool.used)
         self.blocks_total.set(engine.pool.n_blocks)
-        self.prefix_queried.set(s.prefix.queried)
-        self.prefix_hit.set(s.prefix.hit)
-        self.preemptions.set(s.preemptions)
-        self.prompt_tokens.set(engine.stats.prompt_tokens)
+        self._advance(self.prefix_queried, s.prefix.queried)
+        self._advance(self.prefix_hit, s.prefix.hit)
+        self._advance(self.preemptions, s.preemptions)
+        self._advance(self.prompt_tokens, engine.stats.prompt_tokens)
+
+    def _advance(self, counter: Counter, total: float) -> None:
+        """Bring a counter up to the engine's running total."""
+        counter.inc(max(total - self._seen.get(counter, 0.0), 0.0))
+        self._seen[counter] = total
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

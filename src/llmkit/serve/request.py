@@ -100,6 +100,7 @@ class Request:
     params: SamplingParams
     arrival: float  # when the engine took it, on the engine's clock
     deadline: float | None = None  # the time (engine's clock) after which it is ended with finish reason "timeout"
+    admitted: float | None = None  # when one of its sequences first got work (engine's clock): its time in queue
 
 
 @dataclass

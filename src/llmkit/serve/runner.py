@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from llmkit.serve.engine import Engine, QueueFull
 from llmkit.serve.metrics import Metrics
-from llmkit.serve.request import Delta, SamplingParams
+from llmkit.serve.request import Delta, Request, SamplingParams
 
 log = logging.getLogger("llmkit.serve")
 
@@ -34,6 +34,8 @@ class _Flight:
     arrival: float = field(default_factory=time.monotonic)
     last: dict[int, float] = field(default_factory=dict)  # per sequence: when its previous tokens came
     done: set[int] = field(default_factory=set)
+    request: Request | None = None  # the engine's, once it took it
+    generated: int = 0
 
 
 class EngineRunner:
@@ -117,9 +119,10 @@ class EngineRunner:
         def add() -> None:
             with self._id_lock:
                 self._pending -= 1
-            self._flights[request_id] = _Flight(on_delta, params.n)
+            flight = self._flights[request_id] = _Flight(on_delta, params.n)
             try:
                 self.engine.add(prompt, params, request_id, timeout)
+                flight.request = self.engine.requests[request_id][0].request
             except Exception as e:  # anything the engine refuses ends this request only
                 log.warning("request %s refused: %s", request_id, e)
                 self._flights.pop(request_id, None)
@@ -162,6 +165,25 @@ class EngineRunner:
             for delta in deltas:
                 self._deliver(delta)
 
+    def _finished(self, d: Delta, flight: _Flight, seconds: float) -> None:
+        """A request's last sequence ended: its metrics, and its line in the log."""
+        request = flight.request
+        queued = None
+        if request is not None and request.admitted is not None:
+            queued = request.admitted - request.arrival
+            self.metrics.queue.observe(queued)
+        self.metrics.e2e.observe(seconds)
+        self.metrics.requests.labels(d.finish_reason).inc()
+        log.info(
+            "%s: %d prompt tokens, %d generated, %.3f s (%s in queue), finish %s",
+            d.request_id,
+            d.prompt_tokens,
+            flight.generated,
+            seconds,
+            "-" if queued is None else f"{queued:.3f} s",
+            d.finish_reason,
+        )
+
     def _deliver(self, d: Delta) -> None:
         flight = self._flights.get(d.request_id)
         if flight is None:
@@ -174,12 +196,13 @@ class EngineRunner:
             else:
                 self.metrics.itl.observe((now - previous) / len(d.token_ids))
             flight.last[d.index] = now
+            flight.generated += len(d.token_ids)
             self.metrics.generated.inc(len(d.token_ids))
         if d.finish_reason is not None:
             flight.done.add(d.index)
             if len(flight.done) == flight.n:
                 self._flights.pop(d.request_id, None)
-                self.metrics.requests.labels(d.finish_reason).inc()
+                self._finished(d, flight, now - flight.arrival)
         try:
             flight.on_delta(d)
         except Exception:  # a consumer's failure ends its own request only
