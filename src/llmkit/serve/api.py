@@ -19,6 +19,8 @@ cache blocks return to the pool at the next step.
 from __future__ import annotations
 
 import asyncio
+import base64
+import functools
 import json
 import logging
 import time
@@ -34,10 +36,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from llmkit.errors import ConfigError, InputError
-from llmkit.serve.engine import QueueFull, Refused
+from llmkit.serve.engine import Engine, QueueFull, Refused
 from llmkit.serve.limits import BodyLimits
 from llmkit.serve.logprobs import CompletionLogprobs, TokenNames, chat_logprobs
-from llmkit.serve.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from llmkit.serve.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    TokenizeRequest,
+)
 from llmkit.serve.request import Delta, SamplingParams, TokenLogprob, Top
 from llmkit.serve.runner import EngineRunner
 from llmkit.tokenizer import Tokenizer, render_chat
@@ -251,7 +259,34 @@ def build_app(
             return _sse(call.chat_chunks(body.model, _usage_wanted(body)))
         return JSONResponse(await call.chat(body.model, request))
 
+    @app.post("/v1/embeddings", dependencies=[Depends(authorized), Depends(admitting)])
+    async def embeddings(body: EmbeddingRequest) -> dict[str, Any]:
+        check_model(body.model)
+        prompts = await off_loop(lambda: [_encode(tokenizer, p, "input", text_limit) for p in body.inputs()])
+        data = []
+        for i, ids in enumerate(prompts):  # one at a time: decoding steps run between them
+            embed = functools.partial(Engine.embed, prompt=ids)
+            try:
+                vector = await asyncio.wrap_future(runner.call(embed))
+            except Refused as e:
+                raise APIError(400, f"input: {e}", param="input") from e
+            data.append({"object": "embedding", "index": i, "embedding": _encoded(vector, body.encoding_format)})
+        tokens = sum(len(p) for p in prompts)
+        return {
+            "object": "list",
+            "data": data,
+            "model": body.model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+
     return BodyLimits(app, options.max_body_size, options.body_timeout)
+
+
+def _encoded(vector: Any, encoding: str) -> list[float] | str:
+    """An embedding as OpenAI sends it: a list of floats, or base64 of its little-endian float32 bytes."""
+    if encoding == "base64":
+        return base64.b64encode(vector.cpu().numpy().astype("<f4").tobytes()).decode("ascii")
+    return [float(x) for x in vector.tolist()]
 
 
 def _explain(errors: Any) -> tuple[str | None, str, bool]:

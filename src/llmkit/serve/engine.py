@@ -408,6 +408,25 @@ class Engine:
             prompt_logprobs,
         )
 
+    # ---- embeddings
+
+    @torch.inference_mode()
+    def embed(self, prompt: list[int]) -> Tensor:
+        """The prompt's embedding (C,) fp32: the mean of the model's final hidden states over its tokens (after the
+        final norm), scaled to unit length. Mean pooling: a causal model's states each see a prefix, and their mean
+        weighs the whole text where the last state alone leans on its end; models trained for embeddings usually
+        pool one way, and this one works for any decoder llmkit loads. Runs outside the batch, with no cache."""
+        if not prompt:
+            raise Refused("the input is empty", "input")
+        if len(prompt) > self.max_len:
+            raise Refused(f"the input ({len(prompt)} tokens) exceeds the model's context of {self.max_len}", "input")
+        V = self.model.cfg.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < V for t in prompt):
+            raise Refused(f"token ids must be integers in [0, {V})", "input")
+        tokens = torch.tensor([prompt], device=self.device)
+        h = self.model.norm(self.model.run(tokens, self.model.step_for(tokens, None, None, None)))  # (1, T, C)
+        return torch.nn.functional.normalize(h[0].float().mean(0), dim=0)
+
     # ---- whole requests from Python
 
     def generate(self, prompts: Iterable[list[int]], params: SamplingParams) -> list[Completion]:

@@ -251,3 +251,27 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: Text | None = None
     tokens: list[int] = Field(max_length=1 << 20)
+
+
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings: strings or token-id lists, one embedding each."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: Text
+    input: (
+        Text
+        | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[list[int], Field(min_length=1)]
+        | Annotated[list[list[int]], Field(min_length=1, max_length=MAX_PROMPTS)]
+    )
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Unsupported = None  # a shorter embedding: models trained for it only
+    user: Text | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        x = self.input
+        if isinstance(x, str):
+            return [x]
+        if all(isinstance(t, int) for t in x):
+            return [list(x)]  # type: ignore[arg-type]
+        return list(x)  # type: ignore[arg-type]

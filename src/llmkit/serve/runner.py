@@ -16,13 +16,16 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from llmkit.serve.engine import Engine, QueueFull
 from llmkit.serve.metrics import Metrics
 from llmkit.serve.request import Delta, Request, SamplingParams
 
 log = logging.getLogger("llmkit.serve")
+T = TypeVar("T")
 
 OnDelta = Callable[[Delta], None]
 
@@ -132,6 +135,22 @@ class EngineRunner:
         self._commands.append(add)
         self._wake.set()
         return request_id
+
+    def call(self, fn: Callable[[Engine], T]) -> Future[T]:
+        """Run fn(engine) in the loop, between two steps (the model is the loop's: work outside the batch, such as
+        embeddings, takes its turn there instead of competing for the cores)."""
+        future: Future[T] = Future()
+
+        def run() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(self.engine))
+                except Exception as e:  # the caller's to report
+                    future.set_exception(e)
+
+        self._commands.append(run)
+        self._wake.set()
+        return future
 
     def abort(self, request_id: str) -> None:
         """End a request (its client went away); its cache blocks go back to the pool."""

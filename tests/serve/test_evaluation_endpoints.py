@@ -1,5 +1,5 @@
-"""Log-probabilities through the server, in OpenAI's shapes, checked against one uncached forward of the model
-(fp32), and the tokenizer endpoints an evaluation harness uses."""
+"""Log-probabilities and embeddings through the server, in OpenAI's shapes, checked against one uncached forward of
+the model (fp32), and the tokenizer endpoints an evaluation harness uses."""
 
 from __future__ import annotations
 
@@ -145,3 +145,23 @@ def test_tokenizer_endpoints_and_model_cards(served):
     assert c.models.retrieve("m").id == "m"
     with pytest.raises(openai.NotFoundError):
         c.models.retrieve("other")
+
+
+def test_embeddings_are_the_models_pooled_states(served):
+    """/v1/embeddings: the mean of the final hidden states (after the final norm), unit length; through the SDK
+    (which asks for base64) and as floats, for strings and token ids."""
+    server, model, tok, c = served
+    texts = ["The cat sat on the mat.", "Bonjour"]
+    r = c.embeddings.create(model="m", input=texts)
+    assert [d.index for d in r.data] == [0, 1] and r.usage.prompt_tokens == sum(len(tok.encode(t)) for t in texts)
+    for text, d in zip(texts, r.data, strict=True):
+        ids = torch.tensor([tok.encode(text)])
+        with torch.no_grad():
+            h = model.norm(model.run(ids, model.step_for(ids, None, None, None)))[0].float().mean(0)
+        expected = torch.nn.functional.normalize(h, dim=0)
+        torch.testing.assert_close(torch.tensor(d.embedding), expected, atol=1e-5, rtol=0)
+    code, floats = post(server.url + "/v1/embeddings", {"model": "m", "input": tok.encode(texts[0])})
+    assert code == 200 and floats["data"][0]["embedding"] == pytest.approx(r.data[0].embedding, abs=1e-6)
+    for body, param in [({"input": ""}, "input"), ({"input": "x", "dimensions": 8}, "dimensions")]:
+        code, answer = post(server.url + "/v1/embeddings", {"model": "m"} | body)
+        assert code == 400 and answer["error"]["param"] == param, answer
