@@ -100,139 +100,153 @@ def merge(run: str, out: str, *, overwrite: bool = False) -> int:
     return 0
 
 
-def _own_text(
-    checkpoint: str,
-    data: str,
-    *,
-    sequences: int,
-    opening: int,
-    new_tokens: int,
-    minutes: float,
-    steps: int | None,
-    writer: Literal["model", "int8", "int4"],
-    work: str | None,
-    output: Output,
-    device: str | None,
-    check: Callable[[Any], object],
-) -> tuple[Any, Path]:
-    """The checked settings' model and the work folder holding its own text for a drafter (train, held-out): the
-    model's greedy continuations of openings from `data`'s train and val splits with its states and top-8 logits,
-    collected into `work` (default OUT.text; the command's own folder, where a rerun finds them) and described as a
-    training data source (llmkit.train.own_text). check(model) refuses a model before any text is written."""
-    import copy
+@dataclasses.dataclass(frozen=True)
+class _Drafting:
+    """What graft-mtp and distill-draft share: the model, the text it writes, and how the drafter trains."""
 
-    import torch
+    checkpoint: str
+    data: str
+    sequences: int
+    opening: int
+    new_tokens: int
+    minutes: float
+    steps: int | None
+    writer: Literal["model", "int8", "int4"]
+    work: str | None
+    device: str | None
+    precision: str
+    overwrite: bool
 
-    from llmkit.cli.common import load_decoder
-    from llmkit.errors import InputError
-    from llmkit.models import DecoderLM
-    from llmkit.quant import quantize
-    from llmkit.tokenizer import Tokenizer
-    from llmkit.train.data import TokenData
-    from llmkit.train.own_text import collect_own_text
-    from llmkit.train.source import check_same_tokenizer
+    def claim(self, out: str) -> Output:
+        """OUT, checked before any heavy work; and the settings, checked too."""
+        from llmkit.errors import InputError
 
-    for name, value, ok, want in [
-        ("--sequences", sequences, sequences >= 2, "at least 2"),
-        ("--opening", opening, opening >= 1, "at least 1"),
-        ("--new-tokens", new_tokens, new_tokens >= 2, "at least 2"),
-        ("--minutes", minutes, minutes > 0, "positive"),
-        ("--steps", steps, steps is None or steps >= 1, "at least 1"),
-    ]:
-        if not ok:
-            raise InputError(f"{name} {value} is out of range: it must be {want}")
-    text_dir = Path(work) if work is not None else Path(f"{output.path}.text")
-    if overlaps(text_dir, output.path):
-        raise InputError(f"--work {text_dir} would be replaced with OUT {output.path}: keep it beside OUT")
-    claim(text_dir, "work", inputs=[checkpoint, data], owned=True)
-    for leftover in text_dir.glob("*/*.tmp"):  # a part a killed collection left unfinished
-        leftover.unlink()
-    model, tokenizer = load_decoder(checkpoint, "fp32", device)
-    check(model)
-    tokens = TokenData(data)
-    check_same_tokenizer(tokenizer, Tokenizer.from_dir(data), checkpoint, data)
+        for name, value, ok, want in [
+            ("--sequences", self.sequences, self.sequences >= 2, "at least 2"),
+            ("--opening", self.opening, self.opening >= 1, "at least 1"),
+            ("--new-tokens", self.new_tokens, self.new_tokens >= 2, "at least 2"),
+            ("--minutes", self.minutes, self.minutes > 0, "positive"),
+            ("--steps", self.steps, self.steps is None or self.steps >= 1, "at least 1"),
+        ]:
+            if not ok:
+                raise InputError(f"{name} {value} is out of range: it must be {want}")
+        return claim(out, "checkpoint", inputs=[self.checkpoint, self.data], overwrite=self.overwrite)
 
-    def openings(split: str, n: int) -> list[list[int]]:
-        stream = tokens.split(split).tokens
-        if len(stream) < opening + 1:
-            raise InputError(f"{data}'s {split} split holds {len(stream)} tokens: too few for {opening}-token openings")
-        starts = torch.linspace(0, len(stream) - opening - 1, n).long().tolist()
-        return [[int(t) for t in stream[s : s + opening]] for s in starts]
+    def own_text(self, output: Output, check: Callable[[Any], object]) -> tuple[Any, Path]:
+        """The model and the work folder holding its own text (train, held-out): its greedy continuations of
+        openings from the data's train and val splits with its states and top-8 logits, collected into --work
+        (default OUT.text; the command's own folder, where a rerun finds them) as a training data source
+        (llmkit.train.own_text). check(model) refuses a model before any text is written."""
+        import copy
 
-    copy_ = None if writer == "model" else cast(DecoderLM, quantize(copy.deepcopy(model), writer))
-    for split, n in (("train", sequences), ("val", 32)):
-        starts = openings(split, n)
-        collect_own_text(model, starts, text_dir / split, new_tokens=new_tokens, writer=copy_, tokenizer=tokenizer)
-    return model, text_dir
+        import torch
+
+        from llmkit.cli.common import load_decoder
+        from llmkit.errors import InputError
+        from llmkit.models import DecoderLM
+        from llmkit.quant import quantize
+        from llmkit.tokenizer import Tokenizer
+        from llmkit.train.data import TokenData
+        from llmkit.train.own_text import collect_own_text
+        from llmkit.train.source import check_same_tokenizer
+
+        text_dir = Path(self.work) if self.work is not None else Path(f"{output.path}.text")
+        if overlaps(text_dir, output.path):
+            raise InputError(f"--work {text_dir} would be replaced with OUT {output.path}: keep it beside OUT")
+        claim(text_dir, "work", inputs=[self.checkpoint, self.data], owned=True)
+        for leftover in text_dir.glob("*/*.tmp"):  # a part a killed collection left unfinished
+            leftover.unlink()
+        model, tokenizer = load_decoder(self.checkpoint, "fp32", self.device)
+        check(model)
+        tokens = TokenData(self.data)
+        check_same_tokenizer(tokenizer, Tokenizer.from_dir(self.data), self.checkpoint, self.data)
+
+        def openings(split: str, n: int) -> list[list[int]]:
+            stream, length = tokens.split(split).tokens, self.opening
+            if len(stream) < length + 1:
+                raise InputError(
+                    f"{self.data}'s {split} split holds {len(stream)} tokens: too few for {length}-token openings"
+                )
+            starts = torch.linspace(0, len(stream) - length - 1, n).long().tolist()
+            return [[int(t) for t in stream[s : s + length]] for s in starts]
+
+        writer = None if self.writer == "model" else cast(DecoderLM, quantize(copy.deepcopy(model), self.writer))
+        for split, n in (("train", self.sequences), ("val", 32)):
+            folder = text_dir / split
+            collect_own_text(
+                model, openings(split, n), folder, new_tokens=self.new_tokens, writer=writer, tokenizer=tokenizer
+            )
+        return model, text_dir
+
+    def train(
+        self,
+        output: Output,
+        text_dir: Path,
+        model: dict[str, Any],
+        *,
+        resume: bool,
+        batch: int,
+        lr: float,
+        loss: dict[str, Any] | None = None,
+        trainable: list[str] | None = None,
+    ) -> Any:
+        """Train the drafter `model` (the config's model section) on the own text in `text_dir` with `llmkit train`'s
+        loop, in OUT.run (its checkpoints, which --resume continues; a new run replaces an earlier one only with
+        --overwrite): for --steps, or a schedule fitted to --minutes. AdamW without weight decay, 20 steps of
+        warm-up, a cosine to zero, gradients clipped to norm 1."""
+        import shutil
+
+        from llmkit.errors import InputError
+        from llmkit.outputs import found_at
+        from llmkit.train.config import TrainConfig
+        from llmkit.train.loop import train
+
+        run = Path(f"{output.path}.run")
+        if not resume and found_at(run) == "run":
+            if not self.overwrite:
+                raise InputError(f"{run} holds an earlier training run: continue it with --resume, or --overwrite")
+            shutil.rmtree(run)
+        timed = {"steps": 10**6, "time_limit": self.minutes * 60, "fit_to_time": True}
+        cfg = TrainConfig.from_dict(
+            {
+                "model": model,
+                "data": {"dir": str(text_dir), "seq_len": self.opening + self.new_tokens, "batch_size": batch},
+                "optim": {"lr": lr, "beta2": 0.999, "weight_decay": 0.0, "grad_clip": 1.0},
+                "schedule": {"kind": "cosine", "warmup_steps": 20, "min_lr_ratio": 0.0},
+                "loss": loss or {},
+                "train": {
+                    **(timed if self.steps is None else {"steps": self.steps}),
+                    "trainable": trainable,
+                    "device": self.device or "cpu",
+                    "precision": self.precision,
+                    "seed": 0,
+                    "log_every": 25,
+                    "eval_every": 10**6,  # the held-out estimate comes at the end
+                    "save_every": 50,
+                    "keep_last": 1,
+                    "out": str(run),
+                },
+            }
+        )
+        return train(cfg, resume=resume)
+
+    def load(self, result: Any) -> Any:
+        """The trained drafter: the run's last checkpoint, in eval mode."""
+        from llmkit.interop.load import load_model
+
+        return load_model(result.checkpoint, device=self.device).model.eval()
 
 
-def _drafter_run(
-    output: Output,
-    model: dict[str, Any],
-    text_dir: Path,
-    *,
-    batch: int,
-    lr: float,
-    tokens: int,
-    minutes: float,
-    steps: int | None,
-    device: str | None,
-    precision: str,
-    resume: bool,
-    overwrite: bool,
-    loss: dict[str, Any] | None = None,
-    trainable: list[str] | None = None,
-) -> Any:
-    """Train a drafter on the own text in `text_dir` with `llmkit train`'s loop, in OUT.run (its checkpoints, which
-    --resume continues; a new run replaces an earlier one only with --overwrite): for `steps`, or a schedule fitted
-    to `minutes`. AdamW without weight decay, 20 steps of warm-up, a cosine to zero, gradients clipped to norm 1."""
-    import shutil
-
-    from llmkit.errors import InputError
-    from llmkit.outputs import found_at
-    from llmkit.train.config import TrainConfig
-    from llmkit.train.loop import train
-
-    run = Path(f"{output.path}.run")
-    if not resume and found_at(run) == "run":
-        if not overwrite:
-            raise InputError(f"{run} holds an earlier training run: continue it with --resume, or --overwrite")
-        shutil.rmtree(run)
-    timed = {"steps": 10**6, "time_limit": minutes * 60, "fit_to_time": True} if steps is None else {"steps": steps}
-    cfg = TrainConfig.from_dict(
-        {
-            "model": model,
-            "data": {"dir": str(text_dir), "seq_len": tokens, "batch_size": batch},
-            "optim": {"lr": lr, "beta2": 0.999, "weight_decay": 0.0, "grad_clip": 1.0},
-            "schedule": {"kind": "cosine", "warmup_steps": 20, "min_lr_ratio": 0.0},
-            "loss": loss or {},
-            "train": {
-                **timed,
-                "trainable": trainable,
-                "device": device or "cpu",
-                "precision": precision,
-                "seed": 0,
-                "log_every": 25,
-                "eval_every": 10**6,  # the held-out estimate comes at the end
-                "save_every": 50,
-                "keep_last": 1,
-                "out": str(run),
-            },
-        }
-    )
-    return train(cfg, resume=resume)
-
-
-def _finish(output: Output, result: Any, report: Any) -> None:
-    """OUT: the run's last checkpoint as a plain llmkit checkpoint, and the drafter's report."""
+def _finish(output: Output, drafter: Any, tokenizer_from: Path, report: Any) -> None:
+    """OUT: the trained drafter as a plain llmkit checkpoint (with the tokenizer of its run's checkpoint), and the
+    drafter's report."""
     import json
 
     from llmkit.interop.checkpoint import save_llmkit
-    from llmkit.interop.load import load_model
+    from llmkit.tokenizer import Tokenizer
 
-    loaded = load_model(result.checkpoint)
     with building(output) as tmp:
-        save_llmkit(loaded.model, tmp, tokenizer=loaded.tokenizer)
+        save_llmkit(drafter, tmp, tokenizer=Tokenizer.from_dir(tokenizer_from))
         (tmp / "drafter.json").write_text(json.dumps(dataclasses.asdict(report), indent=2))
 
 
@@ -281,55 +295,30 @@ def graft_mtp(
     overwrite: replace an existing checkpoint at OUT (never the input), and an earlier run in OUT.run.
     """
     from llmkit.errors import InputError
-    from llmkit.interop.load import load_model
-    from llmkit.models import DecoderLM
     from llmkit.train.drafting import DrafterReport, evaluate_drafter
     from llmkit.train.own_text import read_own_text
 
     if not 1 <= unroll <= 8:
         raise InputError(f"--unroll {unroll} is out of range: it must be between 1 and 8")
-    output = claim(out, "checkpoint", inputs=[checkpoint, data], overwrite=overwrite)
+    drafting = _Drafting(
+        checkpoint, data, sequences, opening, new_tokens, minutes, steps, writer, work, device, precision, overwrite
+    )
+    output = drafting.claim(out)
 
     def no_modules(model: Any) -> None:
         if len(model.mtp):
             raise InputError(f"{checkpoint} already has MTP modules; give a model without")
 
-    model, text_dir = _own_text(
-        checkpoint,
-        data,
-        sequences=sequences,
-        opening=opening,
-        new_tokens=new_tokens,
-        minutes=minutes,
-        steps=steps,
-        writer=writer,
-        work=work,
-        output=output,
-        device=device,
-        check=no_modules,
-    )
+    model, text_dir = drafting.own_text(output, no_modules)
     del model  # the run reads the checkpoint itself
     batch = min(16, sequences)
-    result = _drafter_run(
-        output,
-        {"checkpoint": checkpoint, "mtp_depth": 1},
-        text_dir,
-        batch=batch,
-        lr=2e-3,
-        tokens=opening + new_tokens,
-        minutes=minutes,
-        steps=steps,
-        device=device,
-        precision=precision,
-        resume=resume,
-        overwrite=overwrite,
-        loss={"unroll": unroll},
-        trainable=["mtp"],
-    )
-    grafted = cast(DecoderLM, load_model(result.checkpoint, device=device).model.eval())
+    spec = {"checkpoint": checkpoint, "mtp_depth": 1}
+    loss = {"unroll": unroll}
+    result = drafting.train(output, text_dir, spec, resume=resume, batch=batch, lr=2e-3, loss=loss, trainable=["mtp"])
+    grafted = drafting.load(result)
     agree, accepted = evaluate_drafter(grafted, read_own_text(text_dir, "val"), unroll, opening)
     report = DrafterReport(result.steps, result.steps * batch, result.seconds, agree, accepted)
-    _finish(output, result, report)
+    _finish(output, grafted, result.checkpoint, report)
     shown = ", ".join(f"{a:.2f}" for a in report.agreement)
     print(
         f"drafter: {report.steps} steps over {report.sequences} sequences in {report.seconds:.0f} s; held out, depth "
@@ -383,8 +372,6 @@ def distill_draft(
     overwrite: replace an existing checkpoint at OUT (never the input), and an earlier run in OUT.run.
     """
     from llmkit.errors import InputError
-    from llmkit.interop.load import load_model
-    from llmkit.models import DecoderLM
     from llmkit.train.drafting import DrafterReport, agreement
     from llmkit.train.own_text import read_own_text
 
@@ -394,7 +381,10 @@ def distill_draft(
         raise InputError(f"--keep {keep!r} must be block numbers separated by commas, e.g. 0,1,2,3,-1") from None
     if not 1 <= k <= 8:
         raise InputError(f"--k {k} is out of range: it must be between 1 and 8")
-    output = claim(out, "checkpoint", inputs=[checkpoint, data], overwrite=overwrite)
+    drafting = _Drafting(
+        checkpoint, data, sequences, opening, new_tokens, minutes, steps, writer, work, device, precision, overwrite
+    )
+    output = drafting.claim(out)
 
     def chosen(model: Any) -> list[int]:
         n = model.cfg.n_layers
@@ -405,41 +395,16 @@ def distill_draft(
             )
         return out
 
-    model, text_dir = _own_text(
-        checkpoint,
-        data,
-        sequences=sequences,
-        opening=opening,
-        new_tokens=new_tokens,
-        minutes=minutes,
-        steps=steps,
-        writer=writer,
-        work=work,
-        output=output,
-        device=device,
-        check=chosen,
-    )
+    model, text_dir = drafting.own_text(output, chosen)
     n, kept = model.cfg.n_layers, chosen(model)
     del model  # the run reads the checkpoint itself
     batch = min(8, sequences)
-    result = _drafter_run(
-        output,
-        {"checkpoint": checkpoint, "keep_blocks": kept},
-        text_dir,
-        batch=batch,
-        lr=3e-4,
-        tokens=opening + new_tokens,
-        minutes=minutes,
-        steps=steps,
-        device=device,
-        precision=precision,
-        resume=resume,
-        overwrite=overwrite,
-    )
-    draft = cast(DecoderLM, load_model(result.checkpoint, device=device).model.eval())
+    spec = {"checkpoint": checkpoint, "keep_blocks": kept}
+    result = drafting.train(output, text_dir, spec, resume=resume, batch=batch, lr=3e-4)
+    draft = drafting.load(result)
     agree, accepted = agreement(draft, read_own_text(text_dir, "val"), k, opening)
     report = DrafterReport(result.steps, result.steps * batch, result.seconds, [agree], accepted)
-    _finish(output, result, report)
+    _finish(output, draft, result.checkpoint, report)
     print(
         f"draft: {draft.cfg.n_layers} of {n} blocks, {report.steps} steps over {report.sequences} sequences in "
         f"{report.seconds:.0f} s; held out, it agrees with the model {report.agreement[0]:.2f}; a round of k={k} "

@@ -1,15 +1,20 @@
-"""Training tasks: what a batch is, which model it trains and what loss it gives. The loop is the same for every task.
+"""Training tasks: what a batch is, which models can learn it and what loss it gives. The loop is the same for every
+task; where the model comes from is source.py's, what of it trains strategy.py's.
 
     LanguageModelTask   next-token prediction on a token stream (decoder-only models), with every extra term the
                         architecture needs (MoE balance and z losses, the MTP loss, the sparse-attention indexer's
-                        loss) and the hooks its training needs (router bias updates, the indexer's warm-up)
+                        loss) and the hooks its training needs (router bias updates, the indexer's warm-up); with
+                        loss.distill_from, a live teacher's distributions (distill.py)
+    ChatTask            the same on conversations: only the assistant's tokens count, examples packed
     TranslationTask     sentence pairs (encoder-decoder models: the Transformer or the RNN), batched by token
                         count from length buckets; teacher forcing behind the start token <s>
+    OwnTextTask         a model's own text (own_text.py): its drafter learns the model's recorded top-k
+                        distributions (drafting.py)
 
 A task builds the module the loop calls: its forward returns a dict of scalars, "loss" (to backpropagate) and the
 task's `terms` (to log), plus statistics its hooks read (summed over micro-steps); with evaluate=True it returns the
 summed evaluation loss "nll" and the token "count". Wrapping the model in one module keeps DDP and FSDP to one
-forward call per micro-batch. `build_task` picks the task from the prepared data folder.
+forward call per micro-batch. `build_task` picks the task from the data folder.
 """
 
 from __future__ import annotations
