@@ -5,15 +5,15 @@ check that the output is token for token the plain output.
     .venv/bin/python bench/smollm2_speculation_bench.py [--sequences 800] [--own-minutes 12] [--chain 1,2,3,4]
     .venv/bin/python bench/smollm2_speculation_bench.py --baselines     # also the earlier grafts and the draft model
 
-The module taught on the model's own text (`llmkit graft-mtp`, llmkit/train/mtp_graft.py): SmolLM2 continues
+The module taught on the model's own text (`llmkit graft-mtp`, llmkit/train/own_text.py, drafting.py): SmolLM2 continues
 --sequences 48-token openings from Shakespeare's plays (train split) for 208 tokens (an int4 copy writes them); its
 states and top-8 logits there are the data; the module (block copied from the last block) learns the model's
-distribution of the token after next and to stand in for its next state, also from its own outputs (--unroll), so
-it drafts k tokens in a chain. Kept in runs/bench/smollm2-mtp-own (the text in runs/bench/smollm2-own-text;
---retrain to redo).
+distribution of the token after next and to stand in for its next state, also from its own outputs (--unroll), so it
+drafts k tokens in a chain. Kept in runs/bench/smollm2-mtp-own (the text in runs/bench/smollm2-own-text; --retrain to
+redo).
 
-A draft model distilled from the target (llmkit/train/draft_distill.py): SmolLM2's embedding, head and blocks --keep
-(the first four and the last), trained on the same own text to match its next-token distributions for
+A draft model distilled from the target (`llmkit distill-draft`, llmkit/train/graft.py prune): SmolLM2's embedding, head
+and blocks --keep (the first four and the last), trained on the same own text to match its next-token distributions for
 --pruned-minutes, then drafting from an int8 copy (head included) k tokens a round (runs/bench/smollm2-pruned-draft).
 
 --baselines adds what an earlier stop measured: the graft trained through `llmkit train` on the plays' text for

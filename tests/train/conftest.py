@@ -6,6 +6,11 @@ from pathlib import Path
 import pytest
 
 from llmkit.data.prepare import prepare
+from llmkit.models import DecoderLM
+from llmkit.train.config import TrainConfig
+from llmkit.train.loop import Result, train
+from llmkit.train.own_text import OwnText, save_own_text
+from llmkit.train.source import InMemory
 
 TEXT = (
     "ROMEO:\nBut, soft! what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n\n"
@@ -47,3 +52,38 @@ def tiny_config(data_dir: Path, out: Path, **sections: dict) -> dict:
     for name, values in sections.items():
         cfg[name] = {**cfg.get(name, {}), **values}
     return cfg
+
+
+def train_on_own_text(
+    model: DecoderLM,
+    text: OwnText,
+    held: OwnText,
+    out: Path,
+    *,
+    steps: int,
+    lr: float,
+    device: str = "auto",
+    **loss: object,
+) -> Result:
+    """`model` trained in the training loop on `text` (held-out: `held`) in rows of 8, as the commands do (AdamW
+    without weight decay, warm-up, a cosine to zero): its MTP modules alone when it has some."""
+    save_own_text(out / "text" / "train", text, opening=0)
+    save_own_text(out / "text" / "val", held, opening=0)
+    cfg = {
+        "data": {"dir": str(out / "text"), "batch_size": 8},
+        "optim": {"lr": lr, "beta2": 0.999, "weight_decay": 0.0},
+        "schedule": {"warmup_steps": 20, "min_lr_ratio": 0.0},
+        "loss": loss,
+        "train": {
+            "steps": steps,
+            "trainable": ["mtp"] if len(model.mtp) else None,
+            "progress": False,
+            "eval_every": steps,
+            "save_every": steps,
+            "out": str(out / "run"),
+            "device": device,
+        },
+    }
+    result = train(TrainConfig.from_dict(cfg), source=InMemory(model))
+    model.eval()
+    return result

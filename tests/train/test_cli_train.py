@@ -129,7 +129,7 @@ def test_a_batch_that_cannot_fit_in_memory_is_refused_before_anything_is_built(
     def never(*args: object, **kwargs: object) -> None:
         raise AssertionError("the model was built: the batch should have been refused before")
 
-    monkeypatch.setattr("llmkit.train.loop.build_any", never)
+    monkeypatch.setattr("llmkit.train.source.build_any", never)
     config = write_config(tiny_data, tmp_path / "run")
     assert main(["train", str(config), "--set", "data.batch_size=100000000"]) == 2
     line = one_line_error(capsys.readouterr().err)

@@ -18,7 +18,7 @@ from llmkit.runs import resolve_checkpoint
 from llmkit.train.config import TrainConfig
 from llmkit.train.loop import Trainer, train
 
-from .conftest import losses, tiny_config
+from .conftest import losses, tiny_config, train_on_own_text
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -117,9 +117,11 @@ def test_gpu_chat_sft_starts_at_the_loaded_models_loss_and_learns(pretrained, tm
     assert first[0] == pytest.approx(expected, abs=1e-4) and first[-1] < first[0]
 
 
-def test_gpu_grafted_module_learns_to_agree_and_chains_exactly():
+def test_gpu_grafted_module_learns_to_agree_and_chains_exactly(tmp_path):
     from llmkit.generate import generate, speculative_generate
-    from llmkit.train.mtp_graft import evaluate_drafter, graft, model_states, train_drafter
+    from llmkit.train.drafting import evaluate_drafter
+    from llmkit.train.graft import graft_mtp
+    from llmkit.train.own_text import model_states
 
     torch.manual_seed(0)
     model = build_model(dataclasses.replace(get_preset("llama2-7b-tiny"), vocab_size=64), device="cuda").eval()
@@ -127,10 +129,12 @@ def test_gpu_grafted_module_learns_to_agree_and_chains_exactly():
     text = model_states(model, torch.randint(0, 64, (96, 24), generator=generator))  # kept on the CPU
     held = model_states(model, torch.randint(0, 64, (16, 24), generator=generator))
     assert text.tokens.device.type == "cpu"
-    grafted = graft(model)
+    grafted = graft_mtp(model)
     before, _ = evaluate_drafter(grafted, held, 2)
-    report = train_drafter(grafted, text, steps=150, held_out=held, batch=8, unroll=2, lr=1e-2, log=lambda _: None)
-    assert min(report.agreement) > max(before) + 0.3
+    train_on_own_text(grafted, text, held, tmp_path, steps=150, lr=1e-2, device="cuda", unroll=2)
+    assert next(grafted.parameters()).device.type == "cuda"
+    agreement, _ = evaluate_drafter(grafted, held, 2)
+    assert min(agreement) > max(before) + 0.3
     prompts = held.tokens[:3, :10].tolist()
     with torch.no_grad():
         plain = generate(grafted, prompts, max_new_tokens=30).new_tokens
@@ -138,9 +142,10 @@ def test_gpu_grafted_module_learns_to_agree_and_chains_exactly():
             assert speculative_generate(grafted, prompts, max_new_tokens=30, k=k).new_tokens == plain
 
 
-def test_gpu_pruned_draft_distils_on_the_gpu():
-    from llmkit.train.draft_distill import agreement, distill_draft, prune
-    from llmkit.train.mtp_graft import model_states
+def test_gpu_pruned_draft_distils_on_the_gpu(tmp_path):
+    from llmkit.train.drafting import agreement
+    from llmkit.train.graft import prune
+    from llmkit.train.own_text import model_states
 
     torch.manual_seed(0)
     model = build_model(dataclasses.replace(get_preset("llama2-7b-tiny"), vocab_size=64, n_layers=4), device="cuda")
@@ -150,8 +155,8 @@ def test_gpu_pruned_draft_distils_on_the_gpu():
     text = model_states(model.eval(), torch.randint(0, 64, (64, 24), generator=generator))
     draft = prune(model, [0, 3])
     before, _ = agreement(draft, text, 2)
-    report = distill_draft(draft, text, steps=120, held_out=text, lr=3e-3, log=lambda _: None)
-    assert report.agreement[0] > before + 0.1
+    train_on_own_text(draft, text, text, tmp_path, steps=120, lr=3e-3, device="cuda")
+    assert agreement(draft, text, 2)[0] > before + 0.1
 
 
 def test_gpu_graft_mtp_command_and_generate_with_it(pretrained, tiny_data, tmp_path, capsys):

@@ -13,12 +13,38 @@ from llmkit.generate import generate, speculative_generate
 from llmkit.interop.load import load_model
 from llmkit.runs import resolve_checkpoint
 from llmkit.train.config import TrainConfig
-from llmkit.train.distill import distillation_kl
+from llmkit.train.distill import candidates, distillation_kl, top_k_cross_entropy
 from llmkit.train.loop import TrainingError, train
 
 from .conftest import losses, tiny_config
 
 STUDENT = {"preset": "llama2-7b-tiny", "n_layers": 1, "d_model": 32, "attention": {"n_heads": 2, "n_kv_heads": 1}}
+
+
+def test_the_top_k_term_is_the_cross_entropy_against_the_teachers_renormalised_top_k():
+    """Against a direct computation, position by position: the teacher's top-k probabilities renormalised, the
+    student's log-probabilities over the batch's candidate tokens (the union of every position's top-k)."""
+    g = torch.Generator().manual_seed(0)
+    student, teacher = torch.randn(2, 3, 40, generator=g), torch.randn(2, 3, 40, generator=g)
+    top_logits, top_ids = teacher.topk(4, dim=-1)  # (2, 3, 4)
+    ids, index = candidates(top_ids)
+    assert torch.equal(ids[index], top_ids.long())
+    got = top_k_cross_entropy(student[..., ids], index, top_logits)
+    union = sorted(set(top_ids.flatten().tolist()))
+    expected = []
+    for b in range(2):
+        for t in range(3):
+            p = F.softmax(top_logits[b, t], -1)
+            log_q = F.log_softmax(student[b, t, union], -1)
+            expected.append(-sum(p[j] * log_q[union.index(int(top_ids[b, t, j]))] for j in range(4)))
+    torch.testing.assert_close(got, torch.stack(expected).mean())
+    # k = V: the whole distribution, whose cross-entropy is the KL plus the teacher's entropy (the same gradient)
+    top_logits, top_ids = teacher.topk(40, dim=-1)
+    ids, index = candidates(top_ids)
+    full = top_k_cross_entropy(student[..., ids], index, top_logits)
+    p = F.softmax(teacher, -1)
+    entropy = -(p * p.log()).sum(-1).mean()
+    torch.testing.assert_close(full, distillation_kl(student, teacher, torch.zeros(2, 3, dtype=torch.long)) + entropy)
 
 
 def test_the_kl_term_is_the_teachers_divergence_over_counted_positions():

@@ -1,6 +1,6 @@
-"""An MTP module taught to draft on the model's own text (llmkit.train.mtp_graft, `llmkit graft-mtp`): the data is
-what the model says and its states there, the module trains alone, learns to agree with the model, and drafts
-chains whose output is exactly plain greedy decoding."""
+"""An MTP module taught to draft on the model's own text (llmkit.train.own_text, drafting, `llmkit graft-mtp`): the
+data is what the model says and its states there, the module trains alone in the training loop, learns to agree with
+the model, and drafts chains whose output is exactly plain greedy decoding."""
 
 from __future__ import annotations
 
@@ -22,10 +22,12 @@ from llmkit.models.cache import whole_sequence
 from llmkit.runs import resolve_checkpoint
 from llmkit.train.config import TrainConfig
 from llmkit.train.data import TokenData
+from llmkit.train.drafting import evaluate_drafter
+from llmkit.train.graft import graft_mtp
 from llmkit.train.loop import train
-from llmkit.train.mtp_graft import OwnText, collect_own_text, evaluate_drafter, graft, model_states, train_drafter
+from llmkit.train.own_text import collect_own_text, model_states
 
-from .conftest import tiny_config
+from .conftest import tiny_config, train_on_own_text
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,7 @@ def openings(data: Path, split: str, n: int, length: int = 8) -> list[list[int]]
 
 def test_graft_copies_the_last_block_and_starts_from_the_models_state(pretrained):
     model = base_model(pretrained)
-    grafted = graft(model)
+    grafted = graft_mtp(model)
     assert grafted.cfg.mtp_depth == 1 and len(model.mtp) == 0
     for name, value in model.state_dict().items():
         assert torch.equal(grafted.state_dict()[name], value)
@@ -60,7 +62,7 @@ def test_graft_copies_the_last_block_and_starts_from_the_models_state(pretrained
     proj = grafted.mtp[0].proj.weight
     assert torch.equal(proj[:, C:], torch.eye(C)) and not proj[:, :C].any()  # [0 ; I]: the state alone at first
     with pytest.raises(InputError, match="already has"):
-        graft(grafted)
+        graft_mtp(grafted)
 
 
 def test_own_text_is_the_models_greedy_text_and_its_states_and_resumes_from_disk(
@@ -90,23 +92,25 @@ def test_own_text_is_the_models_greedy_text_and_its_states_and_resumes_from_disk
         collect_own_text(model, [[1, 2], [3]], tmp_path / "x", new_tokens=4)
 
 
-def test_the_module_alone_learns_to_agree_with_the_model_and_chains_exactly():
+def test_the_module_alone_learns_to_agree_with_the_model_and_chains_exactly(tmp_path):
     # a random model over random text: what it says next is a function of the context the module must learn
     torch.manual_seed(0)
     model = build_model(dataclasses.replace(get_preset("llama2-7b-tiny"), vocab_size=64)).eval()
     generator = torch.Generator().manual_seed(1)
     text = model_states(model, torch.randint(0, 64, (96, 24), generator=generator))
     held = model_states(model, torch.randint(0, 64, (16, 24), generator=generator))
-    grafted = graft(model)
+    grafted = graft_mtp(model)
     trunk = {k: v.clone() for k, v in grafted.state_dict().items() if not k.startswith("mtp.")}
     before, _ = evaluate_drafter(grafted, held, 2)
-    report = train_drafter(grafted, text, steps=150, held_out=held, batch=8, unroll=2, lr=1e-2, log=lambda _: None)
-    assert report.steps == 150 and report.sequences == 1200 and len(report.agreement) == 2
-    assert min(report.agreement) > max(before) + 0.3  # it learnt what the model says, at depth 2 from its own output
-    assert 0.3 < report.accepted_per_round <= 2
+    result = train_on_own_text(grafted, text, held, tmp_path, steps=150, lr=1e-2, unroll=2)
+    assert result.steps == 150 and result.tokens == 150 * 8 * 24
+    agreement, accepted = evaluate_drafter(grafted, held, 2)
+    assert min(agreement) > max(before) + 0.3  # it learnt what the model says, at depth 2 from its own output
+    assert 0.3 < accepted <= 2
     after = grafted.state_dict()
     assert all(torch.equal(after[k], v) for k, v in trunk.items())  # the trunk did not move
-    assert all(p.requires_grad for p in grafted.parameters()) and not grafted.training
+    saved = load_model(resolve_checkpoint(tmp_path / "run")).model.state_dict()
+    assert all(torch.equal(saved[k], v) for k, v in after.items())  # the run's checkpoint is the trained model
     prompts = held.tokens[:3, :10].tolist()
     with torch.no_grad():
         plain = generate(grafted, prompts, max_new_tokens=30).new_tokens
@@ -132,7 +136,7 @@ def test_graft_mtp_command_writes_a_drafting_checkpoint(pretrained, tiny_data, t
 
 def test_graft_mtp_command_refuses_bad_requests(pretrained, tiny_data, tmp_path, capsys):
     base = str(resolve_checkpoint(pretrained))
-    for flag, value in [("--sequences", "1"), ("--unroll", "9"), ("--minutes", "0")]:
+    for flag, value in [("--sequences", "1"), ("--unroll", "9"), ("--minutes", "0"), ("--steps", "0")]:
         assert main(["graft-mtp", base, str(tmp_path / "o"), "--data", str(tiny_data), flag, value]) == 2
         assert f"{flag} {value}" in capsys.readouterr().err
     other = tmp_path / "other"
@@ -144,15 +148,12 @@ def test_graft_mtp_command_refuses_bad_requests(pretrained, tiny_data, tmp_path,
     assert main(["graft-mtp", base, str(tmp_path / "o"), "--data", str(other)]) != 0
     assert "another tokenizer" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
-    with pytest.raises(InputError, match="no MTP module"):
-        train_drafter(base_model(pretrained), OwnText(*[torch.zeros(1, 2)] * 4), seconds=1)
-    with pytest.raises(InputError, match="exactly one"):
-        train_drafter(graft(base_model(pretrained)), OwnText(*[torch.zeros(1, 2)] * 4), seconds=1, steps=2)
 
 
-def test_a_pruned_draft_keeps_the_chosen_blocks_and_learns_the_targets_distributions():
+def test_a_pruned_draft_keeps_the_chosen_blocks_and_learns_the_targets_distributions(tmp_path):
     from llmkit.quant import quantize
-    from llmkit.train.draft_distill import agreement, distill_draft, prune
+    from llmkit.train.drafting import agreement
+    from llmkit.train.graft import prune
 
     torch.manual_seed(0)
     model = build_model(dataclasses.replace(get_preset("llama2-7b-tiny"), vocab_size=64, n_layers=4)).eval()
@@ -169,9 +170,10 @@ def test_a_pruned_draft_keeps_the_chosen_blocks_and_learns_the_targets_distribut
     text = model_states(model, torch.randint(0, 64, (96, 24), generator=generator))
     held = model_states(model, torch.randint(0, 64, (16, 24), generator=generator))
     before, _ = agreement(draft, held, 3)
-    report = distill_draft(draft, text, steps=150, held_out=held, k=3, batch=8, lr=1e-3, log=lambda _: None)
-    assert report.steps == 150 and report.agreement[0] > before + 0.1
-    assert 0 < report.accepted_per_round <= 3
+    result = train_on_own_text(draft, text, held, tmp_path, steps=150, lr=1e-3)
+    after, accepted = agreement(draft, held, 3)
+    assert result.steps == 150 and after > before + 0.1
+    assert 0 < accepted <= 3
     low = quantize(draft, "int4", include_head=True).eval()  # drafting from int4 weights: the output is the target's
     prompts = held.tokens[:3, :10].tolist()
     with torch.no_grad():

@@ -100,67 +100,154 @@ def merge(run: str, out: str, *, overwrite: bool = False) -> int:
     return 0
 
 
-def _own_text(
-    checkpoint: str,
-    data: str,
-    *,
-    sequences: int,
-    opening: int,
-    new_tokens: int,
-    minutes: float,
-    writer: Literal["model", "int8", "int4"],
-    work: str | None,
-    output: Output,
-    device: str | None,
-    check: Callable[[Any], object],
-) -> tuple[Any, Any, Any, Any]:
-    """The checked settings' model, tokenizer and its own text (train, held-out) for a drafter: the model's greedy
-    continuations of openings from `data`'s train and val splits with its states and top-8 logits, collected into
-    `work` (default OUT.text; the command's own folder, where a rerun finds them). check(model) refuses a model
-    before any text is written."""
-    import copy
+@dataclasses.dataclass(frozen=True)
+class _Drafting:
+    """What graft-mtp and distill-draft share: the model, the text it writes, and how the drafter trains."""
 
-    import torch
+    checkpoint: str
+    data: str
+    sequences: int
+    opening: int
+    new_tokens: int
+    minutes: float
+    steps: int | None
+    writer: Literal["model", "int8", "int4"]
+    work: str | None
+    device: str | None
+    precision: str
+    overwrite: bool
 
-    from llmkit.cli.common import load_decoder
-    from llmkit.errors import InputError
-    from llmkit.models import DecoderLM
-    from llmkit.quant import quantize
+    def claim(self, out: str) -> Output:
+        """OUT, checked before any heavy work; and the settings, checked too."""
+        from llmkit.errors import InputError
+
+        for name, value, ok, want in [
+            ("--sequences", self.sequences, self.sequences >= 2, "at least 2"),
+            ("--opening", self.opening, self.opening >= 1, "at least 1"),
+            ("--new-tokens", self.new_tokens, self.new_tokens >= 2, "at least 2"),
+            ("--minutes", self.minutes, self.minutes > 0, "positive"),
+            ("--steps", self.steps, self.steps is None or self.steps >= 1, "at least 1"),
+        ]:
+            if not ok:
+                raise InputError(f"{name} {value} is out of range: it must be {want}")
+        return claim(out, "checkpoint", inputs=[self.checkpoint, self.data], overwrite=self.overwrite)
+
+    def own_text(self, output: Output, check: Callable[[Any], object]) -> tuple[Any, Path]:
+        """The model and the work folder holding its own text (train, held-out): its greedy continuations of
+        openings from the data's train and val splits with its states and top-8 logits, collected into --work
+        (default OUT.text; the command's own folder, where a rerun finds them) as a training data source
+        (llmkit.train.own_text). check(model) refuses a model before any text is written."""
+        import copy
+
+        import torch
+
+        from llmkit.cli.common import load_decoder
+        from llmkit.errors import InputError
+        from llmkit.models import DecoderLM
+        from llmkit.quant import quantize
+        from llmkit.tokenizer import Tokenizer
+        from llmkit.train.data import TokenData
+        from llmkit.train.own_text import collect_own_text
+        from llmkit.train.source import check_same_tokenizer
+
+        text_dir = Path(self.work) if self.work is not None else Path(f"{output.path}.text")
+        if overlaps(text_dir, output.path):
+            raise InputError(f"--work {text_dir} would be replaced with OUT {output.path}: keep it beside OUT")
+        claim(text_dir, "work", inputs=[self.checkpoint, self.data], owned=True)
+        for leftover in text_dir.glob("*/*.tmp"):  # a part a killed collection left unfinished
+            leftover.unlink()
+        model, tokenizer = load_decoder(self.checkpoint, "fp32", self.device)
+        check(model)
+        tokens = TokenData(self.data)
+        check_same_tokenizer(tokenizer, Tokenizer.from_dir(self.data), self.checkpoint, self.data)
+
+        def openings(split: str, n: int) -> list[list[int]]:
+            stream, length = tokens.split(split).tokens, self.opening
+            if len(stream) < length + 1:
+                raise InputError(
+                    f"{self.data}'s {split} split holds {len(stream)} tokens: too few for {length}-token openings"
+                )
+            starts = torch.linspace(0, len(stream) - length - 1, n).long().tolist()
+            return [[int(t) for t in stream[s : s + length]] for s in starts]
+
+        writer = None if self.writer == "model" else cast(DecoderLM, quantize(copy.deepcopy(model), self.writer))
+        for split, n in (("train", self.sequences), ("val", 32)):
+            folder = text_dir / split
+            collect_own_text(
+                model, openings(split, n), folder, new_tokens=self.new_tokens, writer=writer, tokenizer=tokenizer
+            )
+        return model, text_dir
+
+    def train(
+        self,
+        output: Output,
+        text_dir: Path,
+        model: dict[str, Any],
+        *,
+        resume: bool,
+        batch: int,
+        lr: float,
+        loss: dict[str, Any] | None = None,
+        trainable: list[str] | None = None,
+    ) -> Any:
+        """Train the drafter `model` (the config's model section) on the own text in `text_dir` with `llmkit train`'s
+        loop, in OUT.run (its checkpoints, which --resume continues; a new run replaces an earlier one only with
+        --overwrite): for --steps, or a schedule fitted to --minutes. AdamW without weight decay, 20 steps of
+        warm-up, a cosine to zero, gradients clipped to norm 1."""
+        import shutil
+
+        from llmkit.errors import InputError
+        from llmkit.outputs import found_at
+        from llmkit.train.config import TrainConfig
+        from llmkit.train.loop import train
+
+        run = Path(f"{output.path}.run")
+        if not resume and found_at(run) == "run":
+            if not self.overwrite:
+                raise InputError(f"{run} holds an earlier training run: continue it with --resume, or --overwrite")
+            shutil.rmtree(run)
+        timed = {"steps": 10**6, "time_limit": self.minutes * 60, "fit_to_time": True}
+        cfg = TrainConfig.from_dict(
+            {
+                "model": model,
+                "data": {"dir": str(text_dir), "seq_len": self.opening + self.new_tokens, "batch_size": batch},
+                "optim": {"lr": lr, "beta2": 0.999, "weight_decay": 0.0, "grad_clip": 1.0},
+                "schedule": {"kind": "cosine", "warmup_steps": 20, "min_lr_ratio": 0.0},
+                "loss": loss or {},
+                "train": {
+                    **(timed if self.steps is None else {"steps": self.steps}),
+                    "trainable": trainable,
+                    "device": self.device or "cpu",
+                    "precision": self.precision,
+                    "seed": 0,
+                    "log_every": 25,
+                    "eval_every": 10**6,  # the held-out estimate comes at the end
+                    "save_every": 50,
+                    "keep_last": 1,
+                    "out": str(run),
+                },
+            }
+        )
+        return train(cfg, resume=resume)
+
+    def load(self, result: Any) -> Any:
+        """The trained drafter: the run's last checkpoint, in eval mode."""
+        from llmkit.interop.load import load_model
+
+        return load_model(result.checkpoint, device=self.device).model.eval()
+
+
+def _finish(output: Output, drafter: Any, tokenizer_from: Path, report: Any) -> None:
+    """OUT: the trained drafter as a plain llmkit checkpoint (with the tokenizer of its run's checkpoint), and the
+    drafter's report."""
+    import json
+
+    from llmkit.interop.checkpoint import save_llmkit
     from llmkit.tokenizer import Tokenizer
-    from llmkit.train.data import TokenData
-    from llmkit.train.mtp_graft import collect_own_text
-    from llmkit.train.tasks import check_same_tokenizer
 
-    for name, value, ok, want in [
-        ("--sequences", sequences, sequences >= 2, "at least 2"),
-        ("--opening", opening, opening >= 1, "at least 1"),
-        ("--new-tokens", new_tokens, new_tokens >= 2, "at least 2"),
-        ("--minutes", minutes, minutes > 0, "positive"),
-    ]:
-        if not ok:
-            raise InputError(f"{name} {value} is out of range: it must be {want}")
-    text_dir = Path(work) if work is not None else Path(f"{output.path}.text")
-    if overlaps(text_dir, output.path):
-        raise InputError(f"--work {text_dir} would be replaced with OUT {output.path}: keep it beside OUT")
-    claim(text_dir, "work", inputs=[checkpoint, data], owned=True)
-    for leftover in text_dir.glob("*/*.tmp"):  # a part a killed collection left unfinished
-        leftover.unlink()
-    model, tokenizer = load_decoder(checkpoint, "fp32", device)
-    check(model)
-    tokens = TokenData(data)
-    check_same_tokenizer(tokenizer, Tokenizer.from_dir(data), checkpoint, data)
-
-    def openings(split: str, n: int) -> list[list[int]]:
-        stream = tokens.split(split).tokens
-        if len(stream) < opening + 1:
-            raise InputError(f"{data}'s {split} split holds {len(stream)} tokens: too few for {opening}-token openings")
-        starts = torch.linspace(0, len(stream) - opening - 1, n).long().tolist()
-        return [[int(t) for t in stream[s : s + opening]] for s in starts]
-
-    copy_ = None if writer == "model" else cast(DecoderLM, quantize(copy.deepcopy(model), writer))
-    own = collect_own_text(model, openings("train", sequences), text_dir / "train", new_tokens=new_tokens, writer=copy_)
-    held = collect_own_text(model, openings("val", 32), text_dir / "val", new_tokens=new_tokens, writer=copy_)
-    return model, tokenizer, own, held
+    with building(output) as tmp:
+        save_llmkit(drafter, tmp, tokenizer=Tokenizer.from_dir(tokenizer_from))
+        (tmp / "drafter.json").write_text(json.dumps(dataclasses.asdict(report), indent=2))
 
 
 def graft_mtp(
@@ -172,18 +259,23 @@ def graft_mtp(
     opening: int = 48,
     new_tokens: int = 208,
     minutes: float = 12.0,
+    steps: int | None = None,
     unroll: int = 3,
     writer: Literal["model", "int8", "int4"] = "int4",
     work: str | None = None,
     device: str | None = None,
+    precision: Literal["fp32", "bf16", "auto"] = "fp32",
+    resume: bool = False,
     overwrite: bool = False,
 ) -> int:
     """Graft an MTP module onto a pretrained model and teach it to draft for the model (self-speculative decoding).
 
     The module learns what the model itself says: its greedy continuations of openings from the data, with its
     states and top-8 logits, computed once (the model stays frozen); then the module alone trains, EAGLE-style,
-    also on its own outputs so that it drafts several tokens in a chain. Decode with
-    `llmkit generate OUT --mtp --speculate 3 --draft-head-bits 4`: the model's own output, in fewer passes.
+    also on its own outputs so that it drafts several tokens in a chain. Training is `llmkit train` on that text
+    (model: {checkpoint: CHECKPOINT, mtp_depth: 1}, train.trainable: [mtp]), in OUT.run with its checkpoints.
+    Decode with `llmkit generate OUT --mtp --speculate 3 --draft-head-bits 4`: the model's own output, in fewer
+    passes.
 
     checkpoint: the pretrained model (an llmkit checkpoint or run, a Hugging Face folder, a GGUF file), float.
     out: where to write the model with its module (an llmkit checkpoint).
@@ -191,52 +283,46 @@ def graft_mtp(
         held-out ones from its val split for the acceptance estimate.
     sequences: how many continuations to learn from (the longest part: ~18 s per 16 for SmolLM2-135M here).
     opening: tokens of each opening; new_tokens: tokens the model continues it with.
-    minutes: the module's training time.
+    minutes: the module's training time (the schedule is fitted to it).
+    steps: train for this many steps of 16 sequences instead of --minutes.
     unroll: chain depth trained (and the k the estimate is for).
     writer: who writes the continuations: the model, or an int8 / int4 copy of it (faster, nearly the same text;
         the states and targets are always the model's own).
     work: where the collected text is kept (default OUT.text); a run that stops resumes from it.
     device: cpu, cuda, cuda:1, ... (default: the CPU); the collected text is kept on the CPU either way.
-    overwrite: replace an existing checkpoint at OUT (never the input).
+    precision: the training's autocast: fp32, bf16, or auto (bf16 where the device is fast at it).
+    resume: continue the training run in OUT.run from its latest checkpoint.
+    overwrite: replace an existing checkpoint at OUT (never the input), and an earlier run in OUT.run.
     """
-    import json
-
     from llmkit.errors import InputError
-    from llmkit.interop.checkpoint import save_llmkit
-    from llmkit.train.mtp_graft import graft, train_drafter
+    from llmkit.train.drafting import DrafterReport, evaluate_drafter
+    from llmkit.train.own_text import read_own_text
 
     if not 1 <= unroll <= 8:
         raise InputError(f"--unroll {unroll} is out of range: it must be between 1 and 8")
-    output = claim(out, "checkpoint", inputs=[checkpoint, data], overwrite=overwrite)
+    drafting = _Drafting(
+        checkpoint, data, sequences, opening, new_tokens, minutes, steps, writer, work, device, precision, overwrite
+    )
+    output = drafting.claim(out)
 
     def no_modules(model: Any) -> None:
         if len(model.mtp):
             raise InputError(f"{checkpoint} already has MTP modules; give a model without")
 
-    model, tokenizer, own, held = _own_text(
-        checkpoint,
-        data,
-        sequences=sequences,
-        opening=opening,
-        new_tokens=new_tokens,
-        minutes=minutes,
-        writer=writer,
-        work=work,
-        output=output,
-        device=device,
-        check=no_modules,
-    )
-    grafted = graft(model)
-    report = train_drafter(
-        grafted, own, seconds=minutes * 60, held_out=held, batch=min(16, sequences), unroll=unroll, skip=opening
-    )
-    with building(output) as tmp:
-        save_llmkit(grafted, tmp, tokenizer=tokenizer)
-        (tmp / "drafter.json").write_text(json.dumps(dataclasses.asdict(report), indent=2))
-    agree = ", ".join(f"{a:.2f}" for a in report.agreement)
+    model, text_dir = drafting.own_text(output, no_modules)
+    del model  # the run reads the checkpoint itself
+    batch = min(16, sequences)
+    spec = {"checkpoint": checkpoint, "mtp_depth": 1}
+    loss = {"unroll": unroll}
+    result = drafting.train(output, text_dir, spec, resume=resume, batch=batch, lr=2e-3, loss=loss, trainable=["mtp"])
+    grafted = drafting.load(result)
+    agree, accepted = evaluate_drafter(grafted, read_own_text(text_dir, "val"), unroll, opening)
+    report = DrafterReport(result.steps, result.steps * batch, result.seconds, agree, accepted)
+    _finish(output, grafted, result.checkpoint, report)
+    shown = ", ".join(f"{a:.2f}" for a in report.agreement)
     print(
         f"drafter: {report.steps} steps over {report.sequences} sequences in {report.seconds:.0f} s; held out, depth "
-        f"1..{unroll} agree with the model {agree}; a round of k={unroll} accepts {report.accepted_per_round:.2f}"
+        f"1..{unroll} agree with the model {shown}; a round of k={unroll} accepts {report.accepted_per_round:.2f}"
     )
     print(f"checkpoint: {out}  (llmkit generate {out} --mtp --speculate {unroll} --draft-head-bits 4)")
     return 0
@@ -252,16 +338,20 @@ def distill_draft(
     opening: int = 48,
     new_tokens: int = 208,
     minutes: float = 12.0,
+    steps: int | None = None,
     k: int = 3,
     writer: Literal["model", "int8", "int4"] = "int4",
     work: str | None = None,
     device: str | None = None,
+    precision: Literal["fp32", "bf16", "auto"] = "fp32",
+    resume: bool = False,
     overwrite: bool = False,
 ) -> int:
     """Make a draft model for speculative decoding out of a pretrained model: a few of its blocks (with its
     embedding, final norm and head), distilled on the model's own text (its continuations of openings from the
     data and its top-8 logits there, collected as `llmkit graft-mtp` does; the same --work folder serves both).
-    Decode with `llmkit generate CHECKPOINT --draft OUT --speculate 3`, the draft best held in int8
+    Training is `llmkit train` on that text (model: {checkpoint: CHECKPOINT, keep_blocks: [...]}), in OUT.run with
+    its checkpoints. Decode with `llmkit generate CHECKPOINT --draft OUT --speculate 3`, the draft best held in int8
     (`llmkit quantize OUT OUT-int8 --to int8 --include-head`); the output stays the model's own.
 
     checkpoint: the pretrained model (an llmkit checkpoint or run, a Hugging Face folder, a GGUF file), float.
@@ -271,19 +361,19 @@ def distill_draft(
         representation and the last is what the head reads.
     sequences: how many continuations to learn from.
     opening: tokens of each opening; new_tokens: tokens the model continues it with.
-    minutes: the draft's training time.
+    minutes: the draft's training time (the schedule is fitted to it).
+    steps: train for this many steps of 8 sequences instead of --minutes.
     k: drafts a round, for the held-out acceptance estimate.
     writer: who writes the continuations: the model, or an int8 / int4 copy of it.
     work: where the collected text is kept (default OUT.text); a run that stops resumes from it.
     device: cpu, cuda, cuda:1, ... (default: the CPU).
-    overwrite: replace an existing checkpoint at OUT (never the input).
+    precision: the training's autocast: fp32, bf16, or auto (bf16 where the device is fast at it).
+    resume: continue the training run in OUT.run from its latest checkpoint.
+    overwrite: replace an existing checkpoint at OUT (never the input), and an earlier run in OUT.run.
     """
-    import json
-
     from llmkit.errors import InputError
-    from llmkit.interop.checkpoint import save_llmkit
-    from llmkit.train.draft_distill import distill_draft as distill
-    from llmkit.train.draft_distill import prune
+    from llmkit.train.drafting import DrafterReport, agreement
+    from llmkit.train.own_text import read_own_text
 
     try:
         blocks = [int(i) for i in keep.split(",")]
@@ -291,7 +381,10 @@ def distill_draft(
         raise InputError(f"--keep {keep!r} must be block numbers separated by commas, e.g. 0,1,2,3,-1") from None
     if not 1 <= k <= 8:
         raise InputError(f"--k {k} is out of range: it must be between 1 and 8")
-    output = claim(out, "checkpoint", inputs=[checkpoint, data], overwrite=overwrite)
+    drafting = _Drafting(
+        checkpoint, data, sequences, opening, new_tokens, minutes, steps, writer, work, device, precision, overwrite
+    )
+    output = drafting.claim(out)
 
     def chosen(model: Any) -> list[int]:
         n = model.cfg.n_layers
@@ -302,25 +395,16 @@ def distill_draft(
             )
         return out
 
-    model, tokenizer, own, held = _own_text(
-        checkpoint,
-        data,
-        sequences=sequences,
-        opening=opening,
-        new_tokens=new_tokens,
-        minutes=minutes,
-        writer=writer,
-        work=work,
-        output=output,
-        device=device,
-        check=chosen,
-    )
-    n = model.cfg.n_layers
-    draft = prune(model, chosen(model))
-    report = distill(draft, own, seconds=minutes * 60, held_out=held, k=k, skip=opening)
-    with building(output) as tmp:
-        save_llmkit(draft, tmp, tokenizer=tokenizer)
-        (tmp / "drafter.json").write_text(json.dumps(dataclasses.asdict(report), indent=2))
+    model, text_dir = drafting.own_text(output, chosen)
+    n, kept = model.cfg.n_layers, chosen(model)
+    del model  # the run reads the checkpoint itself
+    batch = min(8, sequences)
+    spec = {"checkpoint": checkpoint, "keep_blocks": kept}
+    result = drafting.train(output, text_dir, spec, resume=resume, batch=batch, lr=3e-4)
+    draft = drafting.load(result)
+    agree, accepted = agreement(draft, read_own_text(text_dir, "val"), k, opening)
+    report = DrafterReport(result.steps, result.steps * batch, result.seconds, [agree], accepted)
+    _finish(output, draft, result.checkpoint, report)
     print(
         f"draft: {draft.cfg.n_layers} of {n} blocks, {report.steps} steps over {report.sequences} sequences in "
         f"{report.seconds:.0f} s; held out, it agrees with the model {report.agreement[0]:.2f}; a round of k={k} "

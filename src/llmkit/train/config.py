@@ -3,16 +3,18 @@
     model:     a preset and/or ModelConfig fields (nested), e.g. {preset: llama2-7b-tiny, d_model: 256}, or
                {arch: rnn, ...} for the RNN encoder-decoder with attention (RNNConfig fields), or
                {checkpoint: PATH} to start from a checkpoint's weights (an llmkit run or checkpoint, a Hugging Face
-               directory, a GGUF file; language models only)
+               directory, a GGUF file; language models only; with mtp_depth new MTP modules are grafted on, with
+               keep_blocks only those blocks are kept: source.py)
     data:      the prepared data folder (a token stream for language models, conversations for chat fine-tuning,
-               sentence pairs for translation),
+               sentence pairs for translation, a model's own text for its drafter: own_text.py),
                sequence length, micro-batch size per process, or tokens per batch for sentence pairs
     optim:     AdamW settings and gradient clipping
     schedule:  warmup + cosine | warmup-stable-decay | inverse-square-root ("noam") | constant
     train:     steps (the schedule's length), halt_at (stop early, resumable), time_limit, precision,
                accumulation, evaluation, checkpoints, compile, parallelism
     loss:      MTP weight, MoE bias-update rate, sparse-attention indexer warm-up, label smoothing, distillation
-               from a teacher checkpoint (a draft model for speculative decoding)
+               from a teacher checkpoint (a draft model for speculative decoding), a drafter's chain depth and
+               feature weight on its model's own text
     lora:      fine-tuning through LoRA adapters (rank, alpha, dropout, target projections; QLoRA on a GGUF file)
     translate: translation models only: the test-set decoding (beam size, length penalty) after training
 
@@ -160,6 +162,8 @@ class LossConfig(ConfigBase):
     distill_from: str | None = None  # a teacher checkpoint: learn its next-token distributions (a draft model)
     distill_weight: float = 1.0  # the loss is w * KL(teacher || model) * T^2 + (1 - w) * cross-entropy
     distill_temperature: float = 1.0
+    unroll: int = 3  # a grafted drafter on its model's own text: the chain depth it trains for (drafting.py)
+    feature_weight: float = 1.0  # the same: the weight of its smooth-L1 to the model's next state
 
     def validate(self) -> None:
         self.require(0 <= self.label_smoothing < 1, "label_smoothing", "must be in [0, 1)")
@@ -167,6 +171,8 @@ class LossConfig(ConfigBase):
         self.require(self.mtp_target in ("data", "model"), "mtp_target", "must be 'data' or 'model'")
         self.require(0 <= self.distill_weight <= 1, "distill_weight", "must be in [0, 1]")
         self.require(self.distill_temperature > 0, "distill_temperature", "must be > 0")
+        self.at_least(1, "unroll")
+        self.at_least(0, "feature_weight")
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,11 @@
         clip gradients, optimizer step, hooks (e.g. MoE router-bias update)
         log (loss terms, lr, tokens/s, MFU) · evaluate (val loss, perplexity, bits per character) · checkpoint
 
-What is trained on what is the task's business (tasks.py); what some architectures need besides (router bias
-updates, an indexer's warm-up) comes in as hooks (hooks.py). Exactness: batches are a function of the step, the
+The loop knows none of what varies between runs. What a batch is and what loss it gives is the task's (tasks.py:
+a token stream, conversations, sentence pairs, a model's own text); where the model comes from is its source's
+(source.py: a config, a checkpoint, a graft); which weights train, what a checkpoint holds and how one is read back is
+the fine-tuning strategy's (strategy.py: full, partial, LoRA, QLoRA); what some architectures need besides (router
+bias updates, an indexer's warm-up) comes in as hooks (hooks.py). Exactness: batches are a function of the step, the
 learning rate is recomputed from the step, and checkpoints keep the optimizer and every RNG, so a resumed run
 continues bit for bit. Safety: a non-finite loss or gradient stops the run with the step where it happened; Ctrl-C
 (or SIGTERM) finishes the current step, saves, and exits.
@@ -25,9 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from llmkit.adapters import add_lora, trainable_count
 from llmkit.errors import OutputError
-from llmkit.models import build_any
 from llmkit.outputs import DESCRIBED, check_not_input, found_at
 from llmkit.perf import matmul_flops, tune_allocator
 from llmkit.runs import latest_checkpoint
@@ -49,7 +50,9 @@ from llmkit.train.parallel import (
     wrap,
 )
 from llmkit.train.schedule import lr_multiplier
-from llmkit.train.tasks import Model, TrainingError, build_task
+from llmkit.train.source import Model, ModelSource, TrainingError, model_source
+from llmkit.train.strategy import FineTuning, from_config
+from llmkit.train.tasks import build_task
 
 # train.fit_to_time: the step time is measured after FIT_SKIP steps (allocations, caches and compilation make the
 # first steps slow) over at least FIT_WINDOW steps and FIT_SHARE of the time limit, and FIT_MARGIN of the remaining
@@ -81,7 +84,16 @@ class Trainer:
     # advances a fixed amount per step, so what they check does not depend on how fast or busy the machine is
     clock = staticmethod(time.perf_counter)
 
-    def __init__(self, cfg: TrainConfig, *, resume: bool = False) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        *,
+        resume: bool = False,
+        fine_tuning: FineTuning | None = None,
+        source: ModelSource | None = None,
+    ) -> None:
+        """fine_tuning: what trains and what is saved (default: what the config asks for, strategy.from_config);
+        source: where the model comes from (default: the config's model section, source.model_source)."""
         self.cfg = cfg
         t = cfg.train
         if t.precision == "fp16" and not torch.cuda.is_available():
@@ -95,35 +107,20 @@ class Trainer:
             for note in ckpt.remove_leftovers(self.out):
                 print(f"note: {note}", file=sys.stderr)
         self.task = build_task(cfg, self.rt)
-        if self.task.model_config.vocab_size < self.task.vocab_size:
+        self.source = source if source is not None else model_source(cfg, self.task.vocab_sizes, self.task.tokenizer)
+        self.task.check_model(self.source.config)
+        if self.source.config.vocab_size < self.task.vocab_size:
             raise TrainingError(
-                f"model vocab_size={self.task.model_config.vocab_size} is smaller than the data's "
-                f"{self.task.vocab_size}"
+                f"model vocab_size={self.source.config.vocab_size} is smaller than the data's {self.task.vocab_size}"
             )
+        self.fine_tuning = fine_tuning if fine_tuning is not None else from_config(cfg, self.source.checkpoint)
         tokens, setting, value, unit = self.task.micro_batch()
-        check_fits(self.task.model_config, tokens, self.rt.device, setting, value, unit)  # before any allocation
+        check_fits(self.source.config, tokens, self.rt.device, setting, value, unit)  # before any allocation
         torch.manual_seed(t.seed)  # the same initial weights in every process
-        self.model: Model
-        if self.task.pretrained_model is not None:  # QLoRA: the quantized checkpoint as loaded
-            self.model = self.task.pretrained_model.to(self.rt.device)
-            self.task.pretrained_model = None
-        else:
-            self.model = build_any(self.task.model_config, device=self.rt.device)
-        if self.task.pretrained:  # a run that starts from a checkpoint: its weights, not the init
-            self._load_pretrained(self.task.pretrained)
-        self.task.pretrained = None
-        if t.trainable is not None:
-            freeze_except(self.model, t.trainable)
-        self.lora = cfg.lora.r > 0
-        if self.lora:  # only the adapters train; the checkpoint's weights are frozen
-            torch.manual_seed(t.seed + 1)  # the adapters' own initialisation, the same in every process
-            names = add_lora(self.model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.targets)
-            if self.rt.main and t.progress:
-                trainable, total = trainable_count(self.model)
-                print(
-                    f"LoRA r={cfg.lora.r} alpha={cfg.lora.alpha:g} on {len(names)} projections "
-                    f"({', '.join(cfg.lora.targets)}): {trainable:,} trainable of {total:,} parameters"
-                )
+        self.model: Model = self.source.build(self.rt.device)
+        described = self.fine_tuning.prepare(self.model)
+        if described and self.rt.main and t.progress:
+            print(described)
         self.state = ckpt.TrainState(step=0, tokens=0, elapsed=0.0)
         resumed = self._resumed(resume)
         if t.activation_checkpointing:
@@ -135,9 +132,7 @@ class Trainer:
         self.wrapped = wrap(self.runner, t.parallel, self.rt, find_unused=False)
         self.optimizer = build_optimizer(self.model, cfg.optim, self._group_of)
         if resumed is not None:
-            state = resumed.model_state
-            if self.lora:  # the checkpoint holds the adapters; the rest is the base, loaded above
-                state = {**self.model.state_dict(), **state}
+            state = self.fine_tuning.restore(self.model, resumed.model_state)
             model_state = {"model." + k: v.to(self.rt.device) for k, v in state.items()}
             load_full_state(self.runner, self.optimizer, model_state, wrapper_keys(resumed.optimizer))
             ckpt.set_rng_state(resumed.rng)
@@ -147,22 +142,14 @@ class Trainer:
         self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
         self.metrics = MetricsLog(self.out, enabled=self.rt.main)
         self.metrics.truncate(self.state.step)  # a fresh run starts a fresh log; a resumed one drops what it redoes
-        self.flops_per_token = self.task.flops_per_token()  # model FLOPs per training token, for MFU
+        # model FLOPs per training token, for MFU: the forward's times what the backward adds to it
+        forward, factor = self.task.forward_flops_per_token(self.source.config), self.fine_tuning.backward_factor
+        self.flops_per_token = forward * factor if forward is not None and factor is not None else None
         self.peak_flops: float | None = None
         self.resumed_from = resumed.path if resumed else None
         if self.rt.main:
             self.out.mkdir(parents=True, exist_ok=True)
             cfg.to_yaml(self.out / "config.yaml")
-
-    def _load_pretrained(self, state: dict[str, torch.Tensor]) -> None:
-        """The checkpoint's weights; grafted MTP modules may miss some (their norms and projection keep the init)."""
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        grafted_only = all(k.startswith("mtp.") for k in missing)
-        if unexpected or not grafted_only:
-            raise TrainingError(
-                f"model.checkpoint: the weights do not fit the model (missing {missing[:3]}, unexpected "
-                f"{unexpected[:3]})"
-            )
 
     def _resumed(self, resume: bool) -> ckpt.Resumed | None:
         if not resume:
@@ -175,7 +162,7 @@ class Trainer:
         path = latest_checkpoint(self.out)
         if path is None:
             raise ckpt.ResumeError(f"nothing to resume in {self.out}: no complete checkpoint found")
-        resumed = ckpt.load(path, self.task.model_config)
+        resumed = ckpt.load(path, self.source.config)
         self.state = resumed.state
         return resumed
 
@@ -303,11 +290,7 @@ class Trainer:
         model_state, optim_state = full_state(self.runner, self.optimizer)
         if not self.rt.main:
             return None
-        state = {k.removeprefix("model."): v for k, v in model_state.items()}
-        adapter = None
-        if self.lora:  # only the adapters: the base is the run's model.checkpoint
-            state = {k: v for k, v in state.items() if ".lora." in k}
-            adapter = {"base": self.task.base_checkpoint, "quantized": self.cfg.lora.quantized}
+        state = self.fine_tuning.saved({k.removeprefix("model."): v for k, v in model_state.items()})
         return ckpt.save(
             self.out,
             self.model,
@@ -319,7 +302,7 @@ class Trainer:
             self.cfg.to_dict(),
             source_tokenizer=self.task.source_tokenizer,
             generation_config=self.task.generation_config,
-            adapter=adapter,
+            adapter=self.fine_tuning.adapter,
         )
 
     # ---- the loop
@@ -423,17 +406,6 @@ class Trainer:
             teardown(self.rt)
 
 
-def freeze_except(model: torch.nn.Module, prefixes: list[str]) -> None:
-    """Only the parameters under one of `prefixes` (e.g. "mtp", "blocks.11") train; the rest are frozen."""
-    names = [n for n, _ in model.named_parameters()]
-    for prefix in prefixes:
-        if not any(n == prefix or n.startswith(prefix + ".") for n in names):
-            tops = sorted({n.split(".")[0] for n in names})
-            raise TrainingError(f"train.trainable: no parameter is named {prefix} or under it; the model has {tops}")
-    for name, p in model.named_parameters():
-        p.requires_grad_(any(name == q or name.startswith(q + ".") for q in prefixes))
-
-
 def check_run_folder(cfg: TrainConfig) -> None:
     """A TrainingError when train.out is not a place for a run: a checkpoint, a data folder or a file (whose files
     the run's config.yaml, metrics and checkpoints would mix with or overwrite), or one of the run's own inputs."""
@@ -451,10 +423,13 @@ def check_run_folder(cfg: TrainConfig) -> None:
         raise TrainingError(f"train.out: {e}") from None
 
 
-def train(cfg: TrainConfig, *, resume: bool = False) -> Result:
-    """Train according to `cfg` (resuming from the run folder's latest checkpoint if asked). Averaging checkpoints
-    and scoring a test split are separate steps (see llmkit.recipes)."""
-    trainer = Trainer(cfg, resume=resume)
+def train(
+    cfg: TrainConfig, *, resume: bool = False, fine_tuning: FineTuning | None = None, source: ModelSource | None = None
+) -> Result:
+    """Train according to `cfg` (resuming from the run folder's latest checkpoint if asked; see Trainer for the
+    fine-tuning strategy and the model's source). Averaging checkpoints and scoring a test split are separate steps
+    (see llmkit.recipes)."""
+    trainer = Trainer(cfg, resume=resume, fine_tuning=fine_tuning, source=source)
     try:
         return trainer.run()
     finally:

@@ -1,21 +1,27 @@
-"""Training tasks: what a batch is, which model it trains and what loss it gives. The loop is the same for every task.
+"""Training tasks: what a batch is, which models can learn it and what loss it gives. The loop is the same for every
+task; where the model comes from is source.py's, what of it trains strategy.py's.
 
     LanguageModelTask   next-token prediction on a token stream (decoder-only models), with every extra term the
                         architecture needs (MoE balance and z losses, the MTP loss, the sparse-attention indexer's
-                        loss) and the hooks its training needs (router bias updates, the indexer's warm-up)
+                        loss) and the hooks its training needs (router bias updates, the indexer's warm-up); with
+                        loss.distill_from, a live teacher's distributions (distill.py)
+    ChatTask            the same on conversations: only the assistant's tokens count, examples packed
     TranslationTask     sentence pairs (encoder-decoder models: the Transformer or the RNN), batched by token
                         count from length buckets; teacher forcing behind the start token <s>
+    OwnTextTask         a model's own text (own_text.py): its drafter learns the model's recorded top-k
+                        distributions (drafting.py)
 
 A task builds the module the loop calls: its forward returns a dict of scalars, "loss" (to backpropagate) and the
 task's `terms` (to log), plus statistics its hooks read (summed over micro-steps); with evaluate=True it returns the
 summed evaluation loss "nll" and the token "count". Wrapping the model in one module keeps DDP and FSDP to one
-forward call per micro-batch. `build_task` picks the task from the prepared data folder.
+forward call per micro-batch. `build_task` picks the task from the data folder.
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,39 +32,33 @@ from llmkit.analysis import analyze
 from llmkit.config import ModelConfig
 from llmkit.data.chat import ChatData, ChatSplit, is_chat, pack, row_arrays
 from llmkit.data.parallel import ParallelData, is_parallel
-from llmkit.errors import LLMKitError
 from llmkit.layers.attention import DeepSeekSparseAttention
 from llmkit.layers.extras import Extras, IndexerMode
 from llmkit.models import DecoderLM, EncoderDecoder, RNNConfig, RNNSeq2Seq
 from llmkit.models.loss import cross_entropy, moe_loss
 from llmkit.tokenizer import Tokenizer
 from llmkit.train.buckets import BucketedPairs
-from llmkit.train.config import TrainConfig, pretrained_config
+from llmkit.train.config import TrainConfig
 from llmkit.train.data import TokenData, eval_offsets, train_batch, window_batch
-from llmkit.train.distill import distillation_kl, load_teacher
+from llmkit.train.distill import distillation_kl
+from llmkit.train.drafting import TERMS as DRAFTING_TERMS
+from llmkit.train.drafting import DraftDistilling, MTPDrafting
 from llmkit.train.hooks import Hook, IndexerWarmUp, RouterBiasUpdate, router_bias_layers
+from llmkit.train.own_text import META as OWN_TEXT_META
+from llmkit.train.own_text import is_own_text, read_meta, read_own_text
 from llmkit.train.parallel import Runtime
+from llmkit.train.source import Model, TrainingError, load_teacher
 
 TERMS = ("loss", "ce", "aux", "mtp", "indexer")
-
-Model = DecoderLM | EncoderDecoder | RNNSeq2Seq
-
-
-class TrainingError(LLMKitError, RuntimeError):
-    """Training cannot go on (a non-finite loss, an unusable configuration)."""
 
 
 class Task(abc.ABC):
     """What the loop needs of a task; the subclasses fill it in."""
 
     terms: tuple[str, ...] = TERMS  # the loss terms the training module returns and the loop logs
-    model_config: ModelConfig | RNNConfig
     tokenizer: Tokenizer | None
     source_tokenizer: Tokenizer | None = None  # a translation model's, with separate vocabularies
     generation_config: dict[str, Any]  # what a checkpoint tells decoders (start and end tokens)
-    pretrained: dict[str, Tensor] | None = None  # weights to start from instead of the initialisation
-    pretrained_model: DecoderLM | None = None  # a quantized model to train adapters on (QLoRA), used as it is
-    base_checkpoint: str | None = None  # the checkpoint a run started from (where LoRA checkpoints point)
 
     def __init__(self, cfg: TrainConfig, rt: Runtime) -> None:
         self.cfg, self.rt = cfg, rt
@@ -68,6 +68,15 @@ class Task(abc.ABC):
     @abc.abstractmethod
     def vocab_size(self) -> int:
         """The data's vocabulary size (the model's must be at least this)."""
+
+    @property
+    def vocab_sizes(self) -> dict[str, int | None]:
+        """The vocabulary sizes a new model's config takes from the data (model_config's keyword arguments)."""
+        return {"vocab_size": self.vocab_size}
+
+    @abc.abstractmethod
+    def check_model(self, config: ModelConfig | RNNConfig) -> None:
+        """A TrainingError when a model of `config` cannot learn this task's data."""
 
     @property
     @abc.abstractmethod
@@ -82,8 +91,8 @@ class Task(abc.ABC):
         """The training strategies this model needs."""
         return []
 
-    def flops_per_token(self) -> float | None:
-        """Model FLOPs per training token (forward and backward) for MFU, or None when not counted."""
+    def forward_flops_per_token(self, config: ModelConfig | RNNConfig) -> float | None:
+        """The forward pass's FLOPs per training token (for MFU), or None when not counted."""
         return None
 
     @abc.abstractmethod
@@ -102,10 +111,12 @@ class Task(abc.ABC):
 
 
 def build_task(cfg: TrainConfig, rt: Runtime) -> Task:
-    """The task the prepared data folder calls for: sentence pairs train a translation model, a token stream a
-    language model."""
+    """The task the data folder calls for: sentence pairs train a translation model, a token stream or
+    conversations a language model, a model's own text its drafter."""
     if is_parallel(cfg.data.dir):
         return TranslationTask(cfg, rt)
+    if is_own_text(cfg.data.dir):
+        return OwnTextTask(cfg, rt)
     return ChatTask(cfg, rt) if is_chat(cfg.data.dir) else LanguageModelTask(cfg, rt)
 
 
@@ -181,49 +192,13 @@ class LanguageModelTask(Task):
             self.terms = (*TERMS, "kl")
         self.load_data(cfg)
         self.tokenizer = Tokenizer.from_dir(cfg.data.dir)
-        if "checkpoint" in cfg.model:
-            self.model_config, self.pretrained = self._from_checkpoint(cfg)
-        else:
-            self.model_config = cfg.model_config(vocab_size=self.data.vocab_size)
-        if not isinstance(self.model_config, ModelConfig) or self.model_config.is_encoder_decoder:
+
+    def check_model(self, config: ModelConfig | RNNConfig) -> None:
+        if not isinstance(config, ModelConfig) or config.is_encoder_decoder:
             raise TrainingError(
-                f"{cfg.data.dir} holds a token stream: language-model training needs a decoder-only model (this "
+                f"{self.cfg.data.dir} holds a token stream: language-model training needs a decoder-only model (this "
                 "config has an encoder; encoder-decoder models train on sentence pairs)"
             )
-
-    def _from_checkpoint(self, cfg: TrainConfig) -> tuple[ModelConfig, dict[str, Tensor]]:
-        """The config and fp32 weights of the checkpoint `model.checkpoint` names (a GGUF file dequantized, unless
-        lora.quantized keeps its quantized layers: then `pretrained_model` is the model itself), after checking that
-        the data was prepared with its tokenizer."""
-        from llmkit.interop.load import load_model
-        from llmkit.quant import quantized_spec
-        from llmkit.runs import resolve_checkpoint
-
-        path = resolve_checkpoint(str(cfg.model["checkpoint"]))
-        self.base_checkpoint = str(path.resolve()) if path.exists() else str(path)
-        loaded = load_model(path, dtype=torch.float32, quantized=cfg.lora.quantized)
-        model = loaded.model
-        if not isinstance(model, DecoderLM):
-            raise TrainingError(f"model.checkpoint: {path} is not a decoder-only language model")
-        spec = quantized_spec(model)
-        if spec is not None and not cfg.lora.quantized:
-            raise TrainingError(
-                f"model.checkpoint: {path} holds quantized weights ({spec}); training starts from float weights: use "
-                "the checkpoint it was quantized from, or train LoRA adapters on them (lora.r > 0, lora.quantized)"
-            )
-        if cfg.lora.quantized and spec is None:
-            raise TrainingError(
-                f"lora.quantized: {path} holds float weights (a GGUF file with quantized tensors keeps them quantized)"
-            )
-        check_same_tokenizer(loaded.tokenizer, self.tokenizer, path, cfg.data.dir)
-        model_cfg = pretrained_config(cfg.model, model.cfg, cfg.data.seq_len)
-        if spec is not None:  # QLoRA: the quantized model is the base
-            self.pretrained_model = model
-            return model_cfg, {}
-        state = model.state_dict()  # the loaded tensors themselves: the trainer copies them once
-        if model_cfg.mtp_depth > model.cfg.mtp_depth:
-            state = graft_mtp(state, model.cfg.n_layers, model_cfg.mtp_depth)
-        return model_cfg, state
 
     def load_data(self, cfg: TrainConfig) -> None:
         self.data = TokenData(cfg.data.dir)
@@ -235,19 +210,9 @@ class LanguageModelTask(Task):
 
     def attach(self, model: Model) -> nn.Module:
         assert isinstance(model, DecoderLM)
-        teacher: DecoderLM | None = None
+        teacher = None
         if self.cfg.loss.distill_from is not None:  # a draft model learning its target's distributions
-            if model.cfg.mtp_depth:
-                raise TrainingError("loss.distill_from: distillation trains models without MTP modules (mtp_depth 0)")
-            loaded = load_teacher(self.cfg.loss.distill_from, self.rt.device)
-            if not isinstance(loaded, DecoderLM):
-                raise TrainingError(f"loss.distill_from: {self.cfg.loss.distill_from} is not a decoder-only model")
-            teacher = loaded
-            if teacher.cfg.vocab_size != model.cfg.vocab_size:
-                raise TrainingError(
-                    f"loss.distill_from: the teacher's vocabulary ({teacher.cfg.vocab_size}) differs from the "
-                    f"model's ({model.cfg.vocab_size}): prepare the data with the teacher's tokenizer"
-                )
+            teacher = load_teacher(self.cfg.loss.distill_from, model, self.rt.device)
         return LanguageModule(model, self.cfg, teacher)
 
     def hooks(self, model: Model) -> list[Hook]:
@@ -258,15 +223,9 @@ class LanguageModelTask(Task):
             hooks.append(IndexerWarmUp(self.cfg.loss.indexer_warmup_steps))
         return hooks
 
-    def flops_per_token(self) -> float | None:
-        """Model FLOPs per training token (forward and backward), for MFU: 3x the forward's, or 2x with LoRA (the
-        frozen weights get no gradient of their own, only the activations do). Not counted when train.trainable
-        leaves only part of the model training (how far the backward pass reaches depends on where that part is)."""
-        assert isinstance(self.model_config, ModelConfig)
-        if self.cfg.train.trainable is not None:
-            return None
-        factor = 2 if self.cfg.lora.r else 3
-        return factor * analyze(self.model_config, seq_len=self.cfg.data.seq_len).flops_per_token
+    def forward_flops_per_token(self, config: ModelConfig | RNNConfig) -> float | None:
+        assert isinstance(config, ModelConfig)
+        return analyze(config, seq_len=self.cfg.data.seq_len).flops_per_token
 
     def batch(self, step: int, micro: int) -> tuple[tuple[Tensor, ...], int]:
         """(inputs, targets) of this process for (step, micro-step), and how many tokens they hold."""
@@ -381,51 +340,12 @@ class TranslationModule(nn.Module):
         return {"loss": out.total, "ce": out.ce, "aux": out.aux, "mtp": out.mtp, "indexer": zero}
 
 
-def graft_mtp(state: dict[str, Tensor], n_layers: int, depth: int) -> dict[str, Tensor]:
-    """A checkpoint's weights with new MTP modules' blocks starting as copies of its last block (a block that already
-    reads this model's final hidden states); their norms and the projection keep the initialisation."""
-    last = f"blocks.{n_layers - 1}."
-    grafted = dict(state)
-    for k in range(depth):
-        for name, t in state.items():
-            if name.startswith(last):
-                grafted[f"mtp.{k}.block." + name.removeprefix(last)] = t.clone()
-    return grafted
-
-
-def check_same_tokenizer(model: Tokenizer | None, data: Tokenizer | None, checkpoint: object, data_dir: str) -> None:
-    """A run that starts from a checkpoint must see token ids as the checkpoint does: the data prepared with its
-    tokenizer (`llmkit prepare ... --tokenizer CHECKPOINT`). Compared on the vocabulary (token -> id)."""
-    if model is None:
-        raise TrainingError(
-            f"model.checkpoint: {checkpoint} has no tokenizer, so the data's token ids cannot be checked against it"
-        )
-    hint = f"prepare the data with its tokenizer: llmkit prepare ... --tokenizer {checkpoint}"
-    if data is None:
-        raise TrainingError(f"{data_dir} holds no tokenizer; {hint}")
-    a, b = model.backend.get_vocab(with_added_tokens=True), data.backend.get_vocab(with_added_tokens=True)
-    if a != b:
-        differ = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])[:3]
-        raise TrainingError(
-            f"the data in {data_dir} was prepared with another tokenizer than the checkpoint {checkpoint}'s "
-            f"({len(b)} against {len(a)} tokens; e.g. {differ}): {hint}"
-        )
-
-
 class TranslationTask(Task):
     """Sentence pairs batched by token count (see buckets.py); validation in fixed length-sorted batches."""
 
     def __init__(self, cfg: TrainConfig, rt: Runtime) -> None:
         super().__init__(cfg, rt)
         self.data = data = ParallelData(cfg.data.dir)
-        self.model_config = cfg.model_config(
-            vocab_size=data.vocab_size, src_vocab_size=None if data.shared_vocab else data.src_vocab_size
-        )
-        if not self.model_config.is_encoder_decoder:
-            raise TrainingError(
-                f"{cfg.data.dir} holds sentence pairs: translation needs an encoder-decoder model (e.g. "
-                "model.preset=transformer-base, or model.arch=rnn), not a decoder-only one"
-            )
         self.source_tokenizer, self.tokenizer = data.tokenizers()
         self.generation_config = {
             "decoder_start_token_id": data.bos_id,
@@ -444,6 +364,18 @@ class TranslationTask(Task):
     @property
     def vocab_size(self) -> int:
         return self.data.vocab_size
+
+    @property
+    def vocab_sizes(self) -> dict[str, int | None]:
+        d = self.data
+        return {"vocab_size": d.vocab_size, "src_vocab_size": None if d.shared_vocab else d.src_vocab_size}
+
+    def check_model(self, config: ModelConfig | RNNConfig) -> None:
+        if not config.is_encoder_decoder:
+            raise TrainingError(
+                f"{self.cfg.data.dir} holds sentence pairs: translation needs an encoder-decoder model (e.g. "
+                "model.preset=transformer-base, or model.arch=rnn), not a decoder-only one"
+            )
 
     def attach(self, model: Model) -> nn.Module:
         assert isinstance(model, (EncoderDecoder, RNNSeq2Seq))
@@ -476,3 +408,71 @@ class TranslationTask(Task):
     @property
     def chars_per_token(self) -> float:
         return self.data.chars_per_token(self.eval_split)
+
+
+class OwnTextTask(Task):
+    """A drafter learning its model's own text (own_text.py, drafting.py): rows of the train split in a shuffled
+    order that changes every epoch, as a function of the step; the held-out split for evaluation. A model with MTP
+    modules trains them as drafters (MTPDrafting), one without is a draft model (DraftDistilling)."""
+
+    terms = DRAFTING_TERMS
+
+    def __init__(self, cfg: TrainConfig, rt: Runtime) -> None:
+        super().__init__(cfg, rt)
+        d = cfg.data.dir
+        self.meta = read_meta(d, "train")
+        self.text = read_own_text(d, "train")
+        self.held_split = "val" if (Path(d) / "val" / OWN_TEXT_META).is_file() else "train"
+        self.held = self.text if self.held_split == "train" else read_own_text(d, "val")
+        self.tokenizer = Tokenizer.from_dir(Path(d) / "train")
+        self._order: tuple[int, Tensor] | None = None  # (epoch, its permutation of the rows)
+        if len(self.text) < cfg.data.batch_size:
+            raise TrainingError(
+                f"{d} holds {len(self.text)} sequences, fewer than data.batch_size={cfg.data.batch_size}"
+            )
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.meta["vocab_size"])
+
+    def check_model(self, config: ModelConfig | RNNConfig) -> None:
+        if not isinstance(config, ModelConfig) or config.is_encoder_decoder:
+            raise TrainingError(f"{self.cfg.data.dir} holds a model's own text: it trains decoder-only drafters")
+        if config.d_model != self.meta["width"]:
+            raise TrainingError(
+                f"{self.cfg.data.dir} holds the states of a model {self.meta['width']} wide; this one is "
+                f"{config.d_model}: start from the model whose text it is (model.checkpoint)"
+            )
+
+    def attach(self, model: Model) -> nn.Module:
+        assert isinstance(model, DecoderLM)
+        if len(model.mtp):
+            return MTPDrafting(model, self.cfg.loss.unroll, self.cfg.loss.feature_weight)
+        return DraftDistilling(model)
+
+    def micro_batch(self) -> tuple[int, str, int, int]:
+        T = int(self.meta["tokens_per_sequence"])
+        B = self.cfg.data.batch_size
+        return B * T, "data.batch_size", B, T
+
+    def batch(self, step: int, micro: int) -> tuple[tuple[Tensor, ...], int]:
+        """(tokens, hidden, top_logits, top_ids) of this process for (step, micro-step), and the tokens they hold."""
+        B = self.cfg.data.batch_size
+        g = (step * self.cfg.train.grad_accum + micro) * self.rt.world + self.rt.rank
+        epoch, k = divmod(g, len(self.text) // B)
+        if self._order is None or self._order[0] != epoch:
+            generator = torch.Generator().manual_seed(self.cfg.train.seed * 1_000_003 + epoch)
+            self._order = epoch, torch.randperm(len(self.text), generator=generator)
+        rows = self.text.rows(self._order[1][k * B : (k + 1) * B])
+        return rows.tensors(self.rt.device), rows.tokens.numel()
+
+    def eval_batches(self, full: bool) -> Iterator[tuple[Tensor, ...]]:
+        """Every held-out sequence (a few dozen), this process's share."""
+        index = torch.arange(len(self.held))[self.rt.rank :: self.rt.world]
+        B = self.cfg.data.batch_size
+        for i in range(0, len(index), B):
+            yield self.held.rows(index[i : i + B]).tensors(self.rt.device)
+
+    @property
+    def chars_per_token(self) -> float:
+        return float(read_meta(self.cfg.data.dir, self.held_split)["chars_per_token"])
