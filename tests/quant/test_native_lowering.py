@@ -148,6 +148,33 @@ def test_an_option_the_declaration_does_not_list_makes_the_step_decline(monkeypa
     assert after != before  # the option changes the output, so ignoring it would have shown
 
 
+def test_a_model_with_lora_adapters_decodes_with_them():
+    """attach_lora gives a projection a `lora` submodule and a forward hook that adds its update: neither is in the
+    C++ step, which declines. (The lowering before LOWERED took an eval-mode model's nn.Linear and dropped the
+    update: what `llmkit generate` loads is in eval mode.)"""
+    from llmkit.adapters.lora import attach_lora
+
+    model = model_of(get_preset(LLAMA))
+    attach_lora(model, ["blocks.0.attn.wq", "blocks.1.ffn.w2"], r=4, alpha=8.0)
+    model.eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "B") and isinstance(m.B, nn.Parameter):
+                m.B.normal_(0.0, 0.5)
+    assert NativeDecoder.of(model) is None
+    prompts = [[5, 17, 99, 3], [8, 8, 1]]
+    with_lora = generate(model, prompts, max_new_tokens=8).new_tokens
+    assert with_lora == generate(model, prompts, max_new_tokens=8, step=DecodeStep(model)).new_tokens
+
+
+def test_a_forward_hook_makes_the_step_decline():
+    model = model_of(get_preset(LLAMA))
+    handle = model.blocks[0].ffn.w1.register_forward_hook(lambda module, args, out: out * 2)
+    assert NativeDecoder.of(model) is None
+    handle.remove()
+    assert NativeDecoder.of(model) is not None
+
+
 def test_a_parameter_or_config_field_the_declaration_does_not_list_makes_the_step_decline():
     model = model_of(get_preset(LLAMA))
     assert NativeDecoder.of(model) is not None

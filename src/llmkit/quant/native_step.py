@@ -107,11 +107,14 @@ def _names(module: nn.Module) -> set[str]:
 
 
 def lowers(module: nn.Module) -> bool:
-    """Whether the C++ step computes all of `module`: its exact type is declared in LOWERED, it is in eval mode, it
-    holds no name the declaration lacks, and every value is one the declaration accepts."""
+    """Whether the C++ step computes all of `module`: its exact type is declared in LOWERED, it is in eval mode with
+    no forward hooks (LoRA adds its update through one), it holds no name the declaration lacks, and every value is
+    one the declaration accepts."""
     entry = LOWERED.get(type(module))
     names = _names(module)
-    if entry is None or module.training or not names <= entry.names.keys():
+    if entry is None or module.training or module._forward_hooks or module._forward_pre_hooks:
+        return False
+    if not names <= entry.names.keys():
         return False
     return all(entry.names[name](getattr(module, name)) for name in names) and entry.holds(module)
 
