@@ -11,7 +11,9 @@ from llmkit import InputError, build_model, get_preset
 from llmkit.generate import Sampling, generate
 from llmkit.generate.drafters import MTPDraft, MTPDrafter
 from llmkit.generate.speculative import speculative_generate
+from llmkit.models import DecoderLM
 from llmkit.models.cache import whole_sequence
+from llmkit.quant.native_step import NativeDecoder
 
 PROMPTS = [[5, 17, 33, 2, 41, 9], [60, 12, 7], [3]]
 
@@ -122,13 +124,17 @@ def test_mtp_speculation_with_a_native_block_and_a_quantized_draft_head_keeps_th
     assert abs(out.acceptance_rate - exact.acceptance_rate) <= 0.2
 
 
-def test_the_mtp_drafters_native_block_equals_its_module():
-    from llmkit.quant.native_step import NativeDecoder
-
+def mtp_model_with_native() -> tuple[DecoderLM, NativeDecoder]:
+    """A tiny LLaMA with an MTP module, and its C++ step (the test is skipped without llmkit's AVX2 extension)."""
     model = tiny("llama2-7b-tiny", 0, mtp_depth=1)
     native = NativeDecoder.of(model)
     if native is None:
         pytest.skip("needs llmkit's AVX2 extension")
+    return model, native
+
+
+def test_the_mtp_drafters_native_block_equals_its_module():
+    model, native = mtp_model_with_native()
     tokens = torch.randint(0, 256, (2, 9))
     with torch.no_grad():
         h = model.run(tokens, whole_sequence(9, None, tokens.device))
@@ -146,12 +152,7 @@ def test_the_mtp_drafters_native_block_equals_its_module():
 def test_the_mtp_drafters_quantized_block_reads_a_low_bit_copy():
     # draft_head_bits also gives the module's block an int8 / int4 copy in its C++ step: close to the float block's
     # outputs (not equal: the copy is rounded), the module's own weights untouched
-    from llmkit.quant.native_step import NativeDecoder
-
-    model = tiny("llama2-7b-tiny", 0, mtp_depth=1)
-    native = NativeDecoder.of(model)
-    if native is None:
-        pytest.skip("needs llmkit's AVX2 extension")
+    model, native = mtp_model_with_native()
     tokens = torch.randint(0, 256, (2, 9))
     before = {k: v.clone() for k, v in model.mtp[0].state_dict().items()}
     with torch.no_grad():
@@ -169,7 +170,6 @@ def test_an_mtp_draft_makes_its_low_bit_copies_once_for_every_generation_it_serv
     SmolLM2's took 13% of a 128-token call); one made after the weights changed copies the new weights, and the
     output stays the target's."""
     import llmkit.quant.linear as formats  # where Int4Linear calls it
-    from llmkit.quant.native_step import NativeDecoder
 
     model = tiny("llama2-7b-tiny", 0, mtp_depth=1)
     calls: list[int] = []
