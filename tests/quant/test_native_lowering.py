@@ -1,6 +1,6 @@
 """The C++ decode step fails closed: each layer built with each option either gives PyTorch's logits and caches
 through the C++ step or is declined (and decodes in PyTorch), and an option, parameter or config field that
-llmkit.quant.native_step's LOWERED does not declare makes it decline."""
+llmkit.quant.lowering's LOWERED does not declare makes it decline."""
 
 from __future__ import annotations
 
