@@ -8,7 +8,7 @@ file kept as int4) against llama.cpp on the same file, in one run.
     .venv/bin/python bench/quant_bench.py --llama-server ... --gguf runs/SmolLM2.Q4_K_M.gguf
 
 Greedy decoding of --new tokens after a 32-token prompt (random ids), batch 1 and 8, every row generating exactly
---new tokens. llmkit runs eager `generate` (and, with --compiled, `generate(compiled=True)`; its one-time
+--new tokens. llmkit runs eager `generate` (and, with --compiled, `generate(step=CompiledStep(model))`; its one-time
 compilation is reported apart). llama.cpp runs as its server (llama-server, same threads, --parallel 8): batch 1 is
 one request, batch 8 eight concurrent ones; its tokens/s is generated tokens over wall time, like llmkit's (the
 prompt's prefill included on both sides). Each of --repeats rounds runs every row once, llama.cpp's among ours, and
@@ -124,7 +124,7 @@ def main() -> None:
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     from llmkit.data.corpus import shakespeare
-    from llmkit.generate import generate
+    from llmkit.generate import CompiledStep, generate
     from llmkit.interop.gguf import load_gguf
     from llmkit.quant import describe, quantize
 
@@ -188,10 +188,11 @@ def main() -> None:
             rows.append(row)
         if args.compiled:
             for name, model in models.items():
+                step = CompiledStep(model)
                 for batch in (1, 8):
                     x = prompt.repeat(batch, 1)
-                    compile_s, _ = timed(lambda m=model, x=x: generate(m, x, max_new_tokens=4, compiled=True))
-                    s, _ = timed(lambda m=model, x=x: generate(m, x, max_new_tokens=args.new, compiled=True))
+                    compile_s, _ = timed(lambda m=model, x=x, s=step: generate(m, x, max_new_tokens=4, step=s))
+                    s, _ = timed(lambda m=model, x=x, s=step: generate(m, x, max_new_tokens=args.new, step=s))
                     rate, read = batch * args.new / s, bytes_per_token(model)
                     rows.append(_row(name, "compiled", batch, rate, read, limits.memory_read, ppl[name]))
                     rows[-1]["compile_seconds"] = compile_s

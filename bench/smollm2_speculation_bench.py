@@ -179,7 +179,7 @@ def main() -> None:
     args = p.parse_args()
 
     from llmkit.data.prepare import prepare
-    from llmkit.generate import generate, speculative_generate
+    from llmkit.generate import MTPDraft, choose_step, generate, speculative_generate
     from llmkit.interop.load import load_model
     from llmkit.runs import resolve_checkpoint
     from llmkit.train.data import TokenData
@@ -214,23 +214,31 @@ def main() -> None:
     rows: dict[str, dict[str, list[float]]] = {}
     for compiled in (False, True) if args.compiled else (False,):
         tag = "compiled" if compiled else "C++ steps"
+        # every model's steps and the MTP drafts' low-bit copies are made once and serve every prompt
+        steps = {name: choose_step(m, compiled) for name, m in models.items()}
+        low4 = MTPDraft(model, steps["own"].native, head_bits=4)
+        low8 = MTPDraft(models["model"], steps["model"].native, head_bits=8) if args.baselines else None
+        pruned_step = choose_step(pruned, compiled) if pruned is not None else None
+        draft_step = choose_step(draft, compiled) if draft is not None else None
         for prompt in prompts:
-            run = partial(speculative_generate, prompts=[prompt], max_new_tokens=args.new, compiled=compiled)
-            variants = {"plain": partial(generate, model, [prompt], max_new_tokens=args.new, compiled=compiled)}
+            run = partial(speculative_generate, prompts=[prompt], max_new_tokens=args.new)
+            variants = {"plain": partial(generate, model, [prompt], max_new_tokens=args.new, step=steps["own"])}
             for k in (int(k) for k in args.chain.split(",")):
                 variants[f"MTP taught on the model's own text, k={k}, int4 draft head"] = partial(
-                    run, model, k=k, draft_head_bits=4
+                    run, model, draft=low4, k=k, step=steps["own"]
                 )
             if args.baselines:
-                variants["MTP learnt from the text"] = partial(run, models["data"])
-                variants["MTP self-distilled on the text"] = partial(run, models["model"])
-                variants["the same, int8 draft head"] = partial(run, models["model"], draft_head_bits=8)
+                variants["MTP learnt from the text"] = partial(run, models["data"], step=steps["data"])
+                variants["MTP self-distilled on the text"] = partial(run, models["model"], step=steps["model"])
+                variants["the same, int8 draft head"] = partial(run, models["model"], draft=low8, step=steps["model"])
             if pruned is not None:
                 for k in (int(k) for k in args.chain.split(",") if int(k) > 1):
                     name = f"draft distilled from the model's blocks {args.keep} on its own text, int8, k={k}"
-                    variants[name] = partial(run, model, draft=pruned, k=k)
+                    variants[name] = partial(run, model, draft=pruned, k=k, step=steps["own"], draft_step=pruned_step)
             if draft is not None:
-                variants[f"distilled draft model, k={args.k}"] = partial(run, model, draft=draft, k=args.k)
+                variants[f"distilled draft model, k={args.k}"] = partial(
+                    run, model, draft=draft, k=args.k, step=steps["own"], draft_step=draft_step
+                )
             for fn in variants.values():  # warm-up (and the compilation)
                 fn()
             seconds, results = alternate(variants, args.repeats)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from llmkit import build_model, get_preset
-from llmkit.generate import beam_search, generate, speculative_generate
+from llmkit.generate import CompiledStep, beam_search, generate, speculative_generate
 from llmkit.models import DecoderLM, EncoderDecoder
 from llmkit.presets import PRESETS
 
@@ -73,7 +73,7 @@ def test_gpu_generation_compiled_beam_and_speculative(name):
         cpu, gpu = pair(name)
         expected = generate(cpu, PROMPTS, max_new_tokens=12).new_tokens
         assert generate(gpu, PROMPTS, max_new_tokens=12).new_tokens == expected
-        assert generate(gpu, PROMPTS, max_new_tokens=12, compiled=True).new_tokens == expected
+        assert generate(gpu, PROMPTS, max_new_tokens=12, step=CompiledStep(gpu)).new_tokens == expected
         assert beam_search(gpu, PROMPTS, num_beams=1, max_new_tokens=12).sequences == expected
         draft = gpu if not len(gpu.mtp) else None
         assert speculative_generate(gpu, PROMPTS, draft=draft, max_new_tokens=12, k=3).new_tokens == expected

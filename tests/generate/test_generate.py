@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from llmkit import InputError, build_model, get_preset
-from llmkit.generate import filter_logits, generate, next_token, pad_prompts
+from llmkit.generate import CompiledStep, filter_logits, generate, next_token, pad_prompts
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +130,7 @@ def test_compiled_decoding_gives_the_same_tokens():
     m = build_model(get_preset("llama2-7b-tiny")).eval()
     prompts = [[3, 14, 15, 92], [65, 35]]
     eager = generate(m, prompts, max_new_tokens=10)
-    compiled = generate(m, prompts, max_new_tokens=10, compiled=True)
+    compiled = generate(m, prompts, max_new_tokens=10, step=CompiledStep(m))
     assert compiled.new_tokens == eager.new_tokens
 
 
@@ -149,11 +149,12 @@ def test_compiled_moe_decoding_gives_the_same_tokens_and_does_not_recompile_per_
     m = build_model(get_preset(name)).eval()
     prompts = [[3, 14, 15, 92], [65, 35], [8, 9, 7, 9], [3, 2, 3], [8, 4, 6, 2, 6]]
     eager = generate(m, prompts, max_new_tokens=6)
-    compiled = generate(m, prompts, max_new_tokens=6, compiled=True)
+    step = CompiledStep(m)
+    compiled = generate(m, prompts, max_new_tokens=6, step=step)
     assert compiled.new_tokens == eager.new_tokens
     graphs = counters["stats"]["unique_graphs"]
     other = [[(7 * t + 3) % 250 for t in p] for p in prompts]
-    again = generate(m, other, max_new_tokens=6, compiled=True)
+    again = generate(m, other, max_new_tokens=6, step=step)
     assert again.new_tokens == generate(m, other, max_new_tokens=6).new_tokens
     assert counters["stats"]["unique_graphs"] == graphs
 
@@ -174,9 +175,9 @@ def test_the_finite_check_names_the_rows_with_nan_or_positive_infinity(bad):
 
 @pytest.mark.parametrize("name", ["llama2-70b-tiny", "gemma2-2b-tiny", "deepseek-v3-tiny", "deepseek-v3.2-tiny"])
 def test_an_eager_step_attends_over_the_filled_slots_only_and_writes_through(name, monkeypatch):
-    """decode_step's eager path hands attention views of the filled slots: the logits do not depend on how many
-    slots the cache was made with, and the keys land in the cache's own buffers."""
-    from llmkit.generate.step import decode_step
+    """The eager step hands attention views of the filled slots: the logits do not depend on how many slots the
+    cache was made with, and the keys land in the cache's own buffers."""
+    from llmkit.generate.step import DecodeStep
     from llmkit.layers.attention import KVCache, LatentCache
 
     seen = []  # the slots attention was handed, per update
@@ -191,9 +192,10 @@ def test_an_eager_step_attends_over_the_filled_slots_only_and_writes_through(nam
     outs = []
     for room in (10, 300):
         cache = m.new_cache(2, room)
-        steps = [decode_step(m, prompt, cache)[0]]
+        step = DecodeStep(m)
+        steps = [step(prompt, cache)[0]]
         for t in range(3):
-            steps.append(decode_step(m, prompt[:, t : t + 1], cache)[0])
+            steps.append(step(prompt[:, t : t + 1], cache)[0])
         outs.append((steps, cache))
     (a, small), (b, big) = outs
     for x, y in zip(a, b, strict=True):

@@ -9,9 +9,11 @@ import torch
 
 from llmkit import InputError, build_model, get_preset
 from llmkit.generate import Sampling, generate
-from llmkit.generate.drafters import MTPDrafter
+from llmkit.generate.drafters import MTPDraft, MTPDrafter
 from llmkit.generate.speculative import speculative_generate
+from llmkit.models import DecoderLM
 from llmkit.models.cache import whole_sequence
+from llmkit.quant.native_step import NativeDecoder
 
 PROMPTS = [[5, 17, 33, 2, 41, 9], [60, 12, 7], [3]]
 
@@ -63,7 +65,7 @@ def test_mtp_drafter_computes_the_training_path():
 
         rope = model.rope(torch.arange(11).unsqueeze(0))
         full = model.mtp[0](h_norm[:, :11], emb, AttentionInputs(AttentionMask(causal=True), rope))  # (2, 11, C)
-        drafter = MTPDrafter(model, 2, 32)
+        drafter = MTPDrafter(MTPDraft(model), 2, 32)
         drafter.run(tokens[:, 1:6], h[:, :5], None)  # positions 0..4
         step = drafter.run(tokens[:, 6:8], h[:, 5:7], None)  # positions 5, 6
     torch.testing.assert_close(step, full[:, 5:7], rtol=1e-4, atol=1e-5)
@@ -94,7 +96,7 @@ def test_chained_mtp_drafter_redoes_accepted_positions_from_true_states():
 
         rope = model.rope(torch.arange(15).unsqueeze(0))
         full = model.mtp[0](model.norm(h[:, :15]), emb, AttentionInputs(AttentionMask(causal=True), rope))
-        drafter = MTPDrafter(model, 2, 64, k=3)
+        drafter = MTPDrafter(MTPDraft(model), 2, 64, k=3)
         seen: list[torch.Tensor] = []
         drafter.head = lambda x: (seen.append(x.clone()), model.logits(x))[1]
         drafter.start(tokens[:, :5], torch.ones(2, 5, dtype=torch.bool), h[:, :5])  # positions 0..3, last h_4
@@ -122,17 +124,21 @@ def test_mtp_speculation_with_a_native_block_and_a_quantized_draft_head_keeps_th
     assert abs(out.acceptance_rate - exact.acceptance_rate) <= 0.2
 
 
-def test_the_mtp_drafters_native_block_equals_its_module():
-    from llmkit.generate.native import NativeDecoder
-
+def mtp_model_with_native() -> tuple[DecoderLM, NativeDecoder]:
+    """A tiny LLaMA with an MTP module, and its C++ step (the test is skipped without llmkit's AVX2 extension)."""
     model = tiny("llama2-7b-tiny", 0, mtp_depth=1)
     native = NativeDecoder.of(model)
     if native is None:
         pytest.skip("needs llmkit's AVX2 extension")
+    return model, native
+
+
+def test_the_mtp_drafters_native_block_equals_its_module():
+    model, native = mtp_model_with_native()
     tokens = torch.randint(0, 256, (2, 9))
     with torch.no_grad():
         h = model.run(tokens, whole_sequence(9, None, tokens.device))
-        fast, slow = MTPDrafter(model, 2, 32, native), MTPDrafter(model, 2, 32)
+        fast, slow = MTPDrafter(MTPDraft(model, native), 2, 32), MTPDrafter(MTPDraft(model), 2, 32)
         assert fast.block is not None
         for a, b in [(0, 5), (5, 6), (6, 8)]:  # a prompt, one step, a two-token step
             torch.testing.assert_close(
@@ -146,45 +152,44 @@ def test_the_mtp_drafters_native_block_equals_its_module():
 def test_the_mtp_drafters_quantized_block_reads_a_low_bit_copy():
     # draft_head_bits also gives the module's block an int8 / int4 copy in its C++ step: close to the float block's
     # outputs (not equal: the copy is rounded), the module's own weights untouched
-    from llmkit.generate.native import NativeDecoder
-
-    model = tiny("llama2-7b-tiny", 0, mtp_depth=1)
-    native = NativeDecoder.of(model)
-    if native is None:
-        pytest.skip("needs llmkit's AVX2 extension")
+    model, native = mtp_model_with_native()
     tokens = torch.randint(0, 256, (2, 9))
     before = {k: v.clone() for k, v in model.mtp[0].state_dict().items()}
     with torch.no_grad():
         h = model.run(tokens, whole_sequence(9, None, tokens.device))
-        exact = MTPDrafter(model, 2, 32, native).run(tokens[:, 1:], h[:, :-1], None)
+        exact = MTPDrafter(MTPDraft(model, native), 2, 32).run(tokens[:, 1:], h[:, :-1], None)
         for bits, tol in [(8, 0.05), (4, 0.3)]:
-            low = MTPDrafter(model, 2, 32, native, head_bits=bits).run(tokens[:, 1:], h[:, :-1], None)
+            low = MTPDrafter(MTPDraft(model, native, head_bits=bits), 2, 32).run(tokens[:, 1:], h[:, :-1], None)
             assert not torch.equal(low, exact)
             torch.testing.assert_close(low, exact, rtol=0, atol=tol)
     assert all(torch.equal(model.mtp[0].state_dict()[k], v) for k, v in before.items())
 
 
-def test_the_drafters_low_bit_copies_are_made_once_and_remade_when_the_weights_change(monkeypatch):
-    """The int4 head and block copies are made at the first call, reused by the next (quantizing SmolLM2's took 13%
-    of a 128-token call), and made again when the model's weights were written in place."""
+def test_an_mtp_draft_makes_its_low_bit_copies_once_for_every_generation_it_serves(monkeypatch):
+    """The int4 head and block copies are made with the MTPDraft and reused by each generation given it (quantizing
+    SmolLM2's took 13% of a 128-token call); one made after the weights changed copies the new weights, and the
+    output stays the target's."""
     import llmkit.quant.linear as formats  # where Int4Linear calls it
 
     model = tiny("llama2-7b-tiny", 0, mtp_depth=1)
     calls: list[int] = []
     real = formats.quantize_int4
     monkeypatch.setattr(formats, "quantize_int4", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    first = speculative_generate(model, PROMPTS, max_new_tokens=8, draft_head_bits=4)
+    draft = MTPDraft(model, NativeDecoder.of(model), head_bits=4)
     made = len(calls)
     assert made >= 1
-    again = speculative_generate(model, PROMPTS, max_new_tokens=8, draft_head_bits=4)
+    first = speculative_generate(model, PROMPTS, draft=draft, max_new_tokens=8)
+    again = speculative_generate(model, PROMPTS, draft=draft, max_new_tokens=8)
     assert len(calls) == made and again.new_tokens == first.new_tokens  # reused
+    assert first.new_tokens == speculative_generate(model, PROMPTS, max_new_tokens=8, draft_head_bits=4).new_tokens
     with torch.no_grad():
         (model.embed.weight if model.head is None else model.head.weight).mul_(1.5)  # the head, in place
-        model.mtp[0].block.state_dict()[next(iter(model.mtp[0].block.state_dict()))].mul_(1.5)
-    speculative_generate(model, PROMPTS, max_new_tokens=8, draft_head_bits=4)
-    assert len(calls) > made
-    out = speculative_generate(model, PROMPTS, max_new_tokens=8, draft_head_bits=4)
+    fresh = MTPDraft(model, NativeDecoder.of(model), head_bits=4)
+    assert not torch.equal(fresh.head(torch.ones(1, model.cfg.d_model)), draft.head(torch.ones(1, model.cfg.d_model)))
+    out = speculative_generate(model, PROMPTS, draft=fresh, max_new_tokens=8)
     assert out.new_tokens == generate(model, PROMPTS, max_new_tokens=8).new_tokens
+    with pytest.raises(InputError, match="MTPDraft"):
+        speculative_generate(model, PROMPTS, draft=fresh, max_new_tokens=8, draft_head_bits=8)
 
 
 def test_speculative_sampling_reproduces_the_target_distribution():

@@ -1,4 +1,4 @@
-"""The C++ decode step (llmkit/quant/cpu_decode.cpp via llmkit.generate.native) against the PyTorch modules it
+"""The C++ decode step (llmkit/quant/cpu_decode.cpp via llmkit.quant.native_step) against the PyTorch modules it
 stands in for: the same logits and caches from every block variant it accepts (fp32 to float rounding; int4/int8
 within the activation rounding both paths share), the same greedy and beam outputs, padding and sliding windows
 respected, and every model it does not accept left to PyTorch."""
@@ -14,11 +14,10 @@ import torch
 from llmkit import build_model, get_preset
 from llmkit.config import ModelConfig
 from llmkit.generate import beam_search, generate
-from llmkit.generate import sessions as sessions_module
-from llmkit.generate.native import HEAD_ROWS, MAX_TOKENS, NativeDecoder
 from llmkit.generate.prompts import pad_prompts
-from llmkit.generate.step import decode_step
+from llmkit.generate.step import DecodeStep, NativeStep
 from llmkit.quant import native, quantize
+from llmkit.quant.native_step import HEAD_ROWS, MAX_TOKENS, NativeDecoder
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="needs llmkit's AVX2 extension (x86 CPU, compiler)")
 
@@ -64,15 +63,16 @@ def run_both(model: torch.nn.Module, prompts: list[list[int]], steps: int) -> tu
     B, T = tokens.shape
     nd = NativeDecoder.of(model)
     assert nd is not None
+    eager, fast = DecodeStep(model), NativeStep(model, nd)
     ref_cache, nat_cache = model.new_cache(B, T + steps), model.new_cache(B, T + steps)
     ref, nat = [], []
     with torch.inference_mode():
-        logits, _ = decode_step(model, tokens, ref_cache, mask)
-        decode_step(model, tokens, nat_cache, mask, native=nd)
+        logits, _ = eager(tokens, ref_cache, mask)
+        fast(tokens, nat_cache, mask)
         tok = logits[:, -1].argmax(-1, keepdim=True)
         for _ in range(steps):
-            a, _ = decode_step(model, tok, ref_cache)
-            b, _ = decode_step(model, tok, nat_cache, native=nd)
+            a, _ = eager(tok, ref_cache)
+            b, _ = fast(tok, nat_cache)
             ref.append(a[:, -1])
             nat.append(b[:, -1])
             tok = a[:, -1].argmax(-1, keepdim=True)
@@ -120,7 +120,7 @@ def test_generate_and_beam_search_take_the_native_path_and_match(monkeypatch):
     fast = generate(model, prompts, max_new_tokens=12)
     beams = beam_search(model, [prompts[0]], num_beams=3, max_new_tokens=8)
     assert calls["n"] >= 11 + 7
-    monkeypatch.setattr(sessions_module.NativeDecoder, "of", classmethod(lambda cls, m: None))
+    monkeypatch.setattr(NativeDecoder, "of", classmethod(lambda cls, m: None))
     assert generate(model, prompts, max_new_tokens=12).new_tokens == fast.new_tokens
     slow_beams = beam_search(model, [prompts[0]], num_beams=3, max_new_tokens=8)
     assert slow_beams.sequences == beams.sequences
@@ -206,18 +206,19 @@ def test_quantized_experts_decode_from_their_codes(name, method, monkeypatch):
     ref_cache, nat_cache = model.new_cache(3, 20), model.new_cache(3, 20)
     nd = NativeDecoder.of(model)
     assert nd is not None
+    eager, fast = DecodeStep(model), NativeStep(model, nd)
     with torch.inference_mode():
-        logits, _ = decode_step(model, tokens, ref_cache, mask)
-        decode_step(model, tokens, nat_cache, mask, native=nd)
+        logits, _ = eager(tokens, ref_cache, mask)
+        fast(tokens, nat_cache, mask)
         tok = logits[:, -1].argmax(-1, keepdim=True)
-        a, _ = decode_step(model, tok, ref_cache)
+        a, _ = eager(tok, ref_cache)
 
         def refuse(self):
             raise AssertionError("the C++ step dequantized an expert stack")
 
         for stack in ("w1", "w2", "w3"):
             monkeypatch.setattr(QuantizedExperts, stack, property(refuse))
-        b, _ = decode_step(model, tok, nat_cache, native=nd)
+        b, _ = fast(tok, nat_cache)
     a, b = a[:, -1], b[:, -1]
     assert (a - b).abs().max() <= 0.02 * (a.amax(-1) - a.amin(-1)).max()
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 2 / 3
@@ -230,15 +231,17 @@ def test_mixture_of_experts_with_several_tokens_a_row_and_in_generate(monkeypatc
     tokens, mask = pad_prompts(PROMPTS)
     ref_cache, nat_cache = model.new_cache(3, 20), model.new_cache(3, 20)
     nd = NativeDecoder.of(model)
+    assert nd is not None
+    eager, fast = DecodeStep(model), NativeStep(model, nd)
     with torch.inference_mode():
-        decode_step(model, tokens, ref_cache, mask)
-        decode_step(model, tokens, nat_cache, mask, native=nd)
+        eager(tokens, ref_cache, mask)
+        fast(tokens, nat_cache, mask)
         step = torch.tensor([[3, 9, 27], [81, 243 % 256, 5], [7, 7, 7]])
-        a, _ = decode_step(model, step, ref_cache)
-        b, _ = decode_step(model, step, nat_cache, native=nd)
+        a, _ = eager(step, ref_cache)
+        b, _ = fast(step, nat_cache)
     torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4)
     fast = generate(model, PROMPTS, max_new_tokens=10)
-    monkeypatch.setattr(sessions_module.NativeDecoder, "of", classmethod(lambda cls, m: None))
+    monkeypatch.setattr(NativeDecoder, "of", classmethod(lambda cls, m: None))
     assert generate(model, PROMPTS, max_new_tokens=10).new_tokens == fast.new_tokens
 
 
@@ -385,20 +388,21 @@ def test_several_new_tokens_a_row_equal_pytorch(name):
     model = model_of(CONFIGS[name])
     nd = NativeDecoder.of(model)
     assert nd is not None
+    eager, fast = DecodeStep(model), NativeStep(model, nd)
     tokens, mask = pad_prompts(PROMPTS)
     B, T = tokens.shape
     ref_cache, nat_cache = model.new_cache(B, T + 20), model.new_cache(B, T + 20)
     with torch.inference_mode():
-        decode_step(model, tokens, ref_cache, mask)
-        decode_step(model, tokens, nat_cache, mask, native=nd)
+        eager(tokens, ref_cache, mask)
+        fast(tokens, nat_cache, mask)
         for n in (2, 5, 3):
             new = torch.randint(1, 250, (B, n))
-            a, ha = decode_step(model, new, ref_cache)
-            b, hb = decode_step(model, new, nat_cache, native=nd)
+            a, ha = eager(new, ref_cache)
+            b, hb = fast(new, nat_cache)
             torch.testing.assert_close(hb, ha, atol=2e-5, rtol=1e-4)
             torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4)
-            a, _ = decode_step(model, new[:, :2], ref_cache, last=True)
-            b, _ = decode_step(model, new[:, :2], nat_cache, native=nd, last=True)
+            a, _ = eager(new[:, :2], ref_cache, last=True)
+            b, _ = fast(new[:, :2], nat_cache, last=True)
             assert b.shape == (B, 1, model.cfg.vocab_size)
             torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4)
     for la, lb in zip(ref_cache.layers, nat_cache.layers, strict=True):

@@ -20,7 +20,7 @@ from llmkit.cli.common import DType, load_decoder, print_streamed
 from llmkit.errors import LLMKitError
 
 if TYPE_CHECKING:
-    from llmkit.generate import Sampling
+    from llmkit.generate import DecodeStep, Sampling
     from llmkit.models import DecoderLM
     from llmkit.tokenizer import Tokenizer
 
@@ -162,7 +162,8 @@ def _mode(output: OutputOptions, beam: BeamOptions, speculation: SpeculationOpti
 
 @dataclass(frozen=True)
 class _Request:
-    """What every mode decodes: `samples` continuations of the prompt `ids`."""
+    """What every mode decodes: `samples` continuations of the prompt `ids`, the model's steps run by `step` (its
+    decoding backend, chosen once: compiled with --compile, else the C++ step where the model allows it)."""
 
     model: DecoderLM
     tok: Tokenizer
@@ -170,7 +171,7 @@ class _Request:
     eos: int | None
     samples: int
     max_new_tokens: int
-    compiled: bool
+    step: DecodeStep
 
     def print_samples(self, rows: Iterable[Sequence[int]]) -> None:
         for i, row in enumerate(rows):
@@ -222,7 +223,9 @@ def generate(
             raise LLMKitError("the prompt is empty and the tokenizer has no beginning-of-text token to start from")
         ids = [start]
     eos = tok.eos_id if prompt else None
-    request = _Request(model, tok, ids, eos, samples, max_new_tokens, compile)
+    from llmkit.generate import choose_step
+
+    request = _Request(model, tok, ids, eos, samples, max_new_tokens, choose_step(model, compile))
     if mode == "beam":
         _beam_search(request, beam_search)
     elif mode == "speculate":
@@ -231,7 +234,7 @@ def generate(
         draft = (
             load_decoder(speculation.draft, precision, device, verify=not no_verify)[0] if speculation.draft else None
         )
-        _speculate(request, sampling, draft, speculation)
+        _speculate(request, sampling, draft, None if draft is None else choose_step(draft, compile), speculation)
     elif mode == "stream":
         _stream(request, sampling, output.stop_strings)
     else:
@@ -252,7 +255,7 @@ def _sample(r: _Request, sampling: SamplingOptions, stop: list[str]) -> None:
         stop_strings=stop,
         tokenizer=r.tok,
         seed=sampling.seed,
-        compiled=r.compiled,
+        step=r.step,
     )
     r.print_samples(out.new_tokens)
 
@@ -273,7 +276,7 @@ def _stream(r: _Request, sampling: SamplingOptions, stop: list[str]) -> None:
             sampling=sampling.rule(),
             stop=rule,
             seed=seed,
-            compiled=r.compiled,
+            step=r.step,
         )
         print_streamed(r.tok, steps, prompt=r.ids)
 
@@ -292,8 +295,15 @@ def _beam_search(r: _Request, options: BeamOptions) -> None:
     r.print_samples(result.sequences)
 
 
-def _speculate(r: _Request, sampling: SamplingOptions, draft: DecoderLM | None, options: SpeculationOptions) -> None:
-    """Speculative decoding, drafting with `draft`, or with the model's MTP module when it is None."""
+def _speculate(
+    r: _Request,
+    sampling: SamplingOptions,
+    draft: DecoderLM | None,
+    draft_step: DecodeStep | None,
+    options: SpeculationOptions,
+) -> None:
+    """Speculative decoding, drafting with `draft` (its steps run by `draft_step`), or with the model's MTP module
+    when it is None."""
     from llmkit.generate import speculative_generate
 
     rule = sampling.rule()
@@ -307,7 +317,8 @@ def _speculate(r: _Request, sampling: SamplingOptions, draft: DecoderLM | None, 
         sampling=dataclasses.replace(rule, repetition_penalty=1.0),
         eos_id=r.eos,
         seed=sampling.seed,
-        compiled=r.compiled,
+        step=r.step,
+        draft_step=draft_step,
         draft_head_bits=options.draft_head_bits,
     )
     r.print_samples(out.new_tokens)

@@ -19,6 +19,7 @@ from torch import Tensor
 from llmkit.generate.prompts import pad_prompts, prepare_prompts
 from llmkit.generate.sampling import Sampling, check_finite, next_token
 from llmkit.generate.sessions import DecoderSession, Session
+from llmkit.generate.step import DecodeStep
 from llmkit.generate.stops import Rows, StopRule
 from llmkit.models import DecoderLM
 from llmkit.tokenizer import Tokenizer
@@ -73,6 +74,20 @@ def seeded(seed: int | None, device: torch.device) -> torch.Generator | None:
     return torch.Generator(device=device).manual_seed(seed) if seed is not None else None
 
 
+def _start(
+    model: DecoderLM,
+    prompts: Tensor | Sequence[Sequence[int]],
+    padding_mask: Tensor | None,
+    max_new_tokens: int,
+    sampling: Sampling,
+    step: DecodeStep | None,
+) -> tuple[DecoderSession, Tensor | None]:
+    """The prompts prefilled into a session, and the tokens the repetition penalty counts (None without one)."""
+    tokens, mask = prepare_prompts(model, prompts, padding_mask, max_new_tokens)
+    session = DecoderSession(model, tokens, mask, max_new_tokens, step)
+    return session, tokens.masked_fill(~mask, -1) if sampling.repetition_penalty != 1.0 else None
+
+
 @torch.no_grad()
 def stream(
     model: DecoderLM,
@@ -83,16 +98,15 @@ def stream(
     sampling: Sampling | None = None,
     stop: StopRule | None = None,
     seed: int | None = None,
-    compiled: bool = False,
+    step: DecodeStep | None = None,
 ) -> Iterator[list[int | None]]:
     """Generate step by step: yields, per step, each row's new token (None once the row has finished under the
-    `stop` rule: an end token, a stop sequence or string; see stops.py)."""
+    `stop` rule: an end token, a stop sequence or string; see stops.py). `step`: the decoding backend (step.py;
+    choose_step's when None)."""
     s = sampling or Sampling()
-    tokens, mask = prepare_prompts(model, prompts, padding_mask, max_new_tokens)
-    session = DecoderSession(model, tokens, mask, max_new_tokens, compiled)
-    history = tokens.masked_fill(~mask, -1) if s.repetition_penalty != 1.0 else None
-    rows = Rows(stop or StopRule(), tokens.shape[0])
-    yield from sample_steps(session, max_new_tokens, s, rows, seeded(seed, tokens.device), history)
+    session, history = _start(model, prompts, padding_mask, max_new_tokens, s, step)
+    rows = Rows(stop or StopRule(), session.logits.shape[0])
+    yield from sample_steps(session, max_new_tokens, s, rows, seeded(seed, session.device), history)
 
 
 def generate(
@@ -111,26 +125,21 @@ def generate(
     stop_strings: Sequence[str] = (),
     tokenizer: Tokenizer | None = None,
     seed: int | None = None,
-    compiled: bool = False,
+    step: DecodeStep | None = None,
 ) -> Generation:
     """Generate up to `max_new_tokens` after each prompt (a (B, T) tensor with padding_mask for left padding, or a
-    list of token lists of any lengths). temperature 0 is greedy; a seed makes sampling repeatable; compiled=True
-    decodes through torch.compile (faster after a one-time compilation)."""
+    list of token lists of any lengths). temperature 0 is greedy; a seed makes sampling repeatable; `step` is the
+    decoding backend (step.py): e.g. a CompiledStep(model), kept across calls, decodes through torch.compile (faster
+    after a one-time compilation); choose_step's when None."""
     sampling = Sampling(temperature, top_k, top_p, min_p, repetition_penalty)
     rule = StopRule.of(eos_id, stop_sequences, stop_strings, tokenizer)
     if not isinstance(prompts, Tensor):
         prompts, padding_mask = pad_prompts(prompts)
-    run = stream(
-        model,
-        prompts,
-        max_new_tokens=max_new_tokens,
-        padding_mask=padding_mask,
-        sampling=sampling,
-        stop=rule,
-        seed=seed,
-        compiled=compiled,
-    )
-    new, columns = collect(list(run), prompts.shape[0])
+    with torch.no_grad():
+        session, history = _start(model, prompts, padding_mask, max_new_tokens, sampling, step)
+        rows = Rows(rule, prompts.shape[0])
+        run = sample_steps(session, max_new_tokens, sampling, rows, seeded(seed, session.device), history)
+        new, columns = collect(list(run), prompts.shape[0])
     return Generation(torch.cat([prompts.cpu(), columns], dim=1), [rule.cut(row) for row in new])
 
 

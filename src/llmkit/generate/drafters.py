@@ -7,27 +7,28 @@
 
 Two drafters: a smaller model with the same tokenizer (`ModelDrafter`, Leviathan et al. 2023), and the target's own
 first multi-token-prediction module (`MTPDrafter`, DeepSeek-V3 §2.2), which drafts one token from the target's
-hidden state and keeps an attention cache of its own. Shapes: B rows, k drafts, V vocabulary, C model dim.
+hidden state and keeps an attention cache of its own. A drafter holds one generation's state; what an MTP drafter
+reads of the target (its head, its block's C++ step, their low-precision copies) is an `MTPDraft`, made once and
+kept across generations. Shapes: B rows, k drafts, V vocabulary, C model dim.
 """
 
 from __future__ import annotations
 
 import copy
-import weakref
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar, cast
+from collections.abc import Callable
+from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor, nn
 
 from llmkit.errors import InputError
-from llmkit.generate.native import NativeDecoder
 from llmkit.generate.prompts import pad
 from llmkit.generate.sampling import Sampling, distribution, draw
-from llmkit.generate.step import decode_step
+from llmkit.generate.step import DecodeStep, choose_step
 from llmkit.layers.mtp import MTPModule
 from llmkit.layers.softcap import soft_cap
 from llmkit.models import Cache, DecoderLM, SequenceState
+from llmkit.quant.native_step import NativeDecoder
 
 
 class Drafter(Protocol):
@@ -52,17 +53,18 @@ class Drafter(Protocol):
 
 
 class ModelDrafter:
-    """A smaller model drafting k tokens with its own cache. Rejected drafts are forgotten from its cache."""
+    """A smaller model drafting k tokens with its own cache, its steps run by `step` (choose_step's when None: in C++
+    where it can). Rejected drafts are forgotten from its cache."""
 
-    def __init__(self, model: DecoderLM, k: int, batch: int, room: int, compiled: bool = False) -> None:
-        self.model, self.k, self.compiled = model, k, compiled
-        self.native = None if compiled else NativeDecoder.of(model)  # its single-token steps, in C++ where it can
+    def __init__(self, model: DecoderLM, k: int, batch: int, room: int, step: DecodeStep | None = None) -> None:
+        self.model, self.k = model, k
+        self.step = step if step is not None else choose_step(model)
         self.cache = model.new_cache(batch, room)
         self.carry: list[list[int]] = [[] for _ in range(batch)]  # accepted drafts the cache has not seen yet
 
     def start(self, prefix: Tensor, valid: Tensor, hidden: Tensor | None) -> None:
         if prefix.shape[1]:
-            decode_step(self.model, prefix, self.cache, valid, self.compiled, last=True)
+            self.step(prefix, self.cache, valid, last=True)
 
     def propose(
         self, cur: Tensor, sampling: Sampling, generator: torch.Generator | None
@@ -70,9 +72,7 @@ class ModelDrafter:
         rows = [[*carry, c] for carry, c in zip(self.carry, cur.tolist(), strict=True)]
         tokens, valid = pad(rows, "left", device=cur.device)
         some_padded = any(len(r) != len(rows[0]) for r in rows)  # else every new token is real: no mask to apply
-        logits, _ = decode_step(
-            self.model, tokens, self.cache, valid if some_padded else None, self.compiled, self.native, last=True
-        )
+        logits, _ = self.step(tokens, self.cache, valid if some_padded else None, last=True)
         qs, ds = [], []
         for i in range(self.k):
             if sampling.greedy:
@@ -83,7 +83,7 @@ class ModelDrafter:
                 qs.append(probs)
             ds.append(nxt)
             if i < self.k - 1:
-                logits, _ = decode_step(self.model, nxt.unsqueeze(1), self.cache, None, self.compiled, self.native)
+                logits, _ = self.step(nxt.unsqueeze(1), self.cache)
         return (torch.stack(qs, 1) if qs else None), torch.stack(ds, 1)
 
     def settle(self, cur: Tensor, drafts: Tensor, accepted: Tensor, hidden: Tensor) -> None:
@@ -92,27 +92,6 @@ class ModelDrafter:
         self.cache.state.discard((self.k - 1 - accepted).clamp(min=0), span=self.k - 1)
         last = drafts[:, -1].tolist()
         self.carry = [[last[b]] if a == self.k else [] for b, a in enumerate(accepted.tolist())]
-
-
-T = TypeVar("T")
-# Low-precision copies made for drafting, per source (a head weight, an MTP block) and bit width: made once, not at
-# every speculative_generate call (SmolLM2's int4 head and block took ~0.27 s to quantize, 13% of a 128-token call).
-_COPIES: weakref.WeakKeyDictionary[nn.Module, dict[int, tuple[tuple[tuple[int, int], ...], Any]]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def low_precision_copy(source: nn.Module, bits: int, tensors: Sequence[Tensor], make: Callable[[], T]) -> T:
-    """make()'s result for (source, bits), remade when one of `tensors` (the source's weights) changed: replaced, or
-    written in place (their version counters), as training or load_state_dict do."""
-    stamp = tuple((t.data_ptr(), t._version) for t in tensors)
-    kept = _COPIES.setdefault(source, {})
-    hit = kept.get(bits)
-    if hit is not None and hit[0] == stamp:
-        return cast(T, hit[1])
-    value = make()
-    kept[bits] = (stamp, value)
-    return value
 
 
 def draft_head(target: DecoderLM, bits: int | None, native: NativeDecoder | None) -> Callable[[Tensor], Tensor]:
@@ -133,15 +112,10 @@ def draft_head(target: DecoderLM, bits: int | None, native: NativeDecoder | None
     if weight.dtype != torch.float32 or weight.shape[1] % 32:
         return native.logits if native is not None else target.logits  # already low precision or quantized
 
-    def make() -> nn.Module:
-        layer = (Int8Linear if bits == 8 else Int4Linear)(
-            weight.shape[1], weight.shape[0], group_size=32, device=weight.device, dtype=weight.dtype
-        )
-        layer.load_weight(weight)
-        return layer
-
-    owner = target.embed if target.head is None else target.head  # a module: identity is its key
-    layer = low_precision_copy(owner, bits, [head], make)
+    layer = (Int8Linear if bits == 8 else Int4Linear)(
+        weight.shape[1], weight.shape[0], group_size=32, device=weight.device, dtype=weight.dtype
+    )
+    layer.load_weight(weight)
     bias, cap = target.head_bias, target.cfg.logit_softcap
     return lambda h: soft_cap(layer(h) if bias is None else layer(h) + bias, cap)
 
@@ -154,17 +128,31 @@ def draft_block(module: MTPModule, bits: int | None, native: NativeDecoder | Non
     if bits in (4, 8):
         from llmkit.quant import quantize
 
-        def make() -> nn.Module | None:
-            try:
-                return quantize(copy.deepcopy(module.block), "int8" if bits == 8 else "int4")
-            except InputError:  # widths the int4 groups do not divide, or an already quantized block
-                return None
-
-        low = low_precision_copy(module.block, bits, list(module.block.state_dict().values()), make)
-        step = native.block(low) if low is not None else None
+        try:
+            low = quantize(copy.deepcopy(module.block), "int8" if bits == 8 else "int4")
+        except InputError:  # widths the int4 groups do not divide, or an already quantized block
+            return native.block(module.block)
+        step = native.block(low)
         if step is not None:
             return step
     return native.block(module.block)
+
+
+class MTPDraft:
+    """What an MTP drafter reads of `target`, made once (quantizing SmolLM2's int4 head and block copies took ~0.27
+    s, 13% of a 128-token generation) and kept across generations: its first MTP module, the output head (the
+    target's own, or with head_bits an int8 / int4 copy: draft_head) and the C++ step of the module's block (None
+    without `native`, the target's C++ step: draft_block). The copies hold the weights as they were when it was
+    made: make another after changing them."""
+
+    def __init__(self, target: DecoderLM, native: NativeDecoder | None = None, head_bits: int | None = None) -> None:
+        if not len(target.mtp):
+            raise InputError("no draft model given and the target has no MTP module to draft with (mtp_depth 0)")
+        module = target.mtp[0]
+        assert isinstance(module, MTPModule)
+        self.target, self.module, self.native = target, module, native
+        self.head = draft_head(target, head_bits, native)
+        self.block = draft_block(module, head_bits, native)
 
 
 class MTPDrafter:
@@ -176,22 +164,12 @@ class MTPDrafter:
     that state, as EAGLE's drafter is, keeps it close), so with k > 1 the module reads its own output and the first
     draft next, and so on: k cheap steps of one block and the head. Positions computed from drafted states are
     forgotten when the round settles; the accepted ones are redone from the target's true states, together with the
-    next round's first step (one call). With `native`, the module's block runs as a C++ step too."""
+    next round's first step (one call). With a C++ step in `draft` (MTPDraft), the module's block runs as one."""
 
-    def __init__(
-        self,
-        target: DecoderLM,
-        batch: int,
-        room: int,
-        native: NativeDecoder | None = None,
-        head_bits: int | None = None,
-        k: int = 1,
-    ) -> None:
-        module = target.mtp[0]
-        assert isinstance(module, MTPModule)
-        self.target, self.module, self.native, self.k = target, module, native, k
-        self.block = draft_block(module, head_bits, native)  # its C++ step, or None
-        self.head = draft_head(target, head_bits, native)
+    def __init__(self, draft: MTPDraft, batch: int, room: int, k: int = 1) -> None:
+        target, module = draft.target, draft.module
+        self.target, self.module, self.native, self.k = target, module, draft.native, k
+        self.block, self.head = draft.block, draft.head  # the block's C++ step (or None), the head
         device, dtype = target.embed.weight.device, target.embed.weight.dtype
         layer = module.block.attn.new_cache(batch, room, device, dtype)
         self.cache = Cache([layer], SequenceState.new(batch, room, device))

@@ -7,7 +7,8 @@
 A decoder-only session starts from the (left-padded) prompts; an encoder-decoder session encodes the sources once
 and starts from the decoder's start token. Greedy and sampled decoding (decode.py), beam search (beam.py) and
 speculative decoding (speculative.py) are loops over a session, the same loop for both kinds of model. `copies`
-repeats every row (beam search keeps num_beams copies of each input).
+repeats every row (beam search keeps num_beams copies of each input). A decoder-only session's steps run on the
+backend (step.py) chosen when it is built.
 """
 
 from __future__ import annotations
@@ -18,20 +19,19 @@ import torch
 from torch import Tensor
 
 from llmkit.errors import InputError
-from llmkit.generate.native import NativeDecoder
-from llmkit.generate.step import decode_step
+from llmkit.generate.step import DecodeStep, choose_step
 from llmkit.models import DecoderLM, EncoderDecoder, RNNSeq2Seq
 
 
 class DecoderSession:
     """A decoder-only model continuing a batch of prompts. tokens, mask (B, T): left-padded prompts; `room`: the
-    most tokens that will be fed after them."""
+    most tokens that will be fed after them; `step`: the backend that runs its steps (choose_step's when None)."""
 
     def __init__(
-        self, model: DecoderLM, tokens: Tensor, mask: Tensor, room: int, compiled: bool = False, copies: int = 1
+        self, model: DecoderLM, tokens: Tensor, mask: Tensor, room: int, step: DecodeStep | None = None, copies: int = 1
     ) -> None:
-        self.model, self.compiled = model, compiled
-        self.native = None if compiled else NativeDecoder.of(model)
+        self.model = model
+        self.step = step if step is not None else choose_step(model)
         tokens, mask = tokens.repeat_interleave(copies, dim=0), mask.repeat_interleave(copies, dim=0)
         self.cache = model.new_cache(tokens.shape[0], tokens.shape[1] + max(room, 1))
         self.logits = torch.empty(0)
@@ -44,7 +44,7 @@ class DecoderSession:
     def feed(self, tokens: Tensor, valid: Tensor | None = None, last: bool = False) -> tuple[Tensor, Tensor]:
         """Append tokens (B, T) (valid: False at padding); returns their logits (B, T, V) (with `last`, the last
         position's only) and hidden states (B, T, C)."""
-        logits, hidden = decode_step(self.model, tokens, self.cache, valid, self.compiled, self.native, last)
+        logits, hidden = self.step(tokens, self.cache, valid, last)
         self.logits = logits[:, -1]
         return logits, hidden
 

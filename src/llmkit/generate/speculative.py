@@ -12,7 +12,9 @@ for token the target's greedy output. Each round yields 1 to k + 1 tokens for on
 
 Rows of a batch accept different numbers of tokens. Rejected tokens' cache slots are marked invalid rather than
 rolled back (`SequenceState.discard`), so every row keeps one shared slot layout and the batch stays a batch. The
-drafters are in drafters.py: `draft=small_model`, or `draft=None` for a model trained with multi-token prediction.
+drafters are in drafters.py: `draft=small_model`, or `draft=None` for a model trained with multi-token prediction
+(or an MTPDraft of it, kept across calls). The target's and the draft model's steps run on the backends (step.py)
+passed in, or chosen once per call.
 """
 
 from __future__ import annotations
@@ -25,11 +27,10 @@ from torch import Tensor
 
 from llmkit.errors import InputError
 from llmkit.generate.decode import Generation, seeded
-from llmkit.generate.drafters import Drafter, ModelDrafter, MTPDrafter
-from llmkit.generate.native import NativeDecoder
+from llmkit.generate.drafters import Drafter, ModelDrafter, MTPDraft, MTPDrafter
 from llmkit.generate.prompts import prepare_prompts
 from llmkit.generate.sampling import Sampling, check_finite, distribution, draw
-from llmkit.generate.step import decode_step
+from llmkit.generate.step import DecodeStep, choose_step
 from llmkit.generate.stops import Rows, StopRule
 from llmkit.models import DecoderLM
 
@@ -85,14 +86,15 @@ def speculative_generate(
     target: DecoderLM,
     prompts: Tensor | Sequence[Sequence[int]],
     *,
-    draft: DecoderLM | None = None,
+    draft: DecoderLM | MTPDraft | None = None,
     max_new_tokens: int,
     k: int | None = None,
     padding_mask: Tensor | None = None,
     sampling: Sampling | None = None,
     eos_id: int | Sequence[int] | None = None,
     seed: int | None = None,
-    compiled: bool = False,
+    step: DecodeStep | None = None,
+    draft_step: DecodeStep | None = None,
     draft_head_bits: int | None = None,
 ) -> SpeculativeGeneration:
     """Generate with the target's exact distribution, drafting k tokens per round with `draft` (a smaller model with
@@ -101,10 +103,13 @@ def speculative_generate(
     llmkit.train.mtp_graft). `sampling`: greedy by default; a repetition penalty is not supported (it would make
     the target's distribution depend on the drafts). draft_head_bits (8 or 4): the MTP drafter reads an int8 / int4
     copy of the output head and, in its C++ step, of its block (drafters.py's draft_head and draft_block): cheaper
-    drafts, the same output."""
+    drafts, the same output; an MTPDraft as `draft` holds such copies made once. `step` and `draft_step`: the
+    target's and the draft model's decoding backends (step.py; choose_step's when None)."""
     if draft is None and not len(target.mtp):
         raise InputError("no draft model given and the target has no MTP module to draft with (mtp_depth 0)")
-    if draft is not None and draft.cfg.vocab_size != target.cfg.vocab_size:
+    if isinstance(draft, MTPDraft) and (draft.target is not target or draft_head_bits is not None):
+        raise InputError("an MTPDraft drafts for the target it was made of, with the head_bits it was made with")
+    if isinstance(draft, DecoderLM) and draft.cfg.vocab_size != target.cfg.vocab_size:
         raise InputError(
             f"the draft's vocabulary ({draft.cfg.vocab_size}) differs from the target's ({target.cfg.vocab_size}): "
             "they must share a tokenizer"
@@ -120,21 +125,22 @@ def speculative_generate(
     generator = seeded(seed, tokens.device)
     room = T + (max_new_tokens + 1) * (k + 3)  # rejected slots stay used: room for every round's worst case
     cache = target.new_cache(B, room)
-    native = None if compiled else NativeDecoder.of(target)  # the verifying steps' blocks (and head) in C++
-    drafter: Drafter = (
-        MTPDrafter(target, B, MTPDrafter.room(T, max_new_tokens, k), native, draft_head_bits, k)
-        if draft is None
-        else ModelDrafter(draft, k, B, room, compiled)
-    )
+    step = step if step is not None else choose_step(target)  # with C++ blocks: the verifying steps' (and head)
+    drafter: Drafter
+    if isinstance(draft, DecoderLM):
+        drafter = ModelDrafter(draft, k, B, room, draft_step)
+    else:
+        parts = draft if draft is not None else MTPDraft(target, step.native, draft_head_bits)
+        drafter = MTPDrafter(parts, B, MTPDrafter.room(T, max_new_tokens, k), k)
     prefix, valid = tokens[:, :-1], mask[:, :-1]
-    hidden = decode_step(target, prefix, cache, valid, compiled, native, last=True)[1] if prefix.shape[1] else None
+    hidden = step(prefix, cache, valid, last=True)[1] if prefix.shape[1] else None
     drafter.start(prefix, valid, hidden)
     rows = Rows(StopRule.of(eos_id, max_new_tokens=max_new_tokens), B)
     result = SpeculativeGeneration(tokens.cpu(), rows.tokens)
     cur = tokens[:, -1]
     while max_new_tokens and not rows.finished:
         q, drafts = drafter.propose(cur, sampling, generator)  # (B, k, V), (B, k)
-        logits, hidden = decode_step(target, torch.cat([cur.unsqueeze(1), drafts], 1), cache, None, compiled, native)
+        logits, hidden = step(torch.cat([cur.unsqueeze(1), drafts], 1), cache)
         result.target_passes += 1
         check_finite(logits, result.target_passes)
         if q is None:  # greedy: keep the drafts while they are the target's choice, then take its token

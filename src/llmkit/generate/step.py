@@ -1,37 +1,40 @@
-"""One decoding step: append tokens to a cache and get their logits, optionally through torch.compile.
+"""One decoding step: append tokens to a cache and get their logits, by one of three backends chosen once.
 
-`decode_step(model, tokens, cache)` computes what `model(tokens, cache=cache)` does, without the input checks that
-the public forward makes (the generators check their inputs once) and returns the hidden states too (multi-token
-prediction drafts from them). The cache's SequenceState gives the new tokens their slots, positions and mask; the
-step itself reads nothing back from the device, and every shape in it is fixed by the cache, so it compiles once.
+    step = choose_step(model)               the C++ step where the model allows it, else eager PyTorch
+    step = CompiledStep(model)              torch.compile's step (a one-time compilation, then faster steps)
+    logits, hidden = step(tokens, cache)    tokens (B, T) appended to the cache
 
-With `compiled=True` the step runs through `torch.compile` with inductor's weight freezing: the weights become
-constants, so the matmuls can use prepacked kernels and elementwise work is fused (BENCHMARKS.md has the figures).
-The compiled step is built once per model (the first call takes tens of seconds) and assumes the weights no longer
-change. MoE layers compile into the step: routing, sorting by expert and the experts' products trace into one graph
-(in fp32 each assignment's expert weights are gathered, within GATHER_LIMIT; bf16 takes F.grouped_mm), so a new
-routing never recompiles. Sparse attention (DSA) compiles too: the indexer's scores, the stable sort that picks each
-query's keys and the gather of the selected latents trace into the same graph.
+A step computes what `model(tokens, cache=cache)` does, without the input checks that the public forward makes (the
+generators check their inputs once), and returns the hidden states too (multi-token prediction drafts from them). The
+cache's SequenceState gives the new tokens their slots, positions and mask; the step itself reads nothing back from
+the device, and every shape in it is fixed by the cache, so it compiles once. The backend is chosen when a session,
+drafter or command is set up and passed in, as gpt-fast compiles its step from outside the model:
 
-Without compilation, steps of a few tokens per row on an AVX2 CPU run all the blocks in one C++ call where the
-model's parts allow it (`native`, see native.py; dense and mixture-of-experts feed-forwards): the same arithmetic
-without per-operator dispatch, and for a tiny-width model several times faster than the compiled step.
+- `DecodeStep`: PyTorch's modules, eager; the reference the other two equal.
+- `CompiledStep`: the step through `torch.compile` with inductor's weight freezing: the weights become constants, so
+  the matmuls can use prepacked kernels and elementwise work is fused (BENCHMARKS.md has the figures). It compiles
+  at its first call (tens of seconds) and assumes the weights no longer change; keep the object to reuse the
+  compilation. MoE layers compile into the step: routing, sorting by expert and the experts' products trace into one
+  graph (in fp32 each assignment's expert weights are gathered, within GATHER_LIMIT; bf16 takes F.grouped_mm), so a
+  new routing never recompiles. Sparse attention (DSA) compiles too: the indexer's scores, the stable sort that picks
+  each query's keys and the gather of the selected latents trace into the same graph.
+- `NativeStep`: steps of a few tokens per row on an AVX2 CPU run all the blocks in one C++ call
+  (llmkit.quant.native_step; dense and mixture-of-experts feed-forwards): the same arithmetic without per-operator
+  dispatch, and for a tiny-width model several times faster than the compiled step. Other steps (a long prefill)
+  run eagerly.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from llmkit.generate.native import NativeDecoder
 from llmkit.layers.attention import AttentionMask, KVCache, LatentCache
 from llmkit.models import Cache, DecoderLM, Step
-
-_COMPILED: weakref.WeakKeyDictionary[DecoderLM, Callable[..., tuple[Tensor, Tensor]]] = weakref.WeakKeyDictionary()
+from llmkit.quant.native_step import NativeDecoder
 
 
 def _core(
@@ -48,12 +51,37 @@ def _core(
     return model.logits(model.norm(h[:, -1:] if last else h)), h
 
 
-def compiled_core(model: DecoderLM) -> Callable[..., tuple[Tensor, Tensor]]:
-    """The step compiled for `model`. Freezing (and, on CPU, the C++ wrapper) must be on in inductor's global config
-    when (re)compilation happens
-    (passing it through torch.compile's options does not give the prepacked kernels), and dynamic shapes avoid a
-    recompilation per batch size or cache length."""
-    if model not in _COMPILED:
+class DecodeStep:
+    """The eager step of `model`: step(tokens (B, T), cache, valid (B, T) False at padding, last) -> logits (B, T, V)
+    (with `last`, only the last position's (B, 1, V): a prompt's prefill needs no more) and the last block's hidden
+    states (B, T, C), before the final norm."""
+
+    native: NativeDecoder | None = None  # the C++ blocks this step runs (NativeStep), for drafters that reuse them
+
+    def __init__(self, model: DecoderLM) -> None:
+        self.model = model
+
+    @torch.no_grad()
+    def __call__(
+        self, tokens: Tensor, cache: Cache, valid: Tensor | None = None, last: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        step = cache.state.advance(tokens.shape[1], valid)
+        return self.run(tokens, step, cache, last)
+
+    def run(self, tokens: Tensor, step: Step, cache: Cache, last: bool) -> tuple[Tensor, Tensor]:
+        """The step's tokens at `step` (their slots, positions and mask, already advanced in the cache)."""
+        assert step.mask.allowed is not None and step.slots is not None
+        layers, allowed = _filled(cache.layers, step.mask.allowed, cache.state.length)
+        return _core(self.model, tokens, step.positions, allowed, step.slots, layers, last)
+
+
+class CompiledStep(DecodeStep):
+    """The step through torch.compile, compiled at the first call. Freezing (and, on CPU, the C++ wrapper) must be
+    on in inductor's global config when (re)compilation happens (passing it through torch.compile's options does not
+    give the prepacked kernels), and dynamic shapes avoid a recompilation per batch size or cache length."""
+
+    def __init__(self, model: DecoderLM) -> None:
+        super().__init__(model)
         from torch._inductor import config as inductor_config
 
         core = torch.compile(_core, dynamic=True)
@@ -67,33 +95,37 @@ def compiled_core(model: DecoderLM) -> Callable[..., tuple[Tensor, Tensor]]:
             with inductor_config.patch(settings):
                 return core(*args)
 
-        _COMPILED[model] = frozen
-    return _COMPILED[model]
+        self.core: Callable[..., tuple[Tensor, Tensor]] = frozen
+
+    def run(self, tokens: Tensor, step: Step, cache: Cache, last: bool) -> tuple[Tensor, Tensor]:
+        assert step.mask.allowed is not None and step.slots is not None
+        return self.core(self.model, tokens, step.positions, step.mask.allowed, step.slots, cache.layers, last)
 
 
-@torch.no_grad()
-def decode_step(
-    model: DecoderLM,
-    tokens: Tensor,
-    cache: Cache,
-    valid: Tensor | None = None,
-    compiled: bool = False,
-    native: NativeDecoder | None = None,
-    last: bool = False,
-) -> tuple[Tensor, Tensor]:
-    """Append tokens (B, T) (valid (B, T): False at padding) to the cache; returns logits (B, T, V) (with `last`,
-    only the last position's (B, 1, V): a prompt's prefill needs no more) and the last block's hidden states
-    (B, T, C), before the final norm. `native` (NativeDecoder.of(model)) runs the blocks of the steps it applies
-    to in C++."""
-    step = cache.state.advance(tokens.shape[1], valid)
-    if native is not None and native.applies(tokens, step, cache.layers):
+class NativeStep(DecodeStep):
+    """The blocks of the steps the C++ step takes (`native.applies`: a few tokens per row into fp32 caches) in one
+    C++ call, and the output head of a few rows too; other steps eagerly."""
+
+    def __init__(self, model: DecoderLM, native: NativeDecoder) -> None:
+        super().__init__(model)
+        self.native = native
+
+    def run(self, tokens: Tensor, step: Step, cache: Cache, last: bool) -> tuple[Tensor, Tensor]:
+        native = self.native
+        assert native is not None
+        if not native.applies(tokens, step, cache.layers):
+            return super().run(tokens, step, cache, last)
         h = native.run(tokens, step, cache.layers)
-        return native.logits(model.norm(h[:, -1:] if last else h)), h
-    assert step.mask.allowed is not None and step.slots is not None
+        return native.logits(self.model.norm(h[:, -1:] if last else h)), h
+
+
+def choose_step(model: DecoderLM, compiled: bool = False) -> DecodeStep:
+    """The step to decode `model` with: compiled when asked, else the C++ step where the model allows it (see
+    llmkit.quant.native_step), else eager."""
     if compiled:
-        return compiled_core(model)(model, tokens, step.positions, step.mask.allowed, step.slots, cache.layers, last)
-    layers, allowed = _filled(cache.layers, step.mask.allowed, cache.state.length)
-    return _core(model, tokens, step.positions, allowed, step.slots, layers, last)
+        return CompiledStep(model)
+    native = NativeDecoder.of(model)
+    return NativeStep(model, native) if native is not None else DecodeStep(model)
 
 
 def _filled(layers: list[Any], allowed: Tensor, length: int) -> tuple[list[Any], Tensor]:

@@ -1,4 +1,4 @@
-// Pre-norm decoder blocks' decode step in one C++ call (llmkit/generate/native.py drives it).
+// Pre-norm decoder blocks' decode step in one C++ call (llmkit/quant/native_step.py drives it).
 //
 // Decoding one token runs about twenty small operations per block (norm, three projections, RoPE, a cache write,
 // attention over the cached keys, the output projection, a residual, norm, the feed-forward's three projections, a

@@ -1,6 +1,6 @@
 """llmkit's own CPU kernels (cpu_kernel.cpp: int4 and int8 products for AVX2 CPUs, the method of llama.cpp;
 cpu_decode.cpp and cpu_moe.cpp: decoder blocks' decode step in one call, dense or mixture-of-experts, which
-llmkit.generate.native drives), compiled with
+llmkit.quant.native_step drives), compiled with
 torch.utils.cpp_extension on first use and cached by torch (under ~/.cache/torch_extensions, or
 $TORCH_EXTENSIONS_DIR).
 

@@ -19,6 +19,11 @@ speculative round's drafts when verifying, up to MAX_TOKENS) into a plain KVCach
 the serving engine's paged pools. Anything else (MLA, sparse attention, Gemma's offset norms, bf16, CUDA, training,
 prefill) takes the PyTorch modules, which remain the reference: tests/quant/test_native_decode.py checks that both
 give the same logits.
+
+What the step computes is declared per module type in LOWERED (lowering.py): every attribute, parameter, buffer
+and submodule of a lowered module, with the values the C++ step computes. A module holding anything else (an option
+added to a layer later) is not lowered, and the model decodes in PyTorch; tests/quant/test_native_lowering.py builds
+each layer with each option and checks that the step matches PyTorch or declines.
 """
 
 from __future__ import annotations
@@ -30,18 +35,16 @@ from torch import Tensor, nn
 
 from llmkit.layers.attention.cache import KVCache
 from llmkit.layers.attention.gqa import GroupedQueryAttention
-from llmkit.layers.block import TransformerBlock
 from llmkit.layers.mlp import MLP, SwiGLU
-from llmkit.layers.moe import GroupedExperts, MoE
+from llmkit.layers.moe import MoE
 from llmkit.layers.norm import LayerNorm, RMSNorm
-from llmkit.layers.residual import PreNorm
 from llmkit.layers.softcap import soft_cap
 from llmkit.models import DecoderLM, Step
 from llmkit.quant import native
 from llmkit.quant.experts import QuantizedExperts
 from llmkit.quant.linear import Int4Linear, Int8Linear, QuantizedLinear
+from llmkit.quant.lowering import ACTIVATION_CODES, lowers
 
-_ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}  # cpu_decode.cpp's Activation
 MAX_TOKENS = 8  # new tokens per row a step may bring: every weight is read once for all of them
 HEAD_ROWS = 8  # rows of states the C++ head takes; beyond, MKL's sgemm is as fast (it reads W once per 4 rows)
 
@@ -81,11 +84,11 @@ def _stack(ext: Any, weight: Tensor | QuantizedLinear | None) -> Any | None:
 
 
 def _moe(ext: Any, moe: MoE) -> Any | None:
-    """A mixture-of-experts feed-forward as the C++ step computes it (cpu_moe.cpp), or None when some part of it is
-    not: a capacity factor, experts or a router that are not fp32 / llmkit's codes, a shared expert of another kind."""
+    """A lowered mixture-of-experts feed-forward as cpu_moe.cpp computes it, or None when some weight is not one it
+    reads (not fp32 nor llmkit's codes) or a shared expert is of another kind than the routed ones."""
     cfg, experts = moe.cfg, moe.experts
     router = moe.router.weight.detach()
-    if cfg.capacity_factor is not None or router.dtype != torch.float32 or experts.activation not in _ACTIVATIONS:
+    if router.dtype != torch.float32:
         return None
     f = ext.MoEFeedForward()
     f.router = router.contiguous()
@@ -93,14 +96,12 @@ def _moe(ext: Any, moe: MoE) -> Any | None:
     f.softmax = cfg.score_func == "softmax"
     f.top_k, f.n_groups, f.topk_groups = cfg.top_k, cfg.n_groups, cfg.topk_groups
     f.group_max, f.norm_topk, f.routed_scale = cfg.group_score == "max", cfg.norm_topk, cfg.routed_scale
-    f.activation = _ACTIVATIONS[experts.activation]
+    f.activation = ACTIVATION_CODES[experts.activation]
     stacks: list[Tensor | QuantizedLinear | None]
-    if type(experts) is QuantizedExperts:
+    if isinstance(experts, QuantizedExperts):
         stacks = [experts.q1, experts.q3, experts.q2]
-    elif type(experts) is GroupedExperts:
-        stacks = [experts.w1, experts.w3, experts.w2]
     else:
-        return None
+        stacks = [experts.w1, experts.w3, experts.w2]
     f.gated = stacks[1] is not None
     w1, w3, w2 = (_stack(ext, w) for w in stacks)
     if w1 is None or w2 is None or (f.gated and w3 is None):
@@ -109,10 +110,9 @@ def _moe(ext: Any, moe: MoE) -> Any | None:
     if f.gated:
         f.w3 = w3
     if moe.shared is not None:
-        shared = moe.shared
+        shared = cast(MLP | SwiGLU, moe.shared)
         if type(shared) is not (SwiGLU if f.gated else MLP) or shared.activation != experts.activation:
             return None
-        assert isinstance(shared, (SwiGLU, MLP))
         parts = [_projection(ext, shared.w1), _projection(ext, shared.w3) if isinstance(shared, SwiGLU) else None]
         parts.append(_projection(ext, shared.w2))
         if parts[0] is None or parts[2] is None or (f.gated and parts[1] is None):
@@ -128,52 +128,40 @@ def _moe(ext: Any, moe: MoE) -> Any | None:
     return f
 
 
-def _norm(norm: nn.Module) -> tuple[bool, float, Tensor, Tensor | None] | None:
-    """(is RMSNorm, eps, weight, bias) of a norm the C++ step computes, else None."""
-    if type(norm) is RMSNorm:
-        return True, norm.eps, norm.weight.detach(), None
-    if type(norm) is LayerNorm and norm.weight is not None:
-        return False, norm.eps, norm.weight.detach(), None if norm.bias is None else norm.bias.detach()
-    return None
-
-
 def _block(ext: Any, block: nn.Module, rope: bool) -> Any | None:
-    """The C++ step of one block, or None when some part of it is not one the step computes."""
-    if type(block) is not TransformerBlock or type(block.attn) is not GroupedQueryAttention:
+    """The C++ step of one block, or None when it does not compute all of it."""
+    if not lowers(block):
         return None
-    a = block.attn
-    if a.softcap is not None or a.scale != a.head_dim**-0.5:
-        return None  # soft-capped scores or another scale (Gemma 2): not the C++ step's operations
-    if a.q_norm is not None and (type(a.q_norm) is not RMSNorm or type(a.k_norm) is not RMSNorm):
-        return None  # QK-norm of another kind (Gemma 3's offset gains)
-    if type(block.attn_residual) is not PreNorm or type(block.ffn_residual) is not PreNorm:
-        return None
-    attn, ffn = block.attn, block.ffn
-    norms = _norm(block.attn_residual.norm), _norm(block.ffn_residual.norm)
-    if norms[0] is None or norms[1] is None or norms[0][:2] != norms[1][:2]:
-        return None
-    moe = _moe(ext, ffn) if type(ffn) is MoE else None
-    if moe is None and (type(ffn) not in (SwiGLU, MLP) or ffn.activation not in _ACTIVATIONS):
-        return None
+    attn = cast(GroupedQueryAttention, block.attn)
+    norm1, norm2 = (
+        cast(RMSNorm | LayerNorm, block.attn_residual.norm),
+        cast(RMSNorm | LayerNorm, block.ffn_residual.norm),
+    )
+    if type(norm1) is not type(norm2) or norm1.eps != norm2.eps:
+        return None  # one kind of norm and one eps per block in C++
     b = ext.DecodeBlock()
-    b.rms, b.eps = norms[0][0], norms[0][1]
-    b.norm1_weight, b.norm1_bias = norms[0][2], norms[0][3]
-    b.norm2_weight, b.norm2_bias = norms[1][2], norms[1][3]
+    b.rms, b.eps = type(norm1) is RMSNorm, norm1.eps
+    b.norm1_weight, b.norm1_bias = norm1.weight.detach(), _detached(getattr(norm1, "bias", None))
+    b.norm2_weight, b.norm2_bias = norm2.weight.detach(), _detached(getattr(norm2, "bias", None))
     b.n_heads, b.n_kv_heads, b.head_dim, b.v_head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim, attn.head_dim
     b.rope_dim = attn.rope_dim if rope else 0
     b.rope_interleaved = attn.rope_layout == "interleaved"
     b.window = attn.sliding_window or 0
-    b.scale = attn.head_dim**-0.5
-    if isinstance(attn.q_norm, RMSNorm) and isinstance(attn.k_norm, RMSNorm):
-        b.q_norm_weight, b.k_norm_weight = attn.q_norm.weight.detach(), attn.k_norm.weight.detach()
-        b.qk_eps = attn.q_norm.eps
+    b.scale = attn.scale
+    if attn.q_norm is not None:
+        q_norm, k_norm = cast(RMSNorm, attn.q_norm), cast(RMSNorm, attn.k_norm)
+        b.q_norm_weight, b.k_norm_weight, b.qk_eps = q_norm.weight.detach(), k_norm.weight.detach(), q_norm.eps
     layers: dict[str, nn.Module] = {"wq": attn.wq, "wk": attn.wk, "wv": attn.wv, "wo": attn.wo}
-    if moe is not None:
+    ffn = block.ffn
+    if isinstance(ffn, MoE):
+        moe = _moe(ext, ffn)
+        if moe is None:
+            return None
         b.moe = moe
     else:
-        assert isinstance(ffn, (SwiGLU, MLP))
-        b.gated, b.activation = type(ffn) is SwiGLU, _ACTIVATIONS[ffn.activation]
-        layers |= {"w1": ffn.w1, "w2": ffn.w2, **({"w3": ffn.w3} if isinstance(ffn, SwiGLU) else {})}
+        dense = cast(MLP | SwiGLU, ffn)
+        b.gated, b.activation = isinstance(dense, SwiGLU), ACTIVATION_CODES[dense.activation]
+        layers |= {"w1": dense.w1, "w2": dense.w2, **({"w3": dense.w3} if isinstance(dense, SwiGLU) else {})}
     for name, layer in layers.items():
         p = _projection(ext, layer)
         if p is None:
@@ -181,6 +169,10 @@ def _block(ext: Any, block: nn.Module, rope: bool) -> Any | None:
         setattr(b, name, p)
     b.check()
     return b
+
+
+def _detached(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.detach()
 
 
 class NativeDecoder:
@@ -193,12 +185,12 @@ class NativeDecoder:
 
     @classmethod
     def of(cls, model: nn.Module) -> NativeDecoder | None:
+        """The C++ step of `model`, or None when it does not compute every block (see LOWERED) or the weights are
+        not fp32 on the CPU."""
         ext = native.module()
-        if ext is None or not isinstance(model, DecoderLM) or any(m.training for m in model.modules()):
+        if ext is None or not isinstance(model, DecoderLM) or not lowers(model):
             return None
         if model.embed.weight.device.type != "cpu" or model.embed.weight.dtype != torch.float32:
-            return None
-        if model.rope_local is not None:  # one set of RoPE tables per step in C++; Gemma 3 has two
             return None
         blocks = [_block(ext, block, model.rope is not None) for block in model.blocks]
         if any(b is None for b in blocks):
