@@ -100,11 +100,12 @@ def speculative_generate(
     """Generate with the target's exact distribution, drafting k tokens per round with `draft` (a smaller model with
     the same tokenizer; k 4 by default), or with the target's first MTP module when draft is None (k 1 by default;
     k > 1 chains the module on its own outputs, which pays only for a module trained for it: see
-    llmkit.train.mtp_graft). `sampling`: greedy by default; a repetition penalty is not supported (it would make
-    the target's distribution depend on the drafts). draft_head_bits (8 or 4): the MTP drafter reads an int8 / int4
-    copy of the output head and, in its C++ step, of its block (drafters.py's draft_head and draft_block): cheaper
-    drafts, the same output; an MTPDraft as `draft` holds such copies made once. `step` and `draft_step`: the
-    target's and the draft model's decoding backends (step.py; choose_step's when None)."""
+    llmkit.train.drafting and `llmkit graft-mtp`). `sampling`: greedy by default; a repetition penalty is not
+    supported (it would make the target's distribution depend on the drafts). draft_head_bits (8 or 4): the MTP
+    drafter reads an int8 / int4 copy of the output head and, in its C++ step, of its block (drafters.py's
+    draft_head and draft_block): cheaper drafts, the same output; an MTPDraft as `draft` holds such copies made
+    once. `step` and `draft_step`: the target's and the draft model's decoding backends (step.py; choose_step's
+    when None)."""
     if draft is None and not len(target.mtp):
         raise InputError("no draft model given and the target has no MTP module to draft with (mtp_depth 0)")
     if isinstance(draft, MTPDraft) and (draft.target is not target or draft_head_bits is not None):

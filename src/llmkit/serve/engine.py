@@ -25,11 +25,11 @@ import torch
 from torch import Tensor
 
 from llmkit.errors import InputError, LLMKitError
-from llmkit.generate.native import NativeDecoder
 from llmkit.layers.attention.gqa import GroupedQueryAttention
 from llmkit.layers.attention.mask import AttentionMask
 from llmkit.models.cache import Step
 from llmkit.models.decoder import DecoderLM
+from llmkit.quant.native_step import NativeDecoder
 from llmkit.serve.blocks import BlockPool
 from llmkit.serve.paged import PagedCache, Pages
 from llmkit.serve.request import (
