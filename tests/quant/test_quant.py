@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -316,3 +318,19 @@ def test_the_first_build_of_the_kernels_is_announced(tmp_path, monkeypatch, caps
     (tmp_path / "llmkit_test_ext" / "llmkit_test_ext.so").write_bytes(b"")  # what a finished build leaves
     assert native.announce_build("llmkit_test_ext") is False
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.skipif(not native.available(), reason="needs llmkit's AVX2 kernels")
+def test_a_lock_left_by_an_interrupted_build_does_not_hang_the_next_command():
+    """An interrupted first build (Ctrl-C, a killed job) left torch's lock file behind, and every later command
+    waited for it forever. With the kernels built, such a file is found stale and the next process loads them."""
+    name = native.build_name()
+    directory = native._build_directory(name)
+    assert directory is not None
+    (directory / "lock").write_text("")  # what a killed build leaves
+    code = "from llmkit.quant import native; assert native.module() is not None"
+    # the timeout bounds a hung run only (loading takes seconds); before the fix the child waited forever
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "removing a lock left by an interrupted build" in done.stderr
+    assert not (directory / "lock").exists()

@@ -35,7 +35,12 @@ class _Serve:
         command = [sys.executable, "-m", "llmkit", "serve", str(checkpoint), "--port", str(self.port), *flags]
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.log: list[str] = []
-        wait_for(self._healthy, timeout=300, what="the server to answer /health")
+        try:
+            wait_for(self._healthy, timeout=300, what="the server to answer /health")
+        except BaseException:  # never leave a server behind
+            self.proc.kill()
+            self.proc.wait()
+            raise
 
     def _healthy(self) -> bool:
         assert self.proc.poll() is None, f"llmkit serve exited: {self.proc.stderr.read()}"  # type: ignore[union-attr]

@@ -6,15 +6,21 @@ $TORCH_EXTENSIONS_DIR).
 
 `module()` is None where they cannot run: a CPU without AVX2 and FMA, no C++ compiler, or LLMKIT_NATIVE=0 in the
 environment; the callers then use torch's kernels or dequantize. A failed build is reported once, as a warning.
+
+Builds are serialised by an OS file lock of our own (`build_lock`), which the system releases when its holder
+dies: torch's own lock is a plain file, and one left by a build that was interrupted (Ctrl-C, a killed job) made
+every later command wait for it forever, without a word.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,13 +57,14 @@ def module() -> Any | None:
         from torch.utils.cpp_extension import load
 
         announce_build(build_name())
-        return load(
-            name=build_name(),
-            sources=[str(s) for s in SOURCES],
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        with build_lock(build_name()):
+            return load(
+                name=build_name(),
+                sources=[str(s) for s in SOURCES],
+                extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
     except Exception as e:  # no compiler, no ninja, headers missing: the portable kernels still work
         warnings.warn(
             f"llmkit's AVX2 kernels could not be built ({type(e).__name__}: {e}); using torch's", stacklevel=2
@@ -65,16 +72,43 @@ def module() -> Any | None:
         return None
 
 
+def _build_directory(name: str) -> Path | None:
+    try:
+        from torch.utils.cpp_extension import _get_build_directory  # where load() builds and caches `name`
+    except ImportError:  # another torch: nothing to say is better than a wrong guess
+        return None
+    return Path(_get_build_directory(name, verbose=False))
+
+
+@contextlib.contextmanager
+def build_lock(name: str) -> Iterator[None]:
+    """Hold the build of `name` for this process (every llmkit process takes this lock before torch's). While it is
+    held, a torch lock file in the build directory can only be one a dead process left: it is removed, so that
+    torch builds (or loads) instead of waiting for it forever."""
+    directory = _build_directory(name)
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system: torch's lock alone
+        fcntl = None  # type: ignore[assignment]
+    if directory is None or fcntl is None:
+        yield
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "llmkit.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # waits for a live build; released by the OS if its holder dies
+        stale = directory / "lock"
+        if stale.exists():
+            print(f"llmkit: removing a lock left by an interrupted build ({stale})", file=sys.stderr, flush=True)
+            stale.unlink(missing_ok=True)
+        yield
+
+
 def announce_build(name: str) -> bool:
     """Say on stderr that the kernels are being compiled, when they are not in torch's cache yet (the first command
     after an install or an upgrade: about a minute on 2 cores, which would otherwise pass without a word).
     Returns whether a build is due."""
-    try:
-        from torch.utils.cpp_extension import _get_build_directory  # where load() builds and caches `name`
-    except ImportError:  # another torch: nothing to say is better than a wrong guess
-        return False
-    directory = Path(_get_build_directory(name, verbose=False))
-    if (directory / f"{name}.so").is_file():
+    directory = _build_directory(name)
+    if directory is None or (directory / f"{name}.so").is_file():
         return False
     print(
         f"llmkit: compiling the native CPU kernels (first use after install, about a minute; cached in {directory})",
