@@ -87,3 +87,10 @@ def train_on_own_text(
     result = train(TrainConfig.from_dict(cfg), source=InMemory(model))
     model.eval()
     return result
+
+
+def pretrain(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory, steps: int) -> Path:
+    """A run of the tiny model trained `steps` steps on the tiny corpus, to start fine-tuning or grafting from."""
+    out = tmp_path_factory.mktemp("pre") / "run"
+    train(TrainConfig.from_dict(tiny_config(tiny_data, out, train={"steps": steps})))
+    return out

@@ -16,14 +16,12 @@ from llmkit.runs import resolve_checkpoint
 from llmkit.train.config import TrainConfig
 from llmkit.train.loop import Trainer, TrainingError, train
 
-from .conftest import losses, tiny_config
+from .conftest import losses, pretrain, tiny_config
 
 
 @pytest.fixture(scope="module")
 def pretrained(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("pre") / "run"
-    train(TrainConfig.from_dict(tiny_config(tiny_data, out, train={"steps": 6})))
-    return out
+    return pretrain(tiny_data, tmp_path_factory, steps=6)
 
 
 def lora_config(data: Path, out: Path, base: Path, **lora: object) -> dict:

@@ -20,16 +20,14 @@ from llmkit.train.config import TrainConfig
 from llmkit.train.graft import graft_mtp
 from llmkit.train.loop import TrainingError, train
 
-from .conftest import losses, tiny_config
+from .conftest import losses, pretrain, tiny_config
 
 
 @pytest.fixture(scope="module")
 def pretrained(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     # trained far enough to predict the verse: a grafted module starts from the model's own next-token guess (its
     # projection [0 ; I]), which an 8-step model makes almost at random
-    out = tmp_path_factory.mktemp("pre") / "run"
-    train(TrainConfig.from_dict(tiny_config(tiny_data, out, train={"steps": 30})))
-    return out
+    return pretrain(tiny_data, tmp_path_factory, steps=30)
 
 
 def graft_config(data: Path, out: Path, base: Path, **train_section: object) -> dict:

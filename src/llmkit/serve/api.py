@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API over an engine runner (FastAPI).
 
     POST /v1/completions, /v1/chat/completions   whole JSON, or server-sent events ending with `data: [DONE]`
-    GET  /v1/models, /metrics, /openapi.json     behind the API key when one is set (/metrics: or --metrics-key)
+    POST /v1/embeddings                          pooled final hidden states
+    POST /tokenize, /detokenize                  the server's tokenizer (vLLM's shapes), and GET /tokenizer_info
+    GET  /v1/models[/{id}], /metrics, /openapi.json   behind the API key when one is set (/metrics: or --metrics-key)
     GET  /health                                 open: 200, or 503 while shutting down or when the engine stopped
 
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a malformed body, a wrong type,
@@ -13,7 +15,7 @@ time limit. Nothing a client sends reaches a traceback: an unexpected failure is
 The event loop only routes. Tokenizing and rendering chat templates (milliseconds to seconds for a large body) run
 in a small thread pool of their own, and the engine steps in its own thread (serve/runner.py), so one heavy request
 never stalls /health or another client's stream. A client that goes away, streamed or not, aborts its request; its
-cache blocks return to the pool at the next step.
+cache blocks return to the pool at the next step (serve/calls.py).
 """
 
 from __future__ import annotations
@@ -21,24 +23,23 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
-import json
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from llmkit.errors import ConfigError, InputError
-from llmkit.serve.engine import Engine, QueueFull, Refused
+from llmkit.serve.calls import APIError, Call, sse
+from llmkit.serve.engine import Engine, Refused
 from llmkit.serve.limits import BodyLimits
-from llmkit.serve.logprobs import CompletionLogprobs, TokenNames, chat_logprobs
+from llmkit.serve.logprobs import TokenNames
 from llmkit.serve.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -46,7 +47,7 @@ from llmkit.serve.protocol import (
     EmbeddingRequest,
     TokenizeRequest,
 )
-from llmkit.serve.request import Delta, SamplingParams, TokenLogprob, Top
+from llmkit.serve.request import SamplingParams
 from llmkit.serve.runner import EngineRunner
 from llmkit.tokenizer import Tokenizer, render_chat
 
@@ -79,12 +80,6 @@ class ServeOptions:
             raise InputError(f"shutdown_timeout={self.shutdown_timeout} must be >= 0 seconds")
         if self.max_body_size < 1024:
             raise InputError(f"max_body_size={self.max_body_size} must be at least 1 KiB")
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
 
 
 def _error(status: int, message: str, kind: str, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -235,12 +230,10 @@ def build_app(
         if body.echo or logprobs:  # the prompts' text: echoed, and where the completion's text offsets start
             texts = await off_loop(lambda: [p if isinstance(p, str) else names.text(p) for p in body.prompts()])
         params = _params(body, limit)
-        call = _Call(
-            runner, prompts, params, options.request_timeout, "prompt", names, texts, bool(body.echo), logprobs
-        )
+        call = Call(runner, prompts, params, options.request_timeout, "prompt", names, texts, bool(body.echo), logprobs)
         call.start()  # before any response: a refused request is an HTTP error, not a broken stream
         if body.stream:
-            return _sse(call.completion_chunks(body.model, _usage_wanted(body)))
+            return sse(call.completion_chunks(body.model, _usage_wanted(body)))
         return JSONResponse(await call.completion(body.model, request))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized), Depends(admitting)])
@@ -253,10 +246,10 @@ def build_app(
         ids = await off_loop(lambda: _render(tokenizer, conversation))
         limit = body.limit()
         params = _params(body, limit if limit is not None else max(max_len - len(ids), 1))
-        call = _Call(runner, [ids], params, options.request_timeout, "messages", names, logprobs=bool(body.logprobs))
+        call = Call(runner, [ids], params, options.request_timeout, "messages", names, logprobs=bool(body.logprobs))
         call.start()
         if body.stream:
-            return _sse(call.chat_chunks(body.model, _usage_wanted(body)))
+            return sse(call.chat_chunks(body.model, _usage_wanted(body)))
         return JSONResponse(await call.chat(body.model, request))
 
     @app.post("/v1/embeddings", dependencies=[Depends(authorized), Depends(admitting)])
@@ -362,248 +355,3 @@ def _render(tokenizer: Tokenizer, conversation: list[dict[str, str]], add_genera
         return tokenizer.encode(render_chat(tokenizer, conversation, add_generation_prompt), add_bos=False)
     except (ConfigError, InputError) as e:
         raise APIError(400, f"messages: {e}", param="messages") from e
-
-
-def _sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
-    async def lines() -> AsyncIterator[str]:
-        try:
-            async for event in events:
-                yield f"data: {json.dumps(event)}\n\n"
-        except _StreamError as e:  # the status line is sent already: the failure becomes an error event
-            error = {"message": e.error.message, "type": e.error.kind, "param": None, "code": None}
-            yield f"data: {json.dumps({'error': error})}\n\n"
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(lines(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client of `request` (whose body has been read) goes away."""
-    try:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-    except Exception:  # the connection is unusable: as good as gone
-        log.debug("reading from a client failed; taking it as gone", exc_info=True)
-
-
-@dataclass
-class _Choice:
-    """What the deltas of one sequence have added up to."""
-
-    text: str = ""
-    reason: str | None = None
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    tops: list[Top] = field(default_factory=list)
-    pieces: list[str] = field(default_factory=list)  # the text each token brought (a delta carries one token)
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-
-    def add(self, d: Delta) -> None:
-        self.text += d.text
-        self.reason = d.finish_reason or self.reason
-        self.ids += d.token_ids
-        self.logprobs += d.logprobs
-        self.tops += d.top_logprobs
-        self.pieces += [d.text] if d.token_ids else []
-        self.prompt_logprobs = d.prompt_logprobs if d.prompt_logprobs is not None else self.prompt_logprobs
-
-
-class _Call:
-    """The engine requests of one HTTP request (one per prompt, each with n sequences) and their deltas.
-
-    texts: the prompts' own text, for echo and for log-probabilities' text offsets (which count from the start
-    of the prompt); logprobs: whether the answer reports log-probabilities."""
-
-    def __init__(
-        self,
-        runner: EngineRunner,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        timeout: float,
-        field: str,
-        names: TokenNames,
-        texts: list[str] | None = None,
-        echo: bool = False,
-        logprobs: bool = False,
-    ) -> None:
-        self.runner, self.prompts, self.params, self.timeout, self.field = runner, prompts, params, timeout, field
-        self.names, self.texts, self.echo, self.logprobs = names, texts, echo, logprobs
-        self.id = uuid.uuid4().hex[:24]
-        self.created = int(time.time())
-        self.ids: list[str] = []
-        self.queue: asyncio.Queue[tuple[int, Delta] | None] = asyncio.Queue()  # None: the client went away
-        self.pending = len(prompts) * params.n
-        self.completion_tokens = 0
-
-    def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            for i, prompt in enumerate(self.prompts):
-
-                def deliver(d: Delta, i: int = i) -> None:
-                    loop.call_soon_threadsafe(self.queue.put_nowait, (i, d))
-
-                self.ids.append(self.runner.submit(prompt, self.params, deliver, self.timeout))
-        except Refused as e:
-            self.abort()
-            raise APIError(400, str(e), param=e.param if e.param != "prompt" else self.field) from e
-        except InputError as e:
-            self.abort()
-            raise APIError(400, str(e), param=self.field) from e
-        except QueueFull as e:
-            self.abort()
-            raise APIError(429, str(e), "rate_limit_error") from e
-
-    def abort(self) -> None:
-        for request_id in self.ids:
-            self.runner.abort(request_id)
-
-    async def deltas(self, request: Request | None = None) -> AsyncIterator[tuple[int, Delta]]:
-        """(choice index, delta) until every sequence finished; aborts everything if the consumer stops early or,
-        given the request, when its client goes away."""
-        watcher = None
-        if request is not None:
-
-            def gone(future: asyncio.Future[None]) -> None:
-                if not future.cancelled():
-                    self.queue.put_nowait(None)
-
-            watcher = asyncio.ensure_future(_disconnected(request))
-            watcher.add_done_callback(gone)
-        try:
-            while self.pending:
-                item = await self.queue.get()
-                if item is None:  # the client went away: nobody is waiting for the rest
-                    return
-                i, d = item
-                if d.finish_reason is not None:
-                    self.pending -= 1
-                    if d.finish_reason in _FAILED:
-                        status, message = _FAILED[d.finish_reason]
-                        raise APIError(status, message, "server_error")
-                self.completion_tokens += len(d.token_ids)
-                yield i * self.params.n + d.index, d
-        finally:
-            if watcher is not None:
-                watcher.cancel()
-            if self.pending:
-                self.abort()
-
-    def usage(self) -> dict[str, int]:
-        prompt = sum(len(p) for p in self.prompts)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": prompt + self.completion_tokens,
-        }
-
-    async def _collect(self, request: Request) -> list[_Choice]:
-        choices = [_Choice() for _ in range(len(self.prompts) * self.params.n)]
-        async for k, d in self.deltas(request):
-            choices[k].add(d)
-        return choices
-
-    def _prompt_of(self, k: int) -> int:
-        return k // self.params.n
-
-    def _echo(self, k: int) -> str:
-        return self.texts[self._prompt_of(k)] if self.echo and self.texts is not None else ""
-
-    async def completion(self, model: str, request: Request) -> dict[str, Any]:
-        choices = []
-        for k, c in enumerate(await self._collect(request)):
-            logprobs = None
-            if self.logprobs:
-                lp = self._echoed_logprobs(k, c.prompt_logprobs)
-                for token, value, top, piece in zip(c.ids, c.logprobs, c.tops, c.pieces, strict=True):
-                    lp.add(token, value, top, piece)
-                logprobs = lp.take()
-            choices.append(
-                {"index": k, "text": self._echo(k) + c.text, "logprobs": logprobs, "finish_reason": c.reason}
-            )
-        return self._body("text_completion", model, choices) | {"usage": self.usage()}
-
-    def _echoed_logprobs(self, k: int, prompt_logprobs: list[TokenLogprob | None] | None) -> CompletionLogprobs:
-        """Choice k's log-probabilities, started: with echo the prompt's tokens (with their log-probabilities when
-        they were computed), otherwise only the offset past the prompt's text."""
-        prompt = self.prompts[self._prompt_of(k)]
-        lp = CompletionLogprobs(self.names)
-        if self.echo:
-            lp.add_prompt(prompt, prompt_logprobs or [None] * len(prompt))
-        elif self.texts is not None:
-            lp.offset = len(self.texts[self._prompt_of(k)])
-        return lp
-
-    async def chat(self, model: str, request: Request) -> dict[str, Any]:
-        choices = [
-            {
-                "index": k,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(self.names, c.ids, c.logprobs, c.tops) if self.logprobs else None,
-                "finish_reason": c.reason,
-            }
-            for k, c in enumerate(await self._collect(request))
-        ]
-        return self._body("chat.completion", model, choices) | {"usage": self.usage()}
-
-    async def completion_chunks(self, model: str, usage: bool) -> AsyncIterator[dict[str, Any]]:
-        started: dict[int, CompletionLogprobs] = {}  # each choice's, from its first delta on
-        async for k, d in self._guarded():
-            text = d.text
-            if k not in started:  # its first delta: the echoed prompt comes first
-                started[k] = self._echoed_logprobs(k, d.prompt_logprobs)
-                text = self._echo(k) + text
-            logprobs = None
-            if self.logprobs:
-                lp = started[k]
-                for token, value, top in zip(d.token_ids, d.logprobs, d.top_logprobs, strict=True):
-                    lp.add(token, value, top, d.text)
-                logprobs = lp.take()
-            choice = {"index": k, "text": text, "logprobs": logprobs, "finish_reason": d.finish_reason}
-            yield self._body("text_completion", model, [choice])
-        if usage:
-            yield self._body("text_completion", model, []) | {"usage": self.usage()}
-
-    async def chat_chunks(self, model: str, usage: bool) -> AsyncIterator[dict[str, Any]]:
-        for k in range(len(self.prompts) * self.params.n):
-            first = {"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            yield self._body("chat.completion.chunk", model, [first])
-        async for k, d in self._guarded():
-            delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-            logprobs = chat_logprobs(self.names, d.token_ids, d.logprobs, d.top_logprobs) if self.logprobs else None
-            choice = {"index": k, "delta": delta, "logprobs": logprobs, "finish_reason": d.finish_reason}
-            yield self._body("chat.completion.chunk", model, [choice])
-        if usage:
-            yield self._body("chat.completion.chunk", model, []) | {"usage": self.usage()}
-
-    async def _guarded(self) -> AsyncIterator[tuple[int, Delta]]:
-        """Deltas for a stream: the status line is sent already, so a failure becomes an error event."""
-        try:
-            async for item in self.deltas():
-                yield item
-        except APIError as e:
-            raise _StreamError(e) from e
-
-    def _body(self, kind: str, model: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        prefix = "chatcmpl" if kind.startswith("chat") else "cmpl"
-        return {
-            "id": f"{prefix}-{self.id}",
-            "object": kind,
-            "created": self.created,
-            "model": model,
-            "choices": choices,
-        }
-
-
-class _StreamError(Exception):
-    def __init__(self, error: APIError) -> None:
-        super().__init__(error.message)
-        self.error = error
-
-
-# finish reasons that are failures: the HTTP status and message the client gets
-_FAILED = {
-    "timeout": (504, "the request ran past the server's time limit"),
-    "error": (500, "the engine failed on this request"),
-    "shutdown": (503, "the server shut down before the request finished"),
-}

@@ -1,0 +1,280 @@
+"""One HTTP request's work in the engine, and the bodies it answers with.
+
+A completions request becomes one engine request per prompt (each with n sequences), a chat request one; `Call`
+submits them, gathers their deltas (aborting them all when the client goes away or the consumer stops early) and
+shapes OpenAI's answer: whole JSON, or the chunks of a server-sent-events stream (`sse`), with log-probabilities
+(serve/logprobs.py) when asked for. A failure after a stream's status line is sent becomes an error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from llmkit.errors import InputError
+from llmkit.serve.engine import QueueFull, Refused
+from llmkit.serve.logprobs import CompletionLogprobs, TokenNames, chat_logprobs
+from llmkit.serve.request import Delta, SamplingParams, TokenLogprob, Top
+from llmkit.serve.runner import EngineRunner
+
+log = logging.getLogger("llmkit.serve")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+def sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    async def lines() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event)}\n\n"
+        except StreamError as e:  # the status line is sent already: the failure becomes an error event
+            error = {"message": e.error.message, "type": e.error.kind, "param": None, "code": None}
+            yield f"data: {json.dumps({'error': error})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(lines(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client of `request` (whose body has been read) goes away."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # the connection is unusable: as good as gone
+        log.debug("reading from a client failed; taking it as gone", exc_info=True)
+
+
+@dataclass
+class _Choice:
+    """What the deltas of one sequence have added up to."""
+
+    text: str = ""
+    reason: str | None = None
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    tops: list[Top] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)  # the text each token brought (a delta carries one token)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    def add(self, d: Delta) -> None:
+        self.text += d.text
+        self.reason = d.finish_reason or self.reason
+        self.ids += d.token_ids
+        self.logprobs += d.logprobs
+        self.tops += d.top_logprobs
+        self.pieces += [d.text] if d.token_ids else []
+        self.prompt_logprobs = d.prompt_logprobs if d.prompt_logprobs is not None else self.prompt_logprobs
+
+
+class Call:
+    """The engine requests of one HTTP request (one per prompt, each with n sequences) and their deltas.
+
+    texts: the prompts' own text, for echo and for log-probabilities' text offsets (which count from the start
+    of the prompt); logprobs: whether the answer reports log-probabilities."""
+
+    def __init__(
+        self,
+        runner: EngineRunner,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        timeout: float,
+        field: str,
+        names: TokenNames,
+        texts: list[str] | None = None,
+        echo: bool = False,
+        logprobs: bool = False,
+    ) -> None:
+        self.runner, self.prompts, self.params, self.timeout, self.field = runner, prompts, params, timeout, field
+        self.names, self.texts, self.echo, self.logprobs = names, texts, echo, logprobs
+        self.id = uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.ids: list[str] = []
+        self.queue: asyncio.Queue[tuple[int, Delta] | None] = asyncio.Queue()  # None: the client went away
+        self.pending = len(prompts) * params.n
+        self.completion_tokens = 0
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            for i, prompt in enumerate(self.prompts):
+
+                def deliver(d: Delta, i: int = i) -> None:
+                    loop.call_soon_threadsafe(self.queue.put_nowait, (i, d))
+
+                self.ids.append(self.runner.submit(prompt, self.params, deliver, self.timeout))
+        except Refused as e:
+            self.abort()
+            raise APIError(400, str(e), param=e.param if e.param != "prompt" else self.field) from e
+        except InputError as e:
+            self.abort()
+            raise APIError(400, str(e), param=self.field) from e
+        except QueueFull as e:
+            self.abort()
+            raise APIError(429, str(e), "rate_limit_error") from e
+
+    def abort(self) -> None:
+        for request_id in self.ids:
+            self.runner.abort(request_id)
+
+    async def deltas(self, request: Request | None = None) -> AsyncIterator[tuple[int, Delta]]:
+        """(choice index, delta) until every sequence finished; aborts everything if the consumer stops early or,
+        given the request, when its client goes away."""
+        watcher = None
+        if request is not None:
+
+            def gone(future: asyncio.Future[None]) -> None:
+                if not future.cancelled():
+                    self.queue.put_nowait(None)
+
+            watcher = asyncio.ensure_future(_disconnected(request))
+            watcher.add_done_callback(gone)
+        try:
+            while self.pending:
+                item = await self.queue.get()
+                if item is None:  # the client went away: nobody is waiting for the rest
+                    return
+                i, d = item
+                if d.finish_reason is not None:
+                    self.pending -= 1
+                    if d.finish_reason in _FAILED:
+                        status, message = _FAILED[d.finish_reason]
+                        raise APIError(status, message, "server_error")
+                self.completion_tokens += len(d.token_ids)
+                yield i * self.params.n + d.index, d
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            if self.pending:
+                self.abort()
+
+    def usage(self) -> dict[str, int]:
+        prompt = sum(len(p) for p in self.prompts)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": prompt + self.completion_tokens,
+        }
+
+    async def _collect(self, request: Request) -> list[_Choice]:
+        choices = [_Choice() for _ in range(len(self.prompts) * self.params.n)]
+        async for k, d in self.deltas(request):
+            choices[k].add(d)
+        return choices
+
+    def _prompt_of(self, k: int) -> int:
+        return k // self.params.n
+
+    def _echo(self, k: int) -> str:
+        return self.texts[self._prompt_of(k)] if self.echo and self.texts is not None else ""
+
+    async def completion(self, model: str, request: Request) -> dict[str, Any]:
+        choices = []
+        for k, c in enumerate(await self._collect(request)):
+            logprobs = None
+            if self.logprobs:
+                lp = self._echoed_logprobs(k, c.prompt_logprobs)
+                for token, value, top, piece in zip(c.ids, c.logprobs, c.tops, c.pieces, strict=True):
+                    lp.add(token, value, top, piece)
+                logprobs = lp.take()
+            choices.append(
+                {"index": k, "text": self._echo(k) + c.text, "logprobs": logprobs, "finish_reason": c.reason}
+            )
+        return self._body("text_completion", model, choices) | {"usage": self.usage()}
+
+    def _echoed_logprobs(self, k: int, prompt_logprobs: list[TokenLogprob | None] | None) -> CompletionLogprobs:
+        """Choice k's log-probabilities, started: with echo the prompt's tokens (with their log-probabilities when
+        they were computed), otherwise only the offset past the prompt's text."""
+        prompt = self.prompts[self._prompt_of(k)]
+        lp = CompletionLogprobs(self.names)
+        if self.echo:
+            lp.add_prompt(prompt, prompt_logprobs or [None] * len(prompt))
+        elif self.texts is not None:
+            lp.offset = len(self.texts[self._prompt_of(k)])
+        return lp
+
+    async def chat(self, model: str, request: Request) -> dict[str, Any]:
+        choices = [
+            {
+                "index": k,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(self.names, c.ids, c.logprobs, c.tops) if self.logprobs else None,
+                "finish_reason": c.reason,
+            }
+            for k, c in enumerate(await self._collect(request))
+        ]
+        return self._body("chat.completion", model, choices) | {"usage": self.usage()}
+
+    async def completion_chunks(self, model: str, usage: bool) -> AsyncIterator[dict[str, Any]]:
+        started: dict[int, CompletionLogprobs] = {}  # each choice's, from its first delta on
+        async for k, d in self._guarded():
+            text = d.text
+            if k not in started:  # its first delta: the echoed prompt comes first
+                started[k] = self._echoed_logprobs(k, d.prompt_logprobs)
+                text = self._echo(k) + text
+            logprobs = None
+            if self.logprobs:
+                lp = started[k]
+                for token, value, top in zip(d.token_ids, d.logprobs, d.top_logprobs, strict=True):
+                    lp.add(token, value, top, d.text)
+                logprobs = lp.take()
+            choice = {"index": k, "text": text, "logprobs": logprobs, "finish_reason": d.finish_reason}
+            yield self._body("text_completion", model, [choice])
+        if usage:
+            yield self._body("text_completion", model, []) | {"usage": self.usage()}
+
+    async def chat_chunks(self, model: str, usage: bool) -> AsyncIterator[dict[str, Any]]:
+        for k in range(len(self.prompts) * self.params.n):
+            first = {"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            yield self._body("chat.completion.chunk", model, [first])
+        async for k, d in self._guarded():
+            delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+            logprobs = chat_logprobs(self.names, d.token_ids, d.logprobs, d.top_logprobs) if self.logprobs else None
+            choice = {"index": k, "delta": delta, "logprobs": logprobs, "finish_reason": d.finish_reason}
+            yield self._body("chat.completion.chunk", model, [choice])
+        if usage:
+            yield self._body("chat.completion.chunk", model, []) | {"usage": self.usage()}
+
+    async def _guarded(self) -> AsyncIterator[tuple[int, Delta]]:
+        """Deltas for a stream: the status line is sent already, so a failure becomes an error event."""
+        try:
+            async for item in self.deltas():
+                yield item
+        except APIError as e:
+            raise StreamError(e) from e
+
+    def _body(self, kind: str, model: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        prefix = "chatcmpl" if kind.startswith("chat") else "cmpl"
+        return {
+            "id": f"{prefix}-{self.id}",
+            "object": kind,
+            "created": self.created,
+            "model": model,
+            "choices": choices,
+        }
+
+
+class StreamError(Exception):
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+# finish reasons that are failures: the HTTP status and message the client gets
+_FAILED = {
+    "timeout": (504, "the request ran past the server's time limit"),
+    "error": (500, "the engine failed on this request"),
+    "shutdown": (503, "the server shut down before the request finished"),
+}
