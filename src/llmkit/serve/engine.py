@@ -209,7 +209,8 @@ class Engine:
         self.stats.steps += 1
         now = self.clock()
         for w in work:
-            w.seq.request.admitted = w.seq.request.admitted or now
+            if w.seq.request.admitted is None:  # its first work: the end of its time in queue
+                w.seq.request.admitted = now
         logits = self._logits(work)
         for w in [w for w in work if id(w) not in logits]:  # its forward failed even alone: it ends, alone
             self.stats.failed += 1
