@@ -45,6 +45,7 @@ from llmkit.serve.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    Message,
     TokenizeRequest,
 )
 from llmkit.serve.request import SamplingParams
@@ -199,8 +200,7 @@ def build_app(
             check_model(body.model)
         tok = needs_tokenizer("prompt")
         if body.messages is not None:
-            conversation = [{"role": m.template_role, "content": m.text()} for m in body.messages]
-            text_limit.check(sum(len(m["content"]) for m in conversation), "messages")
+            conversation = text_limit.conversation(body.messages)
             ids = await off_loop(lambda: _render(tok, conversation, body.add_generation_prompt))
         else:
             prompt = body.prompt or ""
@@ -241,8 +241,7 @@ def build_app(
         check_model(body.model)
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it cannot chat", param="messages")
-        conversation = [{"role": m.template_role, "content": m.text()} for m in body.messages]
-        text_limit.check(sum(len(m["content"]) for m in conversation), "messages")
+        conversation = text_limit.conversation(body.messages)
         ids = await off_loop(lambda: _render(tokenizer, conversation))
         limit = body.limit()
         params = _params(body, limit if limit is not None else max(max_len - len(ids), 1))
@@ -327,6 +326,12 @@ class _TextLimit:
     def of(cls, tokenizer: Tokenizer | None, max_len: int) -> _TextLimit:
         longest = max((len(t) for t in tokenizer.backend.get_vocab()), default=1) if tokenizer is not None else 1
         return cls(max_len * max(longest, 1) * _CHARS_PER_TOKEN_CHAR, max_len)
+
+    def conversation(self, messages: list[Message]) -> list[dict[str, str]]:
+        """The messages as the chat template takes them, refused untokenized when their text cannot fit."""
+        conversation = [{"role": m.template_role, "content": m.text()} for m in messages]
+        self.check(sum(len(m["content"]) for m in conversation), "messages")
+        return conversation
 
     def check(self, chars: int, field: str) -> None:
         if chars > self.max_chars:
