@@ -245,13 +245,20 @@ class IncrementalDecoder:
         return text[len(before) :]
 
 
-def render_chat(tokenizer: Tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-    """The prompt text for a conversation, from the tokenizer's Jinja chat template (rendered in a sandbox)."""
+def render_chat(
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
+    """The prompt text for a conversation, from the tokenizer's Jinja chat template (rendered in a sandbox); tools:
+    function definitions, for templates that render them (transformers' convention)."""
     if not tokenizer.chat_template:
         raise ConfigError("the tokenizer has no chat template")
     token = tokenizer.backend.id_to_token
     return _compiled_template(tokenizer.chat_template).render(
         messages=messages,
+        tools=tools,
         add_generation_prompt=add_generation_prompt,
         bos_token=token(tokenizer.bos_id) if tokenizer.bos_id is not None else "",
         eos_token=token(tokenizer.eos_id) if tokenizer.eos_id is not None else "",
@@ -266,6 +273,11 @@ def _compiled_template(source: str) -> Any:
     def raise_exception(message: str) -> None:
         raise InputError(f"chat template: {message}")
 
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, **kwargs: Any) -> str:
+        # as transformers renders templates: plain JSON (Jinja's own filter escapes <, > and & for HTML)
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, **kwargs)
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = tojson
     return env.from_string(source)

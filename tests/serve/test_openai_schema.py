@@ -79,14 +79,11 @@ def test_developer_messages_are_system_messages(server):
     [
         ("completions", "best_of", 3, "best_of"),
         ("completions", "suffix", "end", "suffix"),
-        ("chat/completions", "response_format", {"type": "json_object"}, "response_format.type"),
-        ("chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}], "tools"),
-        ("chat/completions", "tool_choice", "required", "tool_choice"),
         ("chat/completions", "reasoning_effort", "high", "reasoning_effort"),
         ("chat/completions", "store", True, "store"),
+        ("chat/completions", "messages", [{"role": "function", "content": "1"}], "messages.0.role"),
         ("chat/completions", "service_tier", "flex", "service_tier"),
         ("chat/completions", "modalities", ["text", "audio"], "modalities"),
-        ("chat/completions", "messages", [{"role": "tool", "content": "1"}], "messages.0.role"),
         (
             "chat/completions",
             "messages",

@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
@@ -37,6 +37,7 @@ from starlette.exceptions import HTTPException
 
 from llmkit.errors import ConfigError, InputError
 from llmkit.serve.calls import APIError, Call, sse
+from llmkit.serve.embeddings import pooled_embedding
 from llmkit.serve.engine import Engine, Refused
 from llmkit.serve.limits import BodyLimits
 from llmkit.serve.logprobs import TokenNames
@@ -50,6 +51,7 @@ from llmkit.serve.protocol import (
 )
 from llmkit.serve.request import SamplingParams
 from llmkit.serve.runner import EngineRunner
+from llmkit.serve.tools import Function, ToolUse, call_constraint, conversation, template_format
 from llmkit.tokenizer import Tokenizer, render_chat
 
 log = logging.getLogger("llmkit.serve")
@@ -110,6 +112,40 @@ def build_app(
 
     async def off_loop(fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(workers, fn)
+
+    async def compiled(body: CompletionRequest | ChatRequest, params: SamplingParams) -> None:
+        """The request's constraint compiled now, off the event loop (a large grammar can take a second); the
+        engine finds it in its cache. A 400 naming the field when it cannot be used."""
+        if params.constraint is None:
+            return
+        field, grammars = body.constraint_field, runner.engine.grammars
+        if grammars is None:
+            raise APIError(400, f"{field}: structured outputs need a tokenizer, and this model has none", param=field)
+        try:
+            await off_loop(lambda: grammars.compile(params.constraint))  # type: ignore[arg-type]
+        except InputError as e:
+            raise APIError(400, f"{field}: {e}", param=field) from e
+
+    async def tool_use(body: ChatRequest, functions: list[Function]) -> ToolUse | None:
+        """How the reply's calls are read and, for a forced call, constrained; every function's parameters
+        compiled as a schema (a 400 naming `tools` when one is not a usable JSON schema)."""
+        if not functions or tokenizer is None or runner.engine.grammars is None:
+            return None
+        grammars, fmt = runner.engine.grammars, template_format(tokenizer.chat_template)[1]
+        mode = body.tool_mode()
+        several = body.parallel_tool_calls is not False
+        try:
+            await off_loop(lambda: grammars.compile(call_constraint(functions, fmt, several)))
+            constraint = None
+            if mode != "auto":
+                forced = [f for f in functions if mode == "required" or f.name == mode]
+                constraint = call_constraint(forced, fmt, several and mode == "required")
+                await off_loop(lambda: grammars.compile(constraint))
+        except InputError as e:
+            raise APIError(
+                400, f"tools: a function's parameters are not a usable JSON schema: {e}", param="tools"
+            ) from e
+        return ToolUse(fmt, {f.name for f in functions}, mode, several, constraint)
 
     text_limit = _TextLimit.of(tokenizer, max_len)  # text that cannot fit the context is refused untokenized
     names = TokenNames(tokenizer)  # the text tokens are reported under in log-probabilities
@@ -200,8 +236,8 @@ def build_app(
             check_model(body.model)
         tok = needs_tokenizer("prompt")
         if body.messages is not None:
-            conversation = text_limit.conversation(body.messages)
-            ids = await off_loop(lambda: _render(tok, conversation, body.add_generation_prompt))
+            turns = text_limit.conversation(body.messages)
+            ids = await off_loop(lambda: _render(tok, turns, None, body.add_generation_prompt))
         else:
             prompt = body.prompt or ""
             text_limit.check(len(prompt), "prompt")
@@ -230,6 +266,7 @@ def build_app(
         if body.echo or logprobs:  # the prompts' text: echoed, and where the completion's text offsets start
             texts = await off_loop(lambda: [p if isinstance(p, str) else names.text(p) for p in body.prompts()])
         params = _params(body, limit)
+        await compiled(body, params)
         call = Call(runner, prompts, params, options.request_timeout, "prompt", names, texts, bool(body.echo), logprobs)
         call.start()  # before any response: a refused request is an HTTP error, not a broken stream
         if body.stream:
@@ -241,11 +278,17 @@ def build_app(
         check_model(body.model)
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it cannot chat", param="messages")
-        conversation = text_limit.conversation(body.messages)
-        ids = await off_loop(lambda: _render(tokenizer, conversation))
+        turns, functions = text_limit.conversation(body.messages), body.offered()
+        ids = await off_loop(lambda: _render(tokenizer, turns, functions))
         limit = body.limit()
         params = _params(body, limit if limit is not None else max(max_len - len(ids), 1))
-        call = Call(runner, [ids], params, options.request_timeout, "messages", names, logprobs=bool(body.logprobs))
+        await compiled(body, params)
+        use = await tool_use(body, functions)
+        if use is not None and use.constraint is not None:
+            params = replace(params, constraint=use.constraint)
+        call = Call(
+            runner, [ids], params, options.request_timeout, "messages", names, logprobs=bool(body.logprobs), tools=use
+        )
         call.start()
         if body.stream:
             return sse(call.chat_chunks(body.model, _usage_wanted(body)))
@@ -257,8 +300,8 @@ def build_app(
         prompts = await off_loop(lambda: [_encode(tokenizer, p, "input", text_limit) for p in body.inputs()])
         data = []
         for i, ids in enumerate(prompts):  # one at a time: decoding steps run between them
-            embed = functools.partial(Engine.embed, prompt=ids)
-            try:
+            embed = functools.partial(_embed, prompt=ids)
+            try:  # between two engine steps, on the engine's thread
                 vector = await asyncio.wrap_future(runner.call(embed))
             except Refused as e:
                 raise APIError(400, f"input: {e}", param="input") from e
@@ -272,6 +315,10 @@ def build_app(
         }
 
     return BodyLimits(app, options.max_body_size, options.body_timeout)
+
+
+def _embed(engine: Engine, prompt: list[int]) -> Any:
+    return pooled_embedding(engine.model, prompt)
 
 
 def _encoded(vector: Any, encoding: str) -> list[float] | str:
@@ -302,8 +349,13 @@ def _usage_wanted(body: CompletionRequest | ChatRequest) -> bool:
 
 
 def _params(body: CompletionRequest | ChatRequest, max_tokens: int) -> SamplingParams:
+    field = body.constraint_field
     try:
-        return body.sampling(max_tokens)
+        constraint = body.constraint()
+    except InputError as e:
+        raise APIError(400, f"{field}: {e}", param=field) from e
+    try:
+        return replace(body.sampling(max_tokens), constraint=constraint)
     except InputError as e:
         raise APIError(400, str(e)) from e
 
@@ -327,11 +379,12 @@ class _TextLimit:
         longest = max((len(t) for t in tokenizer.backend.get_vocab()), default=1) if tokenizer is not None else 1
         return cls(max_len * max(longest, 1) * _CHARS_PER_TOKEN_CHAR, max_len)
 
-    def conversation(self, messages: list[Message]) -> list[dict[str, str]]:
-        """The messages as the chat template takes them, refused untokenized when their text cannot fit."""
-        conversation = [{"role": m.template_role, "content": m.text()} for m in messages]
-        self.check(sum(len(m["content"]) for m in conversation), "messages")
-        return conversation
+    def conversation(self, messages: list[Message]) -> list[dict[str, Any]]:
+        """The messages as serve/tools.py takes them, refused untokenized when their text cannot fit."""
+        turns = [m.turn() for m in messages]
+        calls = (c for m in turns for c in m.get("tool_calls", []))
+        self.check(sum(len(m["content"]) for m in turns) + sum(len(c.arguments) for c in calls), "messages")
+        return turns
 
     def check(self, chars: int, field: str) -> None:
         if chars > self.max_chars:
@@ -355,8 +408,17 @@ def _encode(tokenizer: Tokenizer | None, prompt: str | list[int], field: str, li
         raise APIError(400, f"{field}: {e}", param=field) from e
 
 
-def _render(tokenizer: Tokenizer, conversation: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+def _render(
+    tokenizer: Tokenizer,
+    turns: list[dict[str, Any]],
+    functions: list[Function] | None = None,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """The prompt's token ids for a conversation and the functions offered (serve/tools.py)."""
+    takes_tools, _ = template_format(tokenizer.chat_template)
+    messages, context = conversation(turns, functions, takes_tools)
     try:
-        return tokenizer.encode(render_chat(tokenizer, conversation, add_generation_prompt), add_bos=False)
+        text = render_chat(tokenizer, messages, add_generation_prompt, **context)
+        return tokenizer.encode(text, add_bos=False)
     except (ConfigError, InputError) as e:
         raise APIError(400, f"messages: {e}", param="messages") from e

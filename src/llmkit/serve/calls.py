@@ -25,6 +25,7 @@ from llmkit.serve.engine import QueueFull, Refused
 from llmkit.serve.logprobs import CompletionLogprobs, TokenNames, chat_logprobs
 from llmkit.serve.request import Delta, SamplingParams, TokenLogprob, Top
 from llmkit.serve.runner import EngineRunner
+from llmkit.serve.tools import ToolCall, ToolUse
 
 log = logging.getLogger("llmkit.serve")
 
@@ -83,7 +84,8 @@ class Call:
     """The engine requests of one HTTP request (one per prompt, each with n sequences) and their deltas.
 
     texts: the prompts' own text, for echo and for log-probabilities' text offsets (which count from the start
-    of the prompt); logprobs: whether the answer reports log-probabilities."""
+    of the prompt); logprobs: whether the answer reports log-probabilities; tools: how a chat reply's tool calls
+    are read (serve/tools.py), when functions were offered."""
 
     def __init__(
         self,
@@ -96,9 +98,10 @@ class Call:
         texts: list[str] | None = None,
         echo: bool = False,
         logprobs: bool = False,
+        tools: ToolUse | None = None,
     ) -> None:
         self.runner, self.prompts, self.params, self.timeout, self.field = runner, prompts, params, timeout, field
-        self.names, self.texts, self.echo, self.logprobs = names, texts, echo, logprobs
+        self.names, self.texts, self.echo, self.logprobs, self.tools = names, texts, echo, logprobs, tools
         self.id = uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.ids: list[str] = []
@@ -206,15 +209,17 @@ class Call:
         return lp
 
     async def chat(self, model: str, request: Request) -> dict[str, Any]:
-        choices = [
-            {
-                "index": k,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(self.names, c.ids, c.logprobs, c.tops) if self.logprobs else None,
-                "finish_reason": c.reason,
-            }
-            for k, c in enumerate(await self._collect(request))
-        ]
+        choices = []
+        for k, c in enumerate(await self._collect(request)):
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            reason = c.reason
+            if self.tools is not None:
+                content, calls = self.tools.reply(c.text)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": [x.openai() for x in calls]}
+                    reason = self.tools.finish_reason(calls, reason)
+            logprobs = chat_logprobs(self.names, c.ids, c.logprobs, c.tops) if self.logprobs else None
+            choices.append({"index": k, "message": message, "logprobs": logprobs, "finish_reason": reason})
         return self._body("chat.completion", model, choices) | {"usage": self.usage()}
 
     async def completion_chunks(self, model: str, usage: bool) -> AsyncIterator[dict[str, Any]]:
@@ -239,10 +244,25 @@ class Call:
         for k in range(len(self.prompts) * self.params.n):
             first = {"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             yield self._body("chat.completion.chunk", model, [first])
+        streams = {k: self.tools.stream() for k in range(len(self.prompts) * self.params.n)} if self.tools else {}
         async for k, d in self._guarded():
-            delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+            text, reason = d.text, d.finish_reason
+            calls: list[ToolCall] = []
+            reason_text: str | None = reason
+            if self.tools is not None:  # prose streams; what may be a call is held to the end and parsed
+                text = streams[k].push(d.text)
+                if reason is not None:
+                    rest, calls = streams[k].finish()
+                    text, calls = text + rest, calls if self.tools.several else calls[:1]
+                    reason_text = self.tools.finish_reason(calls, reason)
+            delta: dict[str, Any] = {"content": text} if text or reason is None else {}
             logprobs = chat_logprobs(self.names, d.token_ids, d.logprobs, d.top_logprobs) if self.logprobs else None
-            choice = {"index": k, "delta": delta, "logprobs": logprobs, "finish_reason": d.finish_reason}
+            if calls:  # OpenAI's shape: the calls, each whole, in a delta of their own before the finish reason
+                if text:
+                    choice = {"index": k, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+                    yield self._body("chat.completion.chunk", model, [choice])
+                delta, logprobs = {"tool_calls": [x.openai(i) for i, x in enumerate(calls)]}, None
+            choice = {"index": k, "delta": delta, "logprobs": logprobs, "finish_reason": reason_text}
             yield self._body("chat.completion.chunk", model, [choice])
         if usage:
             yield self._body("chat.completion.chunk", model, []) | {"usage": self.usage()}

@@ -5,7 +5,7 @@ defaults or nulls (LangChain sends `"logprobs": null` on every call) is served. 
 is accepted only at its default: any other value is a 400 naming the field and saying it is not supported, never
 something silently ignored. Unknown fields are forbidden, so a misspelt parameter is a 400 naming it too.
 Parameters that other OpenAI-compatible servers accept as extensions (top_k, min_p, repetition_penalty,
-ignore_eos) are accepted.
+ignore_eos, and vLLM's `structured_outputs`: json, regex, choice, grammar) are accepted.
 
 Every number has a range and every list a length limit, checked here, before anything is tokenized or queued: a
 value outside them is a 400 that names the field and the range. Text must be Unicode scalar values: JSON can carry
@@ -21,6 +21,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from llmkit.serve.request import MAX_TOP_LOGPROBS, SamplingParams
+from llmkit.serve.structured import Constraint
+from llmkit.serve.tools import Function, ToolCall
 
 INT64 = (-(2**63), 2**63 - 1)  # seeds: what torch.Generator.manual_seed takes (with room for seed + n)
 MAX_INT = 2**31 - 1  # counts (max_tokens, top_k): far beyond any context, small enough for every kernel
@@ -67,6 +69,78 @@ class StreamOptions(BaseModel):
     include_obfuscation: bool | None = None  # padding against side channels over the network; nothing to pad here
 
 
+class JSONSchemaFormat(BaseModel):
+    """response_format.json_schema: the schema the reply must validate against. The output always does, strict or
+    not (it is enforced while decoding); name and description are the client's labels."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: Text = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON object
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: plain text, any JSON object, or JSON that validates against a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type 'json_schema', and only then")
+        return self
+
+    def constraint(self) -> Constraint | None:
+        if self.type == "json_object":
+            return Constraint.json_schema({"type": "object"})
+        if self.json_schema is not None:
+            return Constraint.json_schema(self.json_schema.schema_ or {"type": "object"})
+        return None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: exactly one of json (a JSON schema), regex (the whole output matches it), choice
+    (the output is one of the strings), grammar (Lark or llama.cpp's GBNF) or json_object (any JSON object)."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: Annotated[list[Text], Field(min_length=1, max_length=4096)] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+    disable_fallback: bool | None = None  # one grammar engine here: nothing to fall back from
+    # JSON's whitespace: by default none but ", " and ": " (disable_any_whitespace true or null); false allows any
+    # run of whitespace between tokens, whitespace_pattern runs matching a regex
+    disable_any_whitespace: bool | None = None
+    whitespace_pattern: Text | None = None
+    disable_additional_properties: Annotated[bool | None, _only(None, False)] = None
+    structural_tag: Unsupported = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [self.json_ is not None, self.regex is not None, self.choice is not None, self.grammar is not None]
+        if sum(given) + bool(self.json_object) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar and json_object")
+        return self
+
+    def constraint(self) -> Constraint:
+        whitespace = self.whitespace_pattern
+        if whitespace is None and self.disable_any_whitespace is False:
+            whitespace = r"[\x20\x0A\x0D\x09]+"
+        if self.json_ is not None:
+            return Constraint.json_schema(self.json_, whitespace)
+        if self.regex is not None:
+            return Constraint("regex", self.regex)
+        if self.choice is not None:
+            return Constraint.choice(self.choice)
+        if self.grammar is not None:
+            return Constraint("grammar", self.grammar)
+        return Constraint.json_schema({"type": "object"}, whitespace)
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -90,6 +164,9 @@ class _Sampling(BaseModel):
     prompt_cache_key: Text | None = None
     safety_identifier: Text | None = None
     service_tier: Annotated[str | None, _only(None, "auto", "default")] = None
+    # what the output must be: OpenAI's response_format, or vLLM's structured_outputs (one of the two)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -98,7 +175,20 @@ class _Sampling(BaseModel):
     def _check_stops(self) -> _Sampling:
         if len(self.stops()) > 4 or any(not s for s in self.stops()):
             raise ValueError("stop: at most 4 non-empty strings")
+        formatted = self.response_format is not None and self.response_format.type != "text"
+        if self.structured_outputs is not None and formatted:
+            raise ValueError("give response_format or structured_outputs, not both")
         return self
+
+    @property
+    def constraint_field(self) -> str:
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
+
+    def constraint(self) -> Constraint | None:
+        """What the output must be (InputError for a schema that is not JSON); constraint_field names the field."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.constraint()
+        return self.response_format.constraint() if self.response_format is not None else None
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(
@@ -163,32 +253,93 @@ class TextPart(BaseModel):
         return data
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Text
+    arguments: Text  # JSON text of the arguments object, as the model wrote it
+
+
+class CallModel(BaseModel):
+    """An assistant turn's tool call, as OpenAI returned it."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: Text
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+    def call(self) -> ToolCall:
+        return ToolCall(self.function.name, self.function.arguments, self.id)
+
+
 class Message(BaseModel):
-    """One turn. `developer` is OpenAI's newer name for `system` and is rendered as one."""
+    """One turn. `developer` is OpenAI's newer name for `system` and is rendered as one; an assistant turn may hold
+    tool calls (and no content), a `tool` turn holds one call's result."""
 
     model_config = ConfigDict(extra="forbid")
     role: Annotated[
         Literal["developer", "system", "user", "assistant", "tool", "function"],
-        _only("developer", "system", "user", "assistant", why="tool results need tools, which are not served yet"),
+        _only("developer", "system", "user", "assistant", "tool", why="give a function's result as a 'tool' message"),
     ]
-    content: Text | Annotated[list[TextPart], Field(max_length=MAX_PARTS)]
+    content: Text | Annotated[list[TextPart], Field(max_length=MAX_PARTS)] | None = None
     name: Text | None = None
     refusal: Text | None = None  # an assistant turn's refusal, as OpenAI returns it; not shown to the model
-    tool_calls: Annotated[list[Any] | None, _only(None, [])] = None
+    tool_calls: Annotated[list[CallModel], Field(max_length=128)] | None = None
+    tool_call_id: Text | None = None
     function_call: Unsupported = None
     audio: Unsupported = None
 
+    @model_validator(mode="after")
+    def _content_given(self) -> Message:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant turn with tool_calls may leave it out)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant turn has tool_calls")
+        return self
+
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
     @property
     def template_role(self) -> str:
         return "system" if self.role == "developer" else self.role
 
+    def turn(self) -> dict[str, Any]:
+        """The turn as serve/tools.py's conversation() takes it."""
+        turn: dict[str, Any] = {"role": self.template_role, "content": self.text()}
+        if self.tool_calls:
+            turn["tool_calls"] = [c.call() for c in self.tool_calls]
+        if self.role == "tool":
+            turn |= {"tool_call_id": self.tool_call_id, **({"name": self.name} if self.name else {})}
+        return turn
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: Annotated[Literal["text", "json_object", "json_schema"], _only("text")]
+
+class FunctionModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Text = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object; None: no arguments
+    strict: bool | None = None  # the arguments of a forced call always validate; those of a free one are parsed
+
+
+class ToolModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionModel
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Text
+
+
+class NamedToolChoice(BaseModel):
+    """tool_choice naming one function: the reply is one call to it."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatRequest(_Sampling):
@@ -199,10 +350,9 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     logprobs: bool | None = False  # each generated token's log-probability
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # and this many alternatives
-    response_format: ResponseFormat | None = None
-    tools: Annotated[list[Any] | None, _only(None, [])] = None
-    tool_choice: Annotated[Any, _only(None, "none", "auto")] = None  # with no tools, "auto" calls none
-    parallel_tool_calls: bool | None = None  # whether tool calls may come several at once: no tools, no calls
+    tools: Annotated[list[ToolModel], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # null: auto with tools
+    parallel_tool_calls: bool | None = None  # false: one call at most
     functions: Annotated[list[Any] | None, _only(None, [])] = None  # the deprecated form of tools
     function_call: Annotated[Any, _only(None, "none", "auto")] = None
     modalities: Annotated[list[str] | None, _only(None, ["text"])] = None
@@ -220,6 +370,47 @@ class ChatRequest(_Sampling):
         if value is not None and not info.data.get("logprobs"):
             raise ValueError("needs logprobs: true")
         return value
+
+    @field_validator("tools")
+    @classmethod
+    def _unique(cls, tools: list[ToolModel] | None) -> list[ToolModel] | None:
+        names = [t.function.name for t in tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("function names must be unique")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _offered(cls, choice: Any, info: ValidationInfo) -> Any:
+        names = [t.function.name for t in info.data.get("tools") or []]
+        if choice == "required" and not names:
+            raise ValueError("'required' needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"names {choice.function.name!r}, which is not a function in tools")
+        return choice
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> ChatRequest:
+        if self.tool_mode() not in ("none", "auto") and self.constraint() is not None:
+            raise ValueError("a forced tool call and a response_format or structured_outputs cannot both hold")
+        return self
+
+    def tool_mode(self) -> str:
+        """'none' (no tools offered), 'auto' (the model decides), 'required', or the name of the function to call."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return self.tool_choice or "auto"
+
+    def offered(self) -> list[Function]:
+        """The functions offered to the model (none with tool_choice 'none')."""
+        if self.tool_mode() == "none":
+            return []
+        return [
+            Function(f.name, f.description, f.parameters or {"type": "object", "properties": {}})
+            for f in (t.function for t in self.tools or [])
+        ]
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         return replace(super().sampling(max_tokens), top_logprobs=self.top_logprobs or 0)

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from llmkit.errors import InputError
 from llmkit.generate.sampling import Sampling
+from llmkit.serve.structured import Constraint
 from llmkit.serve.text import TextOutput
 
 # abort: the client went away; timeout: past the request's time limit; error: the model's logits or the request's
@@ -26,6 +27,14 @@ FinishReason = Literal["stop", "length", "abort", "timeout", "error", "shutdown"
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI allows
 Top = list[tuple[int, float]]  # the most likely tokens at one position and their log-probabilities, best first
 TokenLogprob = tuple[float, Top]  # one token's log-probability and the alternatives at its position
+
+
+class Refused(InputError):
+    """A request that can never run (HTTP 400); `param` names the field to change."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -41,7 +50,10 @@ class SamplingParams:
     and filters: what evaluation compares). Every generated token's is reported; top_logprobs adds that many most
     likely alternatives to each; prompt_logprobs (None: not computed) reports each prompt token's (the first's is
     None) with that many alternatives, computing the whole prompt (no prefix-cache hits). max_tokens 0 computes the
-    prompt and generates nothing."""
+    prompt and generates nothing.
+
+    constraint: what the generated text must be (a JSON schema, a regex, one of some choices, a grammar; see
+    serve/structured.py); the sequence stops once the text is complete."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -58,6 +70,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); -100 bans, 100 forces
     top_logprobs: int = 0
     prompt_logprobs: int | None = None
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         self.sampling  # validates the shared settings  # noqa: B018
@@ -117,6 +130,7 @@ class Sequence:
     computed: int = 0  # tokens[:computed] have their keys in the cache
     finish_reason: FinishReason | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token, when the request asks for them
+    matcher: Any = None  # with a constraint: its grammar's state after the generated tokens (llguidance's LLMatcher)
 
     @property
     def prompt_len(self) -> int:
@@ -166,3 +180,21 @@ class Completion:
     prompt_tokens: int
     top_logprobs: list[Top] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    @classmethod
+    def of(cls, deltas: list[Delta]) -> Completion:
+        """A finished sequence from all its deltas (the last one carries the finish reason)."""
+        last = deltas[-1]
+        assert last.finish_reason is not None, "the sequence has not finished"
+        prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
+        return cls(
+            last.request_id,
+            last.index,
+            [t for d in deltas for t in d.token_ids],
+            "".join(d.text for d in deltas),
+            [lp for d in deltas for lp in d.logprobs],
+            last.finish_reason,
+            last.prompt_tokens,
+            [t for d in deltas for t in d.top_logprobs],
+            prompt_logprobs,
+        )

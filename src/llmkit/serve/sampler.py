@@ -2,8 +2,10 @@
 
 Greedy rows without penalties take one argmax together; every other row goes through llmkit.generate.sampling with
 its own settings and its own random generator, so a request's seed gives the same tokens whatever else is in the
-batch. The log-probability reported for a token is the model's own (log-softmax of the raw logits), before
-temperature and filters, which is what makes outputs comparable across settings.
+batch. A row with a structured-output constraint (serve/structured.py) chooses among the tokens its grammar allows:
+the others' logits are -inf before penalties, temperature and filters. The log-probability reported for a token is
+the model's own (log-softmax of the raw logits), before the grammar, temperature and filters, which is what makes
+outputs comparable across settings.
 
 Rows are isolated: a row whose settings leave no valid distribution (which llmkit.generate.sampling is written
 never to produce, but a sampler is the one place where one client's numbers meet the batch) is reported as failed
@@ -71,13 +73,21 @@ def _plain_greedy(seq: Sequence) -> bool:
     return s.greedy and not penalties and not p.logit_bias
 
 
-def sample(logits: Tensor, seqs: list[Sequence]) -> Sampled:
-    """logits (B, V), one row per sequence -> the next token of each and its log-probability under the model."""
+def sample(logits: Tensor, seqs: list[Sequence], allowed: Tensor | None = None) -> Sampled:
+    """logits (B, V), one row per sequence -> the next token of each and its log-probability under the model.
+    allowed (B, V) bool: the tokens each row may take (its grammar's), or None for all."""
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)  # (B, V)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
     chosen = logits.argmax(dim=-1)  # (B,): right for greedy rows without penalties
     failed: dict[int, str] = {}
+    nothing = (~allowed.any(dim=-1)).tolist() if allowed is not None else [False] * len(seqs)
     for row, seq in enumerate(seqs):
+        if nothing[row]:  # a grammar in an error state (its matcher is llguidance's): this row ends alone
+            log.error("request %s: its grammar allows no next token; ending that sequence", seq.request.id)
+            failed[row] = "the structured-output grammar allows no next token"
+            continue
         if _plain_greedy(seq):
             continue
         try:

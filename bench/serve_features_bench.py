@@ -1,0 +1,220 @@
+"""What structured outputs, tool calls and log-probabilities cost a server: `llmkit serve` on SmolLM2-135M-Instruct
+(Q4_1, kept int4) under the same load with and without each, in one run, and the grammar engine's compile time.
+
+    .venv/bin/python bench/serve_features_bench.py [--requests 16] [--rounds 2]
+
+Loads (serve_bench.py's request sets: 32-512-token prompts cut from the plays, 16-256 output tokens, greedy), a
+closed loop at concurrency 1 and 16, streamed, each variant on the same requests:
+- completions: plain (`ignore_eos`), with `logprobs: 5`, and with a JSON schema (`response_format` json_schema: an
+  object holding one string, so the text runs as long as the model keeps the string open);
+- chat: plain, and with two tools and `tool_choice: "required"` (the call constrained by the grammar).
+Output tokens/s counts the tokens the server reports in `usage`, over the load's wall time; a constrained reply
+ends when its grammar completes, so its requests may generate fewer tokens than the plain ones. Variants run
+interleaved, a different one first each round; the table gives medians over rounds and each variant's ratio to its
+plain counterpart. Then the compile time of typical schemas (cache misses) in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from common import ROOT, measure_limits, report, smollm2_gguf
+from serve_bench import MODEL, ServerProcess, corpus_tokens, request_set
+
+STORY = {
+    "type": "object",
+    "properties": {"text": {"type": "string"}},
+    "required": ["text"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "summarize",
+            "description": "Summarize a passage",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "summary": {"type": "string"},
+                    "speakers": {"type": "array", "items": {"type": "string"}},
+                },
+                "required": ["summary", "speakers"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "count_lines",
+            "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
+        },
+    },
+]
+# variant -> (endpoint, extra body fields)
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "completions": ("completions", {"ignore_eos": True}),
+    "completions, logprobs 5": ("completions", {"ignore_eos": True, "logprobs": 5}),
+    "completions, json_schema": (
+        "completions",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "story", "schema": STORY}}},
+    ),
+    "chat": ("chat/completions", {"ignore_eos": True}),
+    "chat, tools required": ("chat/completions", {"tools": TOOLS, "tool_choice": "required"}),
+}
+BASELINE = {
+    "completions, logprobs 5": "completions",
+    "completions, json_schema": "completions",
+    "chat, tools required": "chat",
+}
+
+
+def one(port: int, endpoint: str, prompt: str, max_tokens: int, extra: dict[str, Any]) -> int:
+    """One streamed greedy request; returns the completion tokens the server reports."""
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    if endpoint == "completions":
+        body["prompt"] = prompt
+    else:
+        body["messages"] = [{"role": "user", "content": "Continue this scene:\n" + prompt}]
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn.request("POST", f"/v1/{endpoint}", json.dumps(body | extra), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
+    tokens = 0
+    for raw in response:
+        line = raw.strip()
+        if line.startswith(b"data: {"):
+            usage = json.loads(line[6:]).get("usage")
+            tokens = usage["completion_tokens"] if usage else tokens
+    conn.close()
+    return tokens
+
+
+def load(port: int, variant: str, requests: list[tuple[str, int]], concurrency: int) -> float:
+    """Output tokens/s of `requests` sent by `concurrency` clients in a closed loop."""
+    endpoint, extra = VARIANTS[variant]
+    queue, lock, total = iter(requests), threading.Lock(), [0]
+
+    def client() -> None:
+        while True:
+            with lock:
+                item = next(queue, None)
+            if item is None:
+                return
+            n = one(port, endpoint, *item, extra)
+            with lock:
+                total[0] += n
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return total[0] / (time.perf_counter() - start)
+
+
+def compile_times(n: int = 8) -> dict[str, float]:
+    """Median milliseconds to compile a constraint llguidance has not seen (a property renamed each time), for a
+    JSON schema of a nested object and for the two tools' forced-call grammar."""
+    from llmkit.interop.load import load_model
+    from llmkit.serve.structured import Constraint, Grammars
+    from llmkit.serve.tools import Function, call_constraint
+
+    loaded = load_model(smollm2_gguf())
+    grammars = Grammars(loaded.tokenizer, loaded.model.cfg.vocab_size)
+    grammars.compile(Constraint.json_schema({"type": "object"}))  # builds the tokenizer once
+    person = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "address": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                "required": ["city", "zip"],
+            },
+            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}},
+        },
+        "required": ["name", "age", "address"],
+    }
+    out = {}
+    for label, make in (
+        ("json_schema", lambda i: Constraint.json_schema({**person, "title": f"p{i}"})),
+        (
+            "tools",
+            lambda i: call_constraint(
+                [Function(f"{t['function']['name']}{i}", None, t["function"]["parameters"]) for t in TOOLS],
+                "hermes",
+                True,
+            ),
+        ),
+    ):
+        times = []
+        for i in range(n):
+            c = make(i)
+            start = time.perf_counter()
+            grammars.compile(c)
+            times.append((time.perf_counter() - start) * 1e3)
+        out[label] = statistics.median(times)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--concurrency", default="1,16")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    tok, ids = corpus_tokens()
+    limits = measure_limits(("fp32",))
+    (ROOT / "runs/bench").mkdir(parents=True, exist_ok=True)
+    port = 8721
+    command = [str(Path(sys.executable).parent / "llmkit"), "serve", str(smollm2_gguf()), "--model-name", MODEL]
+    command += ["--kv-memory", "2GiB", "--port", str(port), "--max-batch", str(max(levels))]
+    rows = []
+    names = list(VARIANTS)
+    with ServerProcess(f"llmkit-features{port}", command, port):
+        one(port, "completions", "Warm up.", 4, {})
+        for r in range(args.rounds):
+            for c in levels:
+                requests = request_set(ids, tok, args.requests, seed=1000 + 10 * r + c)
+                for variant in names[r % len(names) :] + names[: r % len(names)]:
+                    rows.append(
+                        {"round": r, "concurrency": c, "variant": variant, "tok_s": load(port, variant, requests, c)}
+                    )
+                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    summary = {**limits.as_dict(), "rows": rows, "compile_ms": compile_times()}
+    report(summary, args.json, lambda: print_table(summary, limits))
+
+
+def print_table(summary: dict[str, Any], limits: Any) -> None:
+    print(f"SmolLM2-135M-Instruct Q4_1 through llmkit serve; {limits}")
+    by: dict[tuple[int, str], list[float]] = {}
+    for r in summary["rows"]:
+        by.setdefault((r["concurrency"], r["variant"]), []).append(r["tok_s"])
+    print(f"{'variant':28s} {'concurrency':>11s} {'out tok/s':>9s} {'vs plain':>8s}")
+    for (c, variant), values in sorted(by.items()):
+        base = BASELINE.get(variant)
+        ratio = statistics.median(values) / statistics.median(by[c, base]) if base else 1.0
+        print(f"{variant:28s} {c:11d} {statistics.median(values):9.1f} {ratio:7.2f}x")
+    ms = summary["compile_ms"]
+    print(
+        f"compile (cache miss, median): nested JSON schema {ms['json_schema']:.1f} ms, two tools {ms['tools']:.1f} ms"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""Structured outputs: a JSON schema, a regular expression, a list of choices or a grammar, enforced while decoding.
+
+    Constraint ─► Grammars.compile (once per constraint, off the event loop) ─► a matcher per sequence
+    each step: matcher ─► the tokens it allows (a bit mask) ─► the sampler picks among them ─► matcher.consume
+
+The grammar engine is llguidance (guidance-ai; Rust, also one of vLLM's and llama.cpp's backends). Its matcher,
+given the tokens so far, computes which vocabulary entries may come next, lexing the tokenizer's byte strings
+against the grammar, so the text generated always belongs to the language: JSON that parses and validates
+against the schema, a string the regex matches in full, exactly one of the choices.
+
+Why llguidance rather than xgrammar (both on PyPI, both vLLM backends), measured on this project's 2-core AMD EPYC
+with SmolLM2's 49,152-token vocabulary and a nested schema (objects, an array of enums, a pattern): a schema
+compiles in 1.5 ms (xgrammar 6.3 ms); a token mask takes a median 13 µs (xgrammar 2 µs), about 0.2% of one
+decoding step of that model, so both are free at this scale; llguidance installs as one 3 MB wheel with no
+dependencies, where xgrammar's wheel requires triton (286 MB) on Linux; and it reads grammars in Lark and in
+llama.cpp's GBNF, regexes and JSON schemas with the widest coverage of the keywords real schemas use. Its
+tokenizer is built from the checkpoint's own tokenizer.json (no transformers needed).
+
+Errors in a constraint (a schema that is not JSON, a keyword llguidance does not implement, a regex or grammar
+that does not parse) are InputErrors naming what is wrong, found when the constraint is compiled, before the
+request is queued.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from llmkit.errors import InputError
+from llmkit.tokenizer import Tokenizer
+
+Kind = Literal["json", "regex", "choice", "grammar"]
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a sequence's text must be: `json` (text: a JSON schema), `regex` (the whole text matches it), `choice`
+    (text: a JSON list of strings; the text is one of them) or `grammar` (Lark, or llama.cpp's GBNF). Hashable:
+    compiled constraints are cached by content."""
+
+    kind: Kind
+    text: str
+    whitespace: str | None = None  # JSON only: None, no whitespace but ", " and ": "; else a regex for whitespace
+
+    @classmethod
+    def json_schema(cls, schema: Any, whitespace: str | None = None) -> Constraint:
+        """A JSON schema (a dict, or its JSON text); `{"type": "object"}` is OpenAI's json_object mode.
+
+        By default the JSON comes out on one line as `{"a": 1, "b": [2, 3]}`: where any whitespace may go between
+        tokens, a small model can fill its whole budget with newlines and indentation before the text is complete.
+        `whitespace`, a regex (`[ \n\t]+`, say), allows runs of whitespace matching it between tokens instead."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise InputError(f"the JSON schema is not valid JSON: {e}") from None
+        if not isinstance(schema, dict | bool):
+            raise InputError(f"a JSON schema is an object, got {type(schema).__name__}")
+        return cls("json", json.dumps(schema), whitespace)  # keys in the client's order: properties in schema order
+
+    @classmethod
+    def choice(cls, options: list[str]) -> Constraint:
+        if not options or not all(isinstance(o, str) for o in options):
+            raise InputError("choice: give a non-empty list of strings")
+        return cls("choice", json.dumps(list(options)))
+
+    def grammar(self) -> str:
+        """The constraint as an llguidance grammar (raises InputError for a malformed one)."""
+        from llguidance import LLMatcher
+
+        try:
+            if self.kind == "json":
+                spacing = (
+                    {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+                    if self.whitespace is None
+                    else {"whitespace_flexible": True, "whitespace_pattern": self.whitespace}
+                )
+                return str(LLMatcher.grammar_from_json_schema(self.text, overrides=spacing))  # type: ignore[arg-type]
+            if self.kind == "regex":
+                return str(LLMatcher.grammar_from_regex(self.text))
+            if self.kind == "choice":
+                options = json.loads(self.text)
+                # each choice a literal string of the grammar; JSON's string syntax is Lark's
+                return str(LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in options)))
+            from llguidance import grammar_from
+
+            return str(grammar_from("grammar", self.text))  # Lark, or GBNF converted to Lark
+        except ValueError as e:
+            raise InputError(f"the {self.kind} cannot be compiled: {e}") from None
+
+
+class Grammars:
+    """Compiles constraints for one model's tokenizer and vocabulary, and hands out matchers.
+
+    A constraint is compiled once (its grammar built and checked, lexer and parser tables made: milliseconds for a
+    typical schema, up to a second for a huge grammar, with the GIL released) and kept, up to `cache_size`
+    constraints; each sequence gets a copy of the compiled matcher, which costs microseconds. Safe to use from
+    several threads (the HTTP server compiles in its worker threads, the engine copies in its own)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = 256) -> None:
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._lock = threading.Lock()
+        self._ll: Any = None  # llguidance's tokenizer, built on first use (half a second for a 50k vocabulary)
+        self.compiled = functools.lru_cache(maxsize=cache_size)(self._compile)
+
+    def _ll_tokenizer(self) -> Any:
+        with self._lock:
+            if self._ll is None:
+                try:
+                    from llguidance import LLTokenizer
+                except ImportError:
+                    raise InputError(
+                        "structured outputs need llguidance: pip install 'llmkit[serve]' (or pip install llguidance)"
+                    ) from None
+                eos = self.tokenizer.eos_id
+                try:
+                    self._ll = LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.vocab_size, eos_token=eos)
+                except (ValueError, RuntimeError) as e:
+                    raise InputError(f"structured outputs cannot use this model's tokenizer: {e}") from None
+            return self._ll
+
+    def _compile(self, constraint: Constraint) -> Any:
+        from llguidance import LLMatcher
+
+        grammar = constraint.grammar()
+        tokenizer = self._ll_tokenizer()
+        failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+        if failed:
+            raise InputError(f"the {constraint.kind} cannot be used: {_short(messages[0])}")
+        matcher = LLMatcher(tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise InputError(f"the {constraint.kind} cannot be used: {_short(matcher.get_error())}")
+        return matcher
+
+    def compile(self, constraint: Constraint) -> None:
+        """Compile `constraint` now (InputError if it cannot be used), so that `matcher` finds it ready."""
+        self.compiled(constraint)
+
+    def matcher(self, constraint: Constraint) -> Any:
+        """A fresh matcher for one sequence (llguidance's LLMatcher, at the start of the text)."""
+        return self.compiled(constraint).deep_copy()
+
+
+def _short(message: str, limit: int = 500) -> str:
+    message = " ".join(message.split())
+    return message if len(message) <= limit else message[: limit - 3] + "..."
+
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def allowed_tokens(matchers: list[Any], vocab_size: int, device: torch.device) -> Tensor:
+    """The tokens each row may take next, (B, V) bool: a matcher's mask, or every token for a row without one
+    (None). A matcher in an error state allows nothing, so its row fails in the sampler instead of going off-grammar.
+    """
+    words = (vocab_size + 31) // 32
+    bits = torch.full((len(matchers), words), -1, dtype=torch.int32)  # all allowed
+    for row, m in enumerate(matchers):
+        if m is not None:
+            m.unsafe_compute_mask_ptr(bits[row].data_ptr(), words * 4)
+    allowed = ((bits[:, :, None] >> _SHIFTS) & 1).bool().view(len(matchers), words * 32)[:, :vocab_size]
+    return allowed.to(device)
