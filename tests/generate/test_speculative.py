@@ -33,7 +33,7 @@ def test_greedy_speculation_equals_plain_greedy(k):
     same = speculative_generate(target, PROMPTS, draft=target, max_new_tokens=25, k=k)
     assert same.new_tokens == expected
     assert same.acceptance_rate == 1.0  # a draft equal to the target is always right
-    assert same.target_passes == -(-25 // (k + 1))  # k + 1 tokens per target pass
+    assert same.target_passes == -(-24 // (k + 1))  # the prefill gives the first token, then k + 1 per pass
 
 
 def test_eos_stops_rows_independently():

@@ -194,6 +194,7 @@ def generate(
     beam_search: BeamOptions = BeamOptions(),
     speculation: SpeculationOptions = SpeculationOptions(),
     compile: bool = False,
+    batch_invariant: bool = False,
     dtype: DType | None = None,
     device: str | None = None,
     no_verify: bool = False,
@@ -206,6 +207,8 @@ def generate(
     max_new_tokens: how many tokens to generate at most.
     samples: how many continuations to generate (a batch).
     compile: decode through torch.compile (a one-time compilation, then faster steps).
+    batch_invariant: every token, the prompt's too, through the C++ decode step, so that the output equals `llmkit
+      serve --batch-invariant`'s whatever else it serves (the prompt is computed more slowly).
     dtype: load the weights in this precision (bf16 halves the memory read per token).
     device: cpu, cuda, cuda:1, ... (default: the CPU); a draft model goes to the same device.
     no_verify: load an llmkit checkpoint without checking its files against the checksums saved with them.
@@ -225,7 +228,7 @@ def generate(
     eos = tok.eos_id if prompt else None
     from llmkit.generate import choose_step
 
-    request = _Request(model, tok, ids, eos, samples, max_new_tokens, choose_step(model, compile))
+    request = _Request(model, tok, ids, eos, samples, max_new_tokens, choose_step(model, compile, batch_invariant))
     if mode == "beam":
         _beam_search(request, beam_search)
     elif mode == "speculate":
@@ -234,7 +237,8 @@ def generate(
         draft = (
             load_decoder(speculation.draft, precision, device, verify=not no_verify)[0] if speculation.draft else None
         )
-        _speculate(request, sampling, draft, None if draft is None else choose_step(draft, compile), speculation)
+        draft_step = None if draft is None else choose_step(draft, compile)
+        _speculate(request, sampling, draft, draft_step, speculation)
     elif mode == "stream":
         _stream(request, sampling, output.stop_strings)
     else:

@@ -24,6 +24,7 @@ def serve(
     step_tokens: int = 512,
     max_queue: int = 256,
     no_prefix_cache: bool = False,
+    batch_invariant: bool = False,
     request_timeout: float = 600.0,
     max_body_size: str = "8MiB",
     body_timeout: float = 30.0,
@@ -50,6 +51,9 @@ def serve(
       holds up the sequences that are decoding.
     max_queue: requests waiting before new ones get HTTP 429.
     no_prefix_cache: do not reuse the cache blocks of shared prompt prefixes.
+    batch_invariant: every token, prompt or generated, through the C++ decode step as a row of its own, so that a
+      request's greedy output does not depend on what else is running (and equals `llmkit generate
+      --batch-invariant`'s); prompts are computed more slowly. Needs the C++ step (AVX2 CPU, fp32 or int4/int8).
     request_timeout: seconds a request may run before it is ended.
     max_body_size: the largest request body taken, e.g. 8MiB (larger: HTTP 413).
     body_timeout: seconds a client has to send its whole request body (slower: HTTP 408).
@@ -77,7 +81,9 @@ def serve(
         header_timeout=header_timeout,
         shutdown_timeout=shutdown_timeout,
     )
-    config = EngineConfig(parse_size(kv_memory), block_size, max_batch, step_tokens, max_queue, not no_prefix_cache)
+    config = EngineConfig(
+        parse_size(kv_memory), block_size, max_batch, step_tokens, max_queue, not no_prefix_cache, batch_invariant
+    )
     model, tok = load_decoder(checkpoint, dtype, device, verify=not no_verify)
     _log_to_stderr()
     server = Server(model, tok, options, config, host, port)

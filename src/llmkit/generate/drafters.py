@@ -37,8 +37,8 @@ class Drafter(Protocol):
     k: int
 
     def start(self, prefix: Tensor, valid: Tensor, hidden: Tensor | None) -> None:
-        """prefix (B, P) and valid (B, P): the prompts but their last tokens, left-padded (P may be 0); hidden
-        (B, P, C): the target's last-block states there (None when P is 0)."""
+        """prefix (B, P) and valid (B, P): the prompts, left-padded, which the target has computed; hidden (B, P, C):
+        the target's last-block states there. The first `propose` drafts after the token the target chose next."""
 
     def propose(
         self, cur: Tensor, sampling: Sampling, generator: torch.Generator | None
@@ -208,7 +208,7 @@ class MTPDrafter:
         self, cur: Tensor, sampling: Sampling, generator: torch.Generator | None
     ) -> tuple[Tensor | None, Tensor]:
         B = cur.shape[0]
-        if self.last is None:  # a one-token prompt: no state to draft from yet. Propose token 0 with certainty (q is
+        if self.last is None:  # no state to draft from (start had none). Propose token 0 with certainty (q is
             # one-hot, so the acceptance rule stays exact: accepted with probability p(0))
             q = torch.zeros(B, self.k, self.target.cfg.vocab_size, device=cur.device)
             q[:, :, 0] = 1.0

@@ -133,12 +133,17 @@ def speculative_generate(
     else:
         parts = draft if draft is not None else MTPDraft(target, step.native, draft_head_bits)
         drafter = MTPDrafter(parts, B, MTPDrafter.room(T, max_new_tokens, k), k)
-    prefix, valid = tokens[:, :-1], mask[:, :-1]
-    hidden = step(prefix, cache, valid, last=True)[1] if prefix.shape[1] else None
-    drafter.start(prefix, valid, hidden)
+    # the whole prompt, as `generate` prefills it: the first token comes from the same logits, and later tokens are
+    # computed by the same kind of step (with the C++ step, a verifying step's rows get the same bits as decoding's)
+    logits, hidden = step(tokens, cache, mask, last=True)
+    check_finite(logits, 0)
+    drafter.start(tokens, mask, hidden)
     rows = Rows(StopRule.of(eos_id, max_new_tokens=max_new_tokens), B)
     result = SpeculativeGeneration(tokens.cpu(), rows.tokens)
-    cur = tokens[:, -1]
+    cur = draw(distribution(logits[:, -1], sampling), sampling.greedy, generator)  # (B,)
+    if max_new_tokens:
+        for b, token in enumerate(cur.tolist()):
+            rows.push(b, token)
     while max_new_tokens and not rows.finished:
         q, drafts = drafter.propose(cur, sampling, generator)  # (B, k, V), (B, k)
         logits, hidden = step(torch.cat([cur.unsqueeze(1), drafts], 1), cache)

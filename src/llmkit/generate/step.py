@@ -32,9 +32,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from llmkit.errors import GenerationError, InputError
 from llmkit.layers.attention import AttentionMask, KVCache, LatentCache
 from llmkit.models import Cache, DecoderLM, Step
-from llmkit.quant.native_step import NativeDecoder
+from llmkit.quant.native_step import MAX_TOKENS, NativeDecoder
 
 
 def _core(
@@ -104,28 +105,65 @@ class CompiledStep(DecodeStep):
 
 class NativeStep(DecodeStep):
     """The blocks of the steps the C++ step takes (`native.applies`: a few tokens per row into fp32 caches) in one
-    C++ call, and the output head of a few rows too; other steps eagerly."""
+    C++ call, and the output head of a few rows too; other steps eagerly.
 
-    def __init__(self, model: DecoderLM, native: NativeDecoder) -> None:
+    `invariant` (batch-invariant decoding): every token goes through the C++ step, a prompt in pieces of MAX_TOKENS,
+    and the head through row-invariant products, so a token's logits are the same bits whether it is decoded alone,
+    in a batch, as part of a prompt or among a speculative round's drafts, and whatever the chunking: greedy output
+    then equals the serving engine's in its batch-invariant mode, and speculation's equals plain decoding's. A
+    prompt's prefill costs more that way (the products round activations to int8 and read the weights once per
+    piece instead of running one fp32 matrix product)."""
+
+    def __init__(self, model: DecoderLM, native: NativeDecoder, invariant: bool = False) -> None:
         super().__init__(model)
-        self.native = native
+        self.native, self.invariant = native, invariant
+
+    @torch.no_grad()
+    def __call__(
+        self, tokens: Tensor, cache: Cache, valid: Tensor | None = None, last: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        T = tokens.shape[1]
+        if not self.invariant or T <= MAX_TOKENS:
+            return super().__call__(tokens, cache, valid, last)
+        parts = [
+            super(NativeStep, self).__call__(
+                tokens[:, i : i + MAX_TOKENS], cache, None if valid is None else valid[:, i : i + MAX_TOKENS], last
+            )
+            for i in range(0, T, MAX_TOKENS)
+        ]
+        if last:
+            return parts[-1]
+        return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
 
     def run(self, tokens: Tensor, step: Step, cache: Cache, last: bool) -> tuple[Tensor, Tensor]:
         native = self.native
         assert native is not None
         if not native.applies(tokens, step, cache.layers):
+            if self.invariant:
+                raise GenerationError(
+                    "batch-invariant decoding runs every step in C++, and this step does not fit it "
+                    f"({tokens.shape[1]} tokens per row into {type(cache.layers[0]).__name__} caches)"
+                )
             return super().run(tokens, step, cache, last)
         h = native.run(tokens, step, cache.layers)
-        return native.logits(self.model.norm(h[:, -1:] if last else h)), h
+        return native.logits(self.model.norm(h[:, -1:] if last else h), self.invariant), h
 
 
-def choose_step(model: DecoderLM, compiled: bool = False) -> DecodeStep:
+def choose_step(model: DecoderLM, compiled: bool = False, invariant: bool = False) -> DecodeStep:
     """The step to decode `model` with: compiled when asked, else the C++ step where the model allows it (see
-    llmkit.quant.native_step), else eager."""
+    llmkit.quant.native_step), else eager. `invariant`: batch-invariant decoding (NativeStep), which needs the C++
+    step."""
+    if compiled and invariant:
+        raise InputError("batch-invariant decoding runs in C++, not through torch.compile: ask for one of the two")
     if compiled:
         return CompiledStep(model)
     native = NativeDecoder.of(model)
-    return NativeStep(model, native) if native is not None else DecodeStep(model)
+    if invariant and native is None:
+        raise InputError(
+            "batch-invariant decoding needs llmkit's C++ decode step: an x86 CPU with AVX2, fp32 or int4/int8 "
+            "weights, and a grouped-query decoder (see llmkit.quant.native_step)"
+        )
+    return NativeStep(model, native, invariant) if native is not None else DecodeStep(model)
 
 
 def _filled(layers: list[Any], allowed: Tensor, length: int) -> tuple[list[Any], Tensor]:

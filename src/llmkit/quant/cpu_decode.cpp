@@ -193,14 +193,15 @@ struct DecodeBlock {
 #pragma omp barrier
     {  // each (row, query head) pair over the visible slots of its kv head: softmax(q k / sqrt(D)) v
       thread_local std::vector<float> p;
+      thread_local std::vector<int64_t> seen;
       const auto [i0, i1] = team.share(M * H);
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t b = i / H, r = rows[b], hh = i % H, g = hh / (H / KH), slot = slots[b];
         const int64_t lo = window > 0 ? std::max<int64_t>(0, slot - window + 1) : 0, n = slot - lo + 1;
-        p.resize(n);
+        p.resize(n), seen.resize(n);
         const float* q = w.qkv.data() + b * Nqkv + hh * D;
         float* o = w.att.data() + i * Dv;
-        attend(q, kv, r, g, lo, n, A + r * S, p.data(), o);
+        attend(q, kv, r, g, lo, n, A + r * S, p.data(), seen.data(), o);
       }
     }
 #pragma omp barrier
@@ -236,54 +237,57 @@ struct DecodeBlock {
 #pragma omp barrier
   }
 
-  // o (Dv) = softmax over the n visible slots lo.. of cache row r, kv head g, of q . k / sqrt(D), times their
-  // values; `allowed` (S) is the row's mask, p a buffer of n floats. A row with no visible slot gives zeros.
+  // o (Dv) = softmax over the slots lo..lo + n - 1 of cache row r, kv head g, that `allowed` (S, the row's mask)
+  // lets it see, of q . k / sqrt(D), times their values; p and seen: buffers of n. The visible slots are gathered
+  // first, so the arithmetic (which keys share a lane of the vector sums) depends only on the visible keys in order:
+  // left padding, the slots of rejected drafts and the window's start change nothing. A query then gets the same bits
+  // decoded alone, in a batch, in a prompt's chunk or among a round's drafts. No visible slot: zeros.
   void attend(const float* q, const KVLayout& kv, int64_t r, int64_t g, int64_t lo, int64_t n, const bool* allowed,
-              float* p, float* o) const {
+              float* p, int64_t* seen, float* o) const {
     const int64_t D = head_dim, Dv = v_head_dim;
-    const float ninf = -std::numeric_limits<float>::infinity(), sc = static_cast<float>(scale);
-    float top = ninf;
+    const float sc = static_cast<float>(scale);
+    float top = -std::numeric_limits<float>::infinity();
+    int64_t m = 0;
     for (int64_t j = 0; j < n; ++j) {
       const int64_t s = lo + j;
-      p[j] = allowed[s] ? dot(q, kv.k + kv.index(r, g, s) * D, D) * sc : ninf;
-      top = std::max(top, p[j]);
+      if (!allowed[s]) continue;
+      seen[m] = kv.index(r, g, s);
+      p[m] = dot(q, kv.k + seen[m] * D, D) * sc;
+      top = std::max(top, p[m++]);
     }
-    if (top == ninf) return;  // no visible key: zeros
+    if (m == 0) return;  // no visible key: zeros
     const __m256 t8 = _mm256_set1_ps(top);
     __m256 sum8 = _mm256_setzero_ps();
     int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
+    for (; j + 8 <= m; j += 8) {
       const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), t8));
       _mm256_storeu_ps(p + j, e);
       sum8 = _mm256_add_ps(sum8, e);
     }
     float total = 0.f;
-    for (; j < n; ++j) total += (p[j] = std::exp(p[j] - top));
+    for (; j < m; ++j) total += (p[j] = std::exp(p[j] - top));
     alignas(32) float parts[8];
     _mm256_store_ps(parts, sum8);
     for (const float v : parts) total += v;
-    if (Dv == 64) return weigh_values<8>(kv, r, g, lo, n, p, total, o);
-    if (Dv == 128) return weigh_values<16>(kv, r, g, lo, n, p, total, o);
-    for (int64_t jj = 0; jj < n; ++jj) {
+    if (Dv == 64) return weigh_values<8>(kv, seen, m, p, total, o);
+    if (Dv == 128) return weigh_values<16>(kv, seen, m, p, total, o);
+    for (int64_t jj = 0; jj < m; ++jj) {
       const float pj = p[jj];
-      if (pj == 0.f) continue;
-      const float* vr = kv.v + kv.index(r, g, lo + jj) * Dv;
+      const float* vr = kv.v + seen[jj] * Dv;
       for (int64_t d = 0; d < Dv; ++d) o[d] += pj * vr[d];
     }
     const float inv = 1.f / total;
     for (int64_t d = 0; d < Dv; ++d) o[d] *= inv;
   }
 
-  // o (8 NV) = sum_j p[j] v_j / total over the n slots lo.. (NV accumulators in registers)
+  // o (8 NV) = sum_j p[j] v_j / total over the m visible entries (value rows seen[j]; NV accumulators in registers)
   template <int NV>
-  static void weigh_values(const KVLayout& kv, int64_t r, int64_t g, int64_t lo, int64_t n, const float* p,
-                           float total, float* o) {
+  static void weigh_values(const KVLayout& kv, const int64_t* seen, int64_t m, const float* p, float total, float* o) {
     __m256 acc[NV];
     for (int d = 0; d < NV; ++d) acc[d] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
-      if (p[j] == 0.f) continue;  // masked (its value may be any bits)
+    for (int64_t j = 0; j < m; ++j) {
       const __m256 pj = _mm256_set1_ps(p[j]);
-      const float* vr = kv.v + kv.index(r, g, lo + j) * (8 * NV);
+      const float* vr = kv.v + seen[j] * (8 * NV);
       for (int d = 0; d < NV; ++d) acc[d] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 8 * d), acc[d]);
     }
     const __m256 inv = _mm256_set1_ps(1.f / total);

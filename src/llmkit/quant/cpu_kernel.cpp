@@ -101,16 +101,6 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// sum of a[i] * b[i] over n floats
-inline float dot(const float* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float out = hsum(acc);
-  for (; i < n; ++i) out += a[i] * b[i];
-  return out;
-}
-
 // 32 int4 codes of one block (16 bytes) -> 32 unsigned bytes: the low nibbles, then the high ones.
 inline __m256i unpack_int4(const uint8_t* p) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -126,13 +116,12 @@ inline __m256i dot_u8s8(__m256i w, __m256i x) {
   return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
-// What every column of one matrix reads: its codes, scales, zeros, x's codes and block scales, and the float sum
-// of x over each of the matrix's groups (the int4 zero term).
+// What every column of one matrix reads: its codes, scales, zeros, x's codes, block scales and block sums (the int4
+// zero term).
 struct Pass {
   const QuantizedMatrix& w;  // (the caller's, alive for the pass)
   const int8_t* xq;
   const float* xd;
-  const float* xgs;  // (M, G)
   // int4, per row of x and pair of blocks b, b + 1 (b even): [d_b x 4, d_b+1 x 4, sum_b / 4 x 4, sum_b+1 / 4 x 4],
   // (M, nb / 2, 16): x's block scales and sums laid out as the lanes of a pair's products want them
   const float* xs;
@@ -207,6 +196,16 @@ inline void pair4(__m256 (&acc)[R][2], const uint8_t* wrow, const float* srow, c
   }
 }
 
+// int4, an odd last block b with its zero term (into accumulator set 1).
+template <int R>
+inline void odd_block4(__m256 (&acc)[R][2], const uint8_t* wrow, const float* srow, const float* zrow, const Pass& p,
+                       int64_t m0, int64_t b) {
+  block4<R>(acc, wrow, srow[group_of(p, b)], p, m0, b);
+  for (int r = 0; r < R; ++r)
+    acc[r][1] = _mm256_add_ps(
+        acc[r][1], _mm256_setr_ps(zrow[group_of(p, b)] * p.xsums[(m0 + r) * p.nb + b], 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f));
+}
+
 // Output column n of the pass's matrix for R rows of x starting at m0, into Y (row stride ldy).
 template <int R, bool INT4>
 inline void column(const Pass& p, int64_t n, int64_t m0, float* Y, int64_t ldy) {
@@ -223,12 +222,7 @@ inline void column(const Pass& p, int64_t n, int64_t m0, float* Y, int64_t ldy) 
       pair4<R, 1>(acc, wrow, srow, zrow, p, m0, b + 2);
     }
     if (b + 1 < p.nb) pair4<R, 0>(acc, wrow, srow, zrow, p, m0, b), b += 2;
-    if (b < p.nb) {  // an odd last block, its zero term too
-      block4<R>(acc, wrow, srow[group_of(p, b)], p, m0, b);
-      for (int r = 0; r < R; ++r)
-        acc[r][1] = _mm256_add_ps(acc[r][1], _mm256_setr_ps(zrow[group_of(p, b)] * p.xsums[(m0 + r) * p.nb + b], 0.f,
-                                                            0.f, 0.f, 0.f, 0.f, 0.f, 0.f));
-    }
+    if (b < p.nb) odd_block4<R>(acc, wrow, srow, zrow, p, m0, b);
   } else {
     for (; b + 1 < p.nb; b += 2) {
       block8<R, 0>(acc, wrow, srow[group_of(p, b)], p, m0, b);
@@ -260,36 +254,29 @@ __attribute__((always_inline)) inline void prefetch_row(const QuantizedMatrix& w
 }
 
 // Columns [n0, n1) of the pass's matrix for every row of x.
-// Batch-1 int4: output columns n and n + 1 of one row of x together, so that x's codes and scales are loaded once
-// for both (and the two columns' FMA chains overlap).
+// Batch-1 int4: output columns n and n + 1 of one row of x together, interleaved so that x's codes and scales are
+// loaded once for both and the two columns' FMA chains overlap. Each column gets exactly column<1, true>'s
+// arithmetic, in the same order, so a row's result does not depend on how many rows are computed with it (decoding
+// alone, in a serving batch, or verifying a speculative round's drafts give the same bits).
 inline void two_columns4(const Pass& p, int64_t n, float* Y) {
   const QuantizedMatrix& w = p.w;
   const uint8_t* wr[2] = {w.codes + n * (w.K / 2), w.codes + (n + 1) * (w.K / 2)};
   const float* sr[2] = {w.scales + n * w.G, w.scales + (n + 1) * w.G};
-  const bool two_scales = w.G != 1 && p.shift == 0;
-  const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  const float* zr[2] = {w.zeros + n * w.G, w.zeros + (n + 1) * w.G};
+  __m256 acc[2][1][2];
+  for (auto& a : acc) a[0][0] = a[0][1] = _mm256_setzero_ps();
   int64_t b = 0;
-  for (; b + 1 < p.nb; b += 2) {
-    const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.xq + b * BLOCK));
-    const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.xq + b * BLOCK + 32));
-    const __m128 xd = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p.xd + b)));
-    for (int c = 0; c < 2; ++c) {
-      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[c] + b * (BLOCK / 2)));
-      const __m256i lo = _mm256_and_si256(bytes, mask), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
-      const __m256i dot = _mm256_madd_epi16(
-          _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo)), ones);
-      const __m128 sw = two_scales ? _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sr[c] + b)))
-                                   : _mm_set1_ps(sr[c][group_of(p, b)]);
-      const __m256 s = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_mul_ps(sw, xd)), spread);
-      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[c]);
-    }
+  for (; b + 3 < p.nb; b += 4) {
+    for (int c = 0; c < 2; ++c) pair4<1, 0>(acc[c], wr[c], sr[c], zr[c], p, 0, b);
+    for (int c = 0; c < 2; ++c) pair4<1, 1>(acc[c], wr[c], sr[c], zr[c], p, 0, b + 2);
+  }
+  if (b + 1 < p.nb) {
+    for (int c = 0; c < 2; ++c) pair4<1, 0>(acc[c], wr[c], sr[c], zr[c], p, 0, b);
+    b += 2;
   }
   for (int c = 0; c < 2; ++c) {
-    __m256 a[1][2] = {{acc[c], _mm256_setzero_ps()}};
-    if (b < p.nb) block4<1>(a, wr[c], sr[c][group_of(p, b)], p, 0, b);  // an odd last block
-    Y[n + c] = hsum(_mm256_add_ps(a[0][0], a[0][1])) + dot(w.zeros + (n + c) * w.G, p.xgs, w.G);
+    if (b < p.nb) odd_block4<1>(acc[c], wr[c], sr[c], zr[c], p, 0, b);
+    Y[n + c] = hsum(_mm256_add_ps(acc[c][0][0], acc[c][0][1]));
   }
 }
 
@@ -352,16 +339,9 @@ void Product::prepare(const float* x, int64_t M, int64_t K, const std::vector<Qu
   quantize_rows(x, M, K, int4, x_);
   const int64_t nb = K / BLOCK;
   ws_ = ws;
-  group_sums_.assign(ws.size(), {});
   starts_.assign(1, 0);
-  for (size_t i = 0; i < ws.size(); ++i) {
-    const QuantizedMatrix& w = ws[i];
+  for (const QuantizedMatrix& w : ws) {
     LLMKIT_CHECK(w.K == K && w.int4 == int4, "matrices in one product share K and kind");
-    std::vector<float>& xgs = group_sums_[i];
-    xgs.assign(M * w.G, 0.f);
-    if (int4)
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t b = 0; b < nb; ++b) xgs[m * w.G + b / (nb / w.G)] += x_.sums[m * nb + b];
     starts_.push_back(starts_.back() + w.N);
   }
   if (int4) {  // Pass::xs
@@ -383,8 +363,7 @@ void Product::columns(int64_t j0, int64_t j1, float* y, int64_t ldy) const {
   for (size_t i = 0; i < ws_.size(); ++i) {  // the part of [j0, j1) that falls in matrix i
     const int64_t a = std::max(j0, starts_[i]) - starts_[i], e = std::min(j1, starts_[i + 1]) - starts_[i];
     if (a >= e) continue;
-    const Pass p{ws_[i],         x_.q.data(), x_.d.data(), group_sums_[i].data(), spread_.data(), x_.sums.data(),
-                 nb,             __builtin_ctzll(nb / ws_[i].G)};
+    const Pass p{ws_[i], x_.q.data(), x_.d.data(), spread_.data(), x_.sums.data(), nb, __builtin_ctzll(nb / ws_[i].G)};
     if (p.w.int4)
       llmkit::columns<true>(p, x_.M, a, e, y + starts_[i], ldy);
     else

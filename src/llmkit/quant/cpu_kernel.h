@@ -72,7 +72,6 @@ class Product {
  private:
   QuantizedRows x_;
   std::vector<QuantizedMatrix> ws_;
-  std::vector<std::vector<float>> group_sums_;  // per matrix (M, G): x summed over each scale group (int4 zeros)
   std::vector<float> spread_;                   // int4: x's block scales and sums spread for pairs of blocks
   std::vector<int64_t> starts_{0};             // each matrix's first output column
 };

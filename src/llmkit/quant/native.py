@@ -122,6 +122,11 @@ def available() -> bool:
     return module() is not None
 
 
+# The AVX2 products round x to int8 and multiply in integers below this many rows, and from it on dequantize W to fp32
+# panels (cpu_kernel.cpp MANY_ROWS): a row's result is the same for any number of rows up to INTEGER_ROWS.
+INTEGER_ROWS = 95
+
+
 # Registered as torch operators too (opaque to torch.compile, which then compiles everything around them instead of
 # breaking its graph at every layer), with shape-only implementations for tracing. Eager calls go straight to the
 # extension: the operator's Python dispatch costs ~50 us a call, more than a small layer's product.

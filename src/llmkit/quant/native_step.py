@@ -234,13 +234,18 @@ class NativeDecoder:
         allowed, slot = step.mask.allowed.reshape(B, S), int(step.slots[0])
         return self.ext.decode(blocks, x.reshape(B * T, C).contiguous(), ks, vs, slot, allowed, cos, sin).view(B, T, C)
 
-    def logits(self, h: Tensor) -> Tensor:
+    def logits(self, h: Tensor, invariant: bool = False) -> Tensor:
         """The model's head on final-normed states h (..., C) -> logits (..., V): `model.logits`, through the C++
-        product when the head is an fp32 matrix and h has at most HEAD_ROWS rows."""
+        product when the head is an fp32 matrix and h has at most HEAD_ROWS rows. `invariant`: every row gets the
+        same bits whatever the rows beside it (the C++ product for any number of rows; a quantized head in pieces of
+        fewer rows than its AVX2 kernel's switch to fp32 panels)."""
         model, rows = self.model, h.reshape(-1, h.shape[-1])
         # the type first: a quantized head's `weight` is a property that dequantizes the whole matrix
         plain = model.head is None or (type(model.head) is nn.Linear and model.head.bias is None)
-        if not plain or rows.shape[0] > HEAD_ROWS:
+        if invariant and not plain:
+            pieces = rows.split(native.INTEGER_ROWS)
+            return torch.cat([model.logits(p) for p in pieces]).view(*h.shape[:-1], -1)
+        if not plain or (rows.shape[0] > HEAD_ROWS and not invariant):
             return model.logits(h)
         weight: Tensor = model.embed.weight if model.head is None else cast(Tensor, model.head.weight)
         if weight.dtype != torch.float32:
@@ -279,6 +284,26 @@ class NativeDecoder:
         cos, sin = self._rope(positions)
         out = self.ext.decode_paged(self.blocks, x, keys, values, table, slots, allowed, cos, sin)
         return out.view(B, 1, -1)
+
+    def run_tokens(
+        self,
+        tokens: Tensor,
+        *,
+        positions: Tensor,
+        table: Tensor,
+        allowed: Tensor,
+        keys: list[Tensor],
+        values: list[Tensor],
+    ) -> Tensor:
+        """The blocks over N tokens (N,) of any sequences, each its own row: token i at position positions[i]
+        (which is its logical slot) through block table row table[i] (N, nb), seeing the slots allowed[i] (N, S) up
+        to its own. Several consecutive tokens of one sequence (a prompt's chunk) share a table row: all keys and
+        values are written before any token attends, so each sees the ones before it. Every token then goes through
+        the same arithmetic as a decoding row (the serving engine's batch-invariant mode). Returns (N, C)."""
+        model = self.model
+        x = model.inputs(model.embed, tokens[:, None], positions[:, None])[:, 0].contiguous()  # (N, C)
+        cos, sin = self._rope(positions[:, None])
+        return self.ext.decode_paged(self.blocks, x, keys, values, table, positions, allowed, cos, sin)
 
     def _rope(self, positions: Tensor) -> tuple[Tensor | None, Tensor | None]:
         """The RoPE tables of positions (B, T): cos and sin (1 | B T, F) (None without RoPE)."""

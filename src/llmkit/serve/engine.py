@@ -36,6 +36,7 @@ from llmkit.serve.request import (
     Completion,
     Delta,
     FinishReason,
+    Refused,
     Request,
     SamplingParams,
     Sequence,
@@ -45,6 +46,7 @@ from llmkit.serve.request import (
 )
 from llmkit.serve.sampler import sample, top_logprobs
 from llmkit.serve.scheduler import Scheduler, Work
+from llmkit.serve.structured import Grammars, allowed_tokens
 from llmkit.serve.text import TextOutput
 from llmkit.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -55,19 +57,13 @@ class QueueFull(LLMKitError):
     """The engine's waiting queue is full; the request was not taken (HTTP 429)."""
 
 
-class Refused(InputError):
-    """A request that can never run (HTTP 400); `param` names the field to change."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     """kv_memory: bytes for the paged cache (all layers); block_size: token slots per block; max_batch: sequences
     running at once; step_tokens: tokens computed per step (decoding rows plus prompt chunks); max_queue: requests
-    waiting before new ones are refused; prefix_caching: reuse cached blocks of shared prompt prefixes."""
+    waiting before new ones are refused; prefix_caching: reuse cached blocks of shared prompt prefixes;
+    batch_invariant: every token through the C++ step as a row of its own (prompt tokens too), so that a request's
+    greedy output does not depend on what else runs, and equals `generate`'s with a batch-invariant NativeStep."""
 
     kv_memory: int = 1 << 30
     block_size: int = 16
@@ -75,6 +71,7 @@ class EngineConfig:
     step_tokens: int = 512
     max_queue: int = 256
     prefix_caching: bool = True
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         for name in ("kv_memory", "block_size", "max_batch", "step_tokens", "max_queue"):
@@ -113,10 +110,21 @@ class Engine:
         # whether rows of different lengths can go through the model as one packed row: grouped-query attention
         # takes them (AttentionMask.ragged); latent attention's paths size their work by the queries' batch
         self.packs = all(type(b.attn) is GroupedQueryAttention for b in model.blocks)
+        self.invariant = config.batch_invariant
+        kv = self.cache.grouped_query()
+        with torch.no_grad():  # (how the engine's steps run)
+            native_pools = self.native is not None and kv is not None and self.native.applies_paged(1, kv[0])
+        if self.invariant and not native_pools:
+            raise InputError(
+                "the batch-invariant mode runs every token through llmkit's C++ decode step: it needs an x86 CPU with "
+                "AVX2, fp32 or int4/int8 weights, fp32 caches and a grouped-query decoder"
+            )
         self.pool = BlockPool(n_blocks, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_batch, config.step_tokens)
         self.max_len = model.max_seq_len
         self.eos_ids = {tokenizer.eos_id} if tokenizer is not None and tokenizer.eos_id is not None else set()
+        # structured outputs: constraints compiled against the tokenizer's vocabulary (needs the tokenizer)
+        self.grammars = Grammars(tokenizer, model.cfg.vocab_size) if tokenizer is not None else None
         self.requests: dict[str, list[Sequence]] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
@@ -165,6 +173,13 @@ class Engine:
             raise Refused(f"prompt token ids must be integers in [0, {V})", "prompt")
         if any(not 0 <= t < V for t, _ in params.logit_bias):
             raise Refused(f"logit_bias: token ids must be in [0, {V})", "logit_bias")
+        if params.constraint is not None:
+            if self.grammars is None:
+                raise Refused("structured outputs need the model's tokenizer, and this model has none", "constraint")
+            try:
+                self.grammars.compile(params.constraint)  # cached: the HTTP server compiled it off its event loop
+            except InputError as e:
+                raise Refused(str(e), "constraint") from e
         blocks = -(-(len(prompt) + params.max_tokens) // self.pool.block_size)
         if blocks > self.pool.n_blocks:
             raise Refused(
@@ -184,6 +199,8 @@ class Engine:
         seq = Sequence(request, index, list(request.prompt), generator, TextOutput(decoder, request.params.stop))
         if request.params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None] * len(request.prompt)  # the first token has none: nothing comes before it
+        if request.params.constraint is not None and self.grammars is not None:
+            seq.matcher = self.grammars.matcher(request.params.constraint)
         return seq
 
     def abort(self, request_id: str) -> None:
@@ -239,7 +256,11 @@ class Engine:
             keep = [i for i, b in enumerate(bad) if not b]
             ready, batch = [ready[i] for i in keep], batch[keep]
         if ready:
-            sampled = sample(batch, [w.seq for w in ready])
+            matchers = [w.seq.matcher for w in ready]
+            allowed = None
+            if any(m is not None for m in matchers):  # structured outputs: each grammar's next tokens
+                allowed = allowed_tokens(matchers, batch.shape[-1], batch.device)
+            sampled = sample(batch, [w.seq for w in ready], allowed)
             for w, token, logprob, top in zip(ready, sampled.tokens, sampled.logprobs, sampled.top, strict=True):
                 if token is None or logprob is None:  # this row's settings failed: it ends alone
                     self.stats.failed += 1
@@ -257,7 +278,9 @@ class Engine:
         cause it; those are missing from the result."""
         decoding = [w for w in work if w.count == 1]
         chunks = [w for w in work if w.count > 1]
-        if self._native_applies(decoding):
+        if self.invariant:
+            groups = [work]
+        elif self._native_applies(decoding):
             groups = [decoding, chunks]
         elif self.packs:
             groups = [decoding + chunks]
@@ -304,6 +327,8 @@ class Engine:
         nb = max(len(t) for t in tables)
         table = torch.tensor([t + t[:1] * (nb - len(t)) for t in tables], device=dev)  # (B, nb), padded
         filled = torch.arange(nb * bs, device=dev) < (starts + torch.tensor(counts, device=dev))[:, None]  # (B, S)
+        if self.invariant:
+            return self._forward_tokens(rows, table, filled)
         if len(set(counts)) == 1:
             T = counts[0]
             tokens = torch.tensor([w.seq.tokens[w.start : w.start + T] for w in rows], device=dev)  # (B, T)
@@ -329,6 +354,22 @@ class Engine:
         last = torch.tensor(counts, device=dev).cumsum(0) - 1  # each row's last query
         return self.model.logits(self.model.norm(h[0, last]))  # (B, V)
 
+    def _forward_tokens(self, rows: list[Work], table: Tensor, filled: Tensor) -> Tensor:
+        """The batch-invariant forward: every token of the rows through the C++ step as a row of its own (table
+        and filled (B, ...) repeated for each of a row's tokens), the head through row-invariant products."""
+        assert self.native is not None
+        dev, counts = self.device, [w.count for w in rows]
+        tokens = torch.tensor([t for w in rows for t in w.seq.tokens[w.start : w.start + w.count]], device=dev)
+        positions = torch.cat([torch.arange(w.start, w.start + w.count, device=dev) for w in rows])  # (N,)
+        row = torch.repeat_interleave(torch.arange(len(rows), device=dev), torch.tensor(counts, device=dev))
+        keys, values = self.cache.grouped_query() or ([], [])
+        h = self.native.run_tokens(
+            tokens, positions=positions, table=table[row].contiguous(), allowed=filled[row], keys=keys, values=values
+        )  # (N, C)
+        self._prompt_logprobs(rows, list(h.split(counts)))
+        last = torch.tensor(counts, device=dev).cumsum(0) - 1
+        return self.native.logits(self.model.norm(h[last]), invariant=True)  # (B, V)
+
     def _prompt_logprobs(self, rows: list[Work], hidden: list[Tensor]) -> None:
         """Record the log-probabilities of the prompt tokens that the rows' states (T, C) predict, for the
         sequences that asked for them: the state at position i gives token i + 1."""
@@ -347,10 +388,20 @@ class Engine:
         seq.tokens.append(token)
         self.stats.generated_tokens += 1
         p = seq.request.params
+        complete = False  # the constraint's text is complete: nothing may follow
+        if seq.matcher is not None:
+            if not seq.matcher.consume_token(token):  # the mask allowed it, so only a grammar engine's fault
+                log.error(
+                    "request %s: its grammar refused token %d: %s", seq.request.id, token, seq.matcher.get_error()
+                )
+                self.stats.failed += 1
+                self._finish(seq, "error")
+                return self._delta(seq)
+            complete = seq.matcher.is_stopped()
         eos = token in self.eos_ids and not p.ignore_eos  # its text is never shown
         length = not eos and (len(seq.generated) >= p.max_tokens or len(seq.tokens) >= self.max_len)
-        text, stopped = seq.output.push(None if eos else token, final=eos or length)
-        reason: FinishReason | None = "stop" if eos or stopped else "length" if length else None
+        text, stopped = seq.output.push(None if eos else token, final=eos or length or complete)
+        reason: FinishReason | None = "stop" if eos or stopped or complete else "length" if length else None
         if reason is not None:
             self._finish(seq, reason)
         prompt = seq.prompt_logprobs if len(seq.generated) == 1 else None  # with the first token
@@ -409,58 +460,20 @@ class Engine:
             prompt_logprobs,
         )
 
-    # ---- embeddings
-
-    @torch.inference_mode()
-    def embed(self, prompt: list[int]) -> Tensor:
-        """The prompt's embedding (C,) fp32: the mean of the model's final hidden states over its tokens (after the
-        final norm), scaled to unit length. Mean pooling: a causal model's states each see a prefix, and their mean
-        weighs the whole text where the last state alone leans on its end; models trained for embeddings usually
-        pool one way, and this one works for any decoder llmkit loads. Runs outside the batch, with no cache."""
-        if not prompt:
-            raise Refused("the input is empty", "input")
-        if len(prompt) > self.max_len:
-            raise Refused(f"the input ({len(prompt)} tokens) exceeds the model's context of {self.max_len}", "input")
-        V = self.model.cfg.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < V for t in prompt):
-            raise Refused(f"token ids must be integers in [0, {V})", "input")
-        tokens = torch.tensor([prompt], device=self.device)
-        h = self.model.norm(self.model.run(tokens, self.model.step_for(tokens, None, None, None)))  # (1, T, C)
-        return torch.nn.functional.normalize(h[0].float().mean(0), dim=0)
-
     # ---- whole requests from Python
 
     def generate(self, prompts: Iterable[list[int]], params: SamplingParams) -> list[Completion]:
         """Run the prompts to completion together (continuous batching inside); one Completion per sequence, in
         the order of the prompts (and of n within each)."""
         ids = [self.add(list(p), params) for p in prompts]
-        done: dict[tuple[str, int], Completion] = {}
-        pending = {(i, k) for i in ids for k in range(params.n)}
-        texts: dict[tuple[str, int], list[str]] = {}
-        tokens: dict[tuple[str, int], list[int]] = {}
-        lps: dict[tuple[str, int], list[float]] = {}
-        tops: dict[tuple[str, int], list[Top]] = {}
-        prompt_lps: dict[tuple[str, int], list[TokenLogprob | None]] = {}
+        keys = [(i, k) for i in ids for k in range(params.n)]
+        deltas: dict[tuple[str, int], list[Delta]] = {key: [] for key in keys}
+        pending = set(keys)
         while pending:
             for d in self.step():
                 key = (d.request_id, d.index)
-                texts.setdefault(key, []).append(d.text)
-                tokens.setdefault(key, []).extend(d.token_ids)
-                lps.setdefault(key, []).extend(d.logprobs)
-                tops.setdefault(key, []).extend(d.top_logprobs)
-                if d.prompt_logprobs is not None:
-                    prompt_lps[key] = d.prompt_logprobs
-                if d.finish_reason is not None and key in pending:
-                    pending.discard(key)
-                    done[key] = Completion(
-                        d.request_id,
-                        d.index,
-                        tokens[key],
-                        "".join(texts[key]),
-                        lps[key],
-                        d.finish_reason,
-                        d.prompt_tokens,
-                        tops[key],
-                        prompt_lps.get(key),
-                    )
-        return [done[(i, k)] for i in ids for k in range(params.n)]
+                if key in deltas:  # (not another caller's request)
+                    deltas[key].append(d)
+                    if d.finish_reason is not None:
+                        pending.discard(key)
+        return [Completion.of(deltas[key]) for key in keys]
