@@ -36,14 +36,15 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from common import ROOT, measure_limits, report, smollm2_gguf
 
 MODEL = "smollm2"
+T = TypeVar("T")
 
 
 @dataclass
@@ -142,10 +143,12 @@ def stream(port: int, prompt: str, max_tokens: int) -> Sample:
     return Sample(times[0] - start, [b - a for a, b in itertools.pairwise(times)], len(times))
 
 
-def closed_loop(port: int, requests: list[tuple[str, int]], concurrency: int) -> Load:
-    load = Load(f"concurrency {concurrency}")
+def clients(requests: list[tuple[str, int]], concurrency: int, send: Callable[[str, int], T]) -> tuple[list[T], float]:
+    """A closed loop: `concurrency` clients each send their next request when the last one ends. Returns what every
+    send returned and the seconds the whole load took."""
     queue: Iterator[tuple[str, int]] = iter(requests)
     lock = threading.Lock()
+    results: list[T] = []
 
     def client() -> None:
         while True:
@@ -153,9 +156,9 @@ def closed_loop(port: int, requests: list[tuple[str, int]], concurrency: int) ->
                 item = next(queue, None)
             if item is None:
                 return
-            sample = stream(port, *item)
+            result = send(*item)
             with lock:
-                load.samples.append(sample)
+                results.append(result)
 
     start = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
@@ -163,7 +166,12 @@ def closed_loop(port: int, requests: list[tuple[str, int]], concurrency: int) ->
         t.start()
     for t in threads:
         t.join()
-    load.seconds = time.perf_counter() - start
+    return results, time.perf_counter() - start
+
+
+def closed_loop(port: int, requests: list[tuple[str, int]], concurrency: int) -> Load:
+    load = Load(f"concurrency {concurrency}")
+    load.samples, load.seconds = clients(requests, concurrency, lambda prompt, n: stream(port, prompt, n))
     return load
 
 

@@ -7,9 +7,12 @@ Loads (serve_bench.py's request sets: 32-512-token prompts cut from the plays, 1
 closed loop at concurrency 1 and 16, streamed, each variant on the same requests:
 - completions: plain (`ignore_eos`), with `logprobs: 5`, and with a JSON schema (`response_format` json_schema: an
   object holding one string, so the text runs as long as the model keeps the string open);
-- chat: plain, and with two tools and `tool_choice: "required"` (the call constrained by the grammar).
-Output tokens/s counts the tokens the server reports in `usage`, over the load's wall time; a constrained reply
-ends when its grammar completes, so its requests may generate fewer tokens than the plain ones. Variants run
+- chat: plain, and with two tools and `tool_choice: "required"` (the call constrained by the grammar);
+- completions, plain, from a second server started with `--batch-invariant` (every token through the C++ step).
+The servers run without the prefix cache (every variant sends the same prompts). Output tokens/s counts the tokens
+the server reports in `usage`, over the load's wall time; a constrained reply
+ends when its grammar completes, so its requests may generate fewer tokens than the plain ones, and more of the
+load is prefill: the median gap between tokens (ITL) shows what a step costs whatever the lengths. Variants run
 interleaved, a different one first each round; the table gives medians over rounds and each variant's ratio to its
 plain counterpart. Then the compile time of typical schemas (cache misses) in-process.
 """
@@ -18,16 +21,16 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import itertools
 import json
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from common import ROOT, measure_limits, report, smollm2_gguf
-from serve_bench import MODEL, ServerProcess, corpus_tokens, request_set
+from serve_bench import MODEL, ServerProcess, clients, corpus_tokens, request_set
 
 STORY = {
     "type": "object",
@@ -69,16 +72,20 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "chat": ("chat/completions", {"ignore_eos": True}),
     "chat, tools required": ("chat/completions", {"tools": TOOLS, "tool_choice": "required"}),
+    "completions, --batch-invariant": ("completions", {"ignore_eos": True}),
 }
+INVARIANT = "completions, --batch-invariant"  # served by the second server
 BASELINE = {
     "completions, logprobs 5": "completions",
     "completions, json_schema": "completions",
     "chat, tools required": "chat",
+    INVARIANT: "completions",
 }
 
 
-def one(port: int, endpoint: str, prompt: str, max_tokens: int, extra: dict[str, Any]) -> int:
-    """One streamed greedy request; returns the completion tokens the server reports."""
+def one(port: int, endpoint: str, prompt: str, max_tokens: int, extra: dict[str, Any]) -> tuple[int, list[float]]:
+    """One streamed greedy request: the completion tokens the server reports, and the gaps between its chunks after
+    the first (one chunk per token)."""
     body: dict[str, Any] = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     body["stream_options"] = {"include_usage": True}
     if endpoint == "completions":
@@ -90,38 +97,25 @@ def one(port: int, endpoint: str, prompt: str, max_tokens: int, extra: dict[str,
     response = conn.getresponse()
     if response.status != 200:
         raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
-    tokens = 0
+    tokens, times = 0, []
     for raw in response:
         line = raw.strip()
         if line.startswith(b"data: {"):
-            usage = json.loads(line[6:]).get("usage")
-            tokens = usage["completion_tokens"] if usage else tokens
+            event = json.loads(line[6:])
+            if event.get("choices"):
+                times.append(time.perf_counter())
+            tokens = event["usage"]["completion_tokens"] if event.get("usage") else tokens
     conn.close()
-    return tokens
+    return tokens, [b - a for a, b in itertools.pairwise(times[1:])]  # (chat's first chunk carries the role)
 
 
-def load(port: int, variant: str, requests: list[tuple[str, int]], concurrency: int) -> float:
-    """Output tokens/s of `requests` sent by `concurrency` clients in a closed loop."""
+def load(port: int, variant: str, requests: list[tuple[str, int]], concurrency: int) -> dict[str, float]:
+    """Output tokens/s of `requests` sent by `concurrency` clients in a closed loop, and the median gap between
+    tokens (the step time those requests saw, whatever their lengths)."""
     endpoint, extra = VARIANTS[variant]
-    queue, lock, total = iter(requests), threading.Lock(), [0]
-
-    def client() -> None:
-        while True:
-            with lock:
-                item = next(queue, None)
-            if item is None:
-                return
-            n = one(port, endpoint, *item, extra)
-            with lock:
-                total[0] += n
-
-    start = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return total[0] / (time.perf_counter() - start)
+    results, seconds = clients(requests, concurrency, lambda prompt, n: one(port, endpoint, prompt, n, extra))
+    gaps = [g for _, gs in results for g in gs]
+    return {"tok_s": sum(n for n, _ in results) / seconds, "itl": statistics.median(gaps) if gaps else float("nan")}
 
 
 def compile_times(n: int = 8) -> dict[str, float]:
@@ -181,20 +175,23 @@ def main() -> None:
     tok, ids = corpus_tokens()
     limits = measure_limits(("fp32",))
     (ROOT / "runs/bench").mkdir(parents=True, exist_ok=True)
-    port = 8721
     command = [str(Path(sys.executable).parent / "llmkit"), "serve", str(smollm2_gguf()), "--model-name", MODEL]
-    command += ["--kv-memory", "2GiB", "--port", str(port), "--max-batch", str(max(levels))]
+    # no prefix cache: every variant runs the same prompts, which a cache would serve to the later ones for free
+    command += ["--kv-memory", "2GiB", "--max-batch", str(max(levels)), "--no-prefix-cache"]
     rows = []
     names = list(VARIANTS)
-    with ServerProcess(f"llmkit-features{port}", command, port):
-        one(port, "completions", "Warm up.", 4, {})
+    with (
+        ServerProcess("llmkit-features8721", [*command, "--port", "8721"], 8721),
+        ServerProcess("llmkit-invariant8722", [*command, "--port", "8722", "--batch-invariant"], 8722),
+    ):
+        for port in (8721, 8722):
+            one(port, "completions", "Warm up.", 4, {})
         for r in range(args.rounds):
             for c in levels:
                 requests = request_set(ids, tok, args.requests, seed=1000 + 10 * r + c)
                 for variant in names[r % len(names) :] + names[: r % len(names)]:
-                    rows.append(
-                        {"round": r, "concurrency": c, "variant": variant, "tok_s": load(port, variant, requests, c)}
-                    )
+                    port = 8722 if variant == INVARIANT else 8721
+                    rows.append({"round": r, "concurrency": c, "variant": variant, **load(port, variant, requests, c)})
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     summary = {**limits.as_dict(), "rows": rows, "compile_ms": compile_times()}
     report(summary, args.json, lambda: print_table(summary, limits))
@@ -202,14 +199,18 @@ def main() -> None:
 
 def print_table(summary: dict[str, Any], limits: Any) -> None:
     print(f"SmolLM2-135M-Instruct Q4_1 through llmkit serve; {limits}")
-    by: dict[tuple[int, str], list[float]] = {}
+    by: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for r in summary["rows"]:
-        by.setdefault((r["concurrency"], r["variant"]), []).append(r["tok_s"])
-    print(f"{'variant':28s} {'concurrency':>11s} {'out tok/s':>9s} {'vs plain':>8s}")
-    for (c, variant), values in sorted(by.items()):
-        base = BASELINE.get(variant)
-        ratio = statistics.median(values) / statistics.median(by[c, base]) if base else 1.0
-        print(f"{variant:28s} {c:11d} {statistics.median(values):9.1f} {ratio:7.2f}x")
+        by.setdefault((r["concurrency"], r["variant"]), []).append(r)
+    median = lambda c, v, key: statistics.median(r[key] for r in by[c, v])  # noqa: E731
+    print(f"{'variant':32s} {'concurrency':>11s} {'out tok/s':>9s} {'vs plain':>8s} {'ITL p50':>8s} {'vs plain':>8s}")
+    for c, variant in sorted(by):
+        base = BASELINE.get(variant, variant)
+        tok, itl = median(c, variant, "tok_s"), median(c, variant, "itl")
+        print(
+            f"{variant:32s} {c:11d} {tok:9.1f} {tok / median(c, base, 'tok_s'):7.2f}x "
+            f"{itl * 1e3:6.1f}ms {itl / median(c, base, 'itl'):7.2f}x"
+        )
     ms = summary["compile_ms"]
     print(
         f"compile (cache miss, median): nested JSON schema {ms['json_schema']:.1f} ms, two tools {ms['tools']:.1f} ms"

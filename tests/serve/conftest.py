@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from pydantic import BaseModel
 
 import llmkit
 
@@ -93,3 +94,18 @@ def wait_for(condition: Any, timeout: float = 60.0, what: str = "the condition")
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.01)
+
+
+class Person(BaseModel):
+    """What the structured-output tests ask LangChain for."""
+
+    name: str
+    age: int
+
+
+def langchain_chat(url: str, max_tokens: int) -> Any:
+    """LangChain's ChatOpenAI against a test server (model "m"), greedy; skips without langchain-openai."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    return langchain_openai.ChatOpenAI(
+        base_url=url + "/v1", api_key="none", model="m", max_tokens=max_tokens, temperature=0, max_retries=0
+    )

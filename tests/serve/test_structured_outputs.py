@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from .conftest import post, wait_for
+from .conftest import Person, langchain_chat, post, wait_for
 
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
@@ -299,17 +299,7 @@ def test_a_slow_compilation_stalls_no_one(tiny):
 
 
 def test_langchain_with_structured_output(smol_server):
-    langchain_openai = pytest.importorskip("langchain_openai")
-    from pydantic import BaseModel
-
-    class Person(BaseModel):
-        name: str
-        age: int
-
-    server, _ = smol_server
-    llm = langchain_openai.ChatOpenAI(
-        base_url=server.url + "/v1", api_key="none", model="m", max_tokens=200, temperature=0, max_retries=0
-    )
+    llm = langchain_chat(smol_server[0].url, max_tokens=200)
     for method in ("json_schema", "json_mode"):
         person = llm.with_structured_output(Person, method=method).invoke(ASK_KEYS)
         assert isinstance(person, Person), (method, person)

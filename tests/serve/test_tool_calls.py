@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from .conftest import post
+from .conftest import Person, langchain_chat, post
 
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
@@ -253,17 +253,7 @@ def test_bad_tool_requests_are_400s_naming_the_field(smol, extra, param):
 
 
 def test_langchain_bind_tools_and_structured_output_by_function_calling(smol):
-    langchain_openai = pytest.importorskip("langchain_openai")
-    from pydantic import BaseModel
-
-    class Person(BaseModel):
-        name: str
-        age: int
-
-    server, _ = smol
-    llm = langchain_openai.ChatOpenAI(
-        base_url=server.url + "/v1", api_key="none", model="m", max_tokens=120, temperature=0, max_retries=0
-    )
+    llm = langchain_chat(smol[0].url, max_tokens=120)
     message = llm.bind_tools([WEATHER, ADD], tool_choice="required").invoke("What is 2 plus 3?")
     assert message.tool_calls and message.tool_calls[0]["name"] in SCHEMAS
     jsonschema.validate(message.tool_calls[0]["args"], SCHEMAS[message.tool_calls[0]["name"]])

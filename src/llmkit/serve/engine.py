@@ -259,7 +259,7 @@ class Engine:
             matchers = [w.seq.matcher for w in ready]
             allowed = None
             if any(m is not None for m in matchers):  # structured outputs: each grammar's next tokens
-                allowed = allowed_tokens(matchers, batch.shape[-1], batch.device)
+                allowed = allowed_tokens(matchers, batch.shape[-1])
             sampled = sample(batch, [w.seq for w in ready], allowed)
             for w, token, logprob, top in zip(ready, sampled.tokens, sampled.logprobs, sampled.top, strict=True):
                 if token is None or logprob is None:  # this row's settings failed: it ends alone

@@ -17,11 +17,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from llmkit.generate.sampling import distribution, draw
 from llmkit.serve.request import Sequence, Top
+from llmkit.serve.structured import mask_logits
 
 log = logging.getLogger("llmkit.serve")
 
@@ -73,16 +75,16 @@ def _plain_greedy(seq: Sequence) -> bool:
     return s.greedy and not penalties and not p.logit_bias
 
 
-def sample(logits: Tensor, seqs: list[Sequence], allowed: Tensor | None = None) -> Sampled:
+def sample(logits: Tensor, seqs: list[Sequence], allowed: np.ndarray | None = None) -> Sampled:
     """logits (B, V), one row per sequence -> the next token of each and its log-probability under the model.
-    allowed (B, V) bool: the tokens each row may take (its grammar's), or None for all."""
+    allowed (B, V) bool: the tokens each row may take (its grammar's, serve/structured.py), or None for all."""
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)  # (B, V)
     if allowed is not None:
-        logits = logits.masked_fill(~allowed, float("-inf"))
+        logits = mask_logits(logits, allowed)
     chosen = logits.argmax(dim=-1)  # (B,): right for greedy rows without penalties
     failed: dict[int, str] = {}
-    nothing = (~allowed.any(dim=-1)).tolist() if allowed is not None else [False] * len(seqs)
+    nothing: list[bool] = [not row.any() for row in allowed] if allowed is not None else [False] * len(seqs)
     for row, seq in enumerate(seqs):
         if nothing[row]:  # a grammar in an error state (its matcher is llguidance's): this row ends alone
             log.error("request %s: its grammar allows no next token; ending that sequence", seq.request.id)

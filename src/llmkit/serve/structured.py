@@ -29,6 +29,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -152,17 +153,23 @@ def _short(message: str, limit: int = 500) -> str:
     return message if len(message) <= limit else message[: limit - 3] + "..."
 
 
-_SHIFTS = torch.arange(32, dtype=torch.int32)
-
-
-def allowed_tokens(matchers: list[Any], vocab_size: int, device: torch.device) -> Tensor:
+def allowed_tokens(matchers: list[Any], vocab_size: int) -> np.ndarray:
     """The tokens each row may take next, (B, V) bool: a matcher's mask, or every token for a row without one
     (None). A matcher in an error state allows nothing, so its row fails in the sampler instead of going off-grammar.
-    """
+    In NumPy, on one thread: torch's parallel elementwise kernels stall when the other cores are busy (unpacking 16
+    masks of 49,152 tokens took 20-24 ms under load, NumPy 0.05 ms)."""
     words = (vocab_size + 31) // 32
-    bits = torch.full((len(matchers), words), -1, dtype=torch.int32)  # all allowed
+    bits = np.full((len(matchers), words), -1, dtype=np.int32)  # all allowed
     for row, m in enumerate(matchers):
         if m is not None:
-            m.unsafe_compute_mask_ptr(bits[row].data_ptr(), words * 4)
-    allowed = ((bits[:, :, None] >> _SHIFTS) & 1).bool().view(len(matchers), words * 32)[:, :vocab_size]
-    return allowed.to(device)
+            m.unsafe_compute_mask_ptr(bits[row].ctypes.data, words * 4)
+    return np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size].astype(bool)
+
+
+def mask_logits(logits: Tensor, allowed: np.ndarray) -> Tensor:
+    """A copy of logits (B, V) whose tokens `allowed` does not allow are -inf (in NumPy on the CPU, as above)."""
+    if logits.device.type == "cpu":
+        out = logits.clone()
+        np.putmask(out.numpy(), ~allowed, -np.inf)
+        return out
+    return logits.masked_fill(~torch.from_numpy(allowed).to(logits.device), float("-inf"))
