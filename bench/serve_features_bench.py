@@ -7,7 +7,8 @@ Loads (serve_bench.py's request sets: 32-512-token prompts cut from the plays, 1
 closed loop at concurrency 1 and 16, streamed, each variant on the same requests:
 - completions: plain (`ignore_eos`), with `logprobs: 5`, and with a JSON schema (`response_format` json_schema: an
   object holding one string, so the text runs as long as the model keeps the string open);
-- chat: plain, and with two tools and `tool_choice: "required"` (the call constrained by the grammar);
+- chat: plain, with two tools offered (`auto`: the same prompt, which the definitions lengthen by ~200 tokens, and no
+  grammar), and with `tool_choice: "required"` (the call constrained by the grammar), compared with `auto`;
 - completions, plain, from a second server started with `--batch-invariant` (every token through the C++ step).
 The servers run without the prefix cache (every variant sends the same prompts). Output tokens/s counts the tokens
 the server reports in `usage`, over the load's wall time; a constrained reply
@@ -71,6 +72,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         {"response_format": {"type": "json_schema", "json_schema": {"name": "story", "schema": STORY}}},
     ),
     "chat": ("chat/completions", {"ignore_eos": True}),
+    "chat, tools auto": ("chat/completions", {"tools": TOOLS, "ignore_eos": True}),  # the same prompt, no grammar
     "chat, tools required": ("chat/completions", {"tools": TOOLS, "tool_choice": "required"}),
     "completions, --batch-invariant": ("completions", {"ignore_eos": True}),
 }
@@ -78,7 +80,8 @@ INVARIANT = "completions, --batch-invariant"  # served by the second server
 BASELINE = {
     "completions, logprobs 5": "completions",
     "completions, json_schema": "completions",
-    "chat, tools required": "chat",
+    "chat, tools auto": "chat",
+    "chat, tools required": "chat, tools auto",
     INVARIANT: "completions",
 }
 

@@ -110,9 +110,9 @@ class NativeStep(DecodeStep):
     `invariant` (batch-invariant decoding): every token goes through the C++ step, a prompt in pieces of MAX_TOKENS,
     and the head through row-invariant products, so a token's logits are the same bits whether it is decoded alone,
     in a batch, as part of a prompt or among a speculative round's drafts, and whatever the chunking: greedy output
-    then equals the serving engine's in its batch-invariant mode, and speculation's equals plain decoding's. A
-    prompt's prefill costs more that way (the products round activations to int8 and read the weights once per
-    piece instead of running one fp32 matrix product)."""
+    then equals the serving engine's in its batch-invariant mode, and speculation's equals plain decoding's. A long
+    prompt's prefill may cost more that way (the weights are read once per piece of MAX_TOKENS, and the products
+    round activations to int8, instead of one fp32 matrix product)."""
 
     def __init__(self, model: DecoderLM, native: NativeDecoder, invariant: bool = False) -> None:
         super().__init__(model)
