@@ -155,3 +155,16 @@ def test_a_gguf_file_drafts_for_itself_kept_quantized(capsys):
     assert out.out == plain
     loads = [line for line in out.err.splitlines() if line.startswith("loaded")]
     assert "float32" in loads[0] and "int4" in loads[1]  # the target, then the draft
+
+
+def test_batch_invariant_generation_from_the_command_line(checkpoints, capsys):
+    """--batch-invariant runs the prompt through the C++ step too; a model that cannot take it is one clear error."""
+    from llmkit.quant import native
+
+    d = str(checkpoints / "draft")  # a LLaMA-style model: the C++ step takes it
+    base = ["generate", d, "--prompt", "to be or not to be, that is", "--max-new-tokens", "8", "--temperature", "0"]
+    if native.available():
+        assert run(capsys, *base, "--batch-invariant").startswith("to be or not")
+    t = str(checkpoints / "target")  # DeepSeek's latent attention: it cannot
+    assert main(["generate", t, "--prompt", "to be", "--max-new-tokens", "2", "--batch-invariant"]) == 2
+    assert "batch-invariant decoding needs llmkit's C++ decode step" in capsys.readouterr().err
