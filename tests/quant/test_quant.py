@@ -332,5 +332,6 @@ def test_a_lock_left_by_an_interrupted_build_does_not_hang_the_next_command():
     # the timeout bounds a hung run only (loading takes seconds); before the fix the child waited forever
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
-    assert "removing a lock left by an interrupted build" in done.stderr
+    # the child removed it (and said so), unless another process loading the kernels meanwhile (a pytest-xdist
+    # worker, another command sharing torch's extension cache) took the build lock and removed it first
     assert not (directory / "lock").exists()
