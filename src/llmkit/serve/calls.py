@@ -252,8 +252,8 @@ class Call:
             if self.tools is not None:  # prose streams; what may be a call is held to the end and parsed
                 text = streams[k].push(d.text)
                 if reason is not None:
-                    rest, calls = streams[k].finish()
-                    text, calls = text + rest, calls if self.tools.several else calls[:1]
+                    rest, calls = self.tools.end(streams[k])
+                    text += rest
                     reason_text = self.tools.finish_reason(calls, reason)
             delta: dict[str, Any] = {"content": text} if text or reason is None else {}
             logprobs = chat_logprobs(self.names, d.token_ids, d.logprobs, d.top_logprobs) if self.logprobs else None

@@ -199,7 +199,6 @@ class ToolText:
         self.fmt, self.names = fmt, names
         self.held = ""
         self.holding = False  # a call may have begun: keep everything until the end
-        self.given = ""
 
     def push(self, text: str) -> str:
         """New text -> the prose that can be given out now."""
@@ -216,14 +215,14 @@ class ToolText:
                 self.holding, self.held = True, pending
                 return ""
             self.held = ""
-            return self._give(pending)
+            return pending
         at = pending.find(OPEN)
         if at >= 0:
             self.holding, self.held = True, pending[at:]
-            return self._give(pending[:at])
+            return pending[:at]
         keep = next((n for n in range(min(len(OPEN) - 1, len(pending)), 0, -1) if pending.endswith(OPEN[:n])), 0)
         self.held = pending[len(pending) - keep :]
-        return self._give(pending[: len(pending) - keep])
+        return pending[: len(pending) - keep]
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The reply ended: (the rest of the prose, the calls in what was held)."""
@@ -232,12 +231,8 @@ class ToolText:
             return "", []
         content, calls = parse(held, self.fmt, self.names)
         if not calls:
-            return self._give(held), []
-        return self._give(content or ""), calls
-
-    def _give(self, text: str) -> str:
-        self.given += text
-        return text
+            return held, []
+        return content or "", calls
 
 
 @dataclass(frozen=True)
@@ -253,10 +248,18 @@ class ToolUse:
 
     def reply(self, text: str) -> tuple[str | None, list[ToolCall]]:
         content, calls = parse(text, self.fmt, self.names)
-        return content, calls if self.several else calls[:1]
+        return content, self._allowed(calls)
 
     def stream(self) -> ToolText:
         return ToolText(self.fmt, self.names)
+
+    def end(self, stream: ToolText) -> tuple[str, list[ToolCall]]:
+        """A streamed reply ended: the rest of its prose and its calls."""
+        rest, calls = stream.finish()
+        return rest, self._allowed(calls)
+
+    def _allowed(self, calls: list[ToolCall]) -> list[ToolCall]:
+        return calls if self.several else calls[:1]  # parallel_tool_calls false: the first call only
 
     def finish_reason(self, calls: list[ToolCall], reason: str | None) -> str | None:
         """OpenAI's: 'tool_calls' when the model chose to call, 'stop' when the call was forced by name."""
