@@ -1,5 +1,9 @@
 """Helpers shared by test modules."""
 
+from pathlib import Path
+
+import pytest
+import torch
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -39,3 +43,38 @@ def fuzz_settings() -> object:
         derandomize=os.environ.get("LLMKIT_FUZZ_RANDOM") != "1",
         suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
     )
+
+
+TEXT = (
+    "Now is the winter of our discontent made glorious summer by this sun of York; and all the clouds that lour'd "
+    "upon our house in the deep bosom of the ocean buried. To be, or not to be, that is the question."
+)
+
+
+def byte_tokenizer() -> Tokenizer:
+    """A byte-level BPE (any text encodes; 360 tokens), <s> and </s> first (</s> pads), no start token added."""
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    backend.train_from_iterator([TEXT] * 20, trainer)
+    return Tokenizer(backend, bos_id=0, eos_id=1, pad_id=1, add_bos=False)
+
+
+def save_tiny(folder: Path, family: str, context: int = 128) -> Path:
+    """A random two-block model of `family` (llama or qwen2) and the byte tokenizer, as a Hugging Face directory;
+    `context`: its max_position_embeddings."""
+    transformers = pytest.importorskip("transformers")
+    tok = byte_tokenizer()
+    shape = dict(
+        vocab_size=tok.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=96, max_position_embeddings=context, bos_token_id=0, eos_token_id=1, pad_token_id=1,
+    )  # fmt: skip
+    config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family](**shape)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(folder)
+    tok.save(folder)
+    return folder

@@ -11,6 +11,7 @@ generation.py.
     llmkit merge RUN OUT                    fold a LoRA run's adapters into its base checkpoint
     llmkit graft-mtp CHECKPOINT OUT --data DIR   a drafting MTP module taught on the model's own text
     llmkit distill-draft CHECKPOINT OUT --data DIR   a draft model made of a few of its blocks, distilled likewise
+    llmkit eval CHECKPOINT --tasks NAMES | --perplexity TEXT [--reference MODEL]   accuracy, perplexity, KL
     llmkit serve CHECKPOINT [--port 8000] [--api-key KEY] [--kv-memory 2GiB]   an OpenAI-compatible server
 """
 
@@ -20,6 +21,7 @@ from collections.abc import Sequence
 
 from llmkit.cli.app import Command, run
 from llmkit.cli.data import prepare
+from llmkit.cli.evaluation import eval_
 from llmkit.cli.generation import chat, generate
 from llmkit.cli.models import compare, convert, inspect, presets, quantize
 from llmkit.cli.serving import serve
@@ -41,6 +43,7 @@ COMMANDS: tuple[Command, ...] = (
     distill_draft,
     generate,
     chat,
+    eval_,
     serve,
 )
 

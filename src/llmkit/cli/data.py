@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from llmkit.errors import InputError
@@ -54,11 +55,13 @@ def prepare(
 
     source: 'shakespeare' (the default corpus), a text file, a folder of text files or a .jsonl file; for translation
         'bible:SRC-TGT' (e.g. bible:de-en, the default parallel corpus) or, with --parallel, a .tsv / .jsonl file;
-        'chat' for conversations (the file follows; needs --tokenizer CHECKPOINT for its chat template).
+        'chat' for conversations (the file follows; needs --tokenizer CHECKPOINT for its chat template); 'tasks' for
+        llmkit's offline evaluation tasks (lm-evaluation-harness YAML and JSONL: `llmkit eval --include-path OUT`).
     conversations: with 'chat': a .jsonl file with one {"messages": [{"role": ..., "content": ...}, ...]} per line;
         the loss of fine-tuning counts only the assistant's tokens.
     out: the folder to write (default runs/data/shakespeare, runs/data/bible-SRC-TGT for the Bible, runs/data/chat
-        for conversations); built beside it and renamed into place when complete. Never a checkpoint or a run.
+        for conversations, runs/tasks for tasks); built beside it and renamed into place when complete. Never a
+        checkpoint or a run.
     vocab_size: size of the byte-level BPE vocabulary to train (default 4096; 8000 for sentence pairs).
     val_fraction: language models: the share of every document, at its end, kept for validation (0.1);
         sentence pairs: the share of pairs, chosen by a hash of the source sentence (0.01); conversations: the
@@ -67,6 +70,8 @@ def prepare(
     """
     if source == "chat":
         prepare_conversations(conversations, out, val_fraction, text_corpus, overwrite)
+    elif source == "tasks":
+        prepare_tasks(out, overwrite)
     elif conversations is not None:
         raise InputError(f"a second argument ({conversations!r}) is only for 'llmkit prepare chat FILE.jsonl'")
     elif sentence_pairs.parallel or source == "bible" or source.startswith("bible:"):
@@ -74,6 +79,16 @@ def prepare(
     else:
         prepare_text(source, out, vocab_size, val_fraction, text_corpus, overwrite)
     return 0
+
+
+def prepare_tasks(out: str | None, overwrite: bool) -> None:
+    """Write llmkit's offline evaluation tasks and print what they hold."""
+    from llmkit.evaluate.tasks import write_tasks
+
+    target = write_tasks(out or "runs/tasks", overwrite=overwrite)
+    meta = json.loads((target / "meta.json").read_text(encoding="utf-8"))
+    counts = ", ".join(f"{name} ({t['questions']:,} questions)" for name, t in meta["tasks"].items())
+    print(f"wrote {counts} to {target}: llmkit eval CHECKPOINT --tasks NAME --include-path {target}")
 
 
 def prepare_conversations(
