@@ -184,3 +184,27 @@ def test_gpu_quantized_kernels_match_the_dequantized_reference(bits):
         reference = torch.nn.functional.linear(x.float(), layer.dequantize(), layer.bias.float())
         out = layer(x).float()
     assert (out - reference).abs().max() < 0.02 * reference.abs().max()
+
+
+def test_gpu_evaluation_equals_the_cpu():
+    """`llmkit eval`'s scoring and perplexity give on the GPU what they give on the CPU (fp32)."""
+    from llmkit.evaluate import divergence, score
+
+    cpu, gpu = pair("llama2-7b-tiny")
+    pairs = [([5, 17, 33, 2], [41, 9]), ([5, 17, 33, 2], [8]), ([60, 12], [7, 3, 3, 1]), ([3], [44, 45])]
+    on_cpu = score(cpu, pairs, max_length=64, batch_size=2)
+    on_gpu = score(gpu, pairs, max_length=64, batch_size=2)
+    assert [s.logprob for s in on_gpu] == pytest.approx([s.logprob for s in on_cpu], abs=1e-3)
+    from helpers import byte_tokenizer
+
+    tok = byte_tokenizer()
+    cfg = dataclasses.replace(get_preset("llama2-7b-tiny"), vocab_size=tok.vocab_size)
+    torch.manual_seed(0)
+    cpu = build_model(cfg).eval()
+    gpu = build_model(cfg, device="cuda").eval()
+    gpu.load_state_dict(cpu.state_dict())
+    text = "to be or not to be, that is the question " * 6
+    d_cpu = divergence(cpu, cpu, tok, text, window=24, stride=12)
+    d_gpu = divergence(gpu, gpu, tok, text, window=24, stride=12)
+    assert float(d_gpu.kl.max()) == 0.0
+    assert d_gpu.model.nll == pytest.approx(d_cpu.model.nll, rel=1e-4)
