@@ -105,17 +105,21 @@ def _task(folder: Path) -> Path:
     return folder
 
 
-def test_a_local_task_scores_as_the_hf_model_scores_it(pair, tmp_path):
+def test_a_local_task_scores_as_the_hf_model_scores_it(pair, tiny_hf, tmp_path):
     ours, theirs = pair
     tasks = _task(tmp_path / "tasks")
     mine = run_tasks(ours, ["tiny_mc"], include_path=[tasks], log_samples=True)
     from lm_eval.tasks import TaskManager
 
-    reference = lm_eval.simple_evaluate(
-        model=theirs, tasks=["tiny_mc"], task_manager=TaskManager(include_path=str(tasks)), bootstrap_iters=0
-    )
+    def harness(model, **kwargs):
+        manager = TaskManager(include_path=str(tasks))
+        return lm_eval.simple_evaluate(model=model, tasks=["tiny_mc"], task_manager=manager, **kwargs)
+
+    reference = harness(theirs, bootstrap_iters=0)
+    by_name = harness("llmkit", model_args=f"checkpoint={tiny_hf},dtype=fp32,max_length={MAX_LENGTH}", batch_size=2)
     for metric in ("acc,none", "acc_norm,none"):
         assert mine["results"]["tiny_mc"][metric] == reference["results"]["tiny_mc"][metric]
+        assert by_name["results"]["tiny_mc"][metric] == reference["results"]["tiny_mc"][metric]
     scores = [float(r[0]) for s in mine["samples"]["tiny_mc"] for r in s["filtered_resps"]]
     expected = [float(r[0]) for s in reference["samples"]["tiny_mc"] for r in s["filtered_resps"]]
     assert scores == pytest.approx(expected, abs=1e-5, rel=1e-6)
