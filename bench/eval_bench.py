@@ -50,9 +50,9 @@ WINDOW, STRIDE = 1024, 512
 
 def held_out_text(tok: Any, tokens: int) -> str:
     """The first `tokens` tokens of the held-out tenth of each play, as `llmkit eval --perplexity shakespeare`."""
-    from llmkit.cli.evaluation import _first_tokens, _read_text
+    from llmkit.evaluate.texts import first_tokens, read_text
 
-    return _first_tokens(tok, _read_text("shakespeare"), tokens)
+    return first_tokens(tok, read_text("shakespeare"), tokens)
 
 
 def variants(args: argparse.Namespace) -> dict[str, Any]:

@@ -12,7 +12,8 @@ from llmkit.data.corpus import shakespeare
 from llmkit.data.pairs import bible_pairs, split_of
 from llmkit.data.prepare import split_document
 from llmkit.errors import OutputError
-from llmkit.evaluate.tasks import BIBLE_SPLIT, GROUP, SHAKESPEARE_VAL, TASKS, write_tasks
+from llmkit.evaluate.tasks import BIBLE_SPLIT, GROUP, TASKS, write_tasks
+from llmkit.evaluate.texts import SHAKESPEARE_VAL
 
 
 def _questions(folder: Path, name: str) -> list[dict]:

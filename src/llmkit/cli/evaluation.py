@@ -9,7 +9,6 @@ import platform
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmkit.cli.common import DType, load_decoder
@@ -193,12 +192,13 @@ def _perplexity(
     from tqdm import tqdm
 
     from llmkit.evaluate.perplexity import check_same_vocabulary, divergence, perplexity, text_tokens
+    from llmkit.evaluate.texts import first_tokens, read_text
 
-    text = _read_text(options.perplexity or "")
+    text = read_text(options.perplexity or "")
     window = min(options.window, model.cfg.position.max_seq_len)
     stride = options.stride or max(1, window // 2)
     if options.max_tokens is not None:
-        text = _first_tokens(tok, text, options.max_tokens)
+        text = first_tokens(tok, text, options.max_tokens)
     total = len(text_tokens(tok, text)) - 1
     reference = None
     if options.reference is not None:
@@ -217,47 +217,3 @@ def _perplexity(
     for key, value in report.items():
         print(f"{key:<{width}}  {value:.6g}" if isinstance(value, float) else f"{key:<{width}}  {value}")
     return report
-
-
-def _first_tokens(tok: Tokenizer, text: str, n: int) -> str:
-    """The text cut after its first n tokens (at a token boundary, as the tokenizer decodes them)."""
-    ids = tok.encode(text, add_bos=False)
-    return text if len(ids) <= n else tok.decode(ids[:n])
-
-
-def _read_text(source: str) -> str:
-    """The text --perplexity names: 'shakespeare', a prepared data folder's validation split, or a text file."""
-    if source == "shakespeare":
-        from llmkit.data.corpus import shakespeare
-        from llmkit.data.prepare import split_document
-        from llmkit.evaluate.tasks import SHAKESPEARE_VAL
-
-        return "\n".join(split_document(doc.text, SHAKESPEARE_VAL)[1] for doc in shakespeare())
-    path = Path(source)
-    if path.is_dir() and (path / "meta.json").is_file():
-        return _prepared_val(path)
-    if path.is_file():
-        try:
-            return path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise InputError(f"{path} is not UTF-8 text (byte {e.start}): --perplexity reads text") from None
-    raise InputError(
-        f"--perplexity {source!r} is neither 'shakespeare', a prepared data folder (with meta.json) nor a text file"
-    )
-
-
-def _prepared_val(folder: Path) -> str:
-    """A prepared text corpus's validation split, decoded with the folder's own tokenizer, documents one after
-    the other."""
-    import numpy as np
-
-    from llmkit.tokenizer import Tokenizer
-
-    meta = json.loads((folder / "meta.json").read_text(encoding="utf-8"))
-    val = meta.get("splits", {}).get("val")
-    tok = Tokenizer.from_dir(folder)
-    if meta.get("format") != "llmkit-tokens" or not val or tok is None:
-        raise InputError(f"{folder} is not a prepared text corpus with a validation split (llmkit prepare)")
-    ids = np.concatenate([np.fromfile(folder / f, dtype=meta["dtype"]) for f in val["files"]])
-    documents = np.split(ids, np.flatnonzero(ids == meta["eot_id"]) + 1)
-    return "\n".join(tok.decode(d.tolist()) for d in documents if len(d))

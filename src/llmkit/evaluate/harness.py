@@ -68,10 +68,8 @@ class HarnessModel(TemplateLM):
         module): any checkpoint llmkit loads."""
         from lm_eval.utils import simple_parse_args_string
 
-        from llmkit.cli.common import load_decoder
-
         args = {**simple_parse_args_string(arg_string), **(additional_config or {})}
-        model, tok = load_decoder(str(args["checkpoint"]), args.get("dtype"), args.get("device"))
+        model, tok = load_for_evaluation(str(args["checkpoint"]), args.get("dtype"), args.get("device"))
         size = args.get("batch_size")
         return cls(
             model,
@@ -181,6 +179,24 @@ class HarnessModel(TemplateLM):
 
     def _bar(self, total: int, what: str, disabled: bool) -> tqdm[Any]:
         return tqdm(total=total, desc=what, unit=" requests", disable=disabled or not self.progress)
+
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "float32": "float32", "bfloat16": "bfloat16"}
+
+
+def load_for_evaluation(checkpoint: str, dtype: str | None, device: str | None) -> tuple[DecoderLM, Tokenizer]:
+    """A decoder-only model and its tokenizer from any checkpoint llmkit loads (a run gives its latest checkpoint);
+    dtype: fp32, bf16, fp16 (or torch's names), None for the checkpoint's own."""
+    from llmkit.interop.load import load_model
+    from llmkit.runs import resolve_checkpoint
+
+    if dtype is not None and dtype not in DTYPES:
+        raise InputError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    precision = getattr(torch, DTYPES[dtype]) if dtype is not None else None
+    loaded = load_model(resolve_checkpoint(checkpoint, averaged=False), dtype=precision, device=device)
+    if loaded.tokenizer is None or not isinstance(loaded.model, DecoderLM):
+        raise InputError(f"{checkpoint}: evaluation needs a decoder-only model with a tokenizer")
+    return loaded.model.eval(), loaded.tokenizer
 
 
 def _sampling(settings: dict[str, Any]) -> Sampling:

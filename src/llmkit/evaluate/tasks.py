@@ -28,11 +28,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from llmkit.evaluate.texts import SHAKESPEARE_VAL
 from llmkit.outputs import building, claim
 
 VERSION = 1  # bump when the questions change: the cached copy is then rewritten beside the old one
 QUESTIONS = 1000  # at most, per task
-SHAKESPEARE_VAL = 0.1  # llmkit prepare's default validation share of a text corpus
 BIBLE_SPLIT = (0.01, 0.02)  # llmkit prepare bible:de-en's (val, test) shares
 MIN_LINE = 25  # characters: shorter lines ("My lord.") recur across plays and say little
 CONTEXT_LINES = 5  # lines of the speech before the answer, at most
