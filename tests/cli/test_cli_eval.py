@@ -84,3 +84,12 @@ def test_list_tasks_names_the_offline_tasks(capsys):
     assert main(["eval", "--list-tasks"]) == 0
     names = capsys.readouterr().out.split()
     assert {"llmkit_offline", "llmkit_bible_de_en", "llmkit_shakespeare_next_line", "arc_easy"} <= set(names)
+
+
+def test_prepare_tasks_writes_them_where_asked(tmp_path, capsys):
+    out = tmp_path / "tasks"
+    assert main(["prepare", "tasks", "--out", str(out)]) == 0
+    assert f"--include-path {out}" in capsys.readouterr().out
+    assert {"llmkit_offline.yaml", "llmkit_bible_de_en.jsonl", "meta.json"} <= {p.name for p in out.iterdir()}
+    assert main(["prepare", "tasks", "--out", str(out)]) == 2
+    assert "--overwrite" in capsys.readouterr().err

@@ -76,15 +76,21 @@ def test_rolling_loglikelihood_is_the_perplexity_computed_directly(pair):
 def test_generate_until_equals_llmkit_generate(pair, tiny_hf, capsys):
     ours, theirs = pair
     settings = {"until": ["."], "max_gen_toks": 12, "do_sample": False}
-    prompts = ["Now is the winter", "To be, or not"]
+    prompts = ["Now is the winter", "To be, or not", "the deep", "In the deep bosom of the ocean", "and all"]
+    # five prompts, batches of three: the settings hold for the second batch too
     mine = ours.generate_until(_instances("generate_until", [(p, dict(settings)) for p in prompts]), disable_tqdm=True)
-    for prompt, text in zip(prompts, mine, strict=True):
+    for prompt, text in list(zip(prompts, mine, strict=True))[:2]:
         capsys.readouterr()
         args = ["generate", str(tiny_hf), "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "12"]
         assert main([*args, "--stop", ".", "--dtype", "fp32"]) == 0
         assert capsys.readouterr().out == prompt + text + "\n"
     reference = theirs.generate_until(_instances("generate_until", [(p, dict(settings)) for p in prompts]))
     assert mine == reference
+    # a stop text of several tokens, and the harness's other name for the length: cut where hf cuts
+    other = {"until": ["the ocean", "our"], "max_new_tokens": 20, "do_sample": False}
+    args = [(p, dict(other)) for p in prompts]
+    mine = ours.generate_until(_instances("generate_until", args), disable_tqdm=True)
+    assert mine == theirs.generate_until(_instances("generate_until", args))
 
 
 def _task(folder: Path) -> Path:
@@ -144,3 +150,5 @@ def test_a_context_shared_by_the_choices_is_computed_once(tiny_hf):
     assert step.fed == len(context) + sum(len(c) - 1 for c in choices)  # not len(choices) * len(context)
     alone = [score(model, [(context, c)], max_length=MAX_LENGTH * 2)[0] for c in choices]
     assert [s.logprob for s in together] == pytest.approx([s.logprob for s in alone], abs=1e-5)
+    split = score(model, [(context, c) for c in choices], max_length=MAX_LENGTH * 2, batch_size=3)  # over 2 batches
+    assert [s.logprob for s in split] == pytest.approx([s.logprob for s in together], abs=1e-5)

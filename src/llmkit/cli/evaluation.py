@@ -92,6 +92,13 @@ def eval_(
     if checkpoint is None:
         raise InputError("give the checkpoint to score: llmkit eval CHECKPOINT --tasks NAMES | --perplexity TEXT")
     _check(harness, text, batch_size)
+    # what can be refused without the model is checked first: task names, the text, the output file
+    manager = _task_manager(harness) if harness.tasks is not None else None
+    source = None
+    if text.perplexity is not None:
+        from llmkit.evaluate.texts import read_text
+
+        source = read_text(text.perplexity)
     out = None
     if output is not None:
         from llmkit.outputs import claim
@@ -100,10 +107,10 @@ def eval_(
     started = time.time()
     model, tok = load_decoder(checkpoint, dtype, device, verify=not no_verify)
     report: dict[str, Any] = {"checkpoint": checkpoint, "settings": _settings(harness, text, batch_size, seed, dtype)}
-    if text.perplexity is not None:
-        report["perplexity"] = _perplexity(model, tok, text, device, not no_verify)
-    if harness.tasks is not None:
-        report.update(_tasks(model, tok, harness, batch_size, seed))
+    if source is not None:
+        report["perplexity"] = _perplexity(model, tok, source, text, device, not no_verify)
+    if manager is not None:
+        report.update(_tasks(model, tok, manager, harness, batch_size, seed))
     report["seconds"] = round(time.time() - started, 1)
     report["versions"] = _versions()
     if out is not None:
@@ -148,34 +155,50 @@ def _versions() -> dict[str, str]:
     return found
 
 
-def _list_tasks(include_path: list[str]) -> int:
-    from llmkit.evaluate.harness import task_names
+def _harness() -> Any:
+    """llmkit.evaluate.harness, or an InputError saying how to install lm-evaluation-harness."""
+    try:
+        from llmkit.evaluate import harness
+    except ImportError as e:
+        raise InputError(
+            f"tasks need lm-evaluation-harness ({e.name} is missing): pip install 'llmkit[eval]'"
+        ) from None
+    return harness
 
-    manager = task_names(include_path)
+
+def _list_tasks(include_path: list[str]) -> int:
+    manager = _harness().task_names(include_path)
     for name in sorted(set(manager.all_subtasks) | set(manager.all_groups)):
         print(name)
     return 0
 
 
-def _tasks(model: DecoderLM, tok: Tokenizer, harness: TaskOptions, batch_size: int, seed: int) -> dict[str, Any]:
-    """The harness's results for --tasks, printed as its table."""
-    try:
-        from lm_eval.utils import make_table
+def _names(harness: TaskOptions) -> list[str]:
+    return [t.strip() for t in (harness.tasks or "").split(",") if t.strip()]
 
-        from llmkit.evaluate.harness import HarnessModel, run_tasks
-    except ImportError as e:
-        raise InputError(
-            f"--tasks needs lm-evaluation-harness ({e.name} is missing): pip install 'llmkit[eval]'"
-        ) from None
-    names = [t.strip() for t in (harness.tasks or "").split(",") if t.strip()]
-    limit = None if harness.limit is None else (int(harness.limit) if harness.limit >= 1 else harness.limit)
-    lm = HarnessModel(model, tok, batch_size=batch_size)
-    results = run_tasks(
-        lm,
-        names,
-        include_path=harness.include_path or [],
+
+def _task_manager(options: TaskOptions) -> Any:
+    """The harness's task registry with llmkit's offline tasks and --include-path, the --tasks names checked."""
+    harness = _harness()
+    manager = harness.task_names(options.include_path or [])
+    harness.check_tasks(manager, _names(options))
+    return manager
+
+
+def _tasks(
+    model: DecoderLM, tok: Tokenizer, manager: Any, options: TaskOptions, batch_size: int, seed: int
+) -> dict[str, Any]:
+    """The harness's results for --tasks, printed as its table."""
+    from lm_eval.utils import make_table
+
+    harness = _harness()
+    limit = None if options.limit is None else (int(options.limit) if options.limit >= 1 else options.limit)
+    results = harness.run_tasks(
+        harness.HarnessModel(model, tok, batch_size=batch_size, seed=seed),
+        _names(options),
+        manager=manager,
         limit=limit,
-        num_fewshot=harness.num_fewshot,
+        num_fewshot=options.num_fewshot,
         seed=seed,
         on_loaded=lambda loaded: print(f"tasks: {', '.join(loaded)}", file=sys.stderr, flush=True),
     )
@@ -186,15 +209,14 @@ def _tasks(model: DecoderLM, tok: Tokenizer, harness: TaskOptions, batch_size: i
 
 
 def _perplexity(
-    model: DecoderLM, tok: Tokenizer, options: PerplexityOptions, device: str | None, verify: bool
+    model: DecoderLM, tok: Tokenizer, text: str, options: PerplexityOptions, device: str | None, verify: bool
 ) -> dict[str, Any]:
     """Perplexity on the --perplexity text, and the divergence from --reference: printed, and returned."""
     from tqdm import tqdm
 
     from llmkit.evaluate.perplexity import check_same_vocabulary, divergence, perplexity, text_tokens
-    from llmkit.evaluate.texts import first_tokens, read_text
+    from llmkit.evaluate.texts import first_tokens
 
-    text = read_text(options.perplexity or "")
     window = min(options.window, model.cfg.position.max_seq_len)
     stride = options.stride or max(1, window // 2)
     if options.max_tokens is not None:

