@@ -48,6 +48,20 @@ LLAMA_QUANTIZE = ROOT / "runs/llama.cpp/build/bin/llama-quantize"
 WINDOW, STRIDE = 1024, 512
 
 
+def cpu_name() -> str:
+    """The CPU as /proc/cpuinfo names it, with its family and what matters here (AVX-512, AMX), e.g. 'AMD EPYC
+    (family 26; AVX-512)'."""
+    try:
+        info = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    except OSError:
+        return platform.processor() or platform.machine()
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = fields.get("flags", "").split()
+    features = [f for f, flag in (("AVX-512", "avx512f"), ("AMX", "amx_tile")) if flag in flags] or ["AVX2"]
+    return f"{fields.get('model name', '?')} (family {fields.get('cpu family', '?')}; {', '.join(features)})"
+
+
 def held_out_text(tok: Any, tokens: int) -> str:
     """The first `tokens` tokens of the held-out tenth of each play, as `llmkit eval --perplexity shakespeare`."""
     from llmkit.evaluate.texts import first_tokens, read_text
@@ -98,6 +112,8 @@ def quality(args: argparse.Namespace) -> list[dict[str, Any]]:
     reference = loaders["fp32"]().eval()
     rows = []
     for name, load in loaders.items():
+        if args.trained_only:
+            break
         started = time.perf_counter()
         model = load().eval()
         d = divergence(model, reference, tok, text, window=WINDOW, stride=STRIDE)
@@ -193,6 +209,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=8192, help="held-out tokens for perplexity and KL")
     p.add_argument("--timing-questions", type=int, default=250, help="questions (x4 requests) timed on each side")
     p.add_argument("--skip-quality", action="store_true")
+    p.add_argument("--trained-only", action="store_true", help="of the quality rows, only the trained checkpoints")
     p.add_argument("--side", choices=["llmkit", "hf"], help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
@@ -203,11 +220,12 @@ def main() -> None:
         return
     limits = measure_limits()
     summary: dict[str, Any] = {
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_name(),
         "threads": torch.get_num_threads(),
         "limits": str(limits),
-        "timing": timing(args),
     }
+    if not args.trained_only:
+        summary["timing"] = timing(args)
     if not args.skip_quality:
         summary["quality"] = quality(args)
     report(summary, args.json, lambda: table(summary, args))
@@ -215,14 +233,15 @@ def main() -> None:
 
 def table(s: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"{s['cpu']}, {s['threads']} threads; {s['limits']}")
-    t = s["timing"]
-    for side in ("llmkit", "hf"):
+    t = s.get("timing", {})
+    for side in [k for k in ("llmkit", "hf") if k in t]:
         r = t[side]
         print(
             f"{side:>7}: {r['requests']} requests in {r['seconds']:.1f} s ({1000 * r['seconds'] / r['requests']:.1f} s "
             f"per 1,000), acc {r['acc']:.3f}, peak memory {r['peak_rss_gib']:.2f} GiB"
         )
-    print(f"llmkit is {t['ratio']:.2f}x as fast as lm-evaluation-harness's hf model")
+    if t:
+        print(f"llmkit is {t['ratio']:.2f}x as fast as lm-evaluation-harness's hf model")
     if "quality" not in s:
         return
     print(

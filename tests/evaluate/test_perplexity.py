@@ -63,6 +63,7 @@ def test_perplexity_is_what_one_forward_gives(tiny):
 def test_kl_against_itself_is_zero_and_against_int8_small_and_positive(tiny):
     model, tok = tiny
     same = divergence(model, copy.deepcopy(model), tok, TEXT, window=32, stride=16)
+    assert torch.is_grad_enabled()  # the two models' generators, consumed in turn, leave the caller's grad mode
     assert float(same.kl.max()) == 0.0
     assert same.same_top1 == 1.0
     assert same.summary()["perplexity_change"] == 0.0

@@ -54,18 +54,21 @@ def spans(n: int, window: int, stride: int) -> list[tuple[int, int, int]]:
 def scored_logprobs(
     model: DecoderLM, tokens: list[int], window: int, stride: int, *, step: DecodeStep | None = None
 ) -> Iterator[tuple[Tensor, Tensor]]:
-    """(log-softmax (M, V) fp32, targets (M,)) for every scored token, HEAD_ROWS at a time, window after window."""
+    """(log-softmax (M, V) fp32, targets (M,)) for every scored token, HEAD_ROWS at a time, window after window.
+    Gradients are off while it computes, and never across a `yield`: two of these consumed in turn (`divergence`)
+    would otherwise restore each other's grad mode in the wrong order and leave it off for the caller."""
     run = step if step is not None else choose_step(model)
     device = next(model.parameters()).device
     for begin, end, first in spans(len(tokens), window, stride):
         ids = torch.tensor([tokens[begin:end]], device=device)
         with torch.no_grad():
             _, hidden = run(ids, model.new_cache(1, end - begin), None, last=True)
-            states = hidden[0, first - 1 - begin : end - 1 - begin]
-            targets = ids[0, first - begin :]
-            for a in range(0, states.shape[0], HEAD_ROWS):
-                logits = model.logits(model.norm(states[a : a + HEAD_ROWS]))
-                yield logits.float().log_softmax(-1), targets[a : a + HEAD_ROWS]
+        states = hidden[0, first - 1 - begin : end - 1 - begin]
+        targets = ids[0, first - begin :]
+        for a in range(0, states.shape[0], HEAD_ROWS):
+            with torch.no_grad():
+                logp = model.logits(model.norm(states[a : a + HEAD_ROWS])).float().log_softmax(-1)
+            yield logp, targets[a : a + HEAD_ROWS]
 
 
 @dataclass(frozen=True)
