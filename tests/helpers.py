@@ -10,14 +10,20 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from llmkit.tokenizer import Tokenizer
 
 
-def tiny_tokenizer() -> Tokenizer:
+def byte_level_bpe(text: str, vocab_size: int) -> Backend:
+    """A byte-level BPE trained on `text` (any text encodes), with <s> and </s> as ids 0 and 1."""
     backend = Backend(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
-    backend.train_from_iterator(["to be or not to be, that is the question"] * 20, trainer)
+    backend.train_from_iterator([text] * 20, trainer)
+    return backend
+
+
+def tiny_tokenizer() -> Tokenizer:
+    backend = byte_level_bpe("to be or not to be, that is the question", 300)
     return Tokenizer(backend, bos_id=0, eos_id=1, add_bos=True, chat_template="{{ messages }}")
 
 
@@ -52,15 +58,8 @@ TEXT = (
 
 
 def byte_tokenizer() -> Tokenizer:
-    """A byte-level BPE (any text encodes; 360 tokens), <s> and </s> first (</s> pads), no start token added."""
-    backend = Backend(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    backend.train_from_iterator([TEXT] * 20, trainer)
-    return Tokenizer(backend, bos_id=0, eos_id=1, pad_id=1, add_bos=False)
+    """A byte-level BPE of TEXT (360 tokens), <s> and </s> first (</s> pads), no start token added."""
+    return Tokenizer(byte_level_bpe(TEXT, 400), bos_id=0, eos_id=1, pad_id=1, add_bos=False)
 
 
 def save_tiny(folder: Path, family: str, context: int = 128) -> Path:
