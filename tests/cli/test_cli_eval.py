@@ -93,3 +93,17 @@ def test_prepare_tasks_writes_them_where_asked(tmp_path, capsys):
     assert {"llmkit_offline.yaml", "llmkit_bible_de_en.jsonl", "meta.json"} <= {p.name for p in out.iterdir()}
     assert main(["prepare", "tasks", "--out", str(out)]) == 2
     assert "--overwrite" in capsys.readouterr().err
+
+
+def test_perplexity_on_a_prepared_folder_reads_its_validation_split(model_dir, tmp_path, capsys):
+    from llmkit.evaluate.texts import read_text
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join([TEXT] * 12), encoding="utf-8")
+    data = tmp_path / "data"
+    assert main(["prepare", str(corpus), "--out", str(data), "--tokenizer", str(model_dir)]) == 0
+    val = read_text(str(data))
+    assert val.strip() and val in corpus.read_text(encoding="utf-8")  # the corpus's last tenth, decoded back
+    out = tmp_path / "p.json"
+    assert main(["eval", str(model_dir), "--perplexity", str(data), "--window", "32", "--output", str(out)]) == 0
+    assert json.loads(out.read_text())["perplexity"]["bytes"] == len(val.encode("utf-8"))
