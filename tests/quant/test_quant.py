@@ -129,17 +129,18 @@ def test_the_built_kernels_keep_their_weight_prefetches():
 @pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
 @pytest.mark.parametrize(("rows", "width", "outputs"), [(96, 256, 96), (100, 64, (1 << 16) + 40)])
 def test_avx2_many_rows_dequantize_in_panels_and_are_exact(cls, rows, width, outputs):
-    """From 96 rows on the AVX2 products dequantize W (in panels of 2^22 weights: the second case spans two) and
-    multiply in fp32, so they equal the dequantized reference up to fp32 summation order."""
+    """With the fp32 prefill, from 96 rows on the AVX2 products dequantize W (in panels of 2^22 weights: the second
+    case spans two) and multiply in fp32, so they equal the dequantized reference up to fp32 summation order."""
     if not native.available():
         pytest.skip("llmkit's AVX2 kernels are not built on this machine")
     torch.manual_seed(0)
     layer = cls.from_linear(torch.nn.Linear(width, outputs, bias=False), kernel="avx2")
     x = torch.randn(rows, width)
     reference = x @ layer.dequantize().t()
-    out = layer(x)
+    with native.prefill_dtype("fp32"):
+        out = layer(x)
+        few = layer(x[:95])  # below the threshold: activations rounded to int8, ~1% of the range
     assert (out - reference).abs().max() <= 1e-5 * reference.abs().max()
-    few = layer(x[:95])  # below the threshold: activations rounded to int8, ~1% of the range
     assert (few - reference[:95]).abs().max() > 1e-4 * reference.abs().max()
 
 

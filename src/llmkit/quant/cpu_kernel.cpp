@@ -10,9 +10,11 @@
 // is computed in integers (vpmaddubsw multiplies unsigned by signed bytes, vpmaddwd sums the pairs) and scaled
 // once. Weights are unpacked once per block and used for every row of x; each row still costs its integer products
 // and scalings, so from a few rows on a product is bound by arithmetic rather than memory (SmolLM2 at 8 rows: ~4.5x
-// the time of one). For int4 the zero term zero * sum(x) uses the exact float sums of x. From MANY_ROWS rows of
-// x on (a prompt's prefill), W is instead dequantized to fp32 in panels and multiplied by torch's fp32 product,
-// which is faster there and exact up to fp32 rounding.
+// the time of one). For int4 the zero term zero * sum(x) uses the exact float sums of x. From `many_rows` rows of
+// x on (the caller's choice: a prompt's prefill, a large batch), W is instead dequantized in panels and multiplied
+// by torch's product: in fp32 (exact up to fp32 rounding), or where the caller asks for it (a CPU that multiplies
+// bf16 natively: AVX512-BF16 or AMX, through oneDNN) in bf16: x and the panel rounded to bf16, the products summed
+// in fp32, the result rounded to bf16.
 //
 // Work is split over output rows with at::parallel_for (torch's threads, torch.set_num_threads). Several matrices
 // that read the same x (a layer's q, k and v) go in one pass: x is quantized once and the threads start once.
@@ -429,6 +431,60 @@ void dequantize_rows(const QuantizedMatrix& w, int64_t n0, int64_t n1, float* ou
   }
 }
 
+// 16 floats -> 16 bf16 (their upper halves, rounded to nearest even, as torch rounds finite values)
+inline void bf16_16(const float* src, uint16_t* dst) {
+  __m256i half[2];
+  for (int i = 0; i < 2; ++i) {
+    const __m256i b = _mm256_castps_si256(_mm256_loadu_ps(src + 8 * i));
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    half[i] = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  }
+  const __m256i packed = _mm256_packus_epi32(half[0], half[1]);  // per 128-bit lane: 4 of each
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_permute4x64_epi64(packed, 0xD8));
+}
+
+namespace {
+
+// The same with AVX512-BF16 (a CPU that has it, checked at run time): a block of 32 weights at a time, widened to
+// fp32 in two registers and rounded to bf16 by one instruction (vcvtne2ps2bf16, nearest even).
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void dequantize_rows_bf16_avx512(
+    const QuantizedMatrix& w, int64_t n0, int64_t n1, uint16_t* out) {
+  const int64_t nb = w.K / BLOCK, per_group = nb / w.G;
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  for (int64_t n = n0; n < n1; ++n) {
+    uint16_t* row = out + (n - n0) * w.K;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t g = n * w.G + b / per_group;
+      const __m512 s = _mm512_set1_ps(w.scales[g]);
+      __m512 lo, hi;  // columns 0-15 and 16-31 of the block
+      if (w.int4) {
+        const __m512 z = _mm512_set1_ps(w.zeros[g]);
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.codes + n * (w.K / 2) + b * 16));
+        const __m128i l = _mm_and_si128(bytes, mask), h = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+        lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(l, h))), s, z);
+        hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(l, h))), s, z);
+      } else {
+        const int8_t* codes = reinterpret_cast<const int8_t*>(w.codes) + n * w.K + b * BLOCK;
+        lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)))), s);
+        hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16)))), s);
+      }
+      _mm512_storeu_si512(row + b * BLOCK, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+    }
+  }
+}
+
+}  // namespace
+
+void dequantize_rows_bf16(const QuantizedMatrix& w, int64_t n0, int64_t n1, uint16_t* out) {
+  static const bool avx512_bf16 = __builtin_cpu_supports("avx512bf16");
+  if (avx512_bf16) return dequantize_rows_bf16_avx512(w, n0, n1, out);
+  std::vector<float> row(w.K);  // elsewhere (bf16 asked for on a CPU that emulates it): fp32, then rounded
+  for (int64_t n = n0; n < n1; ++n) {
+    dequantize_rows(w, n, n + 1, row.data());
+    for (int64_t k = 0; k < w.K; k += 16) bf16_16(row.data() + k, out + (n - n0) * w.K + k);
+  }
+}
+
 void float_columns(const float* x, int64_t M, const float* w, int64_t K, int64_t n0, int64_t n1, float* y,
                    int64_t ldy) {
   // up to FLOAT_ROWS rows of x a pass (2 accumulators each, 12 of the 16 registers at 6), so that a verifying step's
@@ -459,27 +515,34 @@ namespace {
 // matrix product (MKL here), which runs near the CPU's peak: the integer kernel's per-block unpacking and scaling
 // cost more than the dequantization once enough rows share it (measured on a Zen 3 core: about equal at 64-96 rows,
 // 1.3-1.5x faster at 512).
-constexpr int64_t MANY_ROWS = 96;
 constexpr int64_t PANEL = int64_t{1} << 22;  // weights per dequantized panel (16 MB of fp32)
 
-torch::Tensor dequantized_product(const torch::Tensor& x, const llmkit::QuantizedMatrix& w) {
+torch::Tensor dequantized_product(const torch::Tensor& x, const llmkit::QuantizedMatrix& w, bool bf16) {
   const int64_t rows = std::max<int64_t>(16, PANEL / w.K);
-  auto panel = torch::empty({std::min(rows, w.N), w.K}, x.options());
-  auto y = w.N <= rows ? torch::Tensor() : torch::empty({x.size(0), w.N}, x.options());
+  const auto dtype = bf16 ? torch::kBFloat16 : torch::kFloat32;
+  auto panel = torch::empty({std::min(rows, w.N), w.K}, x.options().dtype(dtype));
+  const auto xs = bf16 ? x.to(torch::kBFloat16) : x;
+  auto y = torch::empty({x.size(0), w.N}, x.options());
   for (int64_t n0 = 0; n0 < w.N; n0 += rows) {
     const int64_t n1 = std::min(w.N, n0 + rows);
-    float* out = panel.data_ptr<float>();
-    at::parallel_for(n0, n1, 16, [&](int64_t a, int64_t e) { llmkit::dequantize_rows(w, a, e, out + (a - n0) * w.K); });
-    if (!y.defined()) return at::mm(x, panel.t());
-    y.narrow(1, n0, n1 - n0).copy_(at::mm(x, panel.narrow(0, 0, n1 - n0).t()));
+    at::parallel_for(n0, n1, 16, [&](int64_t a, int64_t e) {
+      if (bf16)
+        llmkit::dequantize_rows_bf16(w, a, e, reinterpret_cast<uint16_t*>(panel.data_ptr<at::BFloat16>()) + (a - n0) * w.K);
+      else
+        llmkit::dequantize_rows(w, a, e, panel.data_ptr<float>() + (a - n0) * w.K);
+    });
+    const auto part = at::mm(xs, panel.narrow(0, 0, n1 - n0).t());
+    if (n0 == 0 && n1 == w.N && !bf16) return part;
+    y.narrow(1, n0, n1 - n0).copy_(part);  // (from bf16: widened exactly)
   }
   return y;
 }
 
-torch::Tensor run(const torch::Tensor& x, const llmkit::QuantizedMatrix& w) {
+// From `many_rows` rows of x on, W is dequantized (in bf16 where `bf16`) and multiplied by torch's product.
+torch::Tensor run(const torch::Tensor& x, const llmkit::QuantizedMatrix& w, int64_t many_rows, bool bf16) {
   LLMKIT_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be (M, K) fp32");
   LLMKIT_CHECK(x.size(1) == w.K, "x has ", x.size(1), " columns, the weights ", w.K);
-  if (x.size(0) >= MANY_ROWS) return dequantized_product(x, w);
+  if (x.size(0) >= many_rows) return dequantized_product(x, w, bf16);
   llmkit::Product product;
   product.prepare(x.data_ptr<float>(), x.size(0), w.K, {w});
   auto y = torch::empty({x.size(0), w.N}, x.options());
@@ -488,12 +551,14 @@ torch::Tensor run(const torch::Tensor& x, const llmkit::QuantizedMatrix& w) {
   return y;
 }
 
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor zeros) {
-  return run(x, llmkit::int4_matrix(qweight, scales, zeros));
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor zeros,
+                          int64_t many_rows, bool bf16) {
+  return run(x, llmkit::int4_matrix(qweight, scales, zeros), many_rows, bf16);
 }
 
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales) {
-  return run(x, llmkit::int8_matrix(qweight, scales));
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, int64_t many_rows,
+                          bool bf16) {
+  return run(x, llmkit::int8_matrix(qweight, scales), many_rows, bf16);
 }
 
 // x (M, K) @ W^T (+ b) for fp32 W (N, K) and a few rows of x: every weight read once for all rows, the columns
@@ -521,8 +586,11 @@ torch::Tensor float_linear(torch::Tensor x, torch::Tensor w, std::optional<torch
 void bind_decode(pybind11::module& m);  // cpu_decode.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int4_linear", &int4_linear, "x (M, K) fp32 @ int4 W^T -> (M, N)");
-  m.def("int8_linear", &int8_linear, "x (M, K) fp32 @ int8 W^T -> (M, N)");
+  m.def("int4_linear", &int4_linear, pybind11::arg("x"), pybind11::arg("qweight"), pybind11::arg("scales"),
+        pybind11::arg("zeros"), pybind11::arg("many_rows") = 96, pybind11::arg("bf16") = false,
+        "x (M, K) fp32 @ int4 W^T -> (M, N)");
+  m.def("int8_linear", &int8_linear, pybind11::arg("x"), pybind11::arg("qweight"), pybind11::arg("scales"),
+        pybind11::arg("many_rows") = 96, pybind11::arg("bf16") = false, "x (M, K) fp32 @ int8 W^T -> (M, N)");
   m.def("float_linear", &float_linear, pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias") = pybind11::none(),
         "x (M, K) fp32 @ fp32 W^T (+ bias) -> (M, N), for a few rows");
   bind_decode(m);

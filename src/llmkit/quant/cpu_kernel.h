@@ -78,6 +78,8 @@ class Product {
 
 // Rows [n0, n1) of W as fp32: out (n1 - n0, K) row-major.
 void dequantize_rows(const QuantizedMatrix& w, int64_t n0, int64_t n1, float* out);
+// The same rounded to bf16 (the bits of at::BFloat16), for a product on the CPU's bf16 units.
+void dequantize_rows_bf16(const QuantizedMatrix& w, int64_t n0, int64_t n1, uint16_t* out);
 
 // y[m, n] = (x @ W^T)[m, n] for n in [n0, n1), an fp32 W (N, K) and a few rows of x (M, K): a plain FMA loop over
 // W's rows (MKL runs such small products on one thread, and 5x slower per byte beyond one row). y: (M, ldy).

@@ -9,8 +9,9 @@ chunks up to the step's token budget), the model computes it through a view of t
 that reached the end of its known tokens gets its next token. A step's rows go through the model in one forward:
 decoding rows and prompt chunks of different lengths packed into one row (1, N), each attending within its own
 sequence (AttentionMask.ragged); the decoding rows run in one C++ call instead where the model allows it
-(llmkit's native step). Nothing here is threaded: `llmkit.serve.runner` drives an engine
-for the HTTP server, and `generate` drives it to completion for a Python caller.
+(llmkit's native step), unless the step has enough rows for the CPU's bf16 units (then all share one forward).
+Nothing here is threaded: `llmkit.serve.runner` drives an engine for the HTTP server, and `generate` drives it to
+completion for a Python caller.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -29,8 +29,10 @@ from llmkit.layers.attention.gqa import GroupedQueryAttention
 from llmkit.layers.attention.mask import AttentionMask
 from llmkit.models.cache import Step
 from llmkit.models.decoder import DecoderLM
+from llmkit.quant import native
 from llmkit.quant.native_step import NativeDecoder
 from llmkit.serve.blocks import BlockPool
+from llmkit.serve.config import EngineConfig, EngineStats
 from llmkit.serve.paged import PagedCache, Pages
 from llmkit.serve.request import (
     Completion,
@@ -55,39 +57,6 @@ log = logging.getLogger("llmkit.serve")
 
 class QueueFull(LLMKitError):
     """The engine's waiting queue is full; the request was not taken (HTTP 429)."""
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """kv_memory: bytes for the paged cache (all layers); block_size: token slots per block; max_batch: sequences
-    running at once; step_tokens: tokens computed per step (decoding rows plus prompt chunks); max_queue: requests
-    waiting before new ones are refused; prefix_caching: reuse cached blocks of shared prompt prefixes;
-    batch_invariant: every token through the C++ step as a row of its own (prompt tokens too), so that a request's
-    greedy output does not depend on what else runs, and equals `generate`'s with a batch-invariant NativeStep."""
-
-    kv_memory: int = 1 << 30
-    block_size: int = 16
-    max_batch: int = 32
-    step_tokens: int = 512
-    max_queue: int = 256
-    prefix_caching: bool = True
-    batch_invariant: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("kv_memory", "block_size", "max_batch", "step_tokens", "max_queue"):
-            if getattr(self, name) < 1:
-                raise InputError(f"{name}={getattr(self, name)} must be >= 1")
-
-
-@dataclass
-class EngineStats:
-    """Counters since start (what /metrics reports)."""
-
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    finished: int = 0
-    steps: int = 0
-    failed: int = 0  # sequences ended because their logits were not finite or their sampling failed
 
 
 class Engine:
@@ -280,7 +249,7 @@ class Engine:
         chunks = [w for w in work if w.count > 1]
         if self.invariant:
             groups = [work]
-        elif self._native_applies(decoding):
+        elif self._native_applies(decoding) and not self._one_forward(decoding, chunks):
             groups = [decoding, chunks]
         elif self.packs:
             groups = [decoding + chunks]
@@ -310,6 +279,14 @@ class Engine:
             except Exception as e:
                 log.error("request %s failed: %s: %s; ending it", w.seq.request.id, type(e).__name__, e)
         return logits
+
+    def _one_forward(self, decoding: list[Work], chunks: list[Work]) -> bool:
+        """Whether the decoding rows join the prompt chunks' forward instead of a C++ step of their own: where the
+        quantized products of many rows run on the CPU's bf16 units (llmkit.quant.native.prefill_bf16), the step's
+        rows then share one read of each weight and one product, and the C++ step's integer products, bound by
+        arithmetic beyond a few rows, are saved."""
+        rows = len(decoding) + sum(w.count for w in chunks)
+        return self.packs and bool(chunks) and native.prefill_bf16() and rows > native.integer_rows()
 
     def _native_applies(self, rows: list[Work]) -> bool:
         kv = self.cache.grouped_query()

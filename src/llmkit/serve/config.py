@@ -1,0 +1,40 @@
+"""The serving engine's settings and counters (llmkit.serve.engine)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmkit.errors import InputError
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """kv_memory: bytes for the paged cache (all layers); block_size: token slots per block; max_batch: sequences
+    running at once; step_tokens: tokens computed per step (decoding rows plus prompt chunks); max_queue: requests
+    waiting before new ones are refused; prefix_caching: reuse cached blocks of shared prompt prefixes;
+    batch_invariant: every token through the C++ step as a row of its own (prompt tokens too), so that a request's
+    greedy output does not depend on what else runs, and equals `generate`'s with a batch-invariant NativeStep."""
+
+    kv_memory: int = 1 << 30
+    block_size: int = 16
+    max_batch: int = 32
+    step_tokens: int = 512
+    max_queue: int = 256
+    prefix_caching: bool = True
+    batch_invariant: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("kv_memory", "block_size", "max_batch", "step_tokens", "max_queue"):
+            if getattr(self, name) < 1:
+                raise InputError(f"{name}={getattr(self, name)} must be >= 1")
+
+
+@dataclass
+class EngineStats:
+    """Counters since start (what /metrics reports)."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    finished: int = 0
+    steps: int = 0
+    failed: int = 0  # sequences ended because their logits were not finite or their sampling failed

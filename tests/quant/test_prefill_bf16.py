@@ -1,0 +1,103 @@
+"""Many-row quantized products on the CPU's bf16 units (llmkit.quant.native.set_prefill_dtype), and the serving
+engine's steps that put their decoding rows and prompt chunks through one such product."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import llmkit
+from llmkit.errors import InputError
+from llmkit.quant import Int4Linear, Int8Linear, native, quantize
+from llmkit.serve.engine import Engine, EngineConfig
+from llmkit.serve.paged import PagedCache
+from llmkit.serve.request import SamplingParams
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="needs llmkit's AVX2 kernels")
+
+
+@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
+@pytest.mark.parametrize(("rows", "width", "outputs"), [(32, 256, 96), (100, 64, (1 << 16) + 40)])
+def test_many_rows_multiply_in_bf16_within_its_rounding(cls, rows, width, outputs):
+    """From BF16_ROWS rows on (the second case: two panels of weights), x and W are rounded to bf16 and so is the
+    result: each output is within 3 bf16 roundings of sum |x||w|; below it the integer products run, whatever the
+    setting."""
+    torch.manual_seed(0)
+    layer = cls.from_linear(torch.nn.Linear(width, outputs, bias=False), kernel="avx2")
+    x = torch.randn(rows, width)
+    w = layer.dequantize()
+    few = x[: native.BF16_ROWS - 1]
+    with native.prefill_dtype("bf16"):
+        out, few_bf16 = layer(x), layer(few)
+    with native.prefill_dtype("fp32"):
+        few_fp32 = layer(few)
+    assert torch.equal(out, out.bfloat16().float())  # rounded to bf16: the bf16 product ran
+    error = (out.double() - x.double() @ w.double().t()).abs()
+    assert (error <= (x.abs() @ w.abs().t()).double() * 3 * 2**-9 + 1e-6).all()
+    assert error.max() > 1e-3  # and it is not the fp32 product
+    assert torch.equal(few_bf16, few_fp32)
+
+
+@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
+def test_the_bf16_panels_are_the_weights_rounded_to_bf16(cls):
+    """Multiplying the identity reads the dequantized panel back: the weights rounded to bf16, to nearest even."""
+    torch.manual_seed(0)
+    layer = cls.from_linear(torch.nn.Linear(96, 48, bias=False), kernel="avx2")
+    with native.prefill_dtype("bf16"):
+        out = layer(torch.eye(96))  # row k: column k of W
+    assert torch.equal(out.t(), layer.dequantize().bfloat16().float())
+
+
+def test_the_prefill_dtype_setting(monkeypatch):
+    with pytest.raises(InputError, match="not one of auto, bf16, fp32"):
+        native.set_prefill_dtype("fp16")
+    with native.prefill_dtype("auto"):
+        assert native.prefill_bf16() == native.cpu_bf16_native()
+    with native.prefill_dtype("fp32"):
+        assert native.integer_rows() == native.INTEGER_ROWS and not native.prefill_bf16()
+    with native.prefill_dtype("bf16"):
+        assert native.integer_rows() == native.BF16_ROWS - 1 and native.prefill_bf16()
+    monkeypatch.setattr(native, "_prefill", "half")  # as LLMKIT_PREFILL_DTYPE=half sets it
+    native.prefill_bf16.cache_clear()
+    with pytest.raises(InputError, match="LLMKIT_PREFILL_DTYPE='half'"):
+        native.prefill_bf16()
+    native.prefill_bf16.cache_clear()
+
+
+def test_decoding_rows_join_a_long_prompt_chunk_in_one_forward():
+    """On bf16 units a step whose decoding rows and prompt chunks reach BF16_ROWS runs them in one forward (no C++
+    decode step); steps of decoding rows alone keep the C++ step. The tokens are those of the fp32 prefill, the
+    log-probabilities within bf16's rounding of them."""
+    torch.manual_seed(0)
+    model = quantize(llmkit.build_model(llmkit.get_preset("llama2-7b-tiny")).eval(), "int4")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n in (3, 70)]
+    per_block = PagedCache.bytes_per_block(model, 4, torch.float32)
+
+    def serve(dtype: str) -> tuple[list, list[list[tuple[int, int]]]]:
+        """The completions, and each step's forwards as (decoding rows, prompt chunk rows)."""
+        with native.prefill_dtype(dtype):
+            engine = Engine(model, None, EngineConfig(kv_memory=per_block * 100, block_size=4, step_tokens=40))
+            assert engine.native is not None
+            steps: list[list[tuple[int, int]]] = []
+            plan, forward = engine.scheduler.plan, engine._forward
+
+            def planned():
+                steps.append([])
+                return plan()
+
+            def counted(rows):
+                steps[-1].append((sum(w.count == 1 for w in rows), sum(w.count for w in rows if w.count > 1)))
+                return forward(rows)
+
+            engine.scheduler.plan, engine._forward = planned, counted
+            return engine.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0)), steps
+
+    bf16, bf16_steps = serve("bf16")
+    fp32, fp32_steps = serve("fp32")
+    # step 1: prompt 0 and 37 tokens of prompt 1; step 2: prompt 0 decodes beside the other 33 (34 rows)
+    assert bf16_steps[:3] == [[(0, 40)], [(1, 33)], [(2, 0)]]
+    assert fp32_steps[:3] == [[(0, 40)], [(1, 0), (0, 33)], [(2, 0)]]
+    for a, b in zip(bf16, fp32, strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=0.05, rtol=0)
