@@ -18,7 +18,10 @@ last; llama.cpp: its own `timings.predicted_per_second`): the bandwidth ceiling 
 the prompt's prefill is bound by arithmetic. Also reported: bytes of weights read per token (codes, scales and the
 head; an untied embedding table is not read), the fraction of the memory-bandwidth ceiling that reaches (measured
 in the same run), and perplexity on a held-out Shakespeare play (the last one; 1024 tokens fed 32 at a time through
-the cache, as decoding and chunked prefill feed them), also for the fp32 model run in bf16.
+the cache, as decoding and chunked prefill feed them), also for the fp32 model run in bf16. Then the prefill of
+--prefill prompts (512 and 2,048 random tokens): llmkit with the file kept int4, its many-row products in bf16 and
+in fp32 (llmkit.quant.native.set_prefill_dtype; bf16 runs on the CPU's bf16 units where it has them, else it is
+emulated), and llama.cpp's own prompt rate on the same file.
 """
 
 from __future__ import annotations
@@ -112,6 +115,28 @@ def llmkit_rate(model: Any, x: torch.Tensor, new: int) -> tuple[float, float]:
     return x.shape[0] * new / (end - start), x.shape[0] * (steps - 1) / (end - first)
 
 
+def llama_prefill(port: int, prompt: list[int]) -> float:
+    """Prompt tokens/s of one request to llama-server, by its own count (`timings.prompt_per_second`)."""
+    body = json.dumps({"prompt": prompt, "n_predict": 1, "temperature": 0, "cache_prompt": False}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        out = json.loads(r.read())
+    assert out["timings"]["prompt_n"] == len(prompt), out["timings"]
+    return float(out["timings"]["prompt_per_second"])
+
+
+def llmkit_prefill(model: Any, x: torch.Tensor, dtype: str) -> float:
+    """Prompt tokens/s of x (1, T): the time to the first token (the prefill, the head on the last position and one
+    sampling), with many-row products in `dtype` (llmkit.quant.native.set_prefill_dtype)."""
+    from llmkit.generate import generate
+    from llmkit.quant import native
+
+    with native.prefill_dtype(dtype):
+        start = time.perf_counter()
+        generate(model, x, max_new_tokens=1)
+        return x.shape[1] / (time.perf_counter() - start)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--llama-server", default=None, help="path to llama.cpp's llama-server binary")
@@ -119,6 +144,7 @@ def main() -> None:
         "--gguf", default=None, help="another SmolLM2 GGUF file (e.g. a Q4_K_M made by llama-quantize; default Q4_1)"
     )
     p.add_argument("--new", type=int, default=128)
+    p.add_argument("--prefill", default="512,2048", help="prompt lengths whose prefill is timed")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--compiled", action="store_true", help="add compiled llmkit rows (minutes of compilation)")
     p.add_argument("--json", action="store_true")
@@ -130,7 +156,8 @@ def main() -> None:
 
     gguf = Path(args.gguf) if args.gguf else smollm2_gguf()
     kind = gguf.stem.rsplit(".", 1)[-1]  # SmolLM2-135M-Instruct.Q4_1 -> Q4_1
-    limits = measure_limits(precisions=())
+    limits = measure_limits(precisions=("fp32", "bf16"))
+    lengths = [int(n) for n in args.prefill.split(",") if n]
     fp32 = load_gguf(gguf, quantized=False)
     models = {
         "fp32": fp32.model.eval(),
@@ -146,7 +173,8 @@ def main() -> None:
     if args.llama_server:
         port = 8714
         command = [args.llama_server, "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1"]
-        command += ["-t", str(THREADS), "-tb", str(THREADS), "--parallel", "8", "-c", str(8 * 512), "--alias", "q"]
+        context = 8 * max([512, *(n + 64 for n in lengths)])  # each of the 8 slots holds the longest prompt
+        command += ["-t", str(THREADS), "-tb", str(THREADS), "--parallel", "8", "-c", str(context), "--alias", "q"]
         server = ServerProcess("llama.cpp-decode", command, port)
     rows: list[dict[str, Any]] = []
     with server if server is not None else contextlib.nullcontext():
@@ -171,6 +199,25 @@ def main() -> None:
                 for batch in (1, 8):
                     rate = llama_rate(port, prompt[0].tolist(), args.new, batch)
                     rates.setdefault((f"llama.cpp {kind}", batch), []).append(rate)
+        # prefill: the file kept int4 with many-row products in bf16 (where the CPU has bf16 units) and in fp32,
+        # and llama.cpp on the same file, each length in every repeat
+        quantized = models[f"the {kind} file"]
+        long_prompts = {n: torch.randint(3, 49152, (1, n), generator=g) for n in lengths}
+        prefill: dict[tuple[str, int], list[float]] = {}
+        for x in long_prompts.values():
+            llmkit_prefill(quantized, x[:, :64], "auto")
+        for _ in range(args.repeats):
+            for n, x in long_prompts.items():
+                for dtype in ("bf16", "fp32"):
+                    prefill.setdefault((f"llmkit int4, {dtype} products", n), []).append(
+                        llmkit_prefill(quantized, x, dtype)
+                    )
+                if server is not None:
+                    prefill.setdefault((f"llama.cpp {kind}", n), []).append(llama_prefill(port, x[0].tolist()))
+        prefill_rows = [
+            {"who": who, "tokens": n, "tokens_per_s": sorted(runs)[len(runs) // 2], "runs": runs}
+            for (who, n), runs in prefill.items()
+        ]
         for (name, batch), runs in rates.items():
             median = sorted(r[0] for r in runs)[len(runs) // 2]
             decoding = sorted(r[1] for r in runs)[len(runs) // 2]
@@ -197,6 +244,7 @@ def main() -> None:
                     rows.append(_row(name, "compiled", batch, rate, read, limits.memory_read, ppl[name]))
                     rows[-1]["compile_seconds"] = compile_s
     summary = {"threads": THREADS, **limits.as_dict(), "new_tokens": args.new, "prompt": 32, "rows": rows}
+    summary["prefill"] = prefill_rows
     summary["perplexity_bf16"] = ppl_bf16
     report(summary, args.json, lambda: print_table(summary, limits))
 
@@ -241,6 +289,12 @@ def print_table(summary: dict[str, Any], limits: Any) -> None:
             f"{dec_s:>12} {dbw_s:>12} {pp:>10}{vs}"
         )
     print(f"perplexity of the fp32 model run in bf16: {summary['perplexity_bf16']:.2f}")
+    llama_prefill_rate = {r["tokens"]: r["tokens_per_s"] for r in summary["prefill"] if r["who"].startswith("llama")}
+    for r in summary["prefill"]:
+        vs = ""
+        if r["tokens"] in llama_prefill_rate and not r["who"].startswith("llama"):
+            vs = f"  {r['tokens_per_s'] / llama_prefill_rate[r['tokens']]:.2f}x llama.cpp"
+        print(f"prefill of {r['tokens']:>5} tokens: {r['who']:<28} {r['tokens_per_s']:>7.1f} tok/s{vs}")
     builds = {r["build"] for r in summary["rows"] if r.get("build")}
     if builds:
         print("llama.cpp build:", ", ".join(sorted(builds)))

@@ -291,7 +291,7 @@ def main() -> None:
         for r in range(args.rounds)
         for i, k in enumerate(kinds)
     }
-    limits = measure_limits(("fp32",))
+    limits = measure_limits(("fp32", "bf16"))
     (ROOT / "runs/bench").mkdir(parents=True, exist_ok=True)
     llmkit = [str(Path(sys.executable).parent / "llmkit"), "serve", gguf, "--model-name", MODEL, "--kv-memory", "2GiB"]
     servers: list[tuple[str, list[str], int, dict[str, str] | None]] = [

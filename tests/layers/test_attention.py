@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
@@ -143,6 +145,32 @@ def test_cached_decoding_equals_full_attention(n_kv):
         outs.append(attn(x[:, t : t + 1], cached(state, 1, rope), cache))
     torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-5, atol=1e-5)
     assert cache.nbytes == 2 * 2 * n_kv * 16 * D * 4
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_fresh_caches_unpadded_prefill_takes_the_fused_causal_path(padded, monkeypatch):
+    """A prompt written into an empty cache without padding sees only its own keys, causally: SDPA gets the first T
+    keys and is_causal (not a (T, S) mask over the whole preallocated cache), with the same result; a padded prompt
+    and the tokens after it keep their masks."""
+    attn = gqa(2, rope_dim=D)
+    rope = RotaryEmbedding(D, 10000.0, 64)
+    x = torch.randn(2, 6, C)
+    full = attn(x, AttentionInputs(mask=AttentionMask(causal=True), rope=rope(torch.arange(6))))
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, is_causal=False, **kw):
+        calls.append((k.shape[2], attn_mask is None, is_causal))
+        return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    cache, state = attn.new_cache(2, 16), SequenceState.new(2, 16, None)
+    valid = torch.ones(2, 4, dtype=torch.bool) if padded else None
+    step = state.advance(4, valid)
+    first = attn(x[:, :4], AttentionInputs(step.mask, rope(step.positions), step.slots), cache)
+    second = attn(x[:, 4:], cached(state, 2, rope), cache)
+    assert calls == [(16, False, False), (16, False, False)] if padded else [(4, True, True), (16, False, False)]
+    torch.testing.assert_close(torch.cat([first, second], 1), full, rtol=1e-5, atol=1e-5)
 
 
 def test_cache_overflow_is_a_clear_error():
@@ -323,6 +351,10 @@ def test_packed_rows_of_different_lengths_attend_as_each_row_alone(window, softc
     filled = torch.arange(S) < torch.tensor([s + n for s, n in zip(starts, lengths, strict=True)])[:, None]
     mask = AttentionMask(filled[:, None, None, :], causal=True, query_slots=slots, ragged=lengths).with_window(window)
     out, _ = attend(q, k, v, mask, scale=D**-0.5, softcap=softcap)
+    # the row of 5 from slot 0 is a prompt's first chunk: attending to its first keys by causality alone is the same
+    first = replace(mask, ragged_first=tuple(s == 0 for s in starts))
+    assert [group.first for _, _, group in first.row_groups()] == [False, True, False, False]
+    torch.testing.assert_close(attend(q, k, v, first, scale=D**-0.5, softcap=softcap)[0], out, atol=1e-5, rtol=1e-5)
     at = 0
     for r, n in enumerate(lengths):
         alone = AttentionMask(filled[r : r + 1, None, None, :], causal=True, query_slots=slots[:, at : at + n])

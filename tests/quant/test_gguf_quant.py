@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from llmkit.generate import generate
 from llmkit.interop.gguf import load_gguf
-from llmkit.quant import Int4Linear, Int8Linear, QuantizedLinear, quantize
+from llmkit.quant import Int4Linear, Int8Linear, QuantizedLinear, quantize, weight_bytes
+from llmkit.quant.embedding import QuantizedEmbedding
 from llmkit.quant.formats import from_gguf_blocks
 
 gguf = pytest.importorskip("gguf")
@@ -66,6 +67,8 @@ def test_the_file_loads_kept_quantized_with_identical_logits(pair):
     layers = [m for m in q.model.modules() if isinstance(m, QuantizedLinear)]
     assert sum(isinstance(m, Int4Linear) for m in layers) == 30 * 7  # every projection of every block
     assert isinstance(q.model.head, Int8Linear) and q.model.head.group_size == 32  # Q8_0 embedding, tied head
+    # the embedding reads its rows from the head's codes: the 113 MB float table is not held (225 -> 112 MB)
+    assert isinstance(q.model.embed, QuantizedEmbedding) and weight_bytes(q.model) < 115e6
     assert not q.notes  # every linear tensor of this file has an exact format
     _kernels(q.model, "dequant")
     tokens = torch.randint(0, q.model.cfg.vocab_size, (2, 12))

@@ -1,17 +1,12 @@
-"""Many-row quantized products on the CPU's bf16 units (llmkit.quant.native.set_prefill_dtype), and the serving
-engine's steps that put their decoding rows and prompt chunks through one such product."""
+"""Many-row quantized products on the CPU's bf16 units (llmkit.quant.native.set_prefill_dtype)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import llmkit
 from llmkit.errors import InputError
-from llmkit.quant import Int4Linear, Int8Linear, native, quantize
-from llmkit.serve.engine import Engine, EngineConfig
-from llmkit.serve.paged import PagedCache
-from llmkit.serve.request import SamplingParams
+from llmkit.quant import Int4Linear, Int8Linear, native
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="needs llmkit's AVX2 kernels")
 
@@ -62,42 +57,3 @@ def test_the_prefill_dtype_setting(monkeypatch):
     with pytest.raises(InputError, match="LLMKIT_PREFILL_DTYPE='half'"):
         native.prefill_bf16()
     native.prefill_bf16.cache_clear()
-
-
-def test_decoding_rows_join_a_long_prompt_chunk_in_one_forward():
-    """On bf16 units a step whose decoding rows and prompt chunks reach BF16_ROWS runs them in one forward (no C++
-    decode step); steps of decoding rows alone keep the C++ step. The tokens are those of the fp32 prefill, the
-    log-probabilities within bf16's rounding of them."""
-    torch.manual_seed(0)
-    model = quantize(llmkit.build_model(llmkit.get_preset("llama2-7b-tiny")).eval(), "int4")
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n in (3, 70)]
-    per_block = PagedCache.bytes_per_block(model, 4, torch.float32)
-
-    def serve(dtype: str) -> tuple[list, list[list[tuple[int, int]]]]:
-        """The completions, and each step's forwards as (decoding rows, prompt chunk rows)."""
-        with native.prefill_dtype(dtype):
-            engine = Engine(model, None, EngineConfig(kv_memory=per_block * 100, block_size=4, step_tokens=40))
-            assert engine.native is not None
-            steps: list[list[tuple[int, int]]] = []
-            plan, forward = engine.scheduler.plan, engine._forward
-
-            def planned():
-                steps.append([])
-                return plan()
-
-            def counted(rows):
-                steps[-1].append((sum(w.count == 1 for w in rows), sum(w.count for w in rows if w.count > 1)))
-                return forward(rows)
-
-            engine.scheduler.plan, engine._forward = planned, counted
-            return engine.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0)), steps
-
-    bf16, bf16_steps = serve("bf16")
-    fp32, fp32_steps = serve("fp32")
-    # step 1: prompt 0 and 37 tokens of prompt 1; step 2: prompt 0 decodes beside the other 33 (34 rows)
-    assert bf16_steps[:3] == [[(0, 40)], [(1, 33)], [(2, 0)]]
-    assert fp32_steps[:3] == [[(0, 40)], [(1, 0), (0, 33)], [(2, 0)]]
-    for a, b in zip(bf16, fp32, strict=True):
-        assert a.token_ids == b.token_ids
-        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=0.05, rtol=0)

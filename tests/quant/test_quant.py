@@ -17,6 +17,7 @@ from llmkit import build_model, get_preset
 from llmkit.errors import InputError
 from llmkit.generate import generate
 from llmkit.interop.checkpoint import load_llmkit, save_llmkit
+from llmkit.interop.weights import materialize_buffers
 from llmkit.layers.moe import GroupedExperts
 from llmkit.models import DecoderLM, EncoderDecoder
 from llmkit.presets import PRESETS
@@ -24,12 +25,14 @@ from llmkit.quant import (
     Int4Linear,
     Int8Linear,
     QuantizedExperts,
+    apply_spec,
     describe,
     native,
     parameter_count,
     quantize,
     weight_bytes,
 )
+from llmkit.quant.embedding import QuantizedEmbedding
 from llmkit.quant.formats import (
     dequantize_int4,
     dequantize_int8,
@@ -210,6 +213,39 @@ def test_a_tied_head_is_quantized_from_the_embedding():
     with torch.no_grad():
         a, b = model(tokens), reference(tokens)
     assert (a - b).abs().max() < 0.05 * b.abs().max()
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_an_embedding_read_from_the_quantized_head_saves_and_loads_without_a_float_table(tmp_path, method):
+    """QuantSpec.embedding_from_head (a GGUF file's tied table): the embedding's rows are the head's dequantized
+    rows, its table is not held twice, and a checkpoint saves the codes once and loads the same structure."""
+    model = tiny("llama2-7b-tiny")
+    model.head = None  # tie it
+    model.cfg = dataclasses.replace(model.cfg, tie_embeddings=True)
+    quantize(model, method, include_head=True)
+    spec = dataclasses.replace(model.quantization, embedding_from_head=True)
+    state = {k: v for k, v in model.state_dict().items() if k != "embed.weight"}
+    rebuilt = apply_spec(build_model(model.cfg, device="meta"), spec)
+    rebuilt.load_state_dict(state, assign=True)
+    materialize_buffers(rebuilt, torch.device("cpu"))  # as a loader does
+    rebuilt.to(torch.float32).eval()
+    assert isinstance(rebuilt.embed, QuantizedEmbedding) and "embed.weight" not in rebuilt.state_dict()
+    assert weight_bytes(rebuilt) < weight_bytes(model)
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 7))
+    table = rebuilt.head.dequantize()
+    assert torch.equal(rebuilt.embed(tokens), table[tokens])
+    assert torch.equal(rebuilt.embed.weight, table) and rebuilt.device.type == "cpu"
+    assert rebuilt.dtype == torch.float32
+    save_llmkit(rebuilt, tmp_path / "q")
+    loaded = load_llmkit(tmp_path / "q").model.eval()
+    assert isinstance(loaded.embed, QuantizedEmbedding) and loaded.embed.source is loaded.head
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens), rebuilt(tokens))
+        assert loaded.to(torch.bfloat16).embed(tokens).dtype == torch.bfloat16
+    with pytest.raises(InputError, match="needs include_head"):
+        dataclasses.replace(spec, include_head=False)
+    with pytest.raises(InputError, match="needs a tied model"):
+        apply_spec(tiny("llama2-7b-tiny"), spec)
 
 
 def test_bad_requests_are_clear_errors():

@@ -170,7 +170,7 @@ class MTPDrafter:
         target, module = draft.target, draft.module
         self.target, self.module, self.native, self.k = target, module, draft.native, k
         self.block, self.head = draft.block, draft.head  # the block's C++ step (or None), the head
-        device, dtype = target.embed.weight.device, target.embed.weight.dtype
+        device, dtype = target.device, target.dtype
         layer = module.block.attn.new_cache(batch, room, device, dtype)
         self.cache = Cache([layer], SequenceState.new(batch, room, device))
         self.last: Tensor | None = None  # (B, 1, C): the target's state before `cur`

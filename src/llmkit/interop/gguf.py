@@ -335,7 +335,9 @@ def _quantized_spec(concrete: list[Concrete], tensors: dict[str, Any], cfg: Mode
         f"{len(v)} {k} tensors rounded to int8 in groups of 32 (no exact llmkit format), e.g. {v[0]}"
         for k, v in inexact.items()
     ]
-    return QuantSpec("int4", 32, include_head, layers), notes
+    # a tied table stored in an exact format: the embedding reads its rows from the head's codes, not a float copy
+    from_head = tied and embed_kind in GGUF_KINDS
+    return QuantSpec("int4", 32, include_head, layers, embedding_from_head=from_head), notes
 
 
 def _quantized_state(
@@ -355,6 +357,8 @@ def _quantized_state(
     state: dict[str, Tensor] = {}
     for c in concrete:
         name = c.ours[0]
+        if name == "embed.weight" and spec.embedding_from_head:
+            continue  # the head's codes are the table
         layer = name.removesuffix(".weight")
         if spec.layers is not None and layer in spec.layers and name.endswith(".weight"):
             for part, t in raw(c.theirs[0]).items():

@@ -37,6 +37,21 @@ class TokenModel(nn.Module, abc.ABC):
     head_bias: nn.Parameter | None
 
     @property
+    def device(self) -> torch.device:
+        """Where the model computes: its token embedding's device."""
+        return self._placement().device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the model's states: its token embedding's."""
+        return self._placement().dtype
+
+    def _placement(self) -> Tensor:
+        # a quantized embedding (llmkit.quant.embedding) holds no table: it says where its rows come out
+        probe = getattr(self.embed, "placement", None)
+        return probe if isinstance(probe, Tensor) else self.embed.weight
+
+    @property
     def max_seq_len(self) -> int:
         """The longest sequence the model reads (its positions' range)."""
         return self.cfg.position.max_seq_len
@@ -103,7 +118,7 @@ class TokenModel(nn.Module, abc.ABC):
         unless given: one cache per decoder layer in its attention variant's layout (and, for an encoder-decoder,
         one for the memory's cross-attention keys and values)."""
         dtype = check_cache_args(self, batch, max_len, dtype)
-        dev = torch.device(device) if device is not None else self.embed.weight.device
+        dev = torch.device(device) if device is not None else self.device
         blocks = self.decoding_blocks()
         layers: list[object] = [
             cast(SelfAttention, block.attn).new_cache(batch, max_len, dev, dtype) for block in blocks

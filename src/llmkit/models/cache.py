@@ -109,7 +109,8 @@ class SequenceState:
             positions = (self.next_position[:, None] + valid.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, T)
             self.next_position = self.next_position + valid.long().sum(dim=1)
         self.length = start + T
-        mask = AttentionMask(allowed=self.valid[:, None, None, :], causal=True, query_slots=slots)
+        first = start == 0 and valid is None  # a fresh cache's unpadded prefill: causality alone decides
+        mask = AttentionMask(allowed=self.valid[:, None, None, :], causal=True, query_slots=slots, first=first)
         return Step(positions, mask, slots)
 
     def reorder(self, index: Tensor) -> None:

@@ -5,7 +5,8 @@ a checkpoint can rebuild the same structure before loading (`apply_spec`).
 What is quantized: every nn.Linear inside the blocks (attention projections, MLA's down/up projections, whose
 absorbed form reads the dequantized `weight`, the sparse indexer's, the MTP modules'), MoE experts' stacked weights,
 and with include_head the output head (for a tied head, a quantized copy of the embedding; the embedding lookup
-itself stays in float: it reads one row per token). Routers and norms stay in float.
+itself stays in float: it reads one row per token, unless the spec's embedding_from_head has it read its rows from
+the head's codes, as a GGUF file's tied table loads). Routers and norms stay in float.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 
 from llmkit.errors import InputError
 from llmkit.layers.moe import GroupedExperts
+from llmkit.quant.embedding import QuantizedEmbedding
 from llmkit.quant.experts import QuantizedExperts
 from llmkit.quant.kernels import Kernel
 from llmkit.quant.linear import Int4Linear, Int8Linear, QuantizedLinear
@@ -31,12 +33,15 @@ GROUP_SIZES = (32, 64, 128, 256)  # the ones torch's int4 kernels take; other si
 class QuantSpec:
     """method: "int8" or "int4"; group_size: inputs per scale (None: one per output row, int8 only);
     include_head: the output head too; layers: when given, exactly the layers quantized, each with its own [method,
-    group size] (a GGUF file's: only the tensors it stores in an exact format), overriding method and group_size."""
+    group size] (a GGUF file's: only the tensors it stores in an exact format), overriding method and group_size;
+    embedding_from_head: a tied model's embedding reads its rows from the quantized head's codes (QuantizedEmbedding)
+    instead of keeping a float table (set where the codes are the table exactly: a GGUF file's tied embedding)."""
 
     method: Method
     group_size: int | None = None
     include_head: bool = False
     layers: dict[str, list[Any]] | None = None
+    embedding_from_head: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -45,13 +50,15 @@ class QuantSpec:
             raise InputError("int4 needs a group size: one of " + ", ".join(map(str, GROUP_SIZES)))
         if self.group_size is not None and (self.group_size < 2 or self.group_size % 2):
             raise InputError(f"group_size={self.group_size} must be an even number of inputs (32, 64, 128 are usual)")
+        if self.embedding_from_head and not self.include_head:
+            raise InputError("embedding_from_head reads the quantized head's codes: it needs include_head")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> QuantSpec:
-        unknown = set(d) - {"method", "group_size", "include_head", "layers"}
+        unknown = set(d) - {"method", "group_size", "include_head", "layers", "embedding_from_head"}
         if unknown:
             raise InputError(f"unknown quantization fields {sorted(unknown)}")
         return cls(**d)
@@ -151,6 +158,10 @@ def apply_spec(model: nn.Module, spec: QuantSpec, device: torch.device | str | N
         vocab, dim = _embedding(model).shape
         method, group = spec.for_layer("head")
         model.head = _layer_class(method)(dim, vocab, False, group, device=device)
+        if spec.embedding_from_head:
+            _set(model, "embed", QuantizedEmbedding(model.head))
+    elif spec.embedding_from_head:
+        raise InputError("embedding_from_head needs a tied model (one without a head of its own)")
     model.quantization = spec  # type: ignore[assignment]  # a plain attribute: the record of what was done
     return model
 

@@ -190,7 +190,7 @@ class NativeDecoder:
         ext = native.module()
         if ext is None or not isinstance(model, DecoderLM) or not lowers(model):
             return None
-        if model.embed.weight.device.type != "cpu" or model.embed.weight.dtype != torch.float32:
+        if model.device.type != "cpu" or model.dtype != torch.float32:
             return None
         blocks = [_block(ext, block, model.rope is not None) for block in model.blocks]
         if any(b is None for b in blocks):

@@ -22,6 +22,6 @@ def pooled_embedding(model: DecoderLM, prompt: list[int]) -> Tensor:
     V = model.cfg.vocab_size
     if any(not isinstance(t, int) or not 0 <= t < V for t in prompt):
         raise Refused(f"token ids must be integers in [0, {V})", "input")
-    tokens = torch.tensor([prompt], device=model.embed.weight.device)
+    tokens = torch.tensor([prompt], device=model.device)
     h = model.norm(model.run(tokens, model.step_for(tokens, None, None, None)))  # (1, T, C)
     return torch.nn.functional.normalize(h[0].float().mean(0), dim=0)

@@ -9,9 +9,10 @@ chunks up to the step's token budget), the model computes it through a view of t
 that reached the end of its known tokens gets its next token. A step's rows go through the model in one forward:
 decoding rows and prompt chunks of different lengths packed into one row (1, N), each attending within its own
 sequence (AttentionMask.ragged); the decoding rows run in one C++ call instead where the model allows it
-(llmkit's native step), unless the step has enough rows for the CPU's bf16 units (then all share one forward).
-Nothing here is threaded: `llmkit.serve.runner` drives an engine for the HTTP server, and `generate` drives it to
-completion for a Python caller.
+(llmkit's native step), which reads the paged pools in place: putting them into the chunks' PyTorch forward
+instead made SmolLM2's steps with long contexts 1.6x slower (487 against 309 ms), since each layer then gathers every
+row's keys. Nothing here is threaded: `llmkit.serve.runner` drives an engine for the HTTP server, and `generate`
+drives it to completion for a Python caller.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from llmkit.layers.attention.gqa import GroupedQueryAttention
 from llmkit.layers.attention.mask import AttentionMask
 from llmkit.models.cache import Step
 from llmkit.models.decoder import DecoderLM
-from llmkit.quant import native
 from llmkit.quant.native_step import NativeDecoder
 from llmkit.serve.blocks import BlockPool
 from llmkit.serve.config import EngineConfig, EngineStats
@@ -68,8 +68,7 @@ class Engine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
-        weight = model.embed.weight
-        self.device, self.dtype = weight.device, weight.dtype
+        self.device, self.dtype = model.device, model.dtype
         per_block = PagedCache.bytes_per_block(model, config.block_size, self.dtype)
         n_blocks = config.kv_memory // per_block
         if n_blocks < 1:
@@ -249,7 +248,7 @@ class Engine:
         chunks = [w for w in work if w.count > 1]
         if self.invariant:
             groups = [work]
-        elif self._native_applies(decoding) and not self._one_forward(decoding, chunks):
+        elif self._native_applies(decoding):
             groups = [decoding, chunks]
         elif self.packs:
             groups = [decoding + chunks]
@@ -279,14 +278,6 @@ class Engine:
             except Exception as e:
                 log.error("request %s failed: %s: %s; ending it", w.seq.request.id, type(e).__name__, e)
         return logits
-
-    def _one_forward(self, decoding: list[Work], chunks: list[Work]) -> bool:
-        """Whether the decoding rows join the prompt chunks' forward instead of a C++ step of their own: where the
-        quantized products of many rows run on the CPU's bf16 units (llmkit.quant.native.prefill_bf16), the step's
-        rows then share one read of each weight and one product, and the C++ step's integer products, bound by
-        arithmetic beyond a few rows, are saved."""
-        rows = len(decoding) + sum(w.count for w in chunks)
-        return self.packs and bool(chunks) and native.prefill_bf16() and rows > native.integer_rows()
 
     def _native_applies(self, rows: list[Work]) -> bool:
         kv = self.cache.grouped_query()
@@ -325,7 +316,9 @@ class Engine:
         positions = torch.cat([torch.arange(w.start, w.start + w.count, device=dev) for w in rows])[None]  # (1, N)
         row = torch.repeat_interleave(torch.arange(len(rows), device=dev), torch.tensor(counts, device=dev))  # (N,)
         pages = Pages(table, table[row, positions[0] // bs][None], positions % bs)
-        mask = AttentionMask(allowed=filled[:, None, None, :], causal=True, query_slots=positions, ragged=tuple(counts))
+        first = tuple(w.start == 0 for w in rows)  # chunks from a prompt's start: causality alone decides
+        allowed = filled[:, None, None, :]
+        mask = AttentionMask(allowed, causal=True, query_slots=positions, ragged=tuple(counts), ragged_first=first)
         h = self.model.run(tokens[None], Step(positions, mask, positions), self.cache.views(pages))  # (1, N, C)
         self._prompt_logprobs(rows, list(h[0].split(counts)))
         last = torch.tensor(counts, device=dev).cumsum(0) - 1  # each row's last query

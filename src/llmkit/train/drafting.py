@@ -136,7 +136,7 @@ def _accepted(hits: list[Tensor], start: int, k: int) -> float:
 def evaluate_drafter(model: DecoderLM, text: OwnText, depths: int, skip: int = 0) -> tuple[list[float], float]:
     """(agreement per depth, mean drafts accepted per round of k = depths) of model.mtp[0] on `text`, from position
     `skip` on (past the openings, which are the corpus's text rather than the model's)."""
-    text = text.to(model.embed.weight.device)
+    text = text.to(model.device)
     want = text.top_ids[:, 1:, 0].long()  # (N, T - 1): the model's token at i + 1
     hits = [model.logits(o).argmax(-1) == want for o in mtp_depths(model, text, depths)]  # (N, T - 1) each
     return [float(h[:, skip:].float().mean()) for h in hits], _accepted(hits, skip, depths)
@@ -146,7 +146,7 @@ def evaluate_drafter(model: DecoderLM, text: OwnText, depths: int, skip: int = 0
 def agreement(draft: DecoderLM, text: OwnText, k: int, skip: int = 0) -> tuple[float, float]:
     """(how often the draft's next token is the target's, the mean drafts a round of k accepts) on `text`, from
     position `skip` on."""
-    text = text.to(draft.embed.weight.device)
+    text = text.to(draft.device)
     T = text.tokens.shape[1]
     logits = draft.logits(draft.norm(draft.run(text.tokens, whole_sequence(T, None, text.tokens.device))))
     hits = logits.argmax(-1) == text.top_ids[..., 0].long()  # (N, T)

@@ -76,7 +76,7 @@ class OwnText:
 @torch.no_grad()
 def model_states(model: DecoderLM, tokens: Tensor, top_k: int = 8, batch: int = 8) -> OwnText:
     """The model's last-block states and top-k next-token logits over `tokens` (N, T)."""
-    parts, device = [], model.embed.weight.device
+    parts, device = [], model.device
     for i in range(0, tokens.shape[0], batch):
         rows = tokens[i : i + batch].to(device)
         h = model.run(rows, whole_sequence(rows.shape[1], None, rows.device))  # (b, T, C), before the final norm

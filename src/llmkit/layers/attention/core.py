@@ -55,6 +55,8 @@ def attend(
     if T == 1 and not need_weights and dropout_p == 0.0 and one_query_path:
         return _one_query(q, k, v, mask, scale, softcap), None
     if not need_weights and softcap is None:
+        if T > 1 and (plain := mask.trimmed(T)) is not None:  # an unpadded prefill: the first T keys, causal
+            k, v, mask, S = k[:, :, :T], v[:, :, :T], plain, T
         attn_mask, is_causal = mask.for_sdpa(T, S, q.device)
         if H != K and not _SDPA_GQA:  # torch < 2.5: expand the shared heads
             k, v = k.repeat_interleave(H // K, dim=1), v.repeat_interleave(H // K, dim=1)

@@ -54,13 +54,19 @@ class AttentionMask:
     window: additionally restrict each query to the `window` most recent slots (itself included).
     query_slots: (T,) long, the queries' slots among the keys (a cache's write slots), or (B, T) when each row's
     queries sit elsewhere (a serving batch of sequences of different lengths); None: the last T.
-    ragged: the lengths of packed rows (see the module docstring); None for an ordinary batch."""
+    ragged: the lengths of packed rows (see the module docstring); None for an ordinary batch. ragged_first: which
+    of them are `first` (a prompt's chunk from slot 0: its group attends by causality alone).
+    first: the T queries are key slots 0 .. T - 1 of a cache that held nothing before them, all of them real (a
+    prompt's prefill without padding): causality alone decides, over the first T keys (`trimmed`), so SDPA can take
+    its fused causal path instead of a (T, S) mask of the whole preallocated cache."""
 
     allowed: Tensor | None = None
     causal: bool = False
     window: int | None = None
     query_slots: Tensor | None = None
     ragged: tuple[int, ...] | None = None
+    ragged_first: tuple[bool, ...] | None = None
+    first: bool = False
 
     def row_groups(self) -> list[tuple[slice, slice, AttentionMask]]:
         """A ragged mask's groups: (rows, their queries in the packed row, the mask of that batch of rows). Adjacent
@@ -75,9 +81,18 @@ class AttentionMask:
             n = sum(self.ragged[row:end])
             rows, queries = slice(row, end), slice(start, start + n)
             slots = self.query_slots[0, queries].view(end - row, -1)  # (G, T)
-            groups.append((rows, queries, replace(self, allowed=self.allowed[rows], query_slots=slots, ragged=None)))
+            first = end == row + 1 and self.ragged[row] > 1 and bool(self.ragged_first and self.ragged_first[row])
+            sub = replace(self, allowed=self.allowed[rows], query_slots=slots, ragged=None, ragged_first=None)
+            groups.append((rows, queries, replace(sub, first=first)))
             row, start = end, start + n
         return groups
+
+    def trimmed(self, T: int) -> AttentionMask | None:
+        """For `first` queries (and no sliding window shorter than them): the plain causal mask over the first T
+        keys, which is all they can see; else None."""
+        if not self.first or self.ragged is not None or (self.window is not None and self.window < T):
+            return None
+        return AttentionMask(causal=True)
 
     def with_window(self, window: int | None) -> AttentionMask:
         return self if window is None else replace(self, window=window)
