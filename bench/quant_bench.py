@@ -47,11 +47,12 @@ THREADS = os.cpu_count() or 1
 
 
 def bytes_per_token(model: Any) -> int:
-    """Bytes of weights one decoding step reads: everything but an embedding table (one row per token)."""
+    """Bytes of weights one decoding step reads: everything but an embedding table of its own (one row per token; a
+    quantized embedding holds none: it reads its rows from the head's codes, which the step reads anyway)."""
     from llmkit.quant import weight_bytes
 
-    embed = model.embed.weight
-    return weight_bytes(model) - embed.numel() * embed.element_size()
+    table = sum(p.numel() * p.element_size() for p in model.embed.parameters())
+    return weight_bytes(model) - table
 
 
 def gguf_bytes_per_token(path: Any) -> int:

@@ -139,9 +139,8 @@ def set_prefill_dtype(dtype: str) -> None:
     """How products of many rows (a prompt's prefill) multiply the dequantized panels: "bf16", from BF16_ROWS rows
     on (x and W rounded to bf16, fp32 sums, the result rounded to bf16; oneDNN runs it on the CPU's bf16 units:
     ~4x fp32's rate on a Zen 5 EPYC, ~6x with a Xeon's AMX), "fp32" from INTEGER_ROWS + 1 rows on (exact up to
-    fp32 rounding), or "auto"
-    (the default: bf16 where the CPU multiplies bf16 natively, fp32 elsewhere, where bf16 is emulated and slower).
-    The environment variable LLMKIT_PREFILL_DTYPE sets it for a whole process."""
+    fp32 rounding), or "auto" (the default: bf16 where the CPU multiplies bf16 natively, fp32 elsewhere, where bf16
+    is emulated and slower). The environment variable LLMKIT_PREFILL_DTYPE sets it for a whole process."""
     global _prefill
     if dtype not in PREFILL_DTYPES:
         raise InputError(f"prefill dtype {dtype!r} is not one of {', '.join(PREFILL_DTYPES)}")
