@@ -41,6 +41,10 @@ class MarkovLM(torch.nn.Module):
         self.cfg = dataclasses.replace(get_preset("llama2-7b-tiny"), vocab_size=V)
         self.embed = torch.nn.Embedding(V, 1)
 
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
     def new_cache(self, batch: int, max_len: int):
         return build_model(self.cfg).new_cache(batch, max_len)
 

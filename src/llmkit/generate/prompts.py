@@ -61,7 +61,7 @@ def prepare_prompts(
     if not isinstance(prompts, Tensor):
         prompts, padding_mask = pad_prompts(prompts)
     check_tokens(prompts, model.cfg.vocab_size, "prompts")
-    device = model.device if hasattr(model, "device") else model.embed.weight.device  # (a model-like stand-in)
+    device = model.device
     tokens = prompts.to(device)
     mask = padding_mask.to(device).bool() if padding_mask is not None else torch.ones_like(tokens, dtype=torch.bool)
     if tuple(mask.shape) != tuple(tokens.shape):

@@ -522,7 +522,7 @@ torch::Tensor dequantized_product(const torch::Tensor& x, const llmkit::Quantize
   const auto dtype = bf16 ? torch::kBFloat16 : torch::kFloat32;
   auto panel = torch::empty({std::min(rows, w.N), w.K}, x.options().dtype(dtype));
   const auto xs = bf16 ? x.to(torch::kBFloat16) : x;
-  auto y = torch::empty({x.size(0), w.N}, x.options());
+  torch::Tensor y;  // (M, N) fp32, when W takes several panels
   for (int64_t n0 = 0; n0 < w.N; n0 += rows) {
     const int64_t n1 = std::min(w.N, n0 + rows);
     at::parallel_for(n0, n1, 16, [&](int64_t a, int64_t e) {
@@ -532,8 +532,9 @@ torch::Tensor dequantized_product(const torch::Tensor& x, const llmkit::Quantize
         llmkit::dequantize_rows(w, a, e, panel.data_ptr<float>() + (a - n0) * w.K);
     });
     const auto part = at::mm(xs, panel.narrow(0, 0, n1 - n0).t());
-    if (n0 == 0 && n1 == w.N && !bf16) return part;
-    y.narrow(1, n0, n1 - n0).copy_(part);  // (from bf16: widened exactly)
+    if (n0 == 0 && n1 == w.N) return bf16 ? part.to(torch::kFloat32) : part;  // (bf16 widens exactly)
+    if (!y.defined()) y = torch::empty({x.size(0), w.N}, x.options());
+    y.narrow(1, n0, n1 - n0).copy_(part);
   }
   return y;
 }
