@@ -25,6 +25,9 @@ def serve(
     max_queue: int = 256,
     no_prefix_cache: bool = False,
     batch_invariant: bool = False,
+    mtp: bool = False,
+    speculate: int = 3,
+    draft_head_bits: int | None = None,
     request_timeout: float = 600.0,
     max_body_size: str = "8MiB",
     body_timeout: float = 30.0,
@@ -54,6 +57,13 @@ def serve(
     batch_invariant: every token, prompt or generated, through the C++ decode step as a row of its own, so that a
       request's greedy output does not depend on what else is running (and equals `llmkit generate
       --batch-invariant`'s); prompts are computed more slowly. Needs the C++ step (AVX2 CPU, fp32 or int4/int8).
+    mtp: speculative decoding with the model's own multi-token-prediction module (a checkpoint grafted by `llmkit
+      graft-mtp`): each decoding sequence drafts up to --speculate tokens a step and the model checks all of them in
+      the step's one pass. Greedy output is the same as without; sampled output has the same distribution. Fewer
+      drafts as the batch grows (none where a step's rows already cost their arithmetic). Needs the C++ step.
+    speculate: with --mtp, the most tokens a sequence drafts per step.
+    draft_head_bits: with --mtp, draft from an int8 (8) or int4 (4) copy of the output head and of the module's
+      block: cheaper drafts, the same output.
     request_timeout: seconds a request may run before it is ended.
     max_body_size: the largest request body taken, e.g. 8MiB (larger: HTTP 413).
     body_timeout: seconds a client has to send its whole request body (slower: HTTP 408).
@@ -81,8 +91,22 @@ def serve(
         header_timeout=header_timeout,
         shutdown_timeout=shutdown_timeout,
     )
+    if not mtp and (draft_head_bits is not None or speculate != 3):
+        raise LLMKitError("--speculate and --draft-head-bits apply with --mtp")
+    if not 1 <= speculate <= 16:
+        raise LLMKitError(f"--speculate {speculate} is out of range: it must be 1 to 16")
+    if draft_head_bits not in (None, 4, 8):
+        raise LLMKitError(f"--draft-head-bits {draft_head_bits} is out of range: it must be 4 or 8")
     config = EngineConfig(
-        parse_size(kv_memory), block_size, max_batch, step_tokens, max_queue, not no_prefix_cache, batch_invariant
+        parse_size(kv_memory),
+        block_size,
+        max_batch,
+        step_tokens,
+        max_queue,
+        not no_prefix_cache,
+        batch_invariant,
+        draft_tokens=speculate if mtp else 0,
+        draft_head_bits=draft_head_bits,
     )
     model, tok = load_decoder(checkpoint, dtype, device, verify=not no_verify)
     _log_to_stderr()
@@ -95,7 +119,8 @@ def serve(
         f"computing in {str(e.dtype).removeprefix('torch.')} on {e.device}); "
         f"KV cache {e.pool.n_blocks} blocks x {e.pool.block_size} tokens = {e.cache.nbytes / 2**20:.0f} MiB, "
         f"{e.capacity_sequences:.1f} sequences of the full {e.max_len}-token context; "
-        f"listening on {server.url}/v1",
+        + (f"drafting up to {speculate} tokens a step with its MTP module; " if mtp else "")
+        + f"listening on {server.url}/v1",
         flush=True,
     )
     server.run_foreground()

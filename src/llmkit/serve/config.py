@@ -13,7 +13,10 @@ class EngineConfig:
     running at once; step_tokens: tokens computed per step (decoding rows plus prompt chunks); max_queue: requests
     waiting before new ones are refused; prefix_caching: reuse cached blocks of shared prompt prefixes;
     batch_invariant: every token through the C++ step as a row of its own (prompt tokens too), so that a request's
-    greedy output does not depend on what else runs, and equals `generate`'s with a batch-invariant NativeStep."""
+    greedy output does not depend on what else runs, and equals `generate`'s with a batch-invariant NativeStep;
+    draft_tokens: with k > 0, each decoding sequence drafts up to k tokens a step with the model's MTP module and the
+    target verifies them (serve/speculation.py; 0: no speculation); draft_head_bits 8 / 4: the drafts read an int8
+    / int4 copy of the output head and of the module's block (None: the model's own)."""
 
     kv_memory: int = 1 << 30
     block_size: int = 16
@@ -22,11 +25,17 @@ class EngineConfig:
     max_queue: int = 256
     prefix_caching: bool = True
     batch_invariant: bool = False
+    draft_tokens: int = 0
+    draft_head_bits: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("kv_memory", "block_size", "max_batch", "step_tokens", "max_queue"):
             if getattr(self, name) < 1:
                 raise InputError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.draft_tokens < 0:
+            raise InputError(f"draft_tokens={self.draft_tokens} must be >= 0")
+        if self.draft_head_bits not in (None, 4, 8):
+            raise InputError(f"draft_head_bits={self.draft_head_bits!r} must be 4, 8 or None")
 
 
 @dataclass

@@ -11,8 +11,9 @@ decoding rows and prompt chunks of different lengths packed into one row (1, N),
 sequence (AttentionMask.ragged); the decoding rows run in one C++ call instead where the model allows it
 (llmkit's native step), which reads the paged pools in place: putting them into the chunks' PyTorch forward
 instead made SmolLM2's steps with long contexts 1.6x slower (487 against 309 ms), since each layer then gathers every
-row's keys. Nothing here is threaded: `llmkit.serve.runner` drives an engine for the HTTP server, and `generate`
-drives it to completion for a Python caller.
+row's keys. With a speculator (speculation.py) the decoding rows first draft tokens with the model's MTP module and
+the step verifies them: a sequence can get several tokens a step. Nothing here is threaded: `llmkit.serve.runner`
+drives an engine for the HTTP server, and `generate` drives it to completion for a Python caller.
 """
 
 from __future__ import annotations
@@ -43,11 +44,11 @@ from llmkit.serve.request import (
     SamplingParams,
     Sequence,
     Status,
-    TokenLogprob,
     Top,
 )
-from llmkit.serve.sampler import sample, top_logprobs
+from llmkit.serve.sampler import prompt_logprobs, sample
 from llmkit.serve.scheduler import Scheduler, Work
+from llmkit.serve.speculation import Costs, MTPSpeculator
 from llmkit.serve.structured import Grammars, allowed_tokens
 from llmkit.serve.text import TextOutput
 from llmkit.tokenizer import IncrementalDecoder, Tokenizer
@@ -82,13 +83,24 @@ class Engine:
         kv = self.cache.grouped_query()
         with torch.no_grad():  # (how the engine's steps run)
             native_pools = self.native is not None and kv is not None and self.native.applies_paged(1, kv[0])
-        if self.invariant and not native_pools:
-            raise InputError(
-                "the batch-invariant mode runs every token through llmkit's C++ decode step: it needs an x86 CPU with "
-                "AVX2, fp32 or int4/int8 weights, fp32 caches and a grouped-query decoder"
-            )
+        modes = (("the batch-invariant mode", self.invariant), ("speculative decoding", config.draft_tokens))
+        for mode, wanted in modes:
+            if wanted and not native_pools:
+                raise InputError(
+                    f"{mode} runs tokens through llmkit's C++ decode step: it needs an x86 CPU with AVX2, fp32 or "
+                    "int4/int8 weights, fp32 caches and a grouped-query decoder"
+                )
         self.pool = BlockPool(n_blocks, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_batch, config.step_tokens)
+        self.speculator = None  # drafts for the decoding rows (speculation.py), with config.draft_tokens
+        if config.draft_tokens:
+            assert self.native is not None and kv is not None
+            self.speculator = MTPSpeculator(
+                model, self.native, self.scheduler.kv, n_blocks, config.block_size, config.draft_tokens,
+                config.draft_head_bits,
+            )  # fmt: skip
+            with torch.no_grad():
+                self.speculator.costs = Costs.measure(self.speculator, *kv)
         self.max_len = model.max_seq_len
         self.eos_ids = {tokenizer.eos_id} if tokenizer is not None and tokenizer.eos_id is not None else set()
         # structured outputs: constraints compiled against the tokenizer's vocabulary (needs the tokenizer)
@@ -177,6 +189,8 @@ class Engine:
             if not seq.finished:
                 self.scheduler.remove(seq)
                 seq.status, seq.finish_reason = Status.FINISHED, "abort"
+                if self.speculator is not None:
+                    self.speculator.forget(seq)
 
     @property
     def has_work(self) -> bool:
@@ -200,7 +214,7 @@ class Engine:
         for w in [w for w in work if id(w) not in logits]:  # its forward failed even alone: it ends, alone
             self.stats.failed += 1
             self._finish(w.seq, "error")
-            deltas.append(self._delta(w.seq))
+            deltas.append(Delta.of(w.seq))
         work = [w for w in work if id(w) in logits]
         for w in work:
             self.scheduler.computed(w)
@@ -209,8 +223,10 @@ class Engine:
         ready = [w for w in work if w.samples]
         for w in [w for w in ready if w.seq.request.params.max_tokens == 0]:  # the prompt was all it asked for
             self._finish(w.seq, "length")
-            deltas.append(self._delta(w.seq, prompt_logprobs=w.seq.prompt_logprobs))
+            deltas.append(Delta.of(w.seq, prompt_logprobs=w.seq.prompt_logprobs))
         ready = [w for w in ready if w.seq.request.params.max_tokens > 0]
+        deltas += [self._judge(w, logits[id(w)]) for w in ready if logits[id(w)].dim() == 2]  # drafts verified
+        ready = [w for w in ready if logits[id(w)].dim() == 1]
         if not ready:
             return deltas
         batch = torch.stack([logits[id(w)] for w in ready])  # (B, V)
@@ -220,7 +236,7 @@ class Engine:
                 log.error("request %s: the model's logits are NaN or infinite; ending it", w.seq.request.id)
                 self.stats.failed += 1
                 self._finish(w.seq, "error")
-                deltas.append(self._delta(w.seq))
+                deltas.append(Delta.of(w.seq))
             keep = [i for i, b in enumerate(bad) if not b]
             ready, batch = [ready[i] for i in keep], batch[keep]
         if ready:
@@ -233,7 +249,7 @@ class Engine:
                 if token is None or logprob is None:  # this row's settings failed: it ends alone
                     self.stats.failed += 1
                     self._finish(w.seq, "error")
-                    deltas.append(self._delta(w.seq))
+                    deltas.append(Delta.of(w.seq))
                 else:
                     deltas.append(self._append(w.seq, token, logprob, top))
         return deltas
@@ -246,6 +262,8 @@ class Engine:
         cause it; those are missing from the result."""
         decoding = [w for w in work if w.count == 1]
         chunks = [w for w in work if w.count > 1]
+        if self.speculator is not None:  # drafts for the decoding rows that take them (speculator.pending)
+            self.speculator.propose(decoding, self.scheduler.kv.allocate, self.max_len)
         if self.invariant:
             groups = [work]
         elif self._native_applies(decoding):
@@ -283,10 +301,11 @@ class Engine:
         kv = self.cache.grouped_query()
         return bool(rows) and self.native is not None and kv is not None and self.native.applies_paged(1, kv[0])
 
-    def _forward(self, rows: list[Work]) -> Tensor:
+    def _forward(self, rows: list[Work]) -> Tensor | list[Tensor]:
         """The model over the rows -> logits of each row's last token (B, V). Rows of one token each run in C++
         where it applies; rows of one length run as a batch (B, T); rows of different lengths as one packed row
-        (1, N) whose attention runs row by row (AttentionMask.ragged)."""
+        (1, N) whose attention runs row by row (AttentionMask.ragged); decoding rows with drafts (speculator.pending)
+        token by token in C++ (_forward_tokens), their logits (1 + k, V)."""
         bs = self.pool.block_size
         dev = self.device
         counts = [w.count for w in rows]
@@ -294,8 +313,10 @@ class Engine:
         tables = [self.scheduler.kv.table(w.seq) for w in rows]
         nb = max(len(t) for t in tables)
         table = torch.tensor([t + t[:1] * (nb - len(t)) for t in tables], device=dev)  # (B, nb), padded
-        filled = torch.arange(nb * bs, device=dev) < (starts + torch.tensor(counts, device=dev))[:, None]  # (B, S)
-        if self.invariant:
+        drafts = self.speculator.pending if self.speculator is not None else {}
+        extra = torch.tensor([len(drafts[id(w)].tokens) if id(w) in drafts else 0 for w in rows], device=dev)
+        filled = torch.arange(nb * bs, device=dev) < (starts + torch.tensor(counts, device=dev) + extra)[:, None]
+        if self.invariant or bool(extra.any()):
             return self._forward_tokens(rows, table, filled)
         if len(set(counts)) == 1:
             T = counts[0]
@@ -310,7 +331,7 @@ class Engine:
                 pages = Pages.of(table, positions, bs)
                 mask = AttentionMask(allowed=filled[:, None, None, :], causal=T > 1, query_slots=positions)
                 h = self.model.run(tokens, Step(positions, mask, positions), self.cache.views(pages))  # (B, T, C)
-            self._prompt_logprobs(rows, list(h))
+            self._states(rows, list(h))
             return self.model.logits(self.model.norm(h[:, -1]))  # (B, V)
         tokens = torch.tensor([t for w in rows for t in w.seq.tokens[w.start : w.start + w.count]], device=dev)
         positions = torch.cat([torch.arange(w.start, w.start + w.count, device=dev) for w in rows])[None]  # (1, N)
@@ -320,39 +341,62 @@ class Engine:
         allowed = filled[:, None, None, :]
         mask = AttentionMask(allowed, causal=True, query_slots=positions, ragged=tuple(counts), ragged_first=first)
         h = self.model.run(tokens[None], Step(positions, mask, positions), self.cache.views(pages))  # (1, N, C)
-        self._prompt_logprobs(rows, list(h[0].split(counts)))
+        self._states(rows, list(h[0].split(counts)))
         last = torch.tensor(counts, device=dev).cumsum(0) - 1  # each row's last query
         return self.model.logits(self.model.norm(h[0, last]))  # (B, V)
 
-    def _forward_tokens(self, rows: list[Work], table: Tensor, filled: Tensor) -> Tensor:
-        """The batch-invariant forward: every token of the rows through the C++ step as a row of its own (table
-        and filled (B, ...) repeated for each of a row's tokens), the head through row-invariant products."""
+    def _forward_tokens(self, rows: list[Work], table: Tensor, filled: Tensor) -> list[Tensor]:
+        """Every token of the rows through the C++ step as a row of its own (table and filled (B, ...) repeated for
+        each of a row's tokens), the head through row-invariant products: the batch-invariant mode's forward, and
+        the verifying one of rows with drafts (speculator.pending), whose logits are (1 + k, V) at cur and each
+        draft; the other rows' are (V,) at their last token."""
         assert self.native is not None
-        dev, counts = self.device, [w.count for w in rows]
-        tokens = torch.tensor([t for w in rows for t in w.seq.tokens[w.start : w.start + w.count]], device=dev)
-        positions = torch.cat([torch.arange(w.start, w.start + w.count, device=dev) for w in rows])  # (N,)
+        dev = self.device
+        drafts = self.speculator.pending if self.speculator is not None else {}
+        ids = [w.seq.tokens[w.start : w.start + w.count] + (drafts[id(w)].tokens.tolist() if id(w) in drafts else [])
+               for w in rows]  # fmt: skip
+        counts = [len(t) for t in ids]
+        tokens = torch.tensor([t for row in ids for t in row], device=dev)
+        starts = [w.start for w in rows]
+        positions = torch.cat([torch.arange(s, s + n, device=dev) for s, n in zip(starts, counts, strict=True)])
         row = torch.repeat_interleave(torch.arange(len(rows), device=dev), torch.tensor(counts, device=dev))
         keys, values = self.cache.grouped_query() or ([], [])
         h = self.native.run_tokens(
             tokens, positions=positions, table=table[row].contiguous(), allowed=filled[row], keys=keys, values=values
         )  # (N, C)
-        self._prompt_logprobs(rows, list(h.split(counts)))
-        last = torch.tensor(counts, device=dev).cumsum(0) - 1
-        return self.native.logits(self.model.norm(h[last]), invariant=True)  # (B, V)
+        states = list(h.split(counts))
+        self._states(rows, states, counts)
+        wanted = [s if id(w) in drafts else s[-1:] for w, s in zip(rows, states, strict=True)]
+        logits = self.native.logits(self.model.norm(torch.cat(wanted)), invariant=True)  # (rows wanted, V)
+        out = logits.split([len(s) for s in wanted])
+        return [x if id(w) in drafts else x[0] for w, x in zip(rows, out, strict=True)]
 
-    def _prompt_logprobs(self, rows: list[Work], hidden: list[Tensor]) -> None:
-        """Record the log-probabilities of the prompt tokens that the rows' states (T, C) predict, for the
-        sequences that asked for them: the state at position i gives token i + 1."""
-        for w, h in zip(rows, hidden, strict=True):
-            record, k = w.seq.prompt_logprobs, w.seq.request.params.prompt_logprobs
-            n = min(w.count, w.seq.prompt_len - 1 - w.start)  # positions whose next token is a prompt token
-            if record is None or k is None or n <= 0:
-                continue
-            logprobs = torch.log_softmax(self.model.logits(self.model.norm(h[:n])).float(), dim=-1)  # (n, V)
-            targets = torch.tensor(w.seq.tokens[w.start + 1 : w.start + 1 + n], device=logprobs.device)
-            values = logprobs.gather(1, targets[:, None])[:, 0].tolist()
-            for i, (value, top) in enumerate(zip(values, top_logprobs(logprobs, k), strict=True)):
-                record[w.start + 1 + i] = (value, top)
+    def _states(self, rows: list[Work], hidden: list[Tensor], counts: list[int] | None = None) -> None:
+        """What a forward's last-block states (n, C) of each row feed: the prompt log-probabilities asked for, and
+        the drafter's record of the target's states."""
+        prompt_logprobs(self.model, rows, hidden)
+        if self.speculator is not None:
+            self.speculator.observe(rows, hidden, counts)
+
+    def _judge(self, w: Work, logits: Tensor) -> Delta:
+        """A row whose drafts were verified: the target's logits (1 + k, V) -> the tokens it keeps, as one delta."""
+        assert self.speculator is not None
+        seq = w.seq
+        if bool((torch.isnan(logits) | torch.isposinf(logits)).any()):
+            log.error("request %s: the model's logits are NaN or infinite; ending it", seq.request.id)
+            self.stats.failed += 1
+            self._finish(seq, "error")
+            return Delta.of(seq)
+        verdict = self.speculator.judge(w, self.speculator.pending[id(w)], logits)
+        parts = []
+        for token, logprob, top in zip(verdict.tokens, verdict.logprobs, verdict.top, strict=True):
+            parts.append(self._append(seq, token, logprob, top))
+            if seq.finished:
+                break
+        if not seq.finished:  # cur and the accepted drafts are cached; the target's own token is the next cur
+            seq.computed = w.start + 1 + verdict.accepted
+            self.scheduler.kv.cache_full_blocks(seq, seq.computed)
+        return Delta.joined(parts)
 
     def _append(self, seq: Sequence, token: int, logprob: float, top: Top) -> Delta:
         seq.tokens.append(token)
@@ -366,7 +410,7 @@ class Engine:
                 )
                 self.stats.failed += 1
                 self._finish(seq, "error")
-                return self._delta(seq)
+                return Delta.of(seq)
             complete = seq.matcher.is_stopped()
         eos = token in self.eos_ids and not p.ignore_eos  # its text is never shown
         length = not eos and (len(seq.generated) >= p.max_tokens or len(seq.tokens) >= self.max_len)
@@ -375,10 +419,12 @@ class Engine:
         if reason is not None:
             self._finish(seq, reason)
         prompt = seq.prompt_logprobs if len(seq.generated) == 1 else None  # with the first token
-        return self._delta(seq, [token], text, [logprob], [top], prompt)
+        return Delta.of(seq, [token], text, [logprob], [top], prompt)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.scheduler.remove(seq)
+        if self.speculator is not None:
+            self.speculator.forget(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason
         self.stats.finished += 1
         seqs = self.requests.get(seq.request.id, [])
@@ -405,30 +451,8 @@ class Engine:
             for seq in seqs:
                 if not seq.finished:
                     self._finish(seq, reason)
-                    deltas.append(self._delta(seq))
+                    deltas.append(Delta.of(seq))
         return deltas
-
-    def _delta(
-        self,
-        seq: Sequence,
-        ids: list[int] | None = None,
-        text: str = "",
-        logprobs: list[float] | None = None,
-        top: list[Top] | None = None,
-        prompt_logprobs: list[TokenLogprob | None] | None = None,
-    ) -> Delta:
-        return Delta(
-            seq.request.id,
-            seq.index,
-            ids or [],
-            text,
-            logprobs or [],
-            seq.finish_reason,
-            seq.prompt_len,
-            len(seq.generated),
-            top or [],
-            prompt_logprobs,
-        )
 
     # ---- whole requests from Python
 

@@ -9,6 +9,7 @@ sample the next token.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Literal
@@ -165,6 +166,43 @@ class Delta:
     completion_tokens: int = 0
     top_logprobs: list[Top] = field(default_factory=list)  # per new token, when the request asks for them
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with a sequence's first delta, when asked for
+
+    @classmethod
+    def of(
+        cls,
+        seq: Sequence,
+        ids: list[int] | None = None,
+        text: str = "",
+        logprobs: list[float] | None = None,
+        top: list[Top] | None = None,
+        prompt_logprobs: list[TokenLogprob | None] | None = None,
+    ) -> Delta:
+        """What a step added to `seq` (its finish reason and token counts as they stand)."""
+        return cls(
+            seq.request.id,
+            seq.index,
+            ids or [],
+            text,
+            logprobs or [],
+            seq.finish_reason,
+            seq.prompt_len,
+            len(seq.generated),
+            top or [],
+            prompt_logprobs,
+        )
+
+    @classmethod
+    def joined(cls, parts: list[Delta]) -> Delta:
+        """One delta for what consecutive deltas of one sequence added (a step that gave it several tokens)."""
+        first, last = parts[0], parts[-1]
+        return dataclasses.replace(
+            last,
+            token_ids=[t for d in parts for t in d.token_ids],
+            text="".join(d.text for d in parts),
+            logprobs=[x for d in parts for x in d.logprobs],
+            top_logprobs=[x for d in parts for x in d.top_logprobs],
+            prompt_logprobs=first.prompt_logprobs,
+        )
 
 
 @dataclass

@@ -22,7 +22,9 @@ import torch
 from torch import Tensor
 
 from llmkit.generate.sampling import distribution, draw
+from llmkit.models.decoder import DecoderLM
 from llmkit.serve.request import Sequence, Top
+from llmkit.serve.scheduler import Work
 from llmkit.serve.structured import mask_logits
 
 log = logging.getLogger("llmkit.serve")
@@ -45,6 +47,21 @@ def top_logprobs(logprobs: Tensor, k: int) -> list[Top]:
         return [[] for _ in range(logprobs.shape[0])]
     values, ids = logprobs.topk(k, dim=-1)
     return [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+
+
+def prompt_logprobs(model: DecoderLM, rows: list[Work], hidden: list[Tensor]) -> None:
+    """Record the log-probabilities of the prompt tokens that the rows' last-block states (T, C) predict, for the
+    sequences that asked for them: the state at position i gives token i + 1."""
+    for w, h in zip(rows, hidden, strict=True):
+        record, k = w.seq.prompt_logprobs, w.seq.request.params.prompt_logprobs
+        n = min(w.count, w.seq.prompt_len - 1 - w.start)  # positions whose next token is a prompt token
+        if record is None or k is None or n <= 0:
+            continue
+        logprobs = torch.log_softmax(model.logits(model.norm(h[:n])).float(), dim=-1)  # (n, V)
+        targets = torch.tensor(w.seq.tokens[w.start + 1 : w.start + 1 + n], device=logprobs.device)
+        values = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        for i, (value, top) in enumerate(zip(values, top_logprobs(logprobs, k), strict=True)):
+            record[w.start + 1 + i] = (value, top)
 
 
 def penalize_presence(logits: Tensor, generated: list[int], presence: float, frequency: float) -> Tensor:

@@ -1,0 +1,381 @@
+"""Speculative decoding in the serving engine: every decoding sequence drafts up to k tokens with the model's own
+multi-token-prediction module (DeepSeek-V3 §2.2, as `llmkit generate --mtp` does for one generation), and the target
+checks all the sequences' drafts in the step's one C++ call.
+
+    draft    MTP over each sequence's slots mtp_next .. n: the ones it has not yet computed from the target's true
+             states, then `cur` (the newest token, in slot n) -> d1; chained on its own output at n + 1 .. -> d2 .. dk
+    verify   the target over cur, d1 .. dk of every sequence, each token a row of the C++ step
+             (NativeDecoder.run_tokens: the same arithmetic as a plain decoding row, so greedy output is the plain
+             engine's token for token), with the head in row-invariant pieces
+    accept   greedy: the drafts while they are the target's argmax, then its token; sampled: the rule of Leviathan
+             et al. (llmkit.generate.speculative.accept), which gives every token the target's distribution
+
+Where the drafter's state lives, beside the engine's pools and under the same block tables:
+
+    hidden   (N, bs, C)      the target's last-block state of every slot, written by every forward (prompt chunks,
+                             decoding, verifying): an MTP input can be read for any slot, a prefix-cached one too
+    keys     (KH, N, bs, D)  the MTP block's keys and values. MTP position j reads h_j and token j + 1 and is kept in
+    values                   slot j + 1, so a block's MTP keys depend only on the tokens up to its end (as its
+                             target keys do): sequences sharing a cached block write the same values into it
+
+Rejected drafts need no undoing: a sequence's computed length becomes cur plus the accepted drafts, and the slots after
+it are rewritten before anything attends to them. Rows with penalties or a grammar decode plainly (their
+distributions would depend on the drafts before them). A sampled request's seed gives the same distribution but not
+the same tokens as without speculation (the draws differ). Shapes: R drafting rows, V vocabulary, C model dim.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from llmkit.errors import InputError
+from llmkit.generate.drafters import MTPDraft
+from llmkit.generate.sampling import distribution, draw
+from llmkit.generate.speculative import accept, accept_greedy
+from llmkit.layers.attention.cache import KVCache
+from llmkit.models.decoder import DecoderLM
+from llmkit.quant.native_step import NativeDecoder
+from llmkit.serve.kv_manager import KVCacheManager
+from llmkit.serve.paged import KVPool
+from llmkit.serve.request import Sequence, Top
+from llmkit.serve.sampler import top_logprobs
+from llmkit.serve.scheduler import Work
+
+
+@dataclass
+class _State:
+    """What the drafter knows of one sequence."""
+
+    start: int = 0  # the first new slot of its last step (a smaller one later: it was preempted and starts again)
+    mtp_next: int = 1  # the first slot whose MTP keys it has not computed from the target's true states
+
+
+@dataclass(frozen=True)
+class Drafts:
+    """A sequence's drafts for one step: tokens (k,), and for a sampled row the distributions q (k, V) they were
+    drawn from (None for greedy rows)."""
+
+    tokens: Tensor
+    q: Tensor | None
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds a verifying step and a chained draft take for a number of rows, interpolated (and extrapolated at a
+    row's cost) from timings at ROWS."""
+
+    ROWS = (1, 2, 4, 8, 16, 32, 64)
+    verifying: tuple[float, ...]
+    drafting: tuple[float, ...]
+
+    def verify(self, rows: int) -> float:
+        return self._at(self.verifying, rows)
+
+    def draft(self, rows: int) -> float:
+        return self._at(self.drafting, rows)
+
+    def _at(self, times: tuple[float, ...], rows: int) -> float:
+        r = self.ROWS
+        if rows >= r[-1]:
+            return times[-1] + (rows - r[-1]) * (times[-1] - times[-2]) / (r[-1] - r[-2])
+        i = next(i for i in range(1, len(r)) if rows <= r[i])
+        return times[i - 1] + (rows - r[i - 1]) * (times[i] - times[i - 1]) / (r[i] - r[i - 1])
+
+    @classmethod
+    @torch.inference_mode()
+    def measure(cls, speculator: MTPSpeculator, keys: list[Tensor], values: list[Tensor]) -> Costs:
+        """Time the target's C++ step with its head and the MTP block with the draft head (median of 3) over
+        dummy tokens written into block 0 of the pools `keys` and `values` (the engine measures before any
+        sequence holds a block)."""
+        sp, model = speculator, speculator.model
+        dev = sp.hidden.device
+        verifying, drafting = [], []
+        for n in cls.ROWS:
+            slots = torch.arange(n, device=dev) % sp.bs  # every row in block 0
+            table = torch.zeros(n, 1, dtype=torch.long, device=dev)
+            allowed = torch.arange(sp.bs, device=dev)[None] <= slots[:, None]
+            tokens = torch.zeros(n, dtype=torch.long, device=dev)
+            x = torch.zeros(n, model.cfg.d_model, device=dev, dtype=sp.hidden.dtype)
+            rope = sp.native._rope(slots[:, None])
+            verifying.append(_seconds(sp.verify_rows, tokens, slots, table, allowed, keys, values))
+            drafting.append(_seconds(sp.draft_rows, x, slots, table, allowed, rope))
+        return cls(tuple(verifying), tuple(drafting))
+
+
+def _seconds(fn: Callable[..., object], *args: object) -> float:
+    """The median of 3 timings of fn(*args), after one to warm up."""
+    fn(*args)
+    runs = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn(*args)
+        runs.append(time.perf_counter() - start)
+    return sorted(runs)[1]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a verified row yields: the accepted drafts, then the target's own token (1 to k + 1 tokens), with each
+    one's log-probability under the model and the alternatives the request asked for."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    top: list[Top]
+    accepted: int
+
+
+def _bias(logits: Tensor, seq: Sequence) -> Tensor:
+    """logits (..., V) plus the request's logit_bias."""
+    bias = seq.request.params.logit_bias
+    if not bias:
+        return logits
+    index = torch.tensor([t for t, _ in bias], device=logits.device)
+    return logits.index_add(-1, index, torch.tensor([b for _, b in bias], device=logits.device, dtype=logits.dtype))
+
+
+class MTPSpeculator:
+    """Drafts with `model`'s first MTP module for the engine's decoding rows and judges the target's verdicts.
+    `k`: the most drafts a sequence gets in a step (`drafts_for` chooses fewer as the batch grows); head_bits 8 / 4:
+    draft through an int8 / int4 copy of the head and of the module's block (cheaper drafts, the same output)."""
+
+    def __init__(
+        self,
+        model: DecoderLM,
+        native: NativeDecoder,
+        kv: KVCacheManager,
+        n_blocks: int,
+        block_size: int,
+        k: int,
+        head_bits: int | None = None,
+    ) -> None:
+        if not len(model.mtp):
+            raise InputError(
+                "speculative serving drafts with the model's multi-token-prediction module, and this model has none "
+                "(graft one with `llmkit graft-mtp`)"
+            )
+        if not isinstance(k, int) or k < 1:
+            raise InputError(f"draft tokens k={k!r} must be an int >= 1")
+        self.model, self.native, self.kv, self.k, self.bs = model, native, kv, k, block_size
+        self.draft = MTPDraft(model, native, head_bits)
+        if self.draft.block is None:
+            raise InputError(
+                "the MTP module's block does not run in llmkit's C++ step, which speculative serving needs"
+            )
+        device, dtype = model.device, model.dtype
+        cache = self.draft.module.block.attn.new_cache(n_blocks, block_size, device, dtype)
+        if not isinstance(cache, KVCache):  # (the C++ step takes grouped-query blocks only)
+            raise InputError("speculative serving needs an MTP module with grouped-query attention")
+        pool = KVPool.of(cache)
+        self.keys, self.values = pool.k, pool.v  # (KH, N, bs, D)
+        self.hidden = torch.zeros(n_blocks, block_size, model.cfg.d_model, device=device, dtype=dtype)
+        self.states: dict[tuple[str, int], _State] = {}
+        self.drafted = self.accepted = 0  # over all verified rows
+        # a draft's chance to be accepted (given the ones before it were), which sets k (drafts_for): accepted
+        # drafts over accepted drafts plus rejections, both decaying, from a prior of 7 in 10
+        self._kept, self._rejected = 7.0, 3.0
+        self.pending: dict[int, Drafts] = {}  # the step's drafts, by id of their Work
+        self.costs: Costs | None = None  # what steps and drafts cost here (Costs.measure, when the engine starts)
+
+    @property
+    def acceptance(self) -> float:
+        return self._kept / (self._kept + self._rejected)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.hidden))
+
+    @staticmethod
+    def eligible(seq: Sequence) -> bool:
+        """Whether a sequence can take drafts: its next token's distribution must not depend on the tokens before it
+        beyond the model's logits (no penalties, no grammar)."""
+        p = seq.request.params
+        penalties = p.sampling.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0
+        return not penalties and seq.matcher is None
+
+    def forget(self, seq: Sequence) -> None:
+        self.states.pop(seq.key, None)
+
+    # ---- the target's states
+
+    def observe(self, rows: list[Work], hidden: list[Tensor], counts: list[int] | None = None) -> None:
+        """Keep the target's last-block states of a forward: hidden[i] (n_i, C) for slots start .. start + n_i - 1
+        of rows[i] (n_i = counts[i], default the row's count)."""
+        blocks, offsets, states = [], [], []
+        for i, (w, h) in enumerate(zip(rows, hidden, strict=True)):
+            n = counts[i] if counts is not None else w.count
+            state = self.states.setdefault(w.seq.key, _State())
+            if w.start < state.start:  # computed again from its tokens (preempted): its MTP keys may be gone
+                state.mtp_next = 1
+            state.start = w.start
+            slots = torch.arange(w.start, w.start + n)
+            table = torch.tensor(self.kv.table(w.seq))
+            blocks.append(table[slots // self.bs])
+            offsets.append(slots % self.bs)
+            states.append(h[:n])
+        self.hidden[torch.cat(blocks).to(self.hidden.device), torch.cat(offsets).to(self.hidden.device)] = torch.cat(
+            states
+        ).to(self.hidden.dtype)
+
+    # ---- drafting
+
+    def drafts_for(self, decoding: int) -> int:
+        """How many drafts each of `decoding` rows gets this step: the k (up to self.k) with the most tokens per
+        second, by the measured costs (`costs`) and acceptance. A row with k drafts yields 1 + a + .. + a^k tokens
+        on average (a: a draft's chance to be kept, given the ones before it were); a verifying step of n rows
+        costs costs.verify(n) and each chained draft costs.draft(rows). With few rows a step is bound by reading
+        the weights and drafts are nearly free; as rows grow it becomes bound by its arithmetic, and then every
+        rejected draft costs as much as a token: k falls to 0."""
+        assert self.costs is not None, "the engine measures the costs when it starts (Costs.measure)"
+        a = self.acceptance
+        best, best_rate = 0, decoding / self.costs.verify(decoding)
+        for k in range(1, self.k + 1):
+            time = self.costs.verify(decoding * (k + 1)) + k * self.costs.draft(decoding)
+            rate = decoding * sum(a**i for i in range(k + 1)) / time
+            if rate > best_rate * 1.02:  # a clear gain only
+                best, best_rate = k, rate
+        return best
+
+    def propose(self, rows: list[Work], room: Callable[[Sequence, int], bool], max_len: int) -> dict[int, Drafts]:
+        """Drafts for the decoding rows that take them (by id of their Work). room(seq, length): make the sequence
+        hold blocks for `length` tokens (False: it cannot, and gets no drafts)."""
+        self.pending = {}
+        k = self.drafts_for(len(rows))
+        if k == 0:
+            return {}
+        chosen: list[tuple[Work, int]] = []
+        for w in rows:
+            seq = w.seq
+            left = seq.request.params.max_tokens - len(seq.generated)  # tokens it may still get, cur's next included
+            kw = min(k, left - 1, max_len - 1 - w.start)
+            # (slot 0 has no MTP position: nothing comes before it)
+            if kw > 0 and w.start > 0 and self.eligible(seq) and room(seq, w.start + 1 + kw):
+                chosen.append((w, kw))
+        if not chosen:
+            return {}
+        for w, _ in chosen:  # a sequence seen for the first time: its MTP keys from slot 1
+            state = self.states.setdefault(w.seq.key, _State(w.start))
+            if w.start < state.start:
+                state.mtp_next = 1
+        out = self._catch_up([w for w, _ in chosen])  # (R, C): MTP's normed output at each row's cur
+        tokens: list[list[Tensor]] = [[] for _ in chosen]
+        qs: list[list[Tensor]] = [[] for _ in chosen]
+        live = list(range(len(chosen)))
+        for depth in range(max(kw for _, kw in chosen)):
+            logits = self.draft.head(out)  # (r, V)
+            nxt = []
+            for j, i in enumerate(live):
+                seq = chosen[i][0].seq
+                token, q = self._draw(logits[j], seq, depth)
+                tokens[i].append(token)
+                if q is not None:
+                    qs[i].append(q)
+                nxt.append(token)
+            keep = [j for j, i in enumerate(live) if chosen[i][1] > depth + 1]
+            if not keep:
+                break
+            live = [live[j] for j in keep]
+            works = [chosen[i][0] for i in live]
+            slots = torch.tensor([w.start + depth + 1 for w in works])
+            ids = torch.stack([nxt[j] for j in keep])
+            out = self._mtp(works, slots, ids, out[keep], normed=True)
+        for i, (w, _) in enumerate(chosen):
+            q = torch.stack(qs[i]) if qs[i] else None
+            self.pending[id(w)] = Drafts(torch.stack(tokens[i]), q)
+        return self.pending
+
+    def _draw(self, logits: Tensor, seq: Sequence, depth: int) -> tuple[Tensor, Tensor | None]:
+        """Draft `depth` (0: the token after cur) from the MTP head's logits (V,) under the sequence's settings, and
+        q (V,) when sampled."""
+        sampling = seq.request.params.sampling
+        x = _bias(logits.float(), seq)
+        if sampling.greedy:
+            return x.argmax(), None
+        q = distribution(x.unsqueeze(0), sampling)[0]
+        return draw(q, False, seq.generator), q
+
+    def _catch_up(self, rows: list[Work]) -> Tensor:
+        """MTP over every row's slots from its mtp_next to its cur (slot w.start), from the target's true states;
+        returns the normed output at each row's cur (R, C)."""
+        works: list[Work] = []
+        slots: list[int] = []
+        ids: list[int] = []
+        last: list[int] = []
+        for w in rows:
+            state = self.states[w.seq.key]
+            span = range(state.mtp_next, w.start + 1)
+            works += [w] * len(span)
+            slots += span
+            ids += w.seq.tokens[state.mtp_next : w.start + 1]
+            last.append(len(slots) - 1)
+            state.mtp_next = w.start + 1
+        slot = torch.tensor(slots)
+        hidden = self._hidden(works, slot - 1)  # h_(i-1): the target's state one slot before
+        out = self._mtp(works, slot, torch.tensor(ids), self.model.norm(hidden), normed=True)
+        return out[torch.tensor(last)]
+
+    def _hidden(self, works: list[Work], slots: Tensor) -> Tensor:
+        """The target's states at slots (M,) of the works' sequences (M, C)."""
+        tables = {id(w): torch.tensor(self.kv.table(w.seq)) for w in works}
+        blocks = torch.stack([tables[id(w)][int(s) // self.bs] for w, s in zip(works, slots, strict=True)])
+        return self.hidden[blocks.to(self.hidden.device), (slots % self.bs).to(self.hidden.device)]
+
+    def _mtp(self, works: list[Work], slots: Tensor, ids: Tensor, h: Tensor, normed: bool) -> Tensor:
+        """The MTP module at slots (M,) of the works' sequences (one row each), reading tokens ids (M,) and states h
+        (M, C) (normed: the model's final norm applied, or the module's own output) -> its normed outputs (M, C).
+        Writes each slot's keys and values; a slot sees its sequence's MTP slots 1 .. itself."""
+        model, module = self.model, self.draft.module
+        dev = self.hidden.device
+        slots, ids = slots.to(dev), ids.to(dev)
+        positions = slots - 1  # MTP position j lives in slot j + 1 (and attends at j, as in training)
+        emb = model.inputs(model.embed, ids[:, None], slots[:, None])[:, 0]  # (M, C): token j + 1 at its own position
+        x = module.combine(h.to(emb.dtype), emb).contiguous()
+        tables = [self.kv.table(w.seq) for w in works]
+        nb = max(len(t) for t in tables)
+        table = torch.tensor([t + t[:1] * (nb - len(t)) for t in tables], device=dev)  # (M, nb)
+        s = torch.arange(nb * self.bs, device=dev)
+        allowed = (s[None] <= slots[:, None]) & (s[None] >= 1)  # (M, S)
+        rope = self.native._rope(positions[:, None])
+        return module.norm(self.draft_rows(x, slots.contiguous(), table, allowed, rope))
+
+    def draft_rows(self, x: Tensor, slots: Tensor, table: Tensor, allowed: Tensor, rope: tuple) -> Tensor:
+        """The MTP block's C++ step over rows x (M, C), row m into its slots[m] through table[m] (M, nb), seeing
+        allowed[m] (M, S), with RoPE tables rope (cos, sin) -> (M, C)."""
+        ext = self.native.ext
+        return ext.decode_paged([self.draft.block], x, [self.keys], [self.values], table, slots, allowed, *rope)
+
+    def verify_rows(
+        self, tokens: Tensor, slots: Tensor, table: Tensor, allowed: Tensor, keys: list[Tensor], values: list[Tensor]
+    ) -> Tensor:
+        """What a verifying step computes for tokens (N,), each a row (NativeDecoder.run_tokens), with the head
+        in row-invariant pieces -> logits (N, V)."""
+        h = self.native.run_tokens(tokens, positions=slots, table=table, allowed=allowed, keys=keys, values=values)
+        return self.native.logits(self.model.norm(h), invariant=True)
+
+    # ---- verifying
+
+    def judge(self, w: Work, drafts: Drafts, logits: Tensor) -> Verdict:
+        """The target's logits (k + 1, V) at cur, d1 .. dk of row `w` -> what the row keeps."""
+        seq = w.seq
+        p = seq.request.params
+        k = drafts.tokens.shape[0]
+        d = drafts.tokens.to(logits.device)[None]  # (1, k)
+        x = _bias(logits.float(), seq)
+        if p.sampling.greedy:
+            n, extra = accept_greedy(d, x.argmax(dim=-1)[None])
+        else:
+            assert drafts.q is not None
+            probs = distribution(x, p.sampling)  # (k + 1, V)
+            n, extra = accept(d, drafts.q[None], probs[None], False, seq.generator)
+        a = int(n[0])
+        tokens = [*drafts.tokens[:a].tolist(), int(extra[0])]
+        logprobs = torch.log_softmax(logits[: a + 1].float(), dim=-1)  # (a + 1, V): the model's own
+        values = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
+        self.drafted += k
+        self.accepted += a
+        self._kept, self._rejected = 0.98 * self._kept + a, 0.98 * self._rejected + (a < k)
+        return Verdict(tokens, values, top_logprobs(logprobs, p.top_logprobs), a)

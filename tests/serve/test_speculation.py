@@ -1,0 +1,267 @@
+"""Speculative serving (serve/speculation.py): greedy output is the plain engine's token for token whatever the MTP
+module drafts, sampled output keeps the model's distribution, the drafter reads what the training-time MTP forward
+reads, and its state survives prompt chunks, preemption and shared prefixes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import llmkit
+from llmkit.errors import InputError
+from llmkit.layers.attention import AttentionInputs, AttentionMask
+from llmkit.models.cache import whole_sequence
+from llmkit.quant.native_step import NativeDecoder
+from llmkit.serve.engine import Engine, EngineConfig
+from llmkit.serve.paged import PagedCache
+from llmkit.serve.request import SamplingParams
+from llmkit.serve.speculation import Costs, MTPSpeculator
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+
+
+def _model(seed: int = 0, **changes: object) -> llmkit.DecoderLM:
+    torch.manual_seed(seed)
+    cfg = dataclasses.replace(llmkit.get_preset("llama2-7b-tiny"), mtp_depth=1, **changes)
+    model = llmkit.build_model(cfg).eval()
+    if NativeDecoder.of(model) is None:
+        pytest.skip("speculative serving runs in llmkit's C++ step, which this machine does not build")
+    return model
+
+
+def _prompts(lengths: list[int], prefix: int = 0, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(0, 256, (prefix,), generator=g).tolist()
+    return [shared + torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+def _engine(model: llmkit.DecoderLM, k: int = 0, blocks: int = 400, drafts: int | None = None, **kw: object) -> Engine:
+    """An engine with small blocks and steps; with k, speculating; drafts: force that many drafts a step."""
+    per_block = PagedCache.bytes_per_block(model, 4, torch.float32)
+    config = EngineConfig(kv_memory=per_block * blocks, block_size=4, step_tokens=16, draft_tokens=k, **kw)
+    engine = Engine(model, None, config)
+    if drafts is not None:
+        assert engine.speculator is not None
+        engine.speculator.drafts_for = lambda rows: drafts  # type: ignore[method-assign]
+    return engine
+
+
+def _oracle(monkeypatch: pytest.MonkeyPatch, expected: dict[tuple[int, ...], list[int]], wrong_at: int = -1) -> None:
+    """Make the drafter propose the plain engine's own next tokens (expected[prompt]), wrong at depth `wrong_at`;
+    for other prompts, its own drafts."""
+    own = MTPSpeculator._draw
+
+    def draw(self: MTPSpeculator, logits: torch.Tensor, seq, depth: int):
+        out = expected.get(tuple(seq.request.prompt))
+        if out is None:
+            return own(self, logits, seq, depth)
+        token = out[len(seq.generated) + depth]
+        return torch.tensor((token + 1) % 256 if depth == wrong_at else token), None
+
+    monkeypatch.setattr(MTPSpeculator, "_draw", draw)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_speculative_serving_equals_plain_serving(k):
+    """Whatever the untrained module drafts (almost always wrong), the tokens and their log-probabilities are the
+    plain engine's, for one-token prompts, prompts cut into chunks and everything between."""
+    model = _model()
+    prompts = _prompts([1, 3, 9, 17, 30])
+    plain = _engine(model).generate(prompts, GREEDY)
+    engine = _engine(model, k, drafts=k)
+    spec = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    for s, p in zip(spec, plain, strict=True):
+        torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(p.logprobs), atol=1e-4, rtol=1e-4)
+        assert s.finish_reason == "length"
+    assert engine.speculator is not None and engine.speculator.drafted > 0
+    assert engine.pool.used == 0 and not engine.speculator.states  # everything given back
+
+
+@pytest.mark.parametrize(("wrong_at", "per_round"), [(-1, 4), (2, 3), (0, 1)])
+def test_drafts_the_model_would_choose_are_kept(monkeypatch, wrong_at, per_round):
+    """Drafts equal to the model's choices are all accepted (k + 1 tokens a step); a wrong one ends the round there,
+    and the model's own token replaces it: the output never changes, only the number of steps."""
+    model = _model()
+    prompts = _prompts([5, 11])
+    params = SamplingParams(max_tokens=13, temperature=0.0)
+    plain = _engine(model).generate(prompts, params)
+    _oracle(monkeypatch, {tuple(p): o.token_ids for p, o in zip(prompts, plain, strict=True)}, wrong_at)
+    engine = _engine(model, 3, drafts=3)
+    steps = []
+    engine.add(prompts[0], params)
+    engine.add(prompts[1], params)
+    while engine.has_work:
+        steps.append(sum(len(d.token_ids) for d in engine.step() if d.request_id == "req-0"))
+    got = [o.token_ids for o in plain]
+    assert sum(steps) == 13
+    # after the prompt's step (1 token), rounds of per_round tokens while at least 4 are left
+    decoding = [n for n in steps if n][1:]
+    assert decoding[: (12 - 3) // per_round] == [per_round] * ((12 - 3) // per_round), decoding
+    again = _engine(model, 3, drafts=3).generate(prompts, params)
+    assert [o.token_ids for o in again] == got
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[int], int, torch.Tensor]]:
+    """Record the module's output at every drafting row's cur: (prompt, slot of cur, output (C,))."""
+    seen: list[tuple[list[int], int, torch.Tensor]] = []
+    catch_up = MTPSpeculator._catch_up
+
+    def spy(self, rows):
+        out = catch_up(self, rows)
+        seen.extend((w.seq.request.prompt, w.start, o) for w, o in zip(rows, out, strict=True))
+        return out
+
+    monkeypatch.setattr(MTPSpeculator, "_catch_up", spy)
+    return seen
+
+
+def _training_mtp(model: llmkit.DecoderLM, ids: list[int]) -> torch.Tensor:
+    """The training-time MTP forward over a whole text: row j reads h_j and token j + 1 (T - 1, C)."""
+    tokens = torch.tensor([ids])
+    T = tokens.shape[1]
+    with torch.no_grad():
+        h = model.run(tokens, whole_sequence(T, None, tokens.device))
+        emb = model.inputs(model.embed, tokens[:, 1:], torch.arange(1, T)[None])
+        rope = model.rope(torch.arange(T - 1)[None])
+        return model.mtp[0](model.norm(h[:, :-1]), emb, AttentionInputs(AttentionMask(causal=True), rope))[0]
+
+
+def test_drafts_read_what_the_training_time_mtp_forward_reads(monkeypatch):
+    """The module's output at each step's cur, from its paged keys (caught up over prompt chunks and accepted
+    drafts), equals the training-time MTP forward over the whole text at that position."""
+    model = _model()
+    prompt = _prompts([23])[0]  # two chunks of a 16-token step
+    seen = _spy(monkeypatch)
+    out = _engine(model, 2, drafts=2).generate([prompt], GREEDY)[0]
+    full = _training_mtp(model, prompt + out.token_ids)
+    assert len(seen) >= 3
+    for _, slot, o in seen:  # slot n holds MTP position n - 1 (h_(n-1), token n)
+        torch.testing.assert_close(o, full[slot - 1], atol=1e-4, rtol=1e-4)
+
+
+def test_sampled_speculation_keeps_the_models_distribution():
+    """The second token of 1,200 seeded samples (drawn through a verified draft) against its exact distribution:
+    the sum over the first token's choices of p(first) p(second | first), top-3 sampling at temperature 1.5."""
+    model = _model()
+    prompt = _prompts([6])[0]
+    params = SamplingParams(max_tokens=3, temperature=1.5, top_k=3, seed=5, n=40)
+    engine = _engine(model, 1, drafts=1, max_batch=64)
+    outs = [o for i in range(30) for o in engine.generate([prompt], dataclasses.replace(params, seed=100 * i))]
+    assert engine.speculator is not None and engine.speculator.drafted >= 1000
+    from llmkit.generate.sampling import Sampling, distribution
+
+    rule = Sampling(temperature=1.5, top_k=3)
+    with torch.no_grad():
+        first = distribution(model(torch.tensor([prompt]))[:, -1], rule)[0]  # (V,)
+        choices = first.nonzero()[:, 0]
+        rows = torch.tensor([[*prompt, int(t)] for t in choices])
+        second = distribution(model(rows)[:, -1], rule)  # (3, V)
+    expected = (first[choices, None] * second).sum(0)  # (V,)
+    counts = torch.bincount(torch.tensor([o.token_ids[1] for o in outs]), minlength=256).float()
+    tv = 0.5 * (counts / counts.sum() - expected).abs().sum()
+    assert tv < 0.07, tv
+
+
+def test_rows_with_penalties_or_grammars_decode_plainly():
+    model = _model()
+    prompts = _prompts([4, 9])
+    params = SamplingParams(max_tokens=10, temperature=0.0, presence_penalty=1.5)
+    engine = _engine(model, 2, drafts=2)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == [
+        o.token_ids for o in _engine(model).generate(prompts, params)
+    ]
+    assert engine.speculator is not None and engine.speculator.drafted == 0
+
+
+def test_speculation_survives_preemption_and_shared_prefixes(monkeypatch):
+    """A cache too small for every request: sequences are preempted and computed again (their MTP keys with them),
+    prompts share cached blocks whose MTP keys other sequences wrote; the output is still the plain engine's."""
+    model = _model()
+    prompts = _prompts([5, 17, 3, 33, 8, 9, 10, 2], prefix=12)
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    plain = _engine(model).generate(prompts, params)
+    outputs = {tuple(p): o.token_ids for p, o in zip(prompts, plain, strict=True)}
+    _oracle(monkeypatch, outputs, wrong_at=2)
+    seen = _spy(monkeypatch)
+    engine = _engine(model, 3, blocks=30, drafts=3)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == [o.token_ids for o in plain]
+    assert engine.scheduler.preemptions > 0 and engine.scheduler.prefix.hit > 0
+    assert engine.speculator is not None and engine.speculator.accepted > 0
+    assert engine.pool.used == 0
+    full = {p: _training_mtp(model, [*p, *out]) for p, out in outputs.items()}
+    for prompt, slot, o in seen:  # the drafts themselves were the oracle's: the module's state is checked here
+        torch.testing.assert_close(o, full[tuple(prompt)][slot - 1], atol=1e-4, rtol=1e-4)
+
+
+def test_drafts_per_step_follow_the_measured_costs():
+    """Where extra rows cost nearly nothing (a step bound by reading the weights) every sequence gets k drafts;
+    where each row costs its arithmetic, none; and fewer as acceptance falls."""
+    model = _model()
+    engine = _engine(model, 4)
+    sp = engine.speculator
+    assert sp is not None and sp.costs is not None and len(sp.costs.verifying) == len(Costs.ROWS)
+    sp.costs = Costs(verifying=(1.0,) * 7, drafting=(0.01,) * 7)
+    assert sp.drafts_for(1) == 4 and sp.drafts_for(16) == 4
+    sp.costs = Costs(verifying=tuple(float(n) for n in Costs.ROWS), drafting=(0.0,) * 7)
+    assert sp.drafts_for(16) == 0
+    sp.costs = Costs(verifying=tuple(1.0 + n / 8 for n in Costs.ROWS), drafting=(0.1,) * 7)
+    many = sp.drafts_for(1)
+    sp._kept, sp._rejected = 1.0, 9.0  # drafts mostly rejected lately
+    assert many >= 2 and sp.drafts_for(1) < many
+    assert Costs((1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0), (0.0,) * 7).verify(96) == 96.0  # extrapolated per row
+
+
+def test_speculation_needs_an_mtp_module_and_the_cpp_step():
+    torch.manual_seed(0)
+    plain = llmkit.build_model(llmkit.get_preset("llama2-7b-tiny")).eval()
+    with pytest.raises(InputError, match="multi-token-prediction"):
+        Engine(plain, None, EngineConfig(kv_memory=1 << 22, draft_tokens=2))
+    half = _model().to(torch.bfloat16)
+    with pytest.raises(InputError, match="C\\+\\+ decode step"):
+        Engine(half, None, EngineConfig(kv_memory=1 << 22, draft_tokens=2))
+    with pytest.raises(InputError, match="draft_tokens"):
+        EngineConfig(draft_tokens=-1)
+
+
+def test_openai_client_gets_the_plain_servers_text(monkeypatch, smollm2):
+    """Through the openai client: completions (streamed, several tokens an event when drafts are kept) and chat give
+    the plain server's greedy text; usage counts every token."""
+    openai = pytest.importorskip("openai")
+    from llmkit.serve.server import ServeOptions, Server
+
+    model = _model(vocab_size=smollm2[0].cfg.vocab_size)
+    tok = smollm2[1]
+    ids = tok.encode("Once upon a time there was")
+    params = SamplingParams(max_tokens=14, temperature=0.0)
+    expected = Engine(model, tok, EngineConfig(kv_memory=64 << 20)).generate([ids], params)[0].token_ids
+    _oracle(monkeypatch, {tuple(ids): expected}, wrong_at=2)
+    texts = []
+    for k in (0, 3):
+        with Server(model, tok, ServeOptions("m"), EngineConfig(kv_memory=64 << 20, draft_tokens=k)) as server:
+            if k:
+                server.engine.speculator.drafts_for = lambda rows: 3  # type: ignore[union-attr]
+            c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+            chunks = list(
+                c.completions.create(
+                    model="m",
+                    prompt=ids,
+                    max_tokens=14,
+                    temperature=0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            )
+            events = [ch for ch in chunks if ch.choices and ch.choices[0].text]
+            assert chunks[-1].usage.completion_tokens == 14
+            chat = c.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "Hello"}], max_tokens=10, temperature=0
+            )
+            texts.append(("".join(ch.choices[0].text for ch in events), chat.choices[0].message.content))
+            if k:
+                assert len(events) < 14  # rounds of several tokens arrived as one event each
+                assert server.engine.speculator.accepted > 0  # type: ignore[union-attr]
+    assert texts[0] == texts[1]
+    assert texts[0][0] == tok.decode(expected)
