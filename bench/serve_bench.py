@@ -55,11 +55,13 @@ T = TypeVar("T")
 
 @dataclass
 class Sample:
-    """One request's timings: seconds to the first token, gaps between later tokens, tokens received."""
+    """One request's timings: seconds to the first token, gaps between the later events (an event can carry several
+    tokens: a speculating server's), tokens received, and the time per output token after the first (TPOT)."""
 
     ttft: float
     gaps: list[float]
     tokens: int
+    tpot: float
 
 
 @dataclass
@@ -72,6 +74,7 @@ class Load:
         tokens = sum(s.tokens for s in self.samples)
         ttft = sorted(s.ttft for s in self.samples)
         gaps = sorted(g for s in self.samples for g in s.gaps)
+        tpot = sorted(s.tpot for s in self.samples)
         return {
             "load": self.name,
             "requests": len(self.samples),
@@ -81,6 +84,8 @@ class Load:
             "ttft_p99": _pct(ttft, 99),
             "itl_p50": _pct(gaps, 50),
             "itl_p99": _pct(gaps, 99),
+            "tpot_p50": _pct(tpot, 50),
+            "tpot_p99": _pct(tpot, 99),
         }
 
 
@@ -128,6 +133,7 @@ def stream(port: int, prompt: str, max_tokens: int) -> Sample:
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
+        "stream_options": {"include_usage": True},  # the token count, where an event carries several
         "ignore_eos": True,
     }
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
@@ -137,17 +143,22 @@ def stream(port: int, prompt: str, max_tokens: int) -> Sample:
     if response.status != 200:
         raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
     times: list[float] = []
+    tokens = None
     for raw in response:
         line = raw.strip()
         if not line.startswith(b"data: ") or line == b"data: [DONE]":
             continue
         event = json.loads(line[6:])
-        if event.get("choices"):
+        if event.get("choices") and event["choices"][0].get("text"):
             times.append(time.perf_counter())
+        if event.get("usage"):
+            tokens = event["usage"]["completion_tokens"]
     conn.close()
     if not times:
         raise RuntimeError("no tokens came back")
-    return Sample(times[0] - start, [b - a for a, b in itertools.pairwise(times)], len(times))
+    n = tokens if tokens is not None else len(times)  # a server without usage in streams: one token an event
+    tpot = (times[-1] - times[0]) / (n - 1) if n > 1 else float("nan")
+    return Sample(times[0] - start, [b - a for a, b in itertools.pairwise(times)], n, tpot)
 
 
 def clients(requests: list[tuple[str, int]], concurrency: int, send: Callable[[str, int], T]) -> tuple[list[T], float]:
@@ -275,6 +286,14 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second")
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--rounds", type=int, default=1, help="run every server's loads this many times, interleaved")
+    p.add_argument(
+        "--mtp",
+        default=None,
+        metavar="CHECKPOINT",
+        help="instead of the GGUF file's llmkit servers: this checkpoint (grafted with an MTP module) served plainly "
+        "and with --mtp (speculative decoding), same loads; no prefix-cache test",
+    )
+    p.add_argument("--speculate", type=int, default=3, help="with --mtp: the most drafts a sequence gets a step")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     if args.rounds < 1:
@@ -298,6 +317,12 @@ def main() -> None:
         ("llmkit", [*llmkit, "--port", "8711", "--max-batch", str(max(levels))], 8711, None),
         ("llmkit, one at a time", [*llmkit, "--port", "8712", "--max-batch", "1"], 8712, None),
     ]
+    if args.mtp:  # the grafted checkpoint, without and with speculation
+        grafted = [*llmkit[:2], args.mtp, *llmkit[3:], "--max-batch", str(max(levels))]
+        servers = [
+            ("llmkit", [*grafted, "--port", "8717"], 8717, None),
+            ("llmkit --mtp", [*grafted, "--port", "8718", "--mtp", "--speculate", str(args.speculate)], 8718, None),
+        ]
     versions = {}
     if args.vllm:
         command, env, versions["vllm"] = vllm_server(args.vllm, threads, 8716)
@@ -350,11 +375,13 @@ def main() -> None:
                     rows.append({"server": name, "round": r, **load.row()})
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     prefix = {}
-    for label, extra, port in (("on", [], 8714), ("off", ["--no-prefix-cache"], 8715)):
+    for label, extra, port in () if args.mtp else (("on", [], 8714), ("off", ["--no-prefix-cache"], 8715)):
         with ServerProcess(f"llmkit-prefix-{label}", [*llmkit, "--port", str(port), *extra], port):
             stream(port, "Warm up.", 4)
             prefix[label] = prefix_ttft(port, tok)
     settings = {"requests": args.requests, "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens}
+    if args.mtp:
+        settings.update(mtp=args.mtp, speculate=args.speculate)
     summary = {**limits.as_dict(), "threads": threads, "rows": rows, "prefix_ttft": prefix, **settings, **versions}
     report(summary, args.json, lambda: print_table(summary, limits))
 
@@ -385,19 +412,27 @@ def print_table(summary: dict[str, Any], limits: Any) -> None:
         print(f"median of {rounds} interleaved rounds (each round runs every server's loads once)")
     print(
         f"{'server':24s} {'load':16s} {'out tok/s':>9s} {'req/s':>6s} "
-        f"{'TTFT p50':>9s} {'p99':>7s} {'ITL p50':>8s} {'p99':>7s}"
+        f"{'TTFT p50':>9s} {'p99':>7s} {'ITL p50':>8s} {'p99':>7s} {'TPOT p50':>9s}"
     )
     for r in median_rows(summary["rows"]):
         print(
             f"{r['server']:24s} {r['load']:16s} {r['output_tok_s']:9.1f} {r['requests_s']:6.2f} "
-            f"{r['ttft_p50']:8.2f}s {r['ttft_p99']:6.2f}s {r['itl_p50'] * 1e3:6.1f}ms {r['itl_p99'] * 1e3:5.0f}ms"
+            f"{r['ttft_p50']:8.2f}s {r['ttft_p99']:6.2f}s {r['itl_p50'] * 1e3:6.1f}ms {r['itl_p99'] * 1e3:5.0f}ms "
+            f"{r['tpot_p50'] * 1e3:7.1f}ms"
         )
-    for other in ("llama.cpp server", "vLLM CPU", "llmkit, one at a time"):
+    if "mtp" in summary:
+        print(f"(llmkit: {summary['mtp']}; llmkit --mtp: the same with --mtp --speculate {summary['speculate']})")
+    for other in ("llama.cpp server", "vLLM CPU", "llmkit, one at a time", "llmkit --mtp"):
         for load in sorted({r["load"] for r in summary["rows"]}):
             by = {(r["server"], r["round"]): r["output_tok_s"] for r in summary["rows"] if r["load"] == load}
             ratios = [by["llmkit", i] / by[other, i] for i in range(rounds) if ("llmkit", i) in by and (other, i) in by]
+            if other == "llmkit --mtp":  # speculation's gain: the other way round
+                ratios = [1 / x for x in ratios]
             if ratios:
-                print(f"{load}: llmkit / {other} output tokens/s per round: " + ", ".join(f"{x:.2f}" for x in ratios))
+                pair = f"{other} / llmkit" if other == "llmkit --mtp" else f"llmkit / {other}"
+                print(f"{load}: {pair} output tokens/s per round: " + ", ".join(f"{x:.2f}" for x in ratios))
+    if not summary["prefix_ttft"]:
+        return
     on, off = summary["prefix_ttft"]["on"], summary["prefix_ttft"]["off"]
     print(
         f"shared 400-token system prompt, one at a time: TTFT {off * 1e3:.0f} ms without the prefix cache, "

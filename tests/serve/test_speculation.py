@@ -38,8 +38,10 @@ def _prompts(lengths: list[int], prefix: int = 0, seed: int = 1) -> list[list[in
 
 
 def _engine(model: llmkit.DecoderLM, k: int = 0, blocks: int = 400, drafts: int | None = None, **kw: object) -> Engine:
-    """An engine with small blocks and steps; with k, speculating; drafts: force that many drafts a step."""
+    """An engine with small blocks and steps; with k, speculating (through the module's own weights unless
+    draft_head_bits says otherwise); drafts: force that many drafts a step."""
     per_block = PagedCache.bytes_per_block(model, 4, torch.float32)
+    kw.setdefault("draft_head_bits", None)
     config = EngineConfig(kv_memory=per_block * blocks, block_size=4, step_tokens=16, draft_tokens=k, **kw)
     engine = Engine(model, None, config)
     if drafts is not None:
@@ -63,14 +65,15 @@ def _oracle(monkeypatch: pytest.MonkeyPatch, expected: dict[tuple[int, ...], lis
     monkeypatch.setattr(MTPSpeculator, "_draw", draw)
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_greedy_speculative_serving_equals_plain_serving(k):
-    """Whatever the untrained module drafts (almost always wrong), the tokens and their log-probabilities are the
-    plain engine's, for one-token prompts, prompts cut into chunks and everything between."""
+@pytest.mark.parametrize(("k", "bits"), [(1, None), (3, None), (3, 4)])
+def test_greedy_speculative_serving_equals_plain_serving(k, bits):
+    """Whatever the untrained module drafts (almost always wrong), through its own weights or int4 copies, the
+    tokens and their log-probabilities are the plain engine's, for one-token prompts, prompts cut into chunks and
+    everything between."""
     model = _model()
     prompts = _prompts([1, 3, 9, 17, 30])
     plain = _engine(model).generate(prompts, GREEDY)
-    engine = _engine(model, k, drafts=k)
+    engine = _engine(model, k, drafts=k, draft_head_bits=bits)
     spec = engine.generate(prompts, GREEDY)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     for s, p in zip(spec, plain, strict=True):
@@ -100,6 +103,10 @@ def test_drafts_the_model_would_choose_are_kept(monkeypatch, wrong_at, per_round
     # after the prompt's step (1 token), rounds of per_round tokens while at least 4 are left
     decoding = [n for n in steps if n][1:]
     assert decoding[: (12 - 3) // per_round] == [per_round] * ((12 - 3) // per_round), decoding
+    assert engine.speculator is not None
+    if wrong_at == 2:  # what the choice of k learns: depths 1 and 2 always kept, depth 3 never
+        a = engine.speculator.acceptance
+        assert a[0] > 0.8 and a[1] > 0.8 and a[2] < 0.5, a
     again = _engine(model, 3, drafts=3).generate(prompts, params)
     assert [o.token_ids for o in again] == got
 
@@ -198,7 +205,8 @@ def test_speculation_survives_preemption_and_shared_prefixes(monkeypatch):
 
 def test_drafts_per_step_follow_the_measured_costs():
     """Where extra rows cost nearly nothing (a step bound by reading the weights) every sequence gets k drafts;
-    where each row costs its arithmetic, none; and fewer as acceptance falls."""
+    where each row costs its arithmetic, none, unless the engine's own work per step outweighs it; and fewer as
+    acceptance falls. The overhead is learnt from the steps that only decode."""
     model = _model()
     engine = _engine(model, 4)
     sp = engine.speculator
@@ -207,11 +215,26 @@ def test_drafts_per_step_follow_the_measured_costs():
     assert sp.drafts_for(1) == 4 and sp.drafts_for(16) == 4
     sp.costs = Costs(verifying=tuple(float(n) for n in Costs.ROWS), drafting=(0.0,) * 7)
     assert sp.drafts_for(16) == 0
+    sp.costs.overhead = 40.0  # the engine's own work dwarfs the kernels: drafts pay again
+    assert sp.drafts_for(16) >= 1
     sp.costs = Costs(verifying=tuple(1.0 + n / 8 for n in Costs.ROWS), drafting=(0.1,) * 7)
     many = sp.drafts_for(1)
-    sp._kept, sp._rejected = 1.0, 9.0  # drafts mostly rejected lately
+    sp._kept = [1.0] * 4  # drafts mostly rejected lately
+    sp._tried = [9.0] * 4
     assert many >= 2 and sp.drafts_for(1) < many
     assert Costs((1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0), (0.0,) * 7).verify(96) == 96.0  # extrapolated per row
+    costs = sp.costs = Costs(verifying=(1.0,) * 7, drafting=(0.0,) * 7)
+    rows = _prompts([3, 4])
+    engine.speculator.drafts_for = lambda n: 0  # type: ignore[method-assign]
+    for p in rows:
+        engine.add(p, GREEDY)
+    engine.step()  # the prompts (chunks): nothing learnt
+    assert costs.overhead == 0.0
+    sp.timed(0.0)
+    sp.propose([], engine.scheduler.kv.allocate, 100)
+    sp._kernels = 1.0  # as propose leaves it for a step of decoding rows that cost 1 s by `costs`
+    sp.timed(3.0)
+    assert costs.overhead == pytest.approx(0.2)  # 0.9 * 0 + 0.1 * (3 - 1)
 
 
 def test_speculation_needs_an_mtp_module_and_the_cpp_step():

@@ -27,7 +27,7 @@ def serve(
     batch_invariant: bool = False,
     mtp: bool = False,
     speculate: int = 3,
-    draft_head_bits: int | None = None,
+    draft_head_bits: int = 4,
     request_timeout: float = 600.0,
     max_body_size: str = "8MiB",
     body_timeout: float = 30.0,
@@ -62,8 +62,8 @@ def serve(
       the step's one pass. Greedy output is the same as without; sampled output has the same distribution. Fewer
       drafts as the batch grows (none where a step's rows already cost their arithmetic). Needs the C++ step.
     speculate: with --mtp, the most tokens a sequence drafts per step.
-    draft_head_bits: with --mtp, draft from an int8 (8) or int4 (4) copy of the output head and of the module's
-      block: cheaper drafts, the same output.
+    draft_head_bits: with --mtp, draft from an int4 (4) or int8 (8) copy of the output head and of the module's
+      block (0: their own weights): cheaper drafts, the same output.
     request_timeout: seconds a request may run before it is ended.
     max_body_size: the largest request body taken, e.g. 8MiB (larger: HTTP 413).
     body_timeout: seconds a client has to send its whole request body (slower: HTTP 408).
@@ -91,12 +91,12 @@ def serve(
         header_timeout=header_timeout,
         shutdown_timeout=shutdown_timeout,
     )
-    if not mtp and (draft_head_bits is not None or speculate != 3):
+    if not mtp and (draft_head_bits != 4 or speculate != 3):
         raise LLMKitError("--speculate and --draft-head-bits apply with --mtp")
     if not 1 <= speculate <= 16:
         raise LLMKitError(f"--speculate {speculate} is out of range: it must be 1 to 16")
-    if draft_head_bits not in (None, 4, 8):
-        raise LLMKitError(f"--draft-head-bits {draft_head_bits} is out of range: it must be 4 or 8")
+    if draft_head_bits not in (0, 4, 8):
+        raise LLMKitError(f"--draft-head-bits {draft_head_bits} is out of range: it must be 4, 8 or 0")
     config = EngineConfig(
         parse_size(kv_memory),
         block_size,
@@ -106,7 +106,7 @@ def serve(
         not no_prefix_cache,
         batch_invariant,
         draft_tokens=speculate if mtp else 0,
-        draft_head_bits=draft_head_bits,
+        draft_head_bits=draft_head_bits or None,
     )
     model, tok = load_decoder(checkpoint, dtype, device, verify=not no_verify)
     _log_to_stderr()

@@ -15,8 +15,9 @@ class EngineConfig:
     batch_invariant: every token through the C++ step as a row of its own (prompt tokens too), so that a request's
     greedy output does not depend on what else runs, and equals `generate`'s with a batch-invariant NativeStep;
     draft_tokens: with k > 0, each decoding sequence drafts up to k tokens a step with the model's MTP module and the
-    target verifies them (serve/speculation.py; 0: no speculation); draft_head_bits 8 / 4: the drafts read an int8
-    / int4 copy of the output head and of the module's block (None: the model's own)."""
+    target verifies them (serve/speculation.py; 0: no speculation); draft_head_bits 4 / 8: the drafts read an int4
+    / int8 copy of the output head and of the module's block (None: the model's own; a quantized head is always
+    its own). The copies make drafts cheaper (SmolLM2: 0.6 against 1.6 ms a row), never change the output."""
 
     kv_memory: int = 1 << 30
     block_size: int = 16
@@ -26,7 +27,7 @@ class EngineConfig:
     prefix_caching: bool = True
     batch_invariant: bool = False
     draft_tokens: int = 0
-    draft_head_bits: int | None = None
+    draft_head_bits: int | None = 4
 
     def __post_init__(self) -> None:
         for name in ("kv_memory", "block_size", "max_batch", "step_tokens", "max_queue"):

@@ -201,6 +201,14 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[Delta]:
         """Run one iteration; returns what it added to each sequence that got a token or finished."""
+        if self.speculator is None:
+            return self._step()
+        start = time.perf_counter()
+        deltas = self._step()
+        self.speculator.timed(time.perf_counter() - start)  # (how it chooses the number of drafts)
+        return deltas
+
+    def _step(self) -> list[Delta]:
         deltas = self._expire()
         work = self.scheduler.plan()
         if not work:
@@ -263,7 +271,7 @@ class Engine:
         decoding = [w for w in work if w.count == 1]
         chunks = [w for w in work if w.count > 1]
         if self.speculator is not None:  # drafts for the decoding rows that take them (speculator.pending)
-            self.speculator.propose(decoding, self.scheduler.kv.allocate, self.max_len)
+            self.speculator.propose(decoding, self.scheduler.kv.allocate, self.max_len, chunks=bool(chunks))
         if self.invariant:
             groups = [work]
         elif self._native_applies(decoding):

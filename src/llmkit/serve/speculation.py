@@ -64,14 +64,20 @@ class Drafts:
     q: Tensor | None
 
 
-@dataclass(frozen=True)
+@dataclass
 class Costs:
     """Seconds a verifying step and a chained draft take for a number of rows, interpolated (and extrapolated at a
-    row's cost) from timings at ROWS."""
+    row's cost) from timings at ROWS, and what the engine's own work adds to every step (`overhead`: scheduling,
+    sampling, text; learnt from the steps that only decode, see MTPSpeculator.timed)."""
 
     ROWS = (1, 2, 4, 8, 16, 32, 64)
     verifying: tuple[float, ...]
     drafting: tuple[float, ...]
+    overhead: float = 0.0
+
+    def step(self, rows: int, k: int) -> float:
+        """Seconds a step of `rows` decoding rows with k drafts each takes."""
+        return self.overhead + self.verify(rows * (k + 1)) + k * self.draft(rows)
 
     def verify(self, rows: int) -> float:
         return self._at(self.verifying, rows)
@@ -103,7 +109,7 @@ class Costs:
             x = torch.zeros(n, model.cfg.d_model, device=dev, dtype=sp.hidden.dtype)
             rope = sp.native._rope(slots[:, None])
             verifying.append(_seconds(sp.verify_rows, tokens, slots, table, allowed, keys, values))
-            drafting.append(_seconds(sp.draft_rows, x, slots, table, allowed, rope))
+            drafting.append(_seconds(sp.draft_logits, x, slots, table, allowed, rope))
         return cls(tuple(verifying), tuple(drafting))
 
 
@@ -175,15 +181,17 @@ class MTPSpeculator:
         self.hidden = torch.zeros(n_blocks, block_size, model.cfg.d_model, device=device, dtype=dtype)
         self.states: dict[tuple[str, int], _State] = {}
         self.drafted = self.accepted = 0  # over all verified rows
-        # a draft's chance to be accepted (given the ones before it were), which sets k (drafts_for): accepted
-        # drafts over accepted drafts plus rejections, both decaying, from a prior of 7 in 10
-        self._kept, self._rejected = 7.0, 3.0
+        # the chance that the draft at each depth is kept, given the ones before it were (which sets k: drafts_for):
+        # kept over tried, both decaying, from a prior of 7 in 10. A chained draft is kept less often than the first
+        self._kept, self._tried = [7.0] * k, [10.0] * k
         self.pending: dict[int, Drafts] = {}  # the step's drafts, by id of their Work
         self.costs: Costs | None = None  # what steps and drafts cost here (Costs.measure, when the engine starts)
+        self._kernels: float | None = None  # what this step's kernels cost by `costs`, when it only decodes
 
     @property
-    def acceptance(self) -> float:
-        return self._kept / (self._kept + self._rejected)
+    def acceptance(self) -> list[float]:
+        """Per depth d = 1 .. k: the chance the d-th draft is kept when the ones before it were."""
+        return [kept / tried for kept, tried in zip(self._kept, self._tried, strict=True)]
 
     @property
     def nbytes(self) -> int:
@@ -205,46 +213,64 @@ class MTPSpeculator:
     def observe(self, rows: list[Work], hidden: list[Tensor], counts: list[int] | None = None) -> None:
         """Keep the target's last-block states of a forward: hidden[i] (n_i, C) for slots start .. start + n_i - 1
         of rows[i] (n_i = counts[i], default the row's count)."""
-        blocks, offsets, states = [], [], []
+        blocks: list[int] = []
+        offsets: list[int] = []
+        states = []
+        bs = self.bs
         for i, (w, h) in enumerate(zip(rows, hidden, strict=True)):
             n = counts[i] if counts is not None else w.count
             state = self.states.setdefault(w.seq.key, _State())
             if w.start < state.start:  # computed again from its tokens (preempted): its MTP keys may be gone
                 state.mtp_next = 1
             state.start = w.start
-            slots = torch.arange(w.start, w.start + n)
-            table = torch.tensor(self.kv.table(w.seq))
-            blocks.append(table[slots // self.bs])
-            offsets.append(slots % self.bs)
+            table = self.kv.table(w.seq)
+            blocks += [table[s // bs] for s in range(w.start, w.start + n)]
+            offsets += [s % bs for s in range(w.start, w.start + n)]
             states.append(h[:n])
-        self.hidden[torch.cat(blocks).to(self.hidden.device), torch.cat(offsets).to(self.hidden.device)] = torch.cat(
-            states
-        ).to(self.hidden.dtype)
+        dev = self.hidden.device
+        where = (torch.tensor(blocks, device=dev), torch.tensor(offsets, device=dev))
+        self.hidden[where] = torch.cat(states).to(self.hidden.dtype)
 
     # ---- drafting
 
     def drafts_for(self, decoding: int) -> int:
         """How many drafts each of `decoding` rows gets this step: the k (up to self.k) with the most tokens per
-        second, by the measured costs (`costs`) and acceptance. A row with k drafts yields 1 + a + .. + a^k tokens
-        on average (a: a draft's chance to be kept, given the ones before it were); a verifying step of n rows
-        costs costs.verify(n) and each chained draft costs.draft(rows). With few rows a step is bound by reading
-        the weights and drafts are nearly free; as rows grow it becomes bound by its arithmetic, and then every
-        rejected draft costs as much as a token: k falls to 0."""
+        second, by the measured costs (`costs`) and acceptance. A row with k drafts yields 1 + a1 + a1 a2 + .. +
+        a1 .. ak tokens on average (ad: the chance the d-th draft is kept when the ones before it were); a step of
+        n rows with k drafts costs costs.step(n, k). With few rows a step is bound by reading the weights and
+        drafts are nearly free; as rows grow it becomes bound by its arithmetic, and then every rejected draft
+        costs as much as a token: k falls to 0."""
         assert self.costs is not None, "the engine measures the costs when it starts (Costs.measure)"
-        a = self.acceptance
-        best, best_rate = 0, decoding / self.costs.verify(decoding)
-        for k in range(1, self.k + 1):
-            time = self.costs.verify(decoding * (k + 1)) + k * self.costs.draft(decoding)
-            rate = decoding * sum(a**i for i in range(k + 1)) / time
+        best, best_rate = 0, decoding / self.costs.step(decoding, 0)
+        tokens, reach = 1.0, 1.0
+        for k, a in enumerate(self.acceptance, start=1):
+            reach *= a
+            tokens += reach
+            rate = decoding * tokens / self.costs.step(decoding, k)
             if rate > best_rate * 1.02:  # a clear gain only
                 best, best_rate = k, rate
         return best
 
-    def propose(self, rows: list[Work], room: Callable[[Sequence, int], bool], max_len: int) -> dict[int, Drafts]:
+    def timed(self, seconds: float) -> None:
+        """The engine's step took `seconds`: where it only decoded (no prompt chunk), what it took beyond its
+        kernels' measured cost updates the overhead the choice of k counts with."""
+        if self.costs is not None and self._kernels is not None:
+            spare = max(0.0, seconds - self._kernels)
+            self.costs.overhead = 0.9 * self.costs.overhead + 0.1 * spare
+        self._kernels = None
+
+    def propose(
+        self, rows: list[Work], room: Callable[[Sequence, int], bool], max_len: int, chunks: bool = False
+    ) -> dict[int, Drafts]:
         """Drafts for the decoding rows that take them (by id of their Work). room(seq, length): make the sequence
-        hold blocks for `length` tokens (False: it cannot, and gets no drafts)."""
+        hold blocks for `length` tokens (False: it cannot, and gets no drafts); chunks: the step also computes
+        prompt chunks (then its time says nothing about the engine's overhead: `timed`)."""
         self.pending = {}
+        if not rows:
+            return {}
+        assert self.costs is not None
         k = self.drafts_for(len(rows))
+        self._kernels = None if chunks else self.costs.step(len(rows), 0) - self.costs.overhead
         if k == 0:
             return {}
         chosen: list[tuple[Work, int]] = []
@@ -282,10 +308,14 @@ class MTPSpeculator:
             works = [chosen[i][0] for i in live]
             slots = torch.tensor([w.start + depth + 1 for w in works])
             ids = torch.stack([nxt[j] for j in keep])
-            out = self._mtp(works, slots, ids, out[keep], normed=True)
+            out = self._mtp(works, slots, ids, out[keep])
         for i, (w, _) in enumerate(chosen):
             q = torch.stack(qs[i]) if qs[i] else None
             self.pending[id(w)] = Drafts(torch.stack(tokens[i]), q)
+        if self._kernels is not None:  # the verifying rows and the chained drafts
+            deepest = max(kw for _, kw in chosen)
+            extra = sum(kw for _, kw in chosen)
+            self._kernels = self.costs.verify(len(rows) + extra) + deepest * self.costs.draft(len(chosen))
         return self.pending
 
     def _draw(self, logits: Tensor, seq: Sequence, depth: int) -> tuple[Tensor, Tensor | None]:
@@ -315,18 +345,18 @@ class MTPSpeculator:
             state.mtp_next = w.start + 1
         slot = torch.tensor(slots)
         hidden = self._hidden(works, slot - 1)  # h_(i-1): the target's state one slot before
-        out = self._mtp(works, slot, torch.tensor(ids), self.model.norm(hidden), normed=True)
+        out = self._mtp(works, slot, torch.tensor(ids), self.model.norm(hidden))
         return out[torch.tensor(last)]
 
     def _hidden(self, works: list[Work], slots: Tensor) -> Tensor:
         """The target's states at slots (M,) of the works' sequences (M, C)."""
-        tables = {id(w): torch.tensor(self.kv.table(w.seq)) for w in works}
-        blocks = torch.stack([tables[id(w)][int(s) // self.bs] for w, s in zip(works, slots, strict=True)])
-        return self.hidden[blocks.to(self.hidden.device), (slots % self.bs).to(self.hidden.device)]
+        bs, dev = self.bs, self.hidden.device
+        blocks = [self.kv.table(w.seq)[s // bs] for w, s in zip(works, slots.tolist(), strict=True)]
+        return self.hidden[torch.tensor(blocks, device=dev), (slots % bs).to(dev)]
 
-    def _mtp(self, works: list[Work], slots: Tensor, ids: Tensor, h: Tensor, normed: bool) -> Tensor:
+    def _mtp(self, works: list[Work], slots: Tensor, ids: Tensor, h: Tensor) -> Tensor:
         """The MTP module at slots (M,) of the works' sequences (one row each), reading tokens ids (M,) and states h
-        (M, C) (normed: the model's final norm applied, or the module's own output) -> its normed outputs (M, C).
+        (M, C) (normed: the target's with the final norm, or the module's own output) -> its normed outputs (M, C).
         Writes each slot's keys and values; a slot sees its sequence's MTP slots 1 .. itself."""
         model, module = self.model, self.draft.module
         dev = self.hidden.device
@@ -347,6 +377,10 @@ class MTPSpeculator:
         allowed[m] (M, S), with RoPE tables rope (cos, sin) -> (M, C)."""
         ext = self.native.ext
         return ext.decode_paged([self.draft.block], x, [self.keys], [self.values], table, slots, allowed, *rope)
+
+    def draft_logits(self, x: Tensor, slots: Tensor, table: Tensor, allowed: Tensor, rope: tuple) -> Tensor:
+        """A chained draft's work (what Costs times): the block over x, its norm and the draft head -> (M, V)."""
+        return self.draft.head(self.draft.module.norm(self.draft_rows(x, slots, table, allowed, rope)))
 
     def verify_rows(
         self, tokens: Tensor, slots: Tensor, table: Tensor, allowed: Tensor, keys: list[Tensor], values: list[Tensor]
@@ -377,5 +411,7 @@ class MTPSpeculator:
         values = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
         self.drafted += k
         self.accepted += a
-        self._kept, self._rejected = 0.98 * self._kept + a, 0.98 * self._rejected + (a < k)
+        for depth in range(min(a + 1, k)):  # depths 1 .. a were kept, depth a + 1 (if drafted) was not
+            self._tried[depth] = 0.99 * self._tried[depth] + 1
+            self._kept[depth] = 0.99 * self._kept[depth] + (depth < a)
         return Verdict(tokens, values, top_logprobs(logprobs, p.top_logprobs), a)
