@@ -13,6 +13,11 @@ ranges. Load: a closed loop at concurrency 1, 4 and 16
 output tokens/s, requests/s, time to first token and inter-token latency (p50, p99). Then the prefix cache: requests
 sharing a 400-token system prompt, one at a time, with llmkit's prefix cache on and off.
 
+With `--mtp CHECKPOINT` (a checkpoint with an MTP module, e.g. `llmkit quantize runs/bench/smollm2-mtp-own DIR --to
+int4`) the llmkit servers are that checkpoint served plainly and with `--mtp` (speculative decoding), on the same
+loads (with --vllm / --llama-server beside them on the plain file), and TPOT (time per output token after the first,
+per request) says what a client waits per token when an event carries several.
+
 Every server runs in its own process with the same number of threads (the machine's cores); llama.cpp's server gets
 as many parallel slots as the highest concurrency. All of them start first and stay up (an idle one sleeps); with
 `--rounds R` each round runs every server's loads once (on a request set of its own, so that no prompt is already
@@ -402,7 +407,8 @@ def median_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def print_table(summary: dict[str, Any], limits: Any) -> None:
-    print(f"SmolLM2-135M-Instruct Q4_1; {summary['threads']} threads; {limits}")
+    weights = f"{summary['mtp']} (SmolLM2-135M with a grafted MTP module)" if "mtp" in summary else "Q4_1"
+    print(f"SmolLM2-135M-Instruct {weights}; {summary['threads']} threads; {limits}")
     print(
         f"{summary['requests']} requests a load, prompts of {summary['prompt_tokens']} tokens, outputs of "
         f"{summary['output_tokens']}" + (f"; vLLM {summary['vllm']}" if "vllm" in summary else "")
@@ -421,7 +427,7 @@ def print_table(summary: dict[str, Any], limits: Any) -> None:
             f"{r['tpot_p50'] * 1e3:7.1f}ms"
         )
     if "mtp" in summary:
-        print(f"(llmkit: {summary['mtp']}; llmkit --mtp: the same with --mtp --speculate {summary['speculate']})")
+        print(f"(llmkit --mtp: the same server with --mtp --speculate {summary['speculate']})")
     for other in ("llama.cpp server", "vLLM CPU", "llmkit, one at a time", "llmkit --mtp"):
         for load in sorted({r["load"] for r in summary["rows"]}):
             by = {(r["server"], r["round"]): r["output_tok_s"] for r in summary["rows"] if r["load"] == load}
