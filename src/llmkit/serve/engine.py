@@ -48,7 +48,7 @@ from llmkit.serve.request import (
 )
 from llmkit.serve.sampler import prompt_logprobs, sample
 from llmkit.serve.scheduler import Scheduler, Work
-from llmkit.serve.speculation import Costs, MTPSpeculator
+from llmkit.serve.speculation import MTPSpeculator
 from llmkit.serve.structured import Grammars, allowed_tokens
 from llmkit.serve.text import TextOutput
 from llmkit.tokenizer import IncrementalDecoder, Tokenizer
@@ -95,12 +95,8 @@ class Engine:
         self.speculator = None  # drafts for the decoding rows (speculation.py), with config.draft_tokens
         if config.draft_tokens:
             assert self.native is not None and kv is not None
-            self.speculator = MTPSpeculator(
-                model, self.native, self.scheduler.kv, n_blocks, config.block_size, config.draft_tokens,
-                config.draft_head_bits,
-            )  # fmt: skip
-            with torch.no_grad():
-                self.speculator.costs = Costs.measure(self.speculator, *kv)
+            k, bits = config.draft_tokens, config.draft_head_bits
+            self.speculator = MTPSpeculator(model, self.native, self.scheduler.kv, kv, k, bits)
         self.max_len = model.max_seq_len
         self.eos_ids = {tokenizer.eos_id} if tokenizer is not None and tokenizer.eos_id is not None else set()
         # structured outputs: constraints compiled against the tokenizer's vocabulary (needs the tokenizer)
@@ -201,11 +197,10 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[Delta]:
         """Run one iteration; returns what it added to each sequence that got a token or finished."""
-        if self.speculator is None:
-            return self._step()
         start = time.perf_counter()
         deltas = self._step()
-        self.speculator.timed(time.perf_counter() - start)  # (how it chooses the number of drafts)
+        if self.speculator is not None:  # (how it chooses the number of drafts)
+            self.speculator.timed(time.perf_counter() - start)
         return deltas
 
     def _step(self) -> list[Delta]:

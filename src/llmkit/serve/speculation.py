@@ -154,11 +154,12 @@ class MTPSpeculator:
         model: DecoderLM,
         native: NativeDecoder,
         kv: KVCacheManager,
-        n_blocks: int,
-        block_size: int,
+        pools: tuple[list[Tensor], list[Tensor]],
         k: int,
         head_bits: int | None = None,
     ) -> None:
+        """pools: the engine's keys and values of every layer (KH, N, bs, D), all blocks free yet (Costs.measure
+        writes into block 0)."""
         if not len(model.mtp):
             raise InputError(
                 "speculative serving drafts with the model's multi-token-prediction module, and this model has none "
@@ -166,6 +167,7 @@ class MTPSpeculator:
             )
         if not isinstance(k, int) or k < 1:
             raise InputError(f"draft tokens k={k!r} must be an int >= 1")
+        n_blocks, block_size = pools[0][0].shape[1], pools[0][0].shape[2]
         self.model, self.native, self.kv, self.k, self.bs = model, native, kv, k, block_size
         self.draft = MTPDraft(model, native, head_bits)
         if self.draft.block is None:
@@ -185,8 +187,9 @@ class MTPSpeculator:
         # kept over tried, both decaying, from a prior of 7 in 10. A chained draft is kept less often than the first
         self._kept, self._tried = [7.0] * k, [10.0] * k
         self.pending: dict[int, Drafts] = {}  # the step's drafts, by id of their Work
-        self.costs: Costs | None = None  # what steps and drafts cost here (Costs.measure, when the engine starts)
         self._kernels: float | None = None  # what this step's kernels cost by `costs`, when it only decodes
+        with torch.no_grad():
+            self.costs = Costs.measure(self, *pools)  # what steps and drafts cost here
 
     @property
     def acceptance(self) -> list[float]:
@@ -240,7 +243,6 @@ class MTPSpeculator:
         n rows with k drafts costs costs.step(n, k). With few rows a step is bound by reading the weights and
         drafts are nearly free; as rows grow it becomes bound by its arithmetic, and then every rejected draft
         costs as much as a token: k falls to 0."""
-        assert self.costs is not None, "the engine measures the costs when it starts (Costs.measure)"
         best, best_rate = 0, decoding / self.costs.step(decoding, 0)
         tokens, reach = 1.0, 1.0
         for k, a in enumerate(self.acceptance, start=1):
@@ -254,7 +256,7 @@ class MTPSpeculator:
     def timed(self, seconds: float) -> None:
         """The engine's step took `seconds`: where it only decoded (no prompt chunk), what it took beyond its
         kernels' measured cost updates the overhead the choice of k counts with."""
-        if self.costs is not None and self._kernels is not None:
+        if self._kernels is not None:
             spare = max(0.0, seconds - self._kernels)
             self.costs.overhead = 0.9 * self.costs.overhead + 0.1 * spare
         self._kernels = None
@@ -268,7 +270,6 @@ class MTPSpeculator:
         self.pending = {}
         if not rows:
             return {}
-        assert self.costs is not None
         k = self.drafts_for(len(rows))
         self._kernels = None if chunks else self.costs.step(len(rows), 0) - self.costs.overhead
         if k == 0:
