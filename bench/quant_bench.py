@@ -25,10 +25,10 @@ emulated), and llama.cpp's own prompt rate on the same file.
 
 With --vllm PYTHON (bench/install_vllm_cpu.sh), vLLM's CPU backend joins both: its OpenAI server on the same
 weights in bf16 (the directory `llmkit convert` writes; it cannot read an int4 GGUF file; settings as in
-serve_bench.py, --max-model-len 4096), batch 1 and 8 as concurrent streamed completions of the same 32 token ids
-(its decode rate: each request's tokens after the first over the time from its first to its last, summed over the
-requests), and the prefill as prompt tokens over the time to the first token of one request (HTTP included: a few
-milliseconds).
+serve_bench.py, --max-model-len 4096, and --no-enable-prefix-caching since every repeat sends the same prompts),
+batch 1 and 8 as concurrent streamed completions of the same 32 token ids (its decode rate: each request's tokens
+after the first over the time from its first to its last, summed over the requests), and the prefill as prompt
+tokens over the time to the first token of one request (HTTP included: a few milliseconds).
 """
 
 from __future__ import annotations
@@ -244,7 +244,7 @@ def main() -> None:
     vllm = None
     if args.vllm:
         vport = 8719
-        vcommand, venv, vllm_version = vllm_server(args.vllm, THREADS, vport, max_len=4096)
+        vcommand, venv, vllm_version = vllm_server(args.vllm, THREADS, vport, max_len=4096, prefix_caching=False)
         vllm = ServerProcess("vllm-decode", vcommand, vport, venv)
     rows: list[dict[str, Any]] = []
     with (

@@ -255,7 +255,9 @@ def span(text: str) -> tuple[int, int]:
     return int(low), int(high or low)
 
 
-def vllm_server(python: str, threads: int, port: int, max_len: int = 2048) -> tuple[list[str], dict[str, str], str]:
+def vllm_server(
+    python: str, threads: int, port: int, max_len: int = 2048, prefix_caching: bool = True
+) -> tuple[list[str], dict[str, str], str]:
     """The command, environment and version of vLLM's CPU backend (bench/install_vllm_cpu.sh installs it) serving
     SmolLM2 in bf16 from the Hugging Face directory `llmkit convert` writes (it cannot read an int4 GGUF file)."""
     hf = ROOT / "runs/bench/smollm2-hf-bf16"
@@ -268,6 +270,8 @@ def vllm_server(python: str, threads: int, port: int, max_len: int = 2048) -> tu
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf), "--dtype", "bfloat16"]
     command += ["--max-model-len", str(max_len), "--served-model-name", MODEL]
     command += ["--host", "127.0.0.1", "--port", str(port)]
+    if not prefix_caching:  # a benchmark that repeats a prompt
+        command.append("--no-enable-prefix-caching")
     return command, env, version
 
 

@@ -288,3 +288,26 @@ def test_openai_client_gets_the_plain_servers_text(monkeypatch, smollm2):
                 assert server.engine.speculator.accepted > 0  # type: ignore[union-attr]
     assert texts[0] == texts[1]
     assert texts[0][0] == tok.decode(expected)
+
+
+def test_a_failing_draft_only_costs_its_step_the_drafts(monkeypatch, caplog):
+    """Drafting is an optimisation: when it raises (a kernel refusing a shape, memory), the step decodes without
+    drafts, every request still gets the plain engine's tokens, and the next steps draft again."""
+    model = _model()
+    prompts = _prompts([4, 9, 13])
+    plain = _engine(model).generate(prompts, GREEDY)
+    catch_up, calls = MTPSpeculator._catch_up, []
+
+    def flaky(self, rows):
+        calls.append(len(rows))
+        if len(calls) % 3 == 1:
+            raise RuntimeError("no room for the draft")
+        return catch_up(self, rows)
+
+    monkeypatch.setattr(MTPSpeculator, "_catch_up", flaky)
+    engine = _engine(model, 2, drafts=2)
+    with caplog.at_level("WARNING", logger="llmkit.serve"):
+        out = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+    assert "drafting failed (RuntimeError: no room for the draft)" in caplog.text
+    assert engine.speculator is not None and engine.speculator.drafted > 0 and len(calls) > 3
