@@ -28,7 +28,8 @@ weights in bf16 (the directory `llmkit convert` writes; it cannot read an int4 G
 serve_bench.py, --max-model-len 4096, and --no-enable-prefix-caching since every repeat sends the same prompts),
 batch 1 and 8 as concurrent streamed completions of the same 32 token ids (its decode rate: each request's tokens
 after the first over the time from its first to its last, summed over the requests), and the prefill as prompt
-tokens over the time to the first token of one request (HTTP included: a few milliseconds).
+tokens over the time to the first token of one request (HTTP included: a few milliseconds). The bench waits QUIET
+seconds after each of vLLM's measurements, whose threads keep spinning for a moment after their work.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from common import measure_limits, report, smollm2_gguf, timed
 from serve_bench import MODEL, ServerProcess, vllm_server
 
 THREADS = os.cpu_count() or 1
+QUIET = 2.0  # seconds to wait after vLLM's requests: its OpenMP threads spin a while after work, on the same cores
 
 
 def bytes_per_token(model: Any) -> int:
@@ -279,6 +281,7 @@ def main() -> None:
                 for batch in (1, 8):
                     rate = vllm_rate(vport, prompt[0].tolist(), args.new, batch)
                     rates.setdefault(("vLLM CPU bf16", batch), []).append(rate)
+                    time.sleep(QUIET)
         # prefill: the file kept int4 with many-row products in bf16 (where the CPU has bf16 units) and in fp32,
         # and llama.cpp on the same file, each length in every repeat
         quantized = models[f"the {kind} file"]
@@ -296,6 +299,7 @@ def main() -> None:
                     prefill.setdefault((f"llama.cpp {kind}", n), []).append(llama_prefill(port, x[0].tolist()))
                 if vllm is not None:
                     prefill.setdefault(("vLLM CPU bf16", n), []).append(vllm_prefill(vport, x[0].tolist()))
+                    time.sleep(QUIET)
         prefill_rows = [
             {"who": who, "tokens": n, "tokens_per_s": sorted(runs)[len(runs) // 2], "runs": runs}
             for (who, n), runs in prefill.items()

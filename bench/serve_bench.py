@@ -384,6 +384,7 @@ def main() -> None:
                     load = closed_loop(port, reqs, c) if c is not None else poisson(port, reqs, args.rate)
                     rows.append({"server": name, "round": r, **load.row()})
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+                    time.sleep(2.0)  # the server's threads idle (vLLM's spin a while after work) before the next
     prefix = {}
     for label, extra, port in () if args.mtp else (("on", [], 8714), ("off", ["--no-prefix-cache"], 8715)):
         with ServerProcess(f"llmkit-prefix-{label}", [*llmkit, "--port", str(port), *extra], port):
