@@ -5,6 +5,7 @@ reads, and its state survives prompt chunks, preemption and shared prefixes."""
 from __future__ import annotations
 
 import dataclasses
+import urllib.request
 
 import pytest
 import torch
@@ -285,7 +286,12 @@ def test_openai_client_gets_the_plain_servers_text(monkeypatch, smollm2):
             texts.append(("".join(ch.choices[0].text for ch in events), chat.choices[0].message.content))
             if k:
                 assert len(events) < 14  # rounds of several tokens arrived as one event each
-                assert server.engine.speculator.accepted > 0  # type: ignore[union-attr]
+                speculator = server.engine.speculator
+                assert speculator is not None and speculator.accepted > 0
+                with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
+                    metrics = r.read().decode()
+                assert f"llmkit_spec_accepted_tokens_total {float(speculator.accepted)}" in metrics
+                assert f"llmkit_spec_draft_tokens_total {float(speculator.drafted)}" in metrics
     assert texts[0] == texts[1]
     assert texts[0][0] == tok.decode(expected)
 

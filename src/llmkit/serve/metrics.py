@@ -30,6 +30,8 @@ class Metrics:
         self.prefix_hit = Counter("llmkit_prefix_cache_hit_blocks", "Prompt blocks found in the cache", registry=r)
         self.preemptions = Counter("llmkit_preemptions", "Sequences preempted for memory", registry=r)
         self.prompt_tokens = Counter("llmkit_prompt_tokens", "Prompt tokens computed", registry=r)
+        self.drafted = Counter("llmkit_spec_draft_tokens", "Tokens drafted (with --mtp)", registry=r)
+        self.accepted = Counter("llmkit_spec_accepted_tokens", "Drafted tokens the model kept", registry=r)
         self._seen: dict[Counter, float] = {}
         self.generated = Counter("llmkit_generated_tokens", "Tokens generated", registry=r)
         self.requests = Counter("llmkit_requests_finished", "Requests finished", ["finish_reason"], registry=r)
@@ -56,6 +58,9 @@ class Metrics:
         self._advance(self.prefix_hit, s.prefix.hit)
         self._advance(self.preemptions, s.preemptions)
         self._advance(self.prompt_tokens, engine.stats.prompt_tokens)
+        if engine.speculator is not None:
+            self._advance(self.drafted, engine.speculator.drafted)
+            self._advance(self.accepted, engine.speculator.accepted)
 
     def _advance(self, counter: Counter, total: float) -> None:
         """Bring a counter up to the engine's running total."""
