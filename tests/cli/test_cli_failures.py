@@ -127,3 +127,20 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(ck):
     child.stdout.close()
     err = child.stderr.read().decode()
     assert child.wait() == 141 and "Traceback" not in err and "error" not in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--speculate", "2"], "--speculate and --draft-head-bits apply with --mtp"),
+        (["--mtp", "--speculate", "40"], "--speculate 40 is out of range: it must be 1 to 16"),
+        (["--mtp", "--draft-head-bits", "3"], "--draft-head-bits 3 is out of range"),
+        (["--mtp"], "speculative serving drafts with the model's multi-token-prediction module, and this model has"),
+    ],
+)
+def test_serve_refuses_speculation_it_cannot_do_in_one_line(ck, capsys, flags, message):
+    """Before it listens: no server starts on a port for flags that cannot work (this checkpoint has no MTP module,
+    which is found once it is loaded: the error is the one line after the loading line)."""
+    assert main(["serve", str(ck), "--port", "1", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in one_line_error(err.split("\n", 1)[1] if err.startswith("loaded ") else err)
