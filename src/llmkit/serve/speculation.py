@@ -18,6 +18,11 @@ Where the drafter's state lives, beside the engine's pools and under the same bl
     values                   slot j + 1, so a block's MTP keys depend only on the tokens up to its end (as its
                              target keys do): sequences sharing a cached block write the same values into it
 
+How many drafts (0 .. k) is decided each step by Costs, which the speculator measures when it is made (the C++ step
+with the head, and a chained draft, at 1 to 64 rows) and completes with the engine's per-step overhead it learns,
+and by the acceptance it keeps per draft depth: drafts where a step is bound by reading the weights, none where each
+row costs its arithmetic (drafts_for).
+
 Rejected drafts need no undoing: a sequence's computed length becomes cur plus the accepted drafts, and the slots after
 it are rewritten before anything attends to them. Rows with penalties or a grammar decode plainly (their
 distributions would depend on the drafts before them). A sampled request's seed gives the same distribution but not
