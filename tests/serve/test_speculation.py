@@ -151,13 +151,15 @@ def test_drafts_read_what_the_training_time_mtp_forward_reads(monkeypatch):
 
 
 def test_sampled_speculation_keeps_the_models_distribution():
-    """The second token of 1,200 seeded samples (drawn through a verified draft) against its exact distribution:
-    the sum over the first token's choices of p(first) p(second | first), top-3 sampling at temperature 1.5."""
+    """The second token of 1,200 samples (drawn through a verified draft) against its exact distribution: the sum
+    over the first token's choices of p(first) p(second | first), top-3 sampling at temperature 1.5. (No seed in the
+    requests, which would keep them from drafting: the global generator, seeded here, seeds their streams.)"""
     model = _model()
     prompt = _prompts([6])[0]
-    params = SamplingParams(max_tokens=3, temperature=1.5, top_k=3, seed=5, n=40)
+    params = SamplingParams(max_tokens=3, temperature=1.5, top_k=3, n=40)
     engine = _engine(model, 1, drafts=1, max_batch=64)
-    outs = [o for i in range(30) for o in engine.generate([prompt], dataclasses.replace(params, seed=100 * i))]
+    torch.manual_seed(5)
+    outs = [o for _ in range(30) for o in engine.generate([prompt], params)]
     assert engine.speculator is not None and engine.speculator.drafted >= 1000
     from llmkit.generate.sampling import Sampling, distribution
 
@@ -173,15 +175,37 @@ def test_sampled_speculation_keeps_the_models_distribution():
     assert tv < 0.07, tv
 
 
-def test_rows_with_penalties_or_grammars_decode_plainly():
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=10, temperature=0.0, presence_penalty=1.5),
+        SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=11),
+    ],
+)
+def test_rows_with_penalties_or_seeds_decode_plainly(params):
+    """Penalties make a token's distribution depend on the drafts before it; a seed must give the tokens it gives
+    without speculation: such rows take no drafts, and their output is the plain engine's."""
     model = _model()
     prompts = _prompts([4, 9])
-    params = SamplingParams(max_tokens=10, temperature=0.0, presence_penalty=1.5)
     engine = _engine(model, 2, drafts=2)
     assert [o.token_ids for o in engine.generate(prompts, params)] == [
         o.token_ids for o in _engine(model).generate(prompts, params)
     ]
     assert engine.speculator is not None and engine.speculator.drafted == 0
+
+
+def test_logit_bias_applies_to_drafts_and_checks():
+    """A bias that bans the model's favourite tokens changes the greedy output the same way with drafts as without."""
+    model = _model()
+    prompts = _prompts([5, 12])
+    plain = _engine(model).generate(prompts, GREEDY)
+    banned = tuple((t, -100.0) for t in {o.token_ids[2] for o in plain})
+    params = dataclasses.replace(GREEDY, logit_bias=banned)
+    expected = [o.token_ids for o in _engine(model).generate(prompts, params)]
+    assert expected != [o.token_ids for o in plain]
+    engine = _engine(model, 3, drafts=3)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == expected
+    assert engine.speculator is not None and engine.speculator.drafted > 0
 
 
 def test_speculation_survives_preemption_and_shared_prefixes(monkeypatch):

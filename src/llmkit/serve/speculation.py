@@ -25,8 +25,8 @@ row costs its arithmetic (drafts_for).
 
 Rejected drafts need no undoing: a sequence's computed length becomes cur plus the accepted drafts, and the slots after
 it are rewritten before anything attends to them. Rows with penalties or a grammar decode plainly (their
-distributions would depend on the drafts before them). A sampled request's seed gives the same distribution but not
-the same tokens as without speculation (the draws differ). Shapes: R drafting rows, V vocabulary, C model dim.
+distributions would depend on the drafts before them), and so do sampled requests with a seed, whose tokens then stay
+those the seed gives without speculation. Shapes: R drafting rows, V vocabulary, C model dim.
 """
 
 from __future__ import annotations
@@ -150,7 +150,8 @@ def _bias(logits: Tensor, seq: Sequence) -> Tensor:
     if not bias:
         return logits
     index = torch.tensor([t for t, _ in bias], device=logits.device)
-    return logits.index_add(-1, index, torch.tensor([b for _, b in bias], device=logits.device, dtype=logits.dtype))
+    values = torch.tensor([b for _, b in bias], device=logits.device, dtype=logits.dtype)
+    return logits + logits.new_zeros(logits.shape[-1]).index_add(0, index, values)  # (the sampler's sum, per row)
 
 
 class MTPSpeculator:
@@ -212,10 +213,13 @@ class MTPSpeculator:
     @staticmethod
     def eligible(seq: Sequence) -> bool:
         """Whether a sequence can take drafts: its next token's distribution must not depend on the tokens before it
-        beyond the model's logits (no penalties, no grammar)."""
+        beyond the model's logits (no penalties, no grammar), and a seeded sampled request must keep drawing what its
+        seed draws without speculation (the drafts would consume its random stream differently, by how many each
+        step gets)."""
         p = seq.request.params
         penalties = p.sampling.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0
-        return not penalties and seq.matcher is None
+        seeded = p.seed is not None and not p.sampling.greedy
+        return not penalties and not seeded and seq.matcher is None
 
     def forget(self, seq: Sequence) -> None:
         self.states.pop(seq.key, None)
