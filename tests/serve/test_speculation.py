@@ -5,6 +5,7 @@ reads, and its state survives prompt chunks, preemption and shared prefixes."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 import urllib.request
 
 import pytest
@@ -341,3 +342,47 @@ def test_a_failing_draft_only_costs_its_step_the_drafts(monkeypatch, caplog):
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
     assert "drafting failed (RuntimeError: no room for the draft)" in caplog.text
     assert engine.speculator is not None and engine.speculator.drafted > 0 and len(calls) > 3
+
+
+def test_poisoned_sampling_settings_end_no_speculating_stream(smollm2):
+    """The reliability suite's settings that once gave NaN probabilities (top_p 1e-300, temperature 5e-324, ...),
+    batched with greedy streams on a server that drafts every step: each gets its tokens, the streams keep the plain
+    engine's text, nothing fails."""
+    from llmkit.serve.server import ServeOptions, Server
+
+    from .conftest import Stepper, post, wait_for
+    from .test_reliability import POISON, _events, _stream
+
+    model, tok = _model(vocab_size=smollm2[0].cfg.vocab_size), smollm2[1]
+    ids = tok.encode("Once upon a time")
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    expected = tok.decode(Engine(model, tok, EngineConfig(kv_memory=64 << 20)).generate([ids], params)[0].token_ids)
+    with Server(model, tok, ServeOptions("m"), EngineConfig(kv_memory=64 << 20, draft_tokens=2)) as server:
+        speculator = server.engine.speculator
+        assert speculator is not None
+        speculator.drafts_for = lambda rows: 2  # type: ignore[method-assign]
+        stepper = Stepper(server.engine)
+        streams: dict[int, str] = {}
+        answers: dict[int, tuple[int, object]] = {}
+        body = {"model": "m", "prompt": ids, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        threads = [threading.Thread(target=_stream, args=(server, body, streams, i)) for i in range(2)]
+
+        def poisoned(i: int) -> None:
+            request = {"model": "m", "prompt": "hi", "max_tokens": 8, **POISON[i]}
+            answers[i] = post(server.url + "/v1/completions", request)
+
+        threads += [threading.Thread(target=poisoned, args=(i,)) for i in range(len(POISON))]
+        for t in threads:
+            t.start()
+        wait_for(lambda: server.runner.in_flight == 2 + len(POISON), what="all requests submitted")
+        stepper.release()
+        for t in threads:
+            t.join(120)
+        for i in range(2):
+            events = _events(streams[i])
+            assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), streams[i]
+            assert "".join(e["choices"][0]["text"] for e in events[:-1]) == expected
+        for i, (code, answer) in answers.items():
+            assert code == 200, (POISON[i], answer)
+            assert answer["usage"]["completion_tokens"] == 8
+        assert server.engine.stats.failed == 0 and speculator.drafted > 0
