@@ -16,10 +16,11 @@ from llmkit.errors import InputError
 from llmkit.layers.attention import AttentionInputs, AttentionMask
 from llmkit.models.cache import whole_sequence
 from llmkit.quant.native_step import NativeDecoder
+from llmkit.serve.drafters import MTPSpeculator
 from llmkit.serve.engine import Engine, EngineConfig
 from llmkit.serve.paged import PagedCache
 from llmkit.serve.request import SamplingParams
-from llmkit.serve.speculation import Costs, MTPSpeculator
+from llmkit.serve.speculation import Costs
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 

@@ -34,6 +34,7 @@ from llmkit.models.decoder import DecoderLM
 from llmkit.quant.native_step import NativeDecoder
 from llmkit.serve.blocks import BlockPool
 from llmkit.serve.config import EngineConfig, EngineStats
+from llmkit.serve.drafters import speculator
 from llmkit.serve.paged import PagedCache, Pages
 from llmkit.serve.request import (
     Completion,
@@ -48,7 +49,6 @@ from llmkit.serve.request import (
 )
 from llmkit.serve.sampler import prompt_logprobs, sample
 from llmkit.serve.scheduler import Scheduler, Work
-from llmkit.serve.speculation import MTPSpeculator
 from llmkit.serve.structured import Grammars, allowed_tokens
 from llmkit.serve.text import TextOutput
 from llmkit.tokenizer import IncrementalDecoder, Tokenizer
@@ -61,9 +61,15 @@ class QueueFull(LLMKitError):
 
 
 class Engine:
-    """A decoder-only model, its paged cache and the requests in flight."""
+    """A decoder-only model, its paged cache, the requests in flight, and a drafter with config.draft_tokens."""
 
-    def __init__(self, model: DecoderLM, tokenizer: Tokenizer | None = None, config: EngineConfig | None = None):
+    def __init__(
+        self,
+        model: DecoderLM,
+        tokenizer: Tokenizer | None = None,
+        config: EngineConfig | None = None,
+        draft: DecoderLM | None = None,
+    ):
         if not isinstance(model, DecoderLM):
             raise InputError(f"the engine serves decoder-only models, got {type(model).__name__}")
         self.model = model.eval()
@@ -71,6 +77,8 @@ class Engine:
         self.config = config = config or EngineConfig()
         self.device, self.dtype = model.device, model.dtype
         per_block = PagedCache.bytes_per_block(model, config.block_size, self.dtype)
+        if draft is not None and config.draft_tokens:  # (its pools share the blocks and the memory)
+            per_block += PagedCache.bytes_per_block(draft, config.block_size, draft.dtype)
         n_blocks = config.kv_memory // per_block
         if n_blocks < 1:
             raise InputError(f"kv_memory={config.kv_memory} bytes is less than one block ({per_block} bytes)")
@@ -83,8 +91,7 @@ class Engine:
         kv = self.cache.grouped_query()
         with torch.no_grad():  # (how the engine's steps run)
             native_pools = self.native is not None and kv is not None and self.native.applies_paged(1, kv[0])
-        modes = (("the batch-invariant mode", self.invariant), ("speculative decoding", config.draft_tokens))
-        for mode, wanted in modes:
+        for mode, wanted in (("the batch-invariant mode", self.invariant), ("speculation", config.draft_tokens)):
             if wanted and not native_pools:
                 raise InputError(
                     f"{mode} runs tokens through llmkit's C++ decode step: it needs an x86 CPU with AVX2, fp32 or "
@@ -92,11 +99,8 @@ class Engine:
                 )
         self.pool = BlockPool(n_blocks, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_batch, config.step_tokens)
-        self.speculator = None  # drafts for the decoding rows (speculation.py), with config.draft_tokens
-        if config.draft_tokens:
-            assert self.native is not None and kv is not None
-            k, bits = config.draft_tokens, config.draft_head_bits
-            self.speculator = MTPSpeculator(model, self.native, self.scheduler.kv, kv, k, bits)
+        # drafts for the decoding rows (config.draft_tokens): `draft`'s, or the model's MTP module's (drafters.py)
+        self.speculator = speculator(model, self.native, self.scheduler.kv, kv, config, draft)
         self.max_len = model.max_seq_len
         self.eos_ids = {tokenizer.eos_id} if tokenizer is not None and tokenizer.eos_id is not None else set()
         # structured outputs: constraints compiled against the tokenizer's vocabulary (needs the tokenizer)

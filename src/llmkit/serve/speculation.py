@@ -2,21 +2,15 @@
 multi-token-prediction module (DeepSeek-V3 §2.2, as `llmkit generate --mtp` does for one generation), and the target
 checks all the sequences' drafts in the step's one C++ call.
 
-    draft    MTP over each sequence's slots mtp_next .. n: the ones it has not yet computed from the target's true
-             states, then `cur` (the newest token, in slot n) -> d1; chained on its own output at n + 1 .. -> d2 .. dk
+    draft    the drafter over each sequence's slots `next` .. n: the ones it has not yet computed from true inputs,
+             then `cur` (the newest token, in slot n) -> d1; chained at n + 1 .. -> d2 .. dk
     verify   the target over cur, d1 .. dk of every sequence, each token a row of the C++ step
              (NativeDecoder.run_tokens: the same arithmetic as a plain decoding row, so greedy output is the plain
              engine's token for token), with the head in row-invariant pieces
     accept   greedy: the drafts while they are the target's argmax, then its token; sampled: the rule of Leviathan
              et al. (llmkit.generate.speculative.accept), which gives every token the target's distribution
 
-Where the drafter's state lives, beside the engine's pools and under the same block tables:
-
-    hidden   (N, bs, C)      the target's last-block state of every slot, written by every forward (prompt chunks,
-                             decoding, verifying): an MTP input can be read for any slot, a prefix-cached one too
-    keys     (KH, N, bs, D)  the MTP block's keys and values. MTP position j reads h_j and token j + 1 and is kept in
-    values                   slot j + 1, so a block's MTP keys depend only on the tokens up to its end (as its
-                             target keys do): sequences sharing a cached block write the same values into it
+The drafters (serve/drafters.py): the model's MTP module (MTPSpeculator) or a smaller model (ModelSpeculator).
 
 How many drafts (0 .. k) is decided each step by Costs, which the speculator measures when it is made (the C++ step
 with the head, and a chained draft, at 1 to 64 rows) and completes with the engine's per-step overhead it learns,
@@ -40,14 +34,11 @@ import torch
 from torch import Tensor
 
 from llmkit.errors import InputError
-from llmkit.generate.drafters import MTPDraft
 from llmkit.generate.sampling import distribution, draw
 from llmkit.generate.speculative import accept, accept_greedy
-from llmkit.layers.attention.cache import KVCache
 from llmkit.models.decoder import DecoderLM
 from llmkit.quant.native_step import NativeDecoder
 from llmkit.serve.kv_manager import KVCacheManager
-from llmkit.serve.paged import KVPool
 from llmkit.serve.request import Sequence, Top
 from llmkit.serve.sampler import top_logprobs
 from llmkit.serve.scheduler import Work
@@ -60,7 +51,7 @@ class _State:
     """What the drafter knows of one sequence."""
 
     start: int = 0  # the first new slot of its last step (a smaller one later: it was preempted and starts again)
-    mtp_next: int = 1  # the first slot whose MTP keys it has not computed from the target's true states
+    next: int = 1  # the first slot whose draft keys it has not computed from true inputs (Speculator.first_slot)
 
 
 @dataclass(frozen=True)
@@ -102,23 +93,20 @@ class Costs:
 
     @classmethod
     @torch.inference_mode()
-    def measure(cls, speculator: MTPSpeculator, keys: list[Tensor], values: list[Tensor]) -> Costs:
-        """Time the target's C++ step with its head and the MTP block with the draft head (median of 3) over
-        dummy tokens written into block 0 of the pools `keys` and `values` (the engine measures before any
-        sequence holds a block)."""
-        sp, model = speculator, speculator.model
-        dev = sp.hidden.device
+    def measure(cls, speculator: Speculator, keys: list[Tensor], values: list[Tensor]) -> Costs:
+        """Time the target's C++ step with its head and a chained draft (median of 3) over dummy tokens written into
+        block 0 of the pools `keys` and `values` and of the drafter's (made before any sequence holds a block)."""
+        sp = speculator
+        dev = sp.model.device
         verifying, drafting = [], []
         for n in cls.ROWS:
             slots = torch.arange(n, device=dev) % sp.bs  # every row in block 0
             table = torch.zeros(n, 1, dtype=torch.long, device=dev)
             allowed = torch.arange(sp.bs, device=dev)[None] <= slots[:, None]
             tokens = torch.zeros(n, dtype=torch.long, device=dev)
-            x = torch.zeros(n, model.cfg.d_model, device=dev, dtype=sp.hidden.dtype)
-            rope = sp.native._rope(slots[:, None])
             runs = 3 if n <= 8 else 1  # (a large model's many rows take long, and vary less)
             verifying.append(_seconds(sp.verify_rows, tokens, slots, table, allowed, keys, values, runs=runs))
-            drafting.append(_seconds(sp.draft_logits, x, slots, table, allowed, rope, runs=runs))
+            drafting.append(_seconds(sp.draft_scratch, slots, table, allowed, runs=runs))
         return cls(tuple(verifying), tuple(drafting))
 
 
@@ -154,43 +142,19 @@ def _bias(logits: Tensor, seq: Sequence) -> Tensor:
     return logits + logits.new_zeros(logits.shape[-1]).index_add(0, index, values)  # (the sampler's sum, per row)
 
 
-class MTPSpeculator:
-    """Drafts with `model`'s first MTP module for the engine's decoding rows and judges the target's verdicts.
-    `k`: the most drafts a sequence gets in a step (`drafts_for` chooses fewer as the batch grows); head_bits 8 / 4:
-    draft through an int8 / int4 copy of the head and of the module's block (cheaper drafts, the same output)."""
+class Speculator:
+    """What every drafter shares: which rows draft and how many tokens (drafts_for, from Costs and the acceptance
+    per depth), the drafting loop (propose), the verdicts (judge). A drafter says where its drafting starts
+    (first_slot), and gives _catch_up (its state at each row's cur, from its true inputs), _step (one chained draft),
+    head (state -> logits), _record (what it keeps of the target's states) and draft_scratch (a timed draft).
+    `k`: the most drafts a sequence gets in a step."""
 
-    def __init__(
-        self,
-        model: DecoderLM,
-        native: NativeDecoder,
-        kv: KVCacheManager,
-        pools: tuple[list[Tensor], list[Tensor]],
-        k: int,
-        head_bits: int | None = None,
-    ) -> None:
-        """pools: the engine's keys and values of every layer (KH, N, bs, D), all blocks free yet (Costs.measure
-        writes into block 0)."""
-        if not len(model.mtp):
-            raise InputError(
-                "speculative serving drafts with the model's multi-token-prediction module, and this model has none "
-                "(graft one with `llmkit graft-mtp`)"
-            )
+    first_slot = 1
+
+    def __init__(self, model: DecoderLM, native: NativeDecoder, kv: KVCacheManager, block_size: int, k: int) -> None:
         if not isinstance(k, int) or k < 1:
             raise InputError(f"draft tokens k={k!r} must be an int >= 1")
-        n_blocks, block_size = pools[0][0].shape[1], pools[0][0].shape[2]
         self.model, self.native, self.kv, self.k, self.bs = model, native, kv, k, block_size
-        self.draft = MTPDraft(model, native, head_bits)
-        if self.draft.block is None:
-            raise InputError(
-                "the MTP module's block does not run in llmkit's C++ step, which speculative serving needs"
-            )
-        device, dtype = model.device, model.dtype
-        cache = self.draft.module.block.attn.new_cache(n_blocks, block_size, device, dtype)
-        if not isinstance(cache, KVCache):  # (the C++ step takes grouped-query blocks only)
-            raise InputError("speculative serving needs an MTP module with grouped-query attention")
-        pool = KVPool.of(cache)
-        self.keys, self.values = pool.k, pool.v  # (KH, N, bs, D)
-        self.hidden = torch.zeros(n_blocks, block_size, model.cfg.d_model, device=device, dtype=dtype)
         self.states: dict[tuple[str, int], _State] = {}
         self.drafted = self.accepted = 0  # over all verified rows
         # the chance that the draft at each depth is kept, given the ones before it were (which sets k: drafts_for):
@@ -198,17 +162,33 @@ class MTPSpeculator:
         self._kept, self._tried = [7.0] * k, [10.0] * k
         self.pending: dict[int, Drafts] = {}  # the step's drafts, by id of their Work
         self._kernels: float | None = None  # what this step's kernels cost by `costs`, when it only decodes
-        with torch.no_grad():
-            self.costs = Costs.measure(self, *pools)  # what steps and drafts cost here
+        self.costs = Costs((0.0,) * len(Costs.ROWS), (0.0,) * len(Costs.ROWS))  # measured by the drafter's __init__
+
+    # ---- a drafter's part
+
+    def _catch_up(self, rows: list[Work]) -> Tensor:
+        """The drafter over every row's slots from its state's `next` to its cur (slot w.start), from true inputs;
+        returns its state at each row's cur (R, C'), which `head` turns into logits."""
+        raise NotImplementedError
+
+    def _step(self, works: list[Work], slots: Tensor, ids: Tensor, out: Tensor) -> Tensor:
+        """One chained draft: each work's token ids (M,) in slots (M,), after states out (M, C') -> states (M, C')."""
+        raise NotImplementedError
+
+    def head(self, out: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def draft_scratch(self, slots: Tensor, table: Tensor, allowed: Tensor) -> Tensor:
+        """A chained draft of dummy rows in slots (M,) through table (M, nb), seeing allowed (M, S) (Costs)."""
+        raise NotImplementedError
+
+    def _record(self, rows: list[Work], hidden: list[Tensor], counts: list[int]) -> None:
+        """Keep what the drafter reads of the target's last-block states (n_i, C) of a forward (default nothing)."""
 
     @property
     def acceptance(self) -> list[float]:
         """Per depth d = 1 .. k: the chance the d-th draft is kept when the ones before it were."""
         return [kept / tried for kept, tried in zip(self._kept, self._tried, strict=True)]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.hidden))
 
     @staticmethod
     def eligible(seq: Sequence) -> bool:
@@ -227,25 +207,15 @@ class MTPSpeculator:
     # ---- the target's states
 
     def observe(self, rows: list[Work], hidden: list[Tensor], counts: list[int] | None = None) -> None:
-        """Keep the target's last-block states of a forward: hidden[i] (n_i, C) for slots start .. start + n_i - 1
-        of rows[i] (n_i = counts[i], default the row's count)."""
-        blocks: list[int] = []
-        offsets: list[int] = []
-        states = []
-        bs = self.bs
-        for i, (w, h) in enumerate(zip(rows, hidden, strict=True)):
-            n = counts[i] if counts is not None else w.count
-            state = self.states.setdefault(w.seq.key, _State())
-            if w.start < state.start:  # computed again from its tokens (preempted): its MTP keys may be gone
-                state.mtp_next = 1
+        """A forward computed the target's last-block states hidden[i] (n_i, C) for slots start .. start + n_i - 1
+        of rows[i] (n_i = counts[i], default the row's count): notice restarts (preemption), let the drafter keep
+        what it reads."""
+        for w in rows:
+            state = self.states.setdefault(w.seq.key, _State(next=self.first_slot))
+            if w.start < state.start:  # computed again from its tokens (preempted): its draft keys may be gone
+                state.next = self.first_slot
             state.start = w.start
-            table = self.kv.table(w.seq)
-            blocks += [table[s // bs] for s in range(w.start, w.start + n)]
-            offsets += [s % bs for s in range(w.start, w.start + n)]
-            states.append(h[:n])
-        dev = self.hidden.device
-        where = (torch.tensor(blocks, device=dev), torch.tensor(offsets, device=dev))
-        self.hidden[where] = torch.cat(states).to(self.hidden.dtype)
+        self._record(rows, hidden, counts if counts is not None else [w.count for w in rows])
 
     # ---- drafting
 
@@ -311,15 +281,15 @@ class MTPSpeculator:
         if not chosen:
             return {}
         for w, _ in chosen:  # a sequence not seen yet, or computed again since (preempted): MTP keys from slot 1
-            state = self.states.setdefault(w.seq.key, _State(w.start))
+            state = self.states.setdefault(w.seq.key, _State(w.start, self.first_slot))
             if w.start < state.start:
-                state.mtp_next = 1
+                state.next = self.first_slot
         out = self._catch_up([w for w, _ in chosen])  # (R, C): MTP's normed output at each row's cur
         tokens: list[list[Tensor]] = [[] for _ in chosen]
         qs: list[list[Tensor]] = [[] for _ in chosen]
         live = list(range(len(chosen)))
         for depth in range(max(kw for _, kw in chosen)):
-            logits = self.draft.head(out)  # (r, V)
+            logits = self.head(out)  # (r, V)
             nxt = []
             for j, i in enumerate(live):
                 seq = chosen[i][0].seq
@@ -335,7 +305,7 @@ class MTPSpeculator:
             works = [chosen[i][0] for i in live]
             slots = torch.tensor([w.start + depth + 1 for w in works])
             ids = torch.stack([nxt[j] for j in keep])
-            out = self._mtp(works, slots, ids, out[keep])
+            out = self._step(works, slots, ids, out[keep])
         for i, (w, _) in enumerate(chosen):
             q = torch.stack(qs[i]) if qs[i] else None
             self.pending[id(w)] = Drafts(torch.stack(tokens[i]), q)
@@ -354,60 +324,6 @@ class MTPSpeculator:
             return x.argmax(), None
         q = distribution(x.unsqueeze(0), sampling)[0]
         return draw(q, False, seq.generator), q
-
-    def _catch_up(self, rows: list[Work]) -> Tensor:
-        """MTP over every row's slots from its mtp_next to its cur (slot w.start), from the target's true states;
-        returns the normed output at each row's cur (R, C)."""
-        works: list[Work] = []
-        slots: list[int] = []
-        ids: list[int] = []
-        last: list[int] = []
-        for w in rows:
-            state = self.states[w.seq.key]
-            span = range(state.mtp_next, w.start + 1)
-            works += [w] * len(span)
-            slots += span
-            ids += w.seq.tokens[state.mtp_next : w.start + 1]
-            last.append(len(slots) - 1)
-            state.mtp_next = w.start + 1
-        slot = torch.tensor(slots)
-        hidden = self._hidden(works, slot - 1)  # h_(i-1): the target's state one slot before
-        out = self._mtp(works, slot, torch.tensor(ids), self.model.norm(hidden))
-        return out[torch.tensor(last)]
-
-    def _hidden(self, works: list[Work], slots: Tensor) -> Tensor:
-        """The target's states at slots (M,) of the works' sequences (M, C)."""
-        bs, dev = self.bs, self.hidden.device
-        blocks = [self.kv.table(w.seq)[s // bs] for w, s in zip(works, slots.tolist(), strict=True)]
-        return self.hidden[torch.tensor(blocks, device=dev), (slots % bs).to(dev)]
-
-    def _mtp(self, works: list[Work], slots: Tensor, ids: Tensor, h: Tensor) -> Tensor:
-        """The MTP module at slots (M,) of the works' sequences (one row each), reading tokens ids (M,) and states h
-        (M, C) (normed: the target's with the final norm, or the module's own output) -> its normed outputs (M, C).
-        Writes each slot's keys and values; a slot sees its sequence's MTP slots 1 .. itself."""
-        model, module = self.model, self.draft.module
-        dev = self.hidden.device
-        slots, ids = slots.to(dev), ids.to(dev)
-        positions = slots - 1  # MTP position j lives in slot j + 1 (and attends at j, as in training)
-        emb = model.inputs(model.embed, ids[:, None], slots[:, None])[:, 0]  # (M, C): token j + 1 at its own position
-        x = module.combine(h.to(emb.dtype), emb).contiguous()
-        tables = [self.kv.table(w.seq) for w in works]
-        nb = max(len(t) for t in tables)
-        table = torch.tensor([t + t[:1] * (nb - len(t)) for t in tables], device=dev)  # (M, nb)
-        s = torch.arange(nb * self.bs, device=dev)
-        allowed = (s[None] <= slots[:, None]) & (s[None] >= 1)  # (M, S)
-        rope = self.native._rope(positions[:, None])
-        return module.norm(self.draft_rows(x, slots.contiguous(), table, allowed, rope))
-
-    def draft_rows(self, x: Tensor, slots: Tensor, table: Tensor, allowed: Tensor, rope: tuple) -> Tensor:
-        """The MTP block's C++ step over rows x (M, C), row m into its slots[m] through table[m] (M, nb), seeing
-        allowed[m] (M, S), with RoPE tables rope (cos, sin) -> (M, C)."""
-        ext = self.native.ext
-        return ext.decode_paged([self.draft.block], x, [self.keys], [self.values], table, slots, allowed, *rope)
-
-    def draft_logits(self, x: Tensor, slots: Tensor, table: Tensor, allowed: Tensor, rope: tuple) -> Tensor:
-        """A chained draft's work (what Costs times): the block over x, its norm and the draft head -> (M, V)."""
-        return self.draft.head(self.draft.module.norm(self.draft_rows(x, slots, table, allowed, rope)))
 
     def verify_rows(
         self, tokens: Tensor, slots: Tensor, table: Tensor, allowed: Tensor, keys: list[Tensor], values: list[Tensor]

@@ -1,0 +1,255 @@
+"""The serving engine's drafters (the policy, the drafting loop and the verdicts are speculation.py's Speculator).
+
+MTPSpeculator drafts with the model's own first multi-token-prediction module (DeepSeek-V3 §2.2, as `llmkit
+generate --mtp` does for one generation). Where its state lives, beside the engine's pools and under the same
+block tables:
+
+    hidden   (N, bs, C)      the target's last-block state of every slot, written by every forward (prompt chunks,
+                             decoding, verifying): an MTP input can be read for any slot, a prefix-cached one too
+    keys     (KH, N, bs, D)  the MTP block's keys and values. MTP position j reads h_j and token j + 1 and is kept in
+    values                   slot j + 1, so a block's MTP keys depend only on the tokens up to its end (as its
+                             target keys do): sequences sharing a cached block write the same values into it
+
+ModelSpeculator drafts with a smaller model that shares the tokenizer (Leviathan et al. 2023; `llmkit generate
+--draft`), run by its own C++ step over pools of its own under the same block tables: its keys in slot i depend on
+the tokens up to i, so prefix sharing and preemption need nothing more.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from llmkit.errors import InputError
+from llmkit.generate.drafters import MTPDraft
+from llmkit.layers.attention.cache import KVCache
+from llmkit.models.decoder import DecoderLM
+from llmkit.quant.native_step import NativeDecoder
+from llmkit.serve.config import EngineConfig
+from llmkit.serve.kv_manager import KVCacheManager
+from llmkit.serve.paged import KVPool, PagedCache
+from llmkit.serve.scheduler import Work
+from llmkit.serve.speculation import Costs, Speculator
+
+
+class MTPSpeculator(Speculator):
+    """Drafts with `model`'s first MTP module for the engine's decoding rows. head_bits 8 / 4: draft through an
+    int8 / int4 copy of the head and of the module's block (cheaper drafts, the same output)."""
+
+    def __init__(
+        self,
+        model: DecoderLM,
+        native: NativeDecoder,
+        kv: KVCacheManager,
+        pools: tuple[list[Tensor], list[Tensor]],
+        k: int,
+        head_bits: int | None = None,
+    ) -> None:
+        """pools: the engine's keys and values of every layer (KH, N, bs, D), all blocks free yet (Costs.measure
+        writes into block 0)."""
+        if not len(model.mtp):
+            raise InputError(
+                "speculative serving drafts with the model's multi-token-prediction module, and this model has none "
+                "(graft one with `llmkit graft-mtp`)"
+            )
+        n_blocks, block_size = pools[0][0].shape[1], pools[0][0].shape[2]
+        super().__init__(model, native, kv, block_size, k)
+        self.draft = MTPDraft(model, native, head_bits)
+        if self.draft.block is None:
+            raise InputError(
+                "the MTP module's block does not run in llmkit's C++ step, which speculative serving needs"
+            )
+        device, dtype = model.device, model.dtype
+        cache = self.draft.module.block.attn.new_cache(n_blocks, block_size, device, dtype)
+        if not isinstance(cache, KVCache):  # (the C++ step takes grouped-query blocks only)
+            raise InputError("speculative serving needs an MTP module with grouped-query attention")
+        pool = KVPool.of(cache)
+        self.keys, self.values = pool.k, pool.v  # (KH, N, bs, D)
+        self.hidden = torch.zeros(n_blocks, block_size, model.cfg.d_model, device=device, dtype=dtype)
+        with torch.no_grad():
+            self.costs = Costs.measure(self, *pools)  # what steps and drafts cost here
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.hidden))
+
+    def _record(self, rows: list[Work], hidden: list[Tensor], counts: list[int]) -> None:
+        """The target's states into the hidden pool at the rows' slots (MTP slot i reads h_(i-1))."""
+        blocks: list[int] = []
+        offsets: list[int] = []
+        bs = self.bs
+        for w, n in zip(rows, counts, strict=True):
+            table = self.kv.table(w.seq)
+            blocks += [table[s // bs] for s in range(w.start, w.start + n)]
+            offsets += [s % bs for s in range(w.start, w.start + n)]
+        dev = self.hidden.device
+        where = (torch.tensor(blocks, device=dev), torch.tensor(offsets, device=dev))
+        self.hidden[where] = torch.cat([h[:n] for h, n in zip(hidden, counts, strict=True)]).to(self.hidden.dtype)
+
+    def head(self, out: Tensor) -> Tensor:
+        return self.draft.head(out)
+
+    def _step(self, works: list[Work], slots: Tensor, ids: Tensor, out: Tensor) -> Tensor:
+        return self._mtp(works, slots, ids, out)  # the module reads its own output for the target's state
+
+    def draft_scratch(self, slots: Tensor, table: Tensor, allowed: Tensor) -> Tensor:
+        x = torch.zeros(slots.shape[0], self.model.cfg.d_model, device=self.hidden.device, dtype=self.hidden.dtype)
+        return self.draft_logits(x, slots, table, allowed, self.native._rope(slots[:, None]))
+
+    def _catch_up(self, rows: list[Work]) -> Tensor:
+        """MTP over every row's slots from its mtp_next to its cur (slot w.start), from the target's true states;
+        returns the normed output at each row's cur (R, C)."""
+        works: list[Work] = []
+        slots: list[int] = []
+        ids: list[int] = []
+        last: list[int] = []
+        for w in rows:
+            state = self.states[w.seq.key]
+            span = range(state.next, w.start + 1)
+            works += [w] * len(span)
+            slots += span
+            ids += w.seq.tokens[state.next : w.start + 1]
+            last.append(len(slots) - 1)
+            state.next = w.start + 1
+        slot = torch.tensor(slots)
+        hidden = self._hidden(works, slot - 1)  # h_(i-1): the target's state one slot before
+        out = self._mtp(works, slot, torch.tensor(ids), self.model.norm(hidden))
+        return out[torch.tensor(last)]
+
+    def _hidden(self, works: list[Work], slots: Tensor) -> Tensor:
+        """The target's states at slots (M,) of the works' sequences (M, C)."""
+        bs, dev = self.bs, self.hidden.device
+        blocks = [self.kv.table(w.seq)[s // bs] for w, s in zip(works, slots.tolist(), strict=True)]
+        return self.hidden[torch.tensor(blocks, device=dev), (slots % bs).to(dev)]
+
+    def _mtp(self, works: list[Work], slots: Tensor, ids: Tensor, h: Tensor) -> Tensor:
+        """The MTP module at slots (M,) of the works' sequences (one row each), reading tokens ids (M,) and states h
+        (M, C) (normed: the target's with the final norm, or the module's own output) -> its normed outputs (M, C).
+        Writes each slot's keys and values; a slot sees its sequence's MTP slots 1 .. itself."""
+        model, module = self.model, self.draft.module
+        dev = self.hidden.device
+        slots, ids = slots.to(dev), ids.to(dev)
+        positions = slots - 1  # MTP position j lives in slot j + 1 (and attends at j, as in training)
+        emb = model.inputs(model.embed, ids[:, None], slots[:, None])[:, 0]  # (M, C): token j + 1 at its own position
+        x = module.combine(h.to(emb.dtype), emb).contiguous()
+        tables = [self.kv.table(w.seq) for w in works]
+        nb = max(len(t) for t in tables)
+        table = torch.tensor([t + t[:1] * (nb - len(t)) for t in tables], device=dev)  # (M, nb)
+        s = torch.arange(nb * self.bs, device=dev)
+        allowed = (s[None] <= slots[:, None]) & (s[None] >= 1)  # (M, S)
+        rope = self.native._rope(positions[:, None])
+        return module.norm(self.draft_rows(x, slots.contiguous(), table, allowed, rope))
+
+    def draft_rows(self, x: Tensor, slots: Tensor, table: Tensor, allowed: Tensor, rope: tuple) -> Tensor:
+        """The MTP block's C++ step over rows x (M, C), row m into its slots[m] through table[m] (M, nb), seeing
+        allowed[m] (M, S), with RoPE tables rope (cos, sin) -> (M, C)."""
+        ext = self.native.ext
+        return ext.decode_paged([self.draft.block], x, [self.keys], [self.values], table, slots, allowed, *rope)
+
+    def draft_logits(self, x: Tensor, slots: Tensor, table: Tensor, allowed: Tensor, rope: tuple) -> Tensor:
+        """A chained draft's work (what Costs times): the block over x, its norm and the draft head -> (M, V)."""
+        return self.draft.head(self.draft.module.norm(self.draft_rows(x, slots, table, allowed, rope)))
+
+
+class ModelSpeculator(Speculator):
+    """Drafts with `draft`, a smaller model with the target's vocabulary, run by its own C++ step (NativeDecoder)
+    over paged pools of its own (its keys in slot i: token i's, as the target's), under the engine's block tables."""
+
+    first_slot = 0
+
+    def __init__(
+        self,
+        model: DecoderLM,
+        native: NativeDecoder,
+        kv: KVCacheManager,
+        pools: tuple[list[Tensor], list[Tensor]],
+        k: int,
+        draft: DecoderLM,
+    ) -> None:
+        """pools: the engine's keys and values of every layer (KH, N, bs, D), all blocks free yet."""
+        if draft.cfg.vocab_size != model.cfg.vocab_size:
+            raise InputError(
+                f"the draft's vocabulary ({draft.cfg.vocab_size}) differs from the model's ({model.cfg.vocab_size}): "
+                "they must share a tokenizer"
+            )
+        n_blocks, block_size = pools[0][0].shape[1], pools[0][0].shape[2]
+        super().__init__(model, native, kv, block_size, k)
+        self.draft = draft.eval()
+        self.draft_native = NativeDecoder.of(draft)
+        self.cache = PagedCache(draft, n_blocks, block_size, draft.device, draft.dtype)
+        pooled = self.cache.grouped_query()
+        if self.draft_native is None or pooled is None or not self.draft_native.applies_paged(1, pooled[0]):
+            raise InputError(
+                "the draft model does not run in llmkit's C++ step, which speculative serving needs (a grouped-query "
+                "decoder in fp32 or int4/int8 on an x86 CPU)"
+            )
+        self.keys, self.values = pooled
+        with torch.no_grad():
+            self.costs = Costs.measure(self, *pools)
+
+    @property
+    def nbytes(self) -> int:
+        return self.cache.nbytes
+
+    def head(self, out: Tensor) -> Tensor:
+        assert self.draft_native is not None
+        return self.draft_native.logits(out)
+
+    def _catch_up(self, rows: list[Work]) -> Tensor:
+        works: list[Work] = []
+        slots: list[int] = []
+        last: list[int] = []
+        for w in rows:
+            state = self.states[w.seq.key]
+            span = range(state.next, w.start + 1)
+            works += [w] * len(span)
+            slots += span
+            last.append(len(slots) - 1)
+            state.next = w.start + 1
+        ids = [w.seq.tokens[s] for w, s in zip(works, slots, strict=True)]
+        out = self._run(works, torch.tensor(slots), torch.tensor(ids))
+        return out[torch.tensor(last)]
+
+    def _step(self, works: list[Work], slots: Tensor, ids: Tensor, out: Tensor) -> Tensor:
+        return self._run(works, slots, ids)  # (a model drafts from its own keys: the state before is not needed)
+
+    def _run(self, works: list[Work], slots: Tensor, ids: Tensor) -> Tensor:
+        """The draft model over tokens ids (M,) in slots (M,) of the works' sequences, one row each, writing its keys
+        -> its final-normed states (M, C')."""
+        assert self.draft_native is not None
+        dev = self.draft.device
+        tables = [self.kv.table(w.seq) for w in works]
+        nb = max(len(t) for t in tables)
+        table = torch.tensor([t + t[:1] * (nb - len(t)) for t in tables], device=dev)  # (M, nb)
+        slots = slots.to(dev)
+        allowed = torch.arange(nb * self.bs, device=dev)[None] <= slots[:, None]  # (M, S)
+        h = self.draft_native.run_tokens(
+            ids.to(dev), positions=slots, table=table, allowed=allowed, keys=self.keys, values=self.values
+        )
+        return self.draft.norm(h)
+
+    def draft_scratch(self, slots: Tensor, table: Tensor, allowed: Tensor) -> Tensor:
+        assert self.draft_native is not None
+        tokens = torch.zeros_like(slots)
+        h = self.draft_native.run_tokens(
+            tokens, positions=slots, table=table, allowed=allowed, keys=self.keys, values=self.values
+        )
+        return self.head(self.draft.norm(h))
+
+
+def speculator(
+    model: DecoderLM,
+    native: NativeDecoder | None,
+    kv: KVCacheManager,
+    pools: tuple[list[Tensor], list[Tensor]] | None,
+    config: EngineConfig,
+    draft: DecoderLM | None,
+) -> Speculator | None:
+    """The engine's drafter (None without config.draft_tokens): `draft` when given, else the model's MTP module.
+    native and pools: the engine's C++ step and its pools, which it checked apply."""
+    if not config.draft_tokens:
+        return None
+    assert native is not None and pools is not None
+    if draft is not None:
+        return ModelSpeculator(model, native, kv, pools, config.draft_tokens, draft)
+    return MTPSpeculator(model, native, kv, pools, config.draft_tokens, config.draft_head_bits)
