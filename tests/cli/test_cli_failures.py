@@ -132,7 +132,9 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(ck):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--speculate", "2"], "--speculate and --draft-head-bits apply with --mtp"),
+        (["--speculate", "2"], "--speculate applies with --mtp or --draft, --draft-head-bits with --mtp"),
+        (["--draft", "X", "--draft-head-bits", "8"], "--draft-head-bits with --mtp"),
+        (["--mtp", "--draft", "X"], "--mtp and --draft are two drafters: give one"),
         (["--mtp", "--speculate", "40"], "--speculate 40 is out of range: it must be 1 to 16"),
         (["--mtp", "--draft-head-bits", "3"], "--draft-head-bits 3 is out of range"),
         (["--mtp"], "speculative serving drafts with the model's multi-token-prediction module, and this model has"),
@@ -140,7 +142,16 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(ck):
 )
 def test_serve_refuses_speculation_it_cannot_do_in_one_line(ck, capsys, flags, message):
     """Before it listens: no server starts on a port for flags that cannot work (this checkpoint has no MTP module,
-    which is found once it is loaded: the error is the one line after the loading line)."""
+    which is found once it is loaded: the error is the one line after the loading lines)."""
     assert main(["serve", str(ck), "--port", "1", *flags]) == 2
-    err = capsys.readouterr().err
-    assert message in one_line_error(err.split("\n", 1)[1] if err.startswith("loaded ") else err)
+    err = "".join(line for line in capsys.readouterr().err.splitlines(True) if not line.startswith("loaded "))
+    assert message in one_line_error(err)
+
+
+def test_serve_refuses_a_draft_with_another_vocabulary(ck, tmp_path, capsys):
+    torch.manual_seed(1)
+    other = build_model(dataclasses.replace(get_preset("llama2-7b-tiny"), vocab_size=300)).eval()
+    draft = save_llmkit(other, tmp_path / "draft", tokenizer=tiny_tokenizer())
+    assert main(["serve", str(ck), "--port", "1", "--draft", str(draft)]) == 2
+    err = "".join(line for line in capsys.readouterr().err.splitlines(True) if not line.startswith("loaded "))
+    assert "the draft's vocabulary (300) differs from the model's (320)" in one_line_error(err)

@@ -16,7 +16,7 @@ from llmkit.errors import InputError
 from llmkit.layers.attention import AttentionInputs, AttentionMask
 from llmkit.models.cache import whole_sequence
 from llmkit.quant.native_step import NativeDecoder
-from llmkit.serve.drafters import MTPSpeculator
+from llmkit.serve.drafters import ModelSpeculator, MTPSpeculator
 from llmkit.serve.engine import Engine, EngineConfig
 from llmkit.serve.paged import PagedCache
 from llmkit.serve.request import SamplingParams
@@ -27,7 +27,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
 def _model(seed: int = 0, **changes: object) -> llmkit.DecoderLM:
     torch.manual_seed(seed)
-    cfg = dataclasses.replace(llmkit.get_preset("llama2-7b-tiny"), mtp_depth=1, **changes)
+    cfg = dataclasses.replace(llmkit.get_preset("llama2-7b-tiny"), **{"mtp_depth": 1, **changes})
     model = llmkit.build_model(cfg).eval()
     if NativeDecoder.of(model) is None:
         pytest.skip("speculative serving runs in llmkit's C++ step, which this machine does not build")
@@ -114,17 +114,17 @@ def test_drafts_the_model_would_choose_are_kept(monkeypatch, wrong_at, per_round
     assert [o.token_ids for o in again] == got
 
 
-def _spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[int], int, torch.Tensor]]:
-    """Record the module's output at every drafting row's cur: (prompt, slot of cur, output (C,))."""
+def _spy(monkeypatch: pytest.MonkeyPatch, kind: type = MTPSpeculator) -> list[tuple[list[int], int, torch.Tensor]]:
+    """Record the drafter's state at every drafting row's cur: (prompt, slot of cur, state (C,))."""
     seen: list[tuple[list[int], int, torch.Tensor]] = []
-    catch_up = MTPSpeculator._catch_up
+    catch_up = kind._catch_up
 
     def spy(self, rows):
         out = catch_up(self, rows)
         seen.extend((w.seq.request.prompt, w.start, o) for w, o in zip(rows, out, strict=True))
         return out
 
-    monkeypatch.setattr(MTPSpeculator, "_catch_up", spy)
+    monkeypatch.setattr(kind, "_catch_up", spy)
     return seen
 
 
@@ -387,3 +387,59 @@ def test_poisoned_sampling_settings_end_no_speculating_stream(smollm2):
             assert code == 200, (POISON[i], answer)
             assert answer["usage"]["completion_tokens"] == 8
         assert server.engine.stats.failed == 0 and speculator.drafted > 0
+
+
+# ---- a smaller model as the drafter (drafters.ModelSpeculator)
+
+
+def _drafted_engine(model: llmkit.DecoderLM, draft: llmkit.DecoderLM, k: int, blocks: int = 400) -> Engine:
+    per_block = PagedCache.bytes_per_block(model, 4, torch.float32) + PagedCache.bytes_per_block(
+        draft, 4, torch.float32
+    )
+    config = EngineConfig(kv_memory=per_block * blocks, block_size=4, step_tokens=16, draft_tokens=k)
+    engine = Engine(model, None, config, draft=draft)
+    assert isinstance(engine.speculator, ModelSpeculator) and engine.pool.n_blocks == blocks
+    engine.speculator.drafts_for = lambda rows: k  # type: ignore[method-assign]
+    return engine
+
+
+def test_a_draft_model_gives_the_plain_servers_greedy_output():
+    """A weak draft (one layer, other weights) and the model itself as its own draft: the output is the plain
+    engine's; the model drafting for itself is always right, so every step yields k + 1 tokens."""
+    model = _model()
+    prompts = _prompts([1, 3, 9, 17, 30])
+    plain = [o.token_ids for o in _engine(model).generate(prompts, GREEDY)]
+    weak = _model(seed=1, n_layers=1, mtp_depth=0)
+    engine = _drafted_engine(model, weak, 3)
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == plain
+    assert engine.speculator is not None and engine.speculator.drafted > 0
+    itself = _drafted_engine(model, _model(), 3)
+    assert [o.token_ids for o in itself.generate(prompts, GREEDY)] == plain
+    sp = itself.speculator
+    assert sp is not None and sp.drafted > 0 and sp.accepted == sp.drafted
+    assert itself.pool.used == 0 and not sp.states
+
+
+def test_a_draft_models_state_survives_preemption_and_shared_prefixes(monkeypatch):
+    """Preempted and prefix-sharing sequences: the draft's state at each cur equals its own forward over the whole
+    text, and the output is the plain engine's."""
+    model = _model()
+    draft = _model(seed=2, n_layers=2, mtp_depth=0)
+    prompts = _prompts([5, 17, 3, 33, 8, 9, 10, 2], prefix=12)
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    plain = {tuple(p): o.token_ids for p, o in zip(prompts, _engine(model).generate(prompts, params), strict=True)}
+    seen = _spy(monkeypatch, ModelSpeculator)
+    engine = _drafted_engine(model, draft, 3, blocks=30)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == list(plain.values())
+    assert engine.scheduler.preemptions > 0 and engine.scheduler.prefix.hit > 0
+    for prompt, slot, out in seen:
+        tokens = torch.tensor([[*prompt, *plain[tuple(prompt)]]])
+        with torch.no_grad():
+            full = draft.norm(draft.run(tokens, whole_sequence(tokens.shape[1], None, tokens.device)))[0]
+        torch.testing.assert_close(out, full[slot], atol=1e-4, rtol=1e-4)
+
+
+def test_a_draft_model_must_share_the_vocabulary():
+    model = _model()
+    with pytest.raises(InputError, match="vocabulary"):
+        Engine(model, None, EngineConfig(kv_memory=1 << 22, draft_tokens=2), draft=_model(vocab_size=300))

@@ -26,6 +26,7 @@ def serve(
     no_prefix_cache: bool = False,
     batch_invariant: bool = False,
     mtp: bool = False,
+    draft: str | None = None,
     speculate: int = 3,
     draft_head_bits: int = 4,
     request_timeout: float = 600.0,
@@ -61,7 +62,9 @@ def serve(
       graft-mtp`): each decoding sequence drafts up to --speculate tokens a step and the model checks all of them in
       the step's one pass. Greedy output is the same as without; sampled output has the same distribution. Fewer
       drafts as the batch grows (none where a step's rows already cost their arithmetic). Needs the C++ step.
-    speculate: with --mtp, the most tokens a sequence drafts per step.
+    draft: speculative decoding with this smaller model (a checkpoint sharing the model's tokenizer, e.g. one made by
+      `llmkit distill-draft`), loaded like the model; as --mtp otherwise.
+    speculate: with --mtp or --draft, the most tokens a sequence drafts per step.
     draft_head_bits: with --mtp, draft from an int4 (4) or int8 (8) copy of the output head and of the module's
       block (0: their own weights): cheaper drafts, the same output.
     request_timeout: seconds a request may run before it is ended.
@@ -91,8 +94,10 @@ def serve(
         header_timeout=header_timeout,
         shutdown_timeout=shutdown_timeout,
     )
-    if not mtp and (draft_head_bits != 4 or speculate != 3):
-        raise LLMKitError("--speculate and --draft-head-bits apply with --mtp")
+    if mtp and draft is not None:
+        raise LLMKitError("--mtp and --draft are two drafters: give one")
+    if (not mtp and draft is None and speculate != 3) or (not mtp and draft_head_bits != 4):
+        raise LLMKitError("--speculate applies with --mtp or --draft, --draft-head-bits with --mtp")
     if not 1 <= speculate <= 16:
         raise LLMKitError(f"--speculate {speculate} is out of range: it must be 1 to 16")
     if draft_head_bits not in (0, 4, 8):
@@ -105,12 +110,13 @@ def serve(
         max_queue,
         not no_prefix_cache,
         batch_invariant,
-        draft_tokens=speculate if mtp else 0,
+        draft_tokens=speculate if mtp or draft is not None else 0,
         draft_head_bits=draft_head_bits or None,
     )
     model, tok = load_decoder(checkpoint, dtype, device, verify=not no_verify)
+    drafter = load_decoder(draft, dtype, device, verify=not no_verify)[0] if draft is not None else None
     _log_to_stderr()
-    server = Server(model, tok, options, config, host, port)
+    server = Server(model, tok, options, config, host, port, drafter)
     e = server.engine
     from llmkit.quant import describe, parameter_count
 
@@ -120,6 +126,7 @@ def serve(
         f"KV cache {e.pool.n_blocks} blocks x {e.pool.block_size} tokens = {e.cache.nbytes / 2**20:.0f} MiB, "
         f"{e.capacity_sequences:.1f} sequences of the full {e.max_len}-token context; "
         + (f"drafting up to {speculate} tokens a step with its MTP module; " if mtp else "")
+        + (f"drafting up to {speculate} tokens a step with {Path(draft).name}; " if draft is not None else "")
         + f"listening on {server.url}/v1",
         flush=True,
     )

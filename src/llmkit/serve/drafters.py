@@ -175,10 +175,12 @@ class ModelSpeculator(Speculator):
         n_blocks, block_size = pools[0][0].shape[1], pools[0][0].shape[2]
         super().__init__(model, native, kv, block_size, k)
         self.draft = draft.eval()
-        self.draft_native = NativeDecoder.of(draft)
+        self.draft_native = step = NativeDecoder.of(draft)
         self.cache = PagedCache(draft, n_blocks, block_size, draft.device, draft.dtype)
         pooled = self.cache.grouped_query()
-        if self.draft_native is None or pooled is None or not self.draft_native.applies_paged(1, pooled[0]):
+        with torch.no_grad():  # (how the engine's steps run)
+            runs = step is not None and pooled is not None and step.applies_paged(1, pooled[0])
+        if not runs or pooled is None:
             raise InputError(
                 "the draft model does not run in llmkit's C++ step, which speculative serving needs (a grouped-query "
                 "decoder in fp32 or int4/int8 on an x86 CPU)"

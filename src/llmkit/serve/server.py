@@ -80,9 +80,10 @@ class Server:
         config: EngineConfig | None = None,
         host: str = "127.0.0.1",
         port: int | None = None,
+        draft: DecoderLM | None = None,
     ) -> None:
         self.options = options
-        self.engine = Engine(model, tokenizer, config)
+        self.engine = Engine(model, tokenizer, config, draft)
         self.runner = EngineRunner(self.engine)
         self.gate = Gate()
         self.app = build_app(self.runner, tokenizer, options, self.gate)
