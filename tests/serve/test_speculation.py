@@ -259,9 +259,13 @@ def test_drafts_per_step_follow_the_measured_costs():
     assert costs.overhead == 0.0
     sp.timed(0.0)
     sp.propose([], engine.scheduler.kv.allocate, 100)
-    sp._kernels = 1.0  # as propose leaves it for a step of decoding rows that cost 1 s by `costs`
+    # as propose leaves a step whose verifying rows cost 1 s by `costs`, whose drafting took 0.5 s where its
+    # chained drafts' timings say 0.25 s
+    sp._kernels = (1.0, 0.5, 0.25)
     sp.timed(3.0)
-    assert costs.overhead == pytest.approx(0.2)  # 0.9 * 0 + 0.1 * (3 - 1)
+    assert costs.overhead == pytest.approx(0.15)  # 0.9 * 0 + 0.1 * (3 - 1 - 0.5)
+    assert costs.draft_scale == pytest.approx(1.1)  # 0.9 * 1 + 0.1 * (0.5 / 0.25)
+    assert costs.step(4, 2) == pytest.approx(0.15 + 1.0 + 2 * 0.0 * 1.1)
 
 
 def test_speculation_needs_an_mtp_module_and_the_cpp_step():

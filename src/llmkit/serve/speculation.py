@@ -66,17 +66,20 @@ class Drafts:
 @dataclass
 class Costs:
     """Seconds a verifying step and a chained draft take for a number of rows, interpolated (and extrapolated at a
-    row's cost) from timings at ROWS, and what the engine's own work adds to every step (`overhead`: scheduling,
-    sampling, text; learnt from the steps that only decode, see MTPSpeculator.timed)."""
+    row's cost) from timings at ROWS; what the engine's own work adds to every step (`overhead`: scheduling,
+    sampling, text) and how much longer a step's drafting takes than its chained drafts' timings say (`draft_scale`:
+    the catch-up over accepted tokens and new prompts, the loop), both learnt from the steps that only decode
+    (Speculator.timed)."""
 
     ROWS = (1, 2, 4, 8, 16, 32, 64)
     verifying: tuple[float, ...]
     drafting: tuple[float, ...]
     overhead: float = 0.0
+    draft_scale: float = 1.0
 
     def step(self, rows: int, k: int) -> float:
         """Seconds a step of `rows` decoding rows with k drafts each takes."""
-        return self.overhead + self.verify(rows * (k + 1)) + k * self.draft(rows)
+        return self.overhead + self.verify(rows * (k + 1)) + k * self.draft(rows) * self.draft_scale
 
     def verify(self, rows: int) -> float:
         return self._at(self.verifying, rows)
@@ -161,7 +164,9 @@ class Speculator:
         # kept over tried, both decaying, from a prior of 7 in 10. A chained draft is kept less often than the first
         self._kept, self._tried = [7.0] * k, [10.0] * k
         self.pending: dict[int, Drafts] = {}  # the step's drafts, by id of their Work
-        self._kernels: float | None = None  # what this step's kernels cost by `costs`, when it only decodes
+        # when the step only decodes: its verifying kernels' cost by `costs`, its drafting's time, what `costs` says
+        # its drafts cost (Speculator.timed)
+        self._kernels: tuple[float, float, float] | None = None
         self.costs = Costs((0.0,) * len(Costs.ROWS), (0.0,) * len(Costs.ROWS))  # measured by the drafter's __init__
 
     # ---- a drafter's part
@@ -238,10 +243,14 @@ class Speculator:
 
     def timed(self, seconds: float) -> None:
         """The engine's step took `seconds`: where it only decoded (no prompt chunk), what it took beyond its
-        kernels' measured cost updates the overhead the choice of k counts with."""
+        verifying kernels' measured cost and its drafting's measured time updates the overhead, and the drafting's
+        time against its chained drafts' timings the draft scale, which the choice of k counts with."""
         if self._kernels is not None:
-            spare = max(0.0, seconds - self._kernels)
+            verifying, drafting, predicted = self._kernels
+            spare = max(0.0, seconds - verifying - drafting)
             self.costs.overhead = 0.9 * self.costs.overhead + 0.1 * spare
+            if predicted > 0:
+                self.costs.draft_scale = 0.9 * self.costs.draft_scale + 0.1 * max(1.0, drafting / predicted)
         self._kernels = None
 
     def propose(
@@ -255,7 +264,11 @@ class Speculator:
         if not rows:
             return {}
         try:
-            return self._propose(rows, room, max_len, chunks)
+            start = time.perf_counter()
+            pending = self._propose(rows, room, max_len, chunks)
+            if self._kernels is not None:  # (the drafting's own time, for `timed`)
+                self._kernels = (self._kernels[0], time.perf_counter() - start, self._kernels[2])
+            return pending
         except Exception as e:
             log.warning("drafting failed (%s: %s); this step decodes without drafts", type(e).__name__, e)
             for w in rows:  # their MTP keys may be half written: computed again from slot 1 next time
@@ -267,7 +280,7 @@ class Speculator:
         self, rows: list[Work], room: Callable[[Sequence, int], bool], max_len: int, chunks: bool
     ) -> dict[int, Drafts]:
         k = self.drafts_for(len(rows))
-        self._kernels = None if chunks else self.costs.step(len(rows), 0) - self.costs.overhead
+        self._kernels = None if chunks else (self.costs.verify(len(rows)), 0.0, 0.0)
         if k == 0:
             return {}
         chosen: list[tuple[Work, int]] = []
@@ -309,10 +322,10 @@ class Speculator:
         for i, (w, _) in enumerate(chosen):
             q = torch.stack(qs[i]) if qs[i] else None
             self.pending[id(w)] = Drafts(torch.stack(tokens[i]), q)
-        if self._kernels is not None:  # the verifying rows and the chained drafts
+        if self._kernels is not None:  # the verifying rows, and what the chained drafts' timings say
             deepest = max(kw for _, kw in chosen)
             extra = sum(kw for _, kw in chosen)
-            self._kernels = self.costs.verify(len(rows) + extra) + deepest * self.costs.draft(len(chosen))
+            self._kernels = (self.costs.verify(len(rows) + extra), 0.0, deepest * self.costs.draft(len(chosen)))
         return self.pending
 
     def _draw(self, logits: Tensor, seq: Sequence, depth: int) -> tuple[Tensor, Tensor | None]:
