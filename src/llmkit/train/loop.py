@@ -398,12 +398,13 @@ class Trainer:
             postfix["mfu"] = f"{100 * row['mfu']:.1f}%"
         bar.set_postfix(postfix, refresh=False)
 
-    def close(self) -> None:
+    def close(self, finished: bool = False) -> None:
+        """Close the metrics and the process group (`finished`: the run ended on this rank without an error)."""
         try:
             with contextlib.suppress(OSError):  # a full disk: the error that stopped the run is the one to report
                 self.metrics.close()
         finally:
-            teardown(self.rt)
+            teardown(self.rt, finished)
 
 
 def check_run_folder(cfg: TrainConfig) -> None:
@@ -430,7 +431,10 @@ def train(
     fine-tuning strategy and the model's source). Averaging checkpoints and scoring a test split are separate steps
     (see llmkit.recipes)."""
     trainer = Trainer(cfg, resume=resume, fine_tuning=fine_tuning, source=source)
+    finished = False
     try:
-        return trainer.run()
+        result = trainer.run()
+        finished = True
+        return result
     finally:
-        trainer.close()
+        trainer.close(finished)

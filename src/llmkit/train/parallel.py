@@ -72,8 +72,14 @@ def setup(parallel: str, device_spec: str) -> Runtime:
     return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
-def teardown(rt: Runtime) -> None:
+def teardown(rt: Runtime, finished: bool = False) -> None:
+    """End the process group. After a run that `finished` on every rank, first wait for all of them: a rank that
+    destroys its group while another still talks to it can make that one abort (gloo; seen as a rare SIGABRT,
+    "terminate called without an active exception", in the two-process tests). After a failure, no barrier: the
+    others may never come (torchrun ends them)."""
     if rt.distributed and dist.is_initialized():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
 
 
