@@ -100,13 +100,18 @@ def llama_rate(port: int, prompt: list[int], new: int, batch: int) -> tuple[floa
         assert out["tokens_predicted"] == new, out.get("tokens_predicted")
         decode_rates.append(out["timings"]["predicted_per_second"])
 
+    return batch * new / _concurrently(one, batch), sum(decode_rates)
+
+
+def _concurrently(one: Any, batch: int) -> float:
+    """Run one() in `batch` threads at once; the seconds until all have ended."""
     threads = [threading.Thread(target=one) for _ in range(batch)]
     start = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return batch * new / (time.perf_counter() - start), sum(decode_rates)
+    return time.perf_counter() - start
 
 
 def vllm_rate(port: int, prompt: list[int], new: int, batch: int) -> tuple[float, float]:
@@ -120,13 +125,7 @@ def vllm_rate(port: int, prompt: list[int], new: int, batch: int) -> tuple[float
         assert n == new, n
         decode_rates.append((n - 1) / (last - first))
 
-    threads = [threading.Thread(target=one) for _ in range(batch)]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return batch * new / (time.perf_counter() - start), sum(decode_rates)
+    return batch * new / _concurrently(one, batch), sum(decode_rates)
 
 
 def vllm_prefill(port: int, prompt: list[int]) -> float:

@@ -99,18 +99,8 @@ class MTPSpeculator(Speculator):
     def _catch_up(self, rows: list[Work]) -> Tensor:
         """MTP over every row's slots from its mtp_next to its cur (slot w.start), from the target's true states;
         returns the normed output at each row's cur (R, C)."""
-        works: list[Work] = []
-        slots: list[int] = []
-        ids: list[int] = []
-        last: list[int] = []
-        for w in rows:
-            state = self.states[w.seq.key]
-            span = range(state.next, w.start + 1)
-            works += [w] * len(span)
-            slots += span
-            ids += w.seq.tokens[state.next : w.start + 1]
-            last.append(len(slots) - 1)
-            state.next = w.start + 1
+        works, slots, last = self._spans(rows)
+        ids = [w.seq.tokens[s] for w, s in zip(works, slots, strict=True)]
         slot = torch.tensor(slots)
         hidden = self._hidden(works, slot - 1)  # h_(i-1): the target's state one slot before
         out = self._mtp(works, slot, torch.tensor(ids), self.model.norm(hidden))
@@ -132,10 +122,8 @@ class MTPSpeculator(Speculator):
         positions = slots - 1  # MTP position j lives in slot j + 1 (and attends at j, as in training)
         emb = model.inputs(model.embed, ids[:, None], slots[:, None])[:, 0]  # (M, C): token j + 1 at its own position
         x = module.combine(h.to(emb.dtype), emb).contiguous()
-        tables = [self.kv.table(w.seq) for w in works]
-        nb = max(len(t) for t in tables)
-        table = torch.tensor([t + t[:1] * (nb - len(t)) for t in tables], device=dev)  # (M, nb)
-        s = torch.arange(nb * self.bs, device=dev)
+        table = self._tables(works, dev)  # (M, nb)
+        s = torch.arange(table.shape[1] * self.bs, device=dev)
         allowed = (s[None] <= slots[:, None]) & (s[None] >= 1)  # (M, S)
         rope = self.native._rope(positions[:, None])
         return module.norm(self.draft_rows(x, slots.contiguous(), table, allowed, rope))
@@ -198,19 +186,13 @@ class ModelSpeculator(Speculator):
         return self.draft_native.logits(out)
 
     def _catch_up(self, rows: list[Work]) -> Tensor:
-        works: list[Work] = []
-        slots: list[int] = []
-        last: list[int] = []
-        for w in rows:
-            state = self.states[w.seq.key]
-            span = range(state.next, w.start + 1)
-            works += [w] * len(span)
-            slots += span
-            last.append(len(slots) - 1)
-            state.next = w.start + 1
+        works, slots, last = self._spans(rows)
         ids = [w.seq.tokens[s] for w, s in zip(works, slots, strict=True)]
         out = self._run(works, torch.tensor(slots), torch.tensor(ids))
         return out[torch.tensor(last)]
+
+    def _record(self, rows: list[Work], hidden: list[Tensor], counts: list[int]) -> None:
+        return  # a draft model reads tokens only, never the target's states
 
     def _step(self, works: list[Work], slots: Tensor, ids: Tensor, out: Tensor) -> Tensor:
         return self._run(works, slots, ids)  # (a model drafts from its own keys: the state before is not needed)
@@ -220,11 +202,9 @@ class ModelSpeculator(Speculator):
         -> its final-normed states (M, C')."""
         assert self.draft_native is not None
         dev = self.draft.device
-        tables = [self.kv.table(w.seq) for w in works]
-        nb = max(len(t) for t in tables)
-        table = torch.tensor([t + t[:1] * (nb - len(t)) for t in tables], device=dev)  # (M, nb)
+        table = self._tables(works, dev)  # (M, nb)
         slots = slots.to(dev)
-        allowed = torch.arange(nb * self.bs, device=dev)[None] <= slots[:, None]  # (M, S)
+        allowed = torch.arange(table.shape[1] * self.bs, device=dev)[None] <= slots[:, None]  # (M, S)
         h = self.draft_native.run_tokens(
             ids.to(dev), positions=slots, table=table, allowed=allowed, keys=self.keys, values=self.values
         )

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -145,7 +146,7 @@ def _bias(logits: Tensor, seq: Sequence) -> Tensor:
     return logits + logits.new_zeros(logits.shape[-1]).index_add(0, index, values)  # (the sampler's sum, per row)
 
 
-class Speculator:
+class Speculator(ABC):
     """What every drafter shares: which rows draft and how many tokens (drafts_for, from Costs and the acceptance
     per depth), the drafting loop (propose), the verdicts (judge). A drafter says where its drafting starts
     (first_slot), and gives _catch_up (its state at each row's cur, from its true inputs), _step (one chained draft),
@@ -171,24 +172,47 @@ class Speculator:
 
     # ---- a drafter's part
 
+    @abstractmethod
     def _catch_up(self, rows: list[Work]) -> Tensor:
         """The drafter over every row's slots from its state's `next` to its cur (slot w.start), from true inputs;
         returns its state at each row's cur (R, C'), which `head` turns into logits."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _step(self, works: list[Work], slots: Tensor, ids: Tensor, out: Tensor) -> Tensor:
         """One chained draft: each work's token ids (M,) in slots (M,), after states out (M, C') -> states (M, C')."""
-        raise NotImplementedError
 
+    @abstractmethod
     def head(self, out: Tensor) -> Tensor:
-        raise NotImplementedError
+        """The drafter's states (M, C') -> logits (M, V)."""
 
+    @abstractmethod
     def draft_scratch(self, slots: Tensor, table: Tensor, allowed: Tensor) -> Tensor:
         """A chained draft of dummy rows in slots (M,) through table (M, nb), seeing allowed (M, S) (Costs)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _record(self, rows: list[Work], hidden: list[Tensor], counts: list[int]) -> None:
-        """Keep what the drafter reads of the target's last-block states (n_i, C) of a forward (default nothing)."""
+        """Keep what the drafter reads of the target's last-block states (n_i, C) of a forward."""
+
+    def _spans(self, rows: list[Work]) -> tuple[list[Work], list[int], list[int]]:
+        """What _catch_up computes: every row's slots from its state's `next` to its cur, one entry per slot (the
+        slot's Work, the slot), and where each row's cur is among them; the states move on past cur."""
+        works: list[Work] = []
+        slots: list[int] = []
+        last: list[int] = []
+        for w in rows:
+            state = self.states[w.seq.key]
+            span = range(state.next, w.start + 1)
+            works += [w] * len(span)
+            slots += span
+            last.append(len(slots) - 1)
+            state.next = w.start + 1
+        return works, slots, last
+
+    def _tables(self, works: list[Work], device: torch.device) -> Tensor:
+        """The works' block tables, one row each, padded with a valid block (M, nb)."""
+        tables = [self.kv.table(w.seq) for w in works]
+        nb = max(len(t) for t in tables)
+        return torch.tensor([t + t[:1] * (nb - len(t)) for t in tables], device=device)
 
     @property
     def acceptance(self) -> list[float]:
