@@ -18,7 +18,9 @@ import torch
 from torch import nn
 
 from llmkit.errors import InputError
+from llmkit.layers.attention.gqa import GroupedQueryAttention
 from llmkit.layers.moe import GroupedExperts
+from llmkit.quant import native
 from llmkit.quant.embedding import QuantizedEmbedding
 from llmkit.quant.experts import QuantizedExperts
 from llmkit.quant.kernels import Kernel
@@ -119,8 +121,18 @@ def quantize(
         head = nn.Linear(table.shape[1], table.shape[0], bias=False, device=table.device)
         head.weight.data = table.detach()
         _set(model, "head", _quantized(head, spec, "head", kernel))
+    _give_prefill_kernel(model)
     model.quantization = spec  # type: ignore[assignment]  # a plain attribute: the record of what was done
     return model
+
+
+def _give_prefill_kernel(model: nn.Module) -> None:
+    """Attention layers with quantized projections attend to a prompt on the CPU's bf16 units where their many-row
+    products multiply in bf16 (GroupedQueryAttention.prefill_kernel; native.prefill_attention), whose precision
+    the attention then shares."""
+    for module in model.modules():
+        if isinstance(module, GroupedQueryAttention) and isinstance(module.wq, QuantizedLinear):
+            module.prefill_kernel = native.prefill_attention
 
 
 def _embedding(model: nn.Module) -> torch.Tensor:
@@ -162,6 +174,7 @@ def apply_spec(model: nn.Module, spec: QuantSpec, device: torch.device | str | N
             _set(model, "embed", QuantizedEmbedding(model.head))
     elif spec.embedding_from_head:
         raise InputError("embedding_from_head needs a tied model (one without a head of its own)")
+    _give_prefill_kernel(model)
     model.quantization = spec  # type: ignore[assignment]  # a plain attribute: the record of what was done
     return model
 

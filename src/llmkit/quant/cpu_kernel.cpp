@@ -585,6 +585,9 @@ torch::Tensor float_linear(torch::Tensor x, torch::Tensor w, std::optional<torch
 }  // namespace
 
 void bind_decode(pybind11::module& m);  // cpu_decode.cpp
+namespace llmkit {
+void bind_attention(pybind11::module& m);  // cpu_attention.cpp
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, pybind11::arg("x"), pybind11::arg("qweight"), pybind11::arg("scales"),
@@ -595,4 +598,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("float_linear", &float_linear, pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias") = pybind11::none(),
         "x (M, K) fp32 @ fp32 W^T (+ bias) -> (M, N), for a few rows");
   bind_decode(m);
+  llmkit::bind_attention(m);
 }

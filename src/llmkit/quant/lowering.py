@@ -192,6 +192,7 @@ LOWERED: dict[type[nn.Module], Lowering] = {
             "dropout": anything,
             "scale": anything,  # D^-0.5 only: _plain_attention
             "softcap": absent,  # soft-capped scores (Gemma 2)
+            "prefill_kernel": anything,  # how a prompt attends in PyTorch
             "q_norm": lowered(RMSNorm, None),  # Gemma 3's offset gains are another type
             "k_norm": lowered(RMSNorm, None),
             "wq": _LINEAR,

@@ -1,6 +1,7 @@
 """llmkit's own CPU kernels (cpu_kernel.cpp: int4 and int8 products for AVX2 CPUs, the method of llama.cpp;
 cpu_decode.cpp and cpu_moe.cpp: decoder blocks' decode step in one call, dense or mixture-of-experts, which
-llmkit.quant.native_step drives), compiled with
+llmkit.quant.native_step drives; cpu_attention.cpp: a prompt's causal attention on AVX512-BF16 units, which
+the layers llmkit.quant quantizes attend with in a prefill), compiled with
 torch.utils.cpp_extension on first use and cached by torch (under ~/.cache/torch_extensions, or
 $TORCH_EXTENSIONS_DIR).
 
@@ -29,7 +30,7 @@ import torch
 from llmkit.errors import InputError
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "cpu_kernel.cpp", HERE / "cpu_decode.cpp", HERE / "cpu_moe.cpp"]
+SOURCES = [HERE / "cpu_kernel.cpp", HERE / "cpu_decode.cpp", HERE / "cpu_moe.cpp", HERE / "cpu_attention.cpp"]
 HEADERS = [HERE / "cpu_kernel.h", HERE / "cpu_step.h"]
 
 
@@ -170,6 +171,46 @@ def prefill_bf16() -> bool:
 def integer_rows() -> int:
     """The most rows a product computes in integers, with the current prefill dtype."""
     return BF16_ROWS - 1 if prefill_bf16() else INTEGER_ROWS
+
+
+@functools.cache
+def cpu_has_avx512_bf16() -> bool:
+    """AVX-512 (F, BW, VL, DQ) with the BF16 dot products (vdpbf16ps), read from /proc/cpuinfo; False elsewhere."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    return {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= set(flags.split())
+
+
+def attention_applies(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether causal_attention takes these queries and values: a CPU with AVX512-BF16 and the extension built,
+    fp32 or bf16, one head dim (a multiple of 16 up to 256) for q, k and v; fp32 ones only while many-row products
+    multiply in bf16 (set_prefill_dtype), whose precision they share."""
+    if q.dtype not in (torch.float32, torch.bfloat16) or v.dtype != q.dtype or not cpu_has_avx512_bf16():
+        return False
+    D = q.shape[-1]
+    if v.shape[-1] != D or D % 16 or D > 256 or (q.dtype == torch.float32 and not prefill_bf16()):
+        return False
+    return module() is not None
+
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, scale: float
+) -> torch.Tensor | None:
+    """causal_attention where attention_applies, else None (llmkit.layers.attention.core.PrefillKernel)."""
+    return causal_attention(q, k, v, offset, scale) if attention_applies(q, v) else None
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, scale: float) -> torch.Tensor:
+    """Causal attention of T queries at positions offset .. offset + T - 1 over the keys up to each one's position,
+    on the CPU's bf16 dot-product units (cpu_attention.cpp: flash attention's blocked online softmax; q, k, v and the
+    softmax weights rounded to bf16, sums and softmax in fp32; a query's result is the same whichever chunk of the
+    prompt it comes in). q (H, T, D), k and v (K, S >= offset + T, D), H a multiple of K -> (H, T, D) of q's
+    dtype. Only where attention_applies."""
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    return module().causal_attention(q, k, v, offset, scale)  # type: ignore[union-attr]
 
 
 def cpu_bf16_native() -> bool:

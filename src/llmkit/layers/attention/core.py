@@ -13,6 +13,8 @@ per query, D query/key dim, Dv value dim.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -42,13 +44,19 @@ def attend(
     dropout_p: float = 0.0,
     need_weights: bool = False,
     softcap: float | None = None,
+    prefill_kernel: PrefillKernel | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """q (B, H, T, D), k (B, K, S, D), v (B, K, S, Dv) -> out (B, H, T, Dv), weights (B, H, T, S) or None.
-    softcap: scores soft-capped before the softmax (Gemma 2), which SDPA cannot do: the explicit paths compute it."""
+    softcap: scores soft-capped before the softmax (Gemma 2), which SDPA cannot do: the explicit paths compute it.
+    prefill_kernel: a faster kernel for a prompt's plain causal attention, which a layer may have been given
+    (llmkit.quant gives the layers it quantizes its CPU one); it returns None where it does not apply."""
     mask = mask or AttentionMask()
+    fusable = not need_weights and dropout_p == 0.0 and softcap is None
+    if prefill_kernel is not None and fusable and (out := _prefill(prefill_kernel, q, k, v, mask, scale)) is not None:
+        return out, None
     if mask.ragged is not None:
         assert not need_weights and dropout_p == 0.0, "packed rows of different lengths are an inference path"
-        return _attend_ragged(q, k, v, mask, scale, softcap), None
+        return _attend_ragged(q, k, v, mask, scale, softcap, prefill_kernel), None
     B, H, T, _ = q.shape
     K, S = k.shape[1], k.shape[2]
     one_query_path = torch.compiler.is_compiling() or _heads_first(k) or softcap is not None
@@ -75,7 +83,39 @@ def attend(
     return out.reshape(B, H, T, -1), weights.reshape(B, H, T, S)
 
 
-def _attend_ragged(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, softcap: float | None) -> Tensor:
+# A kernel for a prompt's causal attention: (q (H, T, D), k (K, S, D), v (K, S, Dv), offset, scale) -> (H, T, Dv), for
+# queries at positions offset .. offset + T - 1 that see the keys up to their own; None where it declines the call.
+PrefillKernel = Callable[[Tensor, Tensor, Tensor, int, float], "Tensor | None"]
+
+# from this many queries on, a prompt's chunk goes to a layer's prefill kernel (which may read every key once a call)
+PREFILL_QUERIES = 16
+
+
+def _prefill(
+    kernel: PrefillKernel, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float
+) -> Tensor | None:
+    """One row's prompt chunk through `kernel`, or None: fewer than PREFILL_QUERIES queries, several rows, training
+    (autograd needs torch's kernels), tracing, or a mask other than a chunk's plain causal one."""
+    if q.shape[0] != 1 or q.shape[2] < PREFILL_QUERIES or torch.compiler.is_compiling():
+        return None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return None
+    offset = mask.causal_offset(q.shape[2], k.shape[2])
+    if offset is None:
+        return None
+    out = kernel(q[0], k[0], v[0], offset, scale)
+    return None if out is None else out[None]
+
+
+def _attend_ragged(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: AttentionMask,
+    scale: float,
+    softcap: float | None,
+    prefill_kernel: PrefillKernel | None,
+) -> Tensor:
     """Packed rows of different lengths (mask.ragged): q (1, H, N, D), k (R, K, S, D), v (R, K, S, Dv) ->
     (1, H, N, Dv). A run of one-query rows attends as a batch (G, H, 1, D); a longer row alone (1, H, T, D)."""
     outs = []
@@ -84,7 +124,9 @@ def _attend_ragged(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: 
         qg = q[:, :, queries]  # (1, H, G T, D)
         if G > 1:
             qg = qg.transpose(0, 2)  # (G, H, 1, D)
-        out, _ = attend(qg, k[rows], v[rows], sub, scale, softcap=softcap)  # (G, H, T, Dv)
+        out, _ = attend(
+            qg, k[rows], v[rows], sub, scale, softcap=softcap, prefill_kernel=prefill_kernel
+        )  # (G, H, T, Dv)
         outs.append(out.transpose(0, 2) if G > 1 else out)  # (1, H, G T, Dv)
     return torch.cat(outs, dim=2)
 

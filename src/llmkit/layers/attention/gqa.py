@@ -20,7 +20,7 @@ from llmkit.config import Layout, ModelConfig, NormConfig
 from llmkit.errors import check_features
 from llmkit.layers.attention.base import AttentionInputs, SelfAttention, record_weights, wants_weights
 from llmkit.layers.attention.cache import KVCache
-from llmkit.layers.attention.core import attend
+from llmkit.layers.attention.core import PrefillKernel, attend
 from llmkit.layers.extras import Extras
 from llmkit.layers.norm import build_norm
 from llmkit.layers.rope import RopeTables, apply_rope
@@ -38,7 +38,10 @@ class GroupedQueryAttention(SelfAttention):
 
     qk_norm: a norm (one gain of D per projection, shared by the heads) applied to every query and key head before
     RoPE (Qwen3, Gemma 3); None for none. scale: the factor on q.k (D^-0.5 when None); softcap: scores soft-capped
-    before the softmax (Gemma 2)."""
+    before the softmax (Gemma 2). prefill_kernel: a faster kernel for a prompt's causal attention (see attend), given
+    by llmkit.quant to the layers whose projections it quantizes: its CPU kernel on bf16 units."""
+
+    prefill_kernel: PrefillKernel | None = None
 
     def __init__(
         self,
@@ -115,6 +118,7 @@ class GroupedQueryAttention(SelfAttention):
             dropout_p=self.dropout if self.training else 0.0,
             need_weights=wants_weights(extras),
             softcap=self.softcap,
+            prefill_kernel=self.prefill_kernel,
         )
         record_weights(extras, weights)
         return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))  # (B, T, C)

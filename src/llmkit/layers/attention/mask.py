@@ -94,6 +94,25 @@ class AttentionMask:
             return None
         return AttentionMask(causal=True)
 
+    def causal_offset(self, T: int, S: int) -> int | None:
+        """When T queries sit in consecutive slots o .. o + T - 1 and each sees every key up to its own slot and no
+        other (a prompt's chunk over a cache filled up to it; o = 0 for `first` queries): o. Else None."""
+        if not self.causal or self.ragged is not None or (self.window is not None and self.window < S):
+            return None
+        if self.first:
+            return 0
+        slots = torch.arange(S - T, S) if self.query_slots is None else self.query_slots.reshape(-1)
+        if slots.numel() != T:
+            return None  # several rows' slots
+        offset = int(slots[0])
+        if offset < 0 or offset + T > S or not torch.equal(slots.cpu(), torch.arange(offset, offset + T)):
+            return None
+        if self.allowed is not None:
+            allowed = self.allowed.reshape(-1, self.allowed.shape[-1])
+            if allowed.shape[0] != 1 or allowed.shape[1] != S or not bool(allowed[0, : offset + T].all()):
+                return None
+        return offset
+
     def with_window(self, window: int | None) -> AttentionMask:
         return self if window is None else replace(self, window=window)
 
