@@ -121,7 +121,10 @@ def test_the_causal_offset_of_masks():
     assert AttentionMask(filled[None, None, None], causal=False, query_slots=slots).causal_offset(T, S) is None
     assert AttentionMask(causal=True, first=True, window=3).causal_offset(T, S) is None
     two_rows = torch.stack([filled, filled])[:, None, None]
-    assert AttentionMask(two_rows, causal=True, query_slots=torch.stack([slots, slots])).causal_offset(T, S) is None
+    assert AttentionMask(two_rows, causal=True, query_slots=slots).causal_offset(T, S) == 4  # rows alike
+    assert AttentionMask(two_rows, causal=True, query_slots=torch.stack([slots, slots + 1])).causal_offset(T, S) is None
+    per_query = filled.expand(T, S)[None, None]  # (1, 1, T, S): a mask of its own for each query
+    assert AttentionMask(per_query, causal=True, query_slots=slots).causal_offset(T, S) is None
 
 
 def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -159,6 +162,12 @@ def test_attend_gives_a_layers_kernel_the_prompts_it_takes(monkeypatch):
         attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, 0.125, prefill_kernel=kernel)  # bf16 already
     assert calls == [32, 32]
     assert ((fast - plain).norm() / plain.norm()) < 1e-2
+    calls.clear()
+    rows = [torch.randn(3, t.shape[1], 32, 64) for t in (q, k, v)]  # evaluation windows: rows of one length
+    with native.prefill_dtype("bf16"):
+        batch, _ = attend(*rows, mask, 0.125, prefill_kernel=kernel)
+    assert calls == [32, 32, 32]
+    assert torch.equal(batch[1], native.causal_attention(*(t[1] for t in rows), 0, 0.125))
 
 
 def _quantized_model() -> llmkit.DecoderLM:

@@ -94,17 +94,20 @@ PREFILL_QUERIES = 16
 def _prefill(
     kernel: PrefillKernel, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float
 ) -> Tensor | None:
-    """One row's prompt chunk through `kernel`, or None: fewer than PREFILL_QUERIES queries, several rows, training
-    (autograd needs torch's kernels), tracing, or a mask other than a chunk's plain causal one."""
-    if q.shape[0] != 1 or q.shape[2] < PREFILL_QUERIES or torch.compiler.is_compiling():
+    """The rows' prompt chunks through `kernel`, one row at a time, or None: fewer than PREFILL_QUERIES queries,
+    training (autograd needs torch's kernels), tracing, or a mask other than the plain causal one of chunks that sit
+    in the same slots in every row (a batch of unpadded prompts of one length, evaluation windows)."""
+    if q.shape[2] < PREFILL_QUERIES or torch.compiler.is_compiling():
         return None
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return None
     offset = mask.causal_offset(q.shape[2], k.shape[2])
-    if offset is None:
+    if offset is None or (first := kernel(q[0], k[0], v[0], offset, scale)) is None:
         return None
-    out = kernel(q[0], k[0], v[0], offset, scale)
-    return None if out is None else out[None]
+    if q.shape[0] == 1:
+        return first[None]
+    rest = [kernel(q[b], k[b], v[b], offset, scale) for b in range(1, q.shape[0])]
+    return torch.stack([first, *rest])  # type: ignore[list-item]  # it took row 0: it takes the same shapes
 
 
 def _attend_ragged(

@@ -95,8 +95,9 @@ class AttentionMask:
         return AttentionMask(causal=True)
 
     def causal_offset(self, T: int, S: int) -> int | None:
-        """When T queries sit in consecutive slots o .. o + T - 1 and each sees every key up to its own slot and no
-        other (a prompt's chunk over a cache filled up to it; o = 0 for `first` queries): o. Else None."""
+        """When T queries sit in consecutive slots o .. o + T - 1, the same in every row, and each sees every key up
+        to its own slot and no other (a prompt's chunk over a cache filled up to it; o = 0 for `first` queries): o.
+        Else None."""
         if not self.causal or self.ragged is not None or (self.window is not None and self.window < S):
             return None
         if self.first:
@@ -107,10 +108,9 @@ class AttentionMask:
         offset = int(slots[0])
         if offset < 0 or offset + T > S or not torch.equal(slots.cpu(), torch.arange(offset, offset + T)):
             return None
-        if self.allowed is not None:
-            allowed = self.allowed.reshape(-1, self.allowed.shape[-1])
-            if allowed.shape[0] != 1 or allowed.shape[1] != S or not bool(allowed[0, : offset + T].all()):
-                return None
+        allowed = self.allowed  # (B | 1, 1, 1, S): every key up to the last query's slot
+        if allowed is not None and (allowed.shape[1:] != (1, 1, S) or not bool(allowed[..., : offset + T].all())):
+            return None
         return offset
 
     def with_window(self, window: int | None) -> AttentionMask:
