@@ -68,8 +68,10 @@ def tune_allocator() -> bool:
     """Keep freed memory in the process heap instead of returning it to the operating system (glibc only).
 
     A training step allocates and frees the same large buffers every time (logits, gradients, weight casts under
-    autocast). By default glibc serves allocations over 32 MiB with fresh mmap'd pages and unmaps them when freed, so
-    every step pays page faults on hundreds of MB (BENCHMARKS.md shows what that costs a bf16 training step).
+    autocast), and so does a serving step (activations, gathered keys). By default glibc serves large allocations
+    (from 128 KiB, a threshold it raises up to 32 MiB as it sees them freed) with fresh mmap'd pages and unmaps them
+    when freed, so every step pays page faults on all of them (BENCHMARKS.md shows what that costs a bf16 training
+    step; llmkit.serve.server what it cost the server).
     Disabling mmap'd chunks and heap trimming lets the buffers be reused. The cost: the process does not give memory
     back before it exits. Returns whether the setting was applied."""
     global _TUNED
@@ -86,5 +88,7 @@ def tune_allocator() -> bool:
     except OSError:
         return False
     m_trim_threshold, m_mmap_max = -1, -4  # from glibc's malloc.h
-    _TUNED = bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 1 << 40))
+    # mallopt takes a C int: the largest trim threshold is 2**31 - 1 (1 << 40 once passed here became 0, which trimmed
+    # the heap's top at every free and faulted it back in at the next allocation)
+    _TUNED = bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, ctypes.c_int(2**31 - 1)))
     return _TUNED

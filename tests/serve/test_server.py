@@ -249,3 +249,12 @@ def test_counters_histograms_and_one_log_line_per_request(tiny, caplog):
     lines = [r.getMessage() for r in caplog.records if "generated" in r.getMessage()]
     assert len(lines) == 2 and "3 generated" in lines[0] and "4 generated" in lines[1]
     assert all("finish length" in line and "in queue" in line for line in lines)
+
+
+def test_the_server_keeps_freed_buffers_in_the_heap(tiny, monkeypatch):
+    """A server's process reuses its freed step buffers (perf.tune_allocator): with glibc's defaults its steps
+    faulted fresh pages in for their activations all the time."""
+    calls = []
+    monkeypatch.setattr("llmkit.serve.server.tune_allocator", lambda: calls.append(1) or True)
+    _server(tiny)
+    assert calls == [1]

@@ -26,6 +26,7 @@ import uvicorn
 
 from llmkit.errors import InputError
 from llmkit.models.decoder import DecoderLM
+from llmkit.perf import tune_allocator
 from llmkit.serve.api import Gate, ServeOptions, build_app
 from llmkit.serve.engine import Engine, EngineConfig
 from llmkit.serve.limits import with_header_timeout
@@ -83,6 +84,10 @@ class Server:
         draft: DecoderLM | None = None,
     ) -> None:
         self.options = options
+        # freed step buffers stay in the heap: with glibc's default, the server's steps faulted fresh pages in for
+        # their activations all the time (770,000 minor faults in a 7 s load, a quarter of its CPU time) where a
+        # plain loop of Engine.step did not; tuned, concurrency 16 served 1.2-1.3x the output tokens/s
+        tune_allocator()
         self.engine = Engine(model, tokenizer, config, draft)
         self.runner = EngineRunner(self.engine)
         self.gate = Gate()
