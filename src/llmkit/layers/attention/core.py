@@ -6,6 +6,8 @@ The 1/sqrt(d_k) keeps the logits' variance near 1 when q and k have unit-varianc
 saturate. Two dense paths compute the same thing:
 - PyTorch's fused SDPA (flash / memory-efficient kernels), used by default;
 - an explicit path that also returns the attention weights, for inspection and plots.
+A layer may also hold a faster kernel for a prompt's plain causal attention (PrefillKernel: llmkit.quant gives the
+layers it quantizes its CPU one, on bf16 dot-product units), which `attend` hands the chunks it takes.
 
 Shapes: B batch, H query heads, K key/value heads (H % K == 0; group G = H / K), T queries, S keys, n selected keys
 per query, D query/key dim, Dv value dim.
@@ -23,6 +25,14 @@ from llmkit.layers.attention.mask import AttentionMask
 from llmkit.layers.softcap import soft_cap
 
 _SDPA_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
+# A kernel for a prompt's causal attention: (q (H, T, D), k (K, S, D), v (K, S, Dv), offset, scale) -> (H, T, Dv), for
+# queries at positions offset .. offset + T - 1 that see the keys up to their own; None where it declines the call.
+PrefillKernel = Callable[[Tensor, Tensor, Tensor, int, float], "Tensor | None"]
+
+# from this many queries on, a prompt's chunk goes to a layer's prefill kernel (which may read every key once a call)
+PREFILL_QUERIES = 16
 
 
 def _softmax_rows(scores: Tensor, allowed: Tensor | None) -> Tensor:
@@ -81,14 +91,6 @@ def attend(
     dropped = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
     out = dropped.to(v.dtype) @ v.unsqueeze(2)  # (B, K, G, T, Dv)
     return out.reshape(B, H, T, -1), weights.reshape(B, H, T, S)
-
-
-# A kernel for a prompt's causal attention: (q (H, T, D), k (K, S, D), v (K, S, Dv), offset, scale) -> (H, T, Dv), for
-# queries at positions offset .. offset + T - 1 that see the keys up to their own; None where it declines the call.
-PrefillKernel = Callable[[Tensor, Tensor, Tensor, int, float], "Tensor | None"]
-
-# from this many queries on, a prompt's chunk goes to a layer's prefill kernel (which may read every key once a call)
-PREFILL_QUERIES = 16
 
 
 def _prefill(
