@@ -25,9 +25,15 @@ from llmkit.tokenizer import render_chat
 pytestmark = pytest.mark.skipif(not native.available(), reason="needs llmkit's AVX2 kernels")
 
 
+@pytest.mark.parametrize("kernel", ["auto", "avx2"])  # AVX512-VNNI where the CPU has it, and AVX2
 @pytest.mark.parametrize("cls", [Int4Linear, Int8Linear])
-@pytest.mark.parametrize("width", [64, 96, 256])  # an even and an odd number of 32-blocks per row
-def test_quantized_products_give_every_row_the_same_bits_whatever_the_rows_beside_it(cls, width):
+@pytest.mark.parametrize("width", [64, 96, 160, 256])  # even and odd numbers of 32-blocks per row
+def test_quantized_products_give_every_row_the_same_bits_whatever_the_rows_beside_it(cls, width, kernel):
+    with native.integer_kernel_set(kernel):
+        rows_invariant(cls, width)
+
+
+def rows_invariant(cls, width):
     torch.manual_seed(0)
     layer = cls.from_linear(torch.nn.Linear(width, 37, bias=False), kernel="avx2")
     ext = native.module()
@@ -38,8 +44,17 @@ def test_quantized_products_give_every_row_the_same_bits_whatever_the_rows_besid
     else:
         product = lambda rows: ext.int8_linear(rows, layer.qweight, layer.scales)  # noqa: E731
     alone = torch.cat([product(x[i : i + 1].contiguous()) for i in range(len(x))])
-    for m in (2, 3, 4, 5, 8, 12):
+    for m in (2, 3, 4, 5, 8, 9, 12):
         assert torch.equal(product(x[:m].contiguous()), alone[:m]), m
+    # the rows in another order, and output columns computed by other threads (tiles split elsewhere)
+    order = torch.randperm(len(x))
+    assert torch.equal(product(x[order].contiguous()), alone[order])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(product(x.contiguous()), alone)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_the_fp32_head_gives_every_row_the_same_bits():

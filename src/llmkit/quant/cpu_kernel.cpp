@@ -338,7 +338,9 @@ QuantizedMatrix int8_matrix(const torch::Tensor& qweight, const torch::Tensor& s
 void Product::prepare(const float* x, int64_t M, int64_t K, const std::vector<QuantizedMatrix>& ws) {
   LLMKIT_CHECK(!ws.empty(), "a product needs a matrix");
   const bool int4 = ws[0].int4;
-  quantize_rows(x, M, K, int4, x_);
+  use_vnni_ = vnni_selected();
+  quantize_rows(x, M, K, int4 && !use_vnni_, x_);
+  if (use_vnni_) vnni_prepare(x_, int4, vnni_);
   const int64_t nb = K / BLOCK;
   ws_ = ws;
   starts_.assign(1, 0);
@@ -346,7 +348,7 @@ void Product::prepare(const float* x, int64_t M, int64_t K, const std::vector<Qu
     LLMKIT_CHECK(w.K == K && w.int4 == int4, "matrices in one product share K and kind");
     starts_.push_back(starts_.back() + w.N);
   }
-  if (int4) {  // Pass::xs
+  if (int4 && !use_vnni_) {  // Pass::xs
     const int64_t pairs = nb / 2;
     spread_.resize(M * pairs * 16);
     for (int64_t m = 0; m < M; ++m)
@@ -365,6 +367,10 @@ void Product::columns(int64_t j0, int64_t j1, float* y, int64_t ldy) const {
   for (size_t i = 0; i < ws_.size(); ++i) {  // the part of [j0, j1) that falls in matrix i
     const int64_t a = std::max(j0, starts_[i]) - starts_[i], e = std::min(j1, starts_[i + 1]) - starts_[i];
     if (a >= e) continue;
+    if (use_vnni_) {
+      vnni_columns(ws_[i], vnni_, a, e, y + starts_[i], ldy);
+      continue;
+    }
     const Pass p{ws_[i], x_.q.data(), x_.d.data(), spread_.data(), x_.sums.data(), nb, __builtin_ctzll(nb / ws_[i].G)};
     if (p.w.int4)
       llmkit::columns<true>(p, x_.M, a, e, y + starts_[i], ldy);
@@ -597,6 +603,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("many_rows") = 96, pybind11::arg("bf16") = false, "x (M, K) fp32 @ int8 W^T -> (M, N)");
   m.def("float_linear", &float_linear, pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias") = pybind11::none(),
         "x (M, K) fp32 @ fp32 W^T (+ bias) -> (M, N), for a few rows");
+  m.def("cpu_has_avx512_vnni", &llmkit::cpu_has_avx512_vnni, "whether the CPU has AVX512-VNNI (and F, BW, VL, DQ)");
+  m.def("vnni_selected", &llmkit::vnni_selected, "whether integer products run on the AVX512-VNNI kernel");
+  m.def("select_vnni", &llmkit::select_vnni, pybind11::arg("on"),
+        "use the AVX512-VNNI kernel for integer products where the CPU has it (default), or the AVX2 one");
   bind_decode(m);
   llmkit::bind_attention(m);
 }

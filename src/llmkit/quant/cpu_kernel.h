@@ -47,6 +47,14 @@ struct QuantizedRows {
 // x (M, K) fp32 -> `out`. even_odd: the int4 order, in which packed nibbles unpack.
 void quantize_rows(const float* x, int64_t M, int64_t K, bool even_odd, QuantizedRows& out);
 
+// The same codes as the AVX512-VNNI kernel (cpu_vnni.cpp) reads them.
+struct VnniRows {
+  int64_t M = 0, K = 0;
+  std::vector<int8_t> q;       // (K / 32, M, 32): by block, then row; int4: each 8 columns' even ones, then odd ones
+  std::vector<float> d, sums;  // (K / 32, M)
+  std::vector<int32_t> flip;   // int8: (K / 32, M), 128 times each block's sum of codes
+};
+
 // A weight matrix in llmkit's formats (formats.py), borrowed from its tensors (which must outlive it).
 struct QuantizedMatrix {
   const uint8_t* codes = nullptr;  // int4: (N, K / 2) packed, low nibble first; int8: (N, K)
@@ -71,10 +79,21 @@ class Product {
 
  private:
   QuantizedRows x_;
+  VnniRows vnni_;  // x in the VNNI kernel's order, where it runs
+  bool use_vnni_ = false;
   std::vector<QuantizedMatrix> ws_;
   std::vector<float> spread_;                   // int4: x's block scales and sums spread for pairs of blocks
   std::vector<int64_t> starts_{0};             // each matrix's first output column
 };
+
+// The AVX512-VNNI kernel (cpu_vnni.cpp): whether the CPU has it, whether products use it (the default where it
+// does; select_vnni(false) keeps the AVX2 kernel), x's codes in its order (from quantize_rows' column order), and
+// output columns [n0, n1) of x @ W^T into y (M, ldy).
+bool cpu_has_avx512_vnni();
+bool vnni_selected();
+void select_vnni(bool on);
+void vnni_prepare(const QuantizedRows& q, bool int4, VnniRows& out);
+void vnni_columns(const QuantizedMatrix& w, const VnniRows& x, int64_t n0, int64_t n1, float* y, int64_t ldy);
 
 // Rows [n0, n1) of W as fp32: out (n1 - n0, K) row-major.
 void dequantize_rows(const QuantizedMatrix& w, int64_t n0, int64_t n1, float* out);
