@@ -9,7 +9,10 @@
 // columns is computed at once, one column per lane: a block's codes for the 16 columns are transposed in registers
 // (4 bytes of each column per 32-bit lane), and each row of x multiplies them by broadcasting 4 of its codes at a
 // time; a lane then holds its column's whole block dot (8 vpdpbusd, 64 products each), scaled once. Per row and
-// block of 16 columns: 8 integer instructions and 3-4 float ones; the transposition is shared by up to 8 rows.
+// block of 16 columns: 8 integer instructions and 3-4 float ones; the transposition is shared by up to 8 rows (a
+// tile of more keeps the transposed codes for its later passes). The tile's scales (and zeros) are transposed once
+// to one vector per group. One row of x alone (decoding one sequence) sums 4 blocks along each column's codes
+// instead and transposes the sums (dots4): the same integers, with fewer shuffles.
 //
 // A column's result is a sequence of operations on its lane alone, in block order, so it has the same bits
 // whichever rows, columns or threads it is computed with (batch invariance, tests/quant/test_batch_invariance.py).
@@ -89,7 +92,8 @@ LLMKIT_VNNI_INLINE void block_codes(const uint8_t* const* col, int64_t b, __m512
 
 // 16 int64 values -> 16 int32 lanes
 LLMKIT_VNNI_INLINE __m512i int32_lanes(const int64_t* v) {
-  const __m256i lo = _mm512_cvtepi64_epi32(_mm512_loadu_si512(v)), hi = _mm512_cvtepi64_epi32(_mm512_loadu_si512(v + 8));
+  const __m256i lo = _mm512_cvtepi64_epi32(_mm512_loadu_si512(v));
+  const __m256i hi = _mm512_cvtepi64_epi32(_mm512_loadu_si512(v + 8));
   return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
 
@@ -101,7 +105,8 @@ LLMKIT_VNNI_TARGET void transpose_groups(const float* base, const int64_t* offse
     const int64_t count = std::min<int64_t>(16, G - g0);
     if (count < 8) {  // a few groups left (18 = 16 + 2 per row of 576 inputs): gathered one by one
       const __m512i index = int32_lanes(offset);
-      for (int64_t e = 0; e < count; ++e) _mm512_storeu_ps(out + (g0 + e) * 16, _mm512_i32gather_ps(index, base + g0 + e, 4));
+      for (int64_t e = 0; e < count; ++e)
+        _mm512_storeu_ps(out + (g0 + e) * 16, _mm512_i32gather_ps(index, base + g0 + e, 4));
       continue;
     }
     const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
@@ -114,7 +119,8 @@ LLMKIT_VNNI_TARGET void transpose_groups(const float* base, const int64_t* offse
     for (int c = 0; c < 16; c += 4)  // then by pairs of elements
       for (int h = 0; h < 2; ++h) {
         r[c + h] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[c + h]), _mm512_castps_pd(t[c + 2 + h])));
-        r[c + 2 + h] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[c + h]), _mm512_castps_pd(t[c + 2 + h])));
+        r[c + 2 + h] =
+            _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[c + h]), _mm512_castps_pd(t[c + 2 + h])));
       }
     // r[4q + j] holds, in 128-bit lane l, element 4l + (0, 2, 1, 3)[j] of rows 4q .. 4q + 3
     __m512 out16[16];
@@ -166,8 +172,9 @@ LLMKIT_VNNI_TARGET void tile(const QuantizedMatrix& w, const VnniRows& x, const 
       sw = _mm512_loadu_ps(scales + g * TILE);
       if constexpr (INT4) zw = _mm512_loadu_ps(zeros + g * TILE);
     }
-    if (ahead != nullptr)
-      for (int l = 0; l < BYTES / 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(ahead[0] + (b * BYTES / 4 + l) * 64), _MM_HINT_T0);
+    if (ahead != nullptr)  // the next tile's 16 * BYTES bytes of this block's share, a line at a time
+      for (int l = 0; l < BYTES / 4; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead[0] + (b * BYTES / 4 + l) * 64), _MM_HINT_T0);
     __m512i codes[8];
     if constexpr (SOURCE == KEPT) {
       for (int i = 0; i < 8; ++i) codes[i] = _mm512_loadu_si512(kept + b * 8 + i);
@@ -246,7 +253,7 @@ LLMKIT_VNNI_TARGET void one_row4(const QuantizedMatrix& w, const VnniRows& x, co
   __m512 acc = _mm512_setzero_ps();
   int64_t b = 0;
   for (; b + 4 <= nb; b += 4) {
-    if (ahead != nullptr)
+    if (ahead != nullptr)  // the next tile's codes of these 4 blocks' share
       for (int l = 0; l < 16; ++l) _mm_prefetch(reinterpret_cast<const char*>(ahead[0] + (b * 4 + l) * 64), _MM_HINT_T0);
     __m512i D[4];
     dots4(col, b, x.q.data(), D);
