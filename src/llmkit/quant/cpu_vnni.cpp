@@ -150,7 +150,7 @@ LLMKIT_VNNI_INLINE __m512i dot4(__m512i acc, __m512i w, const int8_t* p) {
 
 // Rows m0 .. m0 + R - 1 of x times the tile's columns (col: each column's codes; scales and zeros: (G, 16), see
 // transpose_groups), into Y (row stride ldy) where the mask says the tile has a column.
-// `ahead` (or null): the next tile's columns, whose codes (16 rows, one run of memory) are requested a few cache
+// `ahead` (or null): the next tile's first column, whose codes (16 rows, one run of memory) are requested a few cache
 // lines a block, in order: a tile reads 16 rows of codes at once, more streams than the hardware prefetcher follows
 // (without it one row of x ran at half the speed; a line per column every 64 bytes, or two tiles ahead: ~10% slower).
 // The transposed codes come from the columns (col) or, on later passes over a tile of more than PASS rows, from
@@ -160,7 +160,7 @@ enum Codes { TRANSPOSE = 0, TRANSPOSE_AND_KEEP = 1, KEPT = 2 };
 template <int R, bool INT4, int SOURCE>
 LLMKIT_VNNI_TARGET void tile(const QuantizedMatrix& w, const VnniRows& x, const uint8_t* const* col,
                              const float* scales, const float* zeros, int64_t m0, __mmask16 mask, float* Y,
-                             int64_t ldy, const uint8_t* const* ahead, __m512i* kept) {
+                             int64_t ldy, const uint8_t* ahead, __m512i* kept) {
   const int64_t nb = w.K / BLOCK, per_group = nb / w.G;
   constexpr int64_t BYTES = INT4 ? BLOCK / 2 : BLOCK;  // of a column's codes per block
   __m512 acc[R];  // (one per row: a second one for the zero terms spilled GCC's registers to the stack)
@@ -174,7 +174,7 @@ LLMKIT_VNNI_TARGET void tile(const QuantizedMatrix& w, const VnniRows& x, const 
     }
     if (ahead != nullptr)  // the next tile's 16 * BYTES bytes of this block's share, a line at a time
       for (int l = 0; l < BYTES / 4; ++l)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead[0] + (b * BYTES / 4 + l) * 64), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + (b * BYTES / 4 + l) * 64), _MM_HINT_T0);
     __m512i codes[8];
     if constexpr (SOURCE == KEPT) {
       for (int i = 0; i < 8; ++i) codes[i] = _mm512_loadu_si512(kept + b * 8 + i);
@@ -248,13 +248,13 @@ LLMKIT_VNNI_INLINE __m512 add_block(__m512 acc, __m512i dot, int64_t b, int64_t 
 // tile<1, true, TRANSPOSE>'s result by dots4 (the blocks after the last 4 as there).
 LLMKIT_VNNI_TARGET void one_row4(const QuantizedMatrix& w, const VnniRows& x, const uint8_t* const* col,
                                  const float* scales, const float* zeros, __mmask16 mask, float* Y,
-                                 const uint8_t* const* ahead) {
+                                 const uint8_t* ahead) {
   const int64_t nb = w.K / BLOCK, per_group = nb / w.G;
   __m512 acc = _mm512_setzero_ps();
   int64_t b = 0;
   for (; b + 4 <= nb; b += 4) {
     if (ahead != nullptr)  // the next tile's codes of these 4 blocks' share
-      for (int l = 0; l < 16; ++l) _mm_prefetch(reinterpret_cast<const char*>(ahead[0] + (b * 4 + l) * 64), _MM_HINT_T0);
+      for (int l = 0; l < 16; ++l) _mm_prefetch(reinterpret_cast<const char*>(ahead + (b * 4 + l) * 64), _MM_HINT_T0);
     __m512i D[4];
     dots4(col, b, x.q.data(), D);
     for (int j = 0; j < 4; ++j) acc = add_block(acc, D[j], b + j, per_group, x, scales, zeros);
@@ -270,6 +270,7 @@ LLMKIT_VNNI_TARGET void one_row4(const QuantizedMatrix& w, const VnniRows& x, co
   _mm512_mask_storeu_ps(Y, mask, acc);
 }
 
+// tile<rows, INT4, SOURCE>(args...)
 template <bool INT4, int SOURCE, typename... Args>
 LLMKIT_VNNI_TARGET void pass(int rows, const Args&... args) {
   switch (rows) {
@@ -284,23 +285,32 @@ LLMKIT_VNNI_TARGET void pass(int rows, const Args&... args) {
   }
 }
 
+template <bool INT4, typename... Args>
+LLMKIT_VNNI_TARGET void pass(int source, int rows, const Args&... args) {
+  switch (source) {
+    case TRANSPOSE: return pass<INT4, TRANSPOSE>(rows, args...);
+    case TRANSPOSE_AND_KEEP: return pass<INT4, TRANSPOSE_AND_KEEP>(rows, args...);
+    default: return pass<INT4, KEPT>(rows, args...);
+  }
+}
+
 template <bool INT4>
 LLMKIT_VNNI_TARGET void tiles(const QuantizedMatrix& w, const VnniRows& x, int64_t n0, int64_t n1, float* Y,
                               int64_t ldy) {
   const int64_t stride = INT4 ? w.K / 2 : w.K;
   const uint8_t* col[TILE];
-  const uint8_t* ahead[TILE];  // the columns of the tile AHEAD tiles on, whose weights are requested from memory
-  int64_t first[TILE];         // each column's first scale
+  int64_t first[TILE];  // each column's first scale
   thread_local std::vector<float> scales, zeros;  // the tile's, (G, 16)
   thread_local std::vector<int64_t> kept;         // its codes, transposed, for later passes (64 bytes a register)
   scales.resize(w.G * TILE), zeros.resize(INT4 ? w.G * TILE : 0);
   if (x.M > PASS) kept.resize(w.K / BLOCK * 8 * 8);
+  __m512i* keep = reinterpret_cast<__m512i*>(kept.data());
   for (int64_t t0 = n0; t0 < n1; t0 += TILE) {
     const int cols = static_cast<int>(std::min<int64_t>(TILE, n1 - t0));
     const bool fetch = t0 + AHEAD * TILE < n1;
     for (int c = 0; c < TILE; ++c) {  // a partial tile repeats its last column in the missing lanes, never stored
-      const int64_t n = t0 + std::min(c, cols - 1), later = std::min(t0 + AHEAD * TILE + c, n1 - 1);
-      col[c] = w.codes + n * stride, ahead[c] = w.codes + later * stride, first[c] = n * w.G;
+      const int64_t n = t0 + std::min(c, cols - 1), later = std::min(t0 + AHEAD * TILE + c, n1 - 1);  // (scales)
+      col[c] = w.codes + n * stride, first[c] = n * w.G;
       for (int64_t o = 0; fetch && o < w.G; o += 16) {
         _mm_prefetch(reinterpret_cast<const char*>(w.scales + later * w.G + o), _MM_HINT_T0);
         if (INT4) _mm_prefetch(reinterpret_cast<const char*>(w.zeros + later * w.G + o), _MM_HINT_T0);
@@ -312,15 +322,13 @@ LLMKIT_VNNI_TARGET void tiles(const QuantizedMatrix& w, const VnniRows& x, int64
     float* y = Y + t0;
     for (int64_t m0 = 0; m0 < x.M; m0 += PASS) {
       const int rows = static_cast<int>(std::min<int64_t>(PASS, x.M - m0));
-      const uint8_t* const* later = m0 == 0 && fetch ? ahead : nullptr;
-      if (INT4 && x.M == 1)
+      const uint8_t* later = m0 == 0 && fetch ? w.codes + (t0 + AHEAD * TILE) * stride : nullptr;
+      if (INT4 && x.M == 1) {
         one_row4(w, x, col, scales.data(), zeros.data(), mask, y, later);
-      else if (x.M <= PASS)
-        pass<INT4, TRANSPOSE>(rows, w, x, col, scales.data(), zeros.data(), m0, mask, y, ldy, later, reinterpret_cast<__m512i*>(kept.data()));
-      else if (m0 == 0)
-        pass<INT4, TRANSPOSE_AND_KEEP>(rows, w, x, col, scales.data(), zeros.data(), m0, mask, y, ldy, later, reinterpret_cast<__m512i*>(kept.data()));
-      else
-        pass<INT4, KEPT>(rows, w, x, col, scales.data(), zeros.data(), m0, mask, y, ldy, later, reinterpret_cast<__m512i*>(kept.data()));
+      } else {
+        const int source = x.M <= PASS ? TRANSPOSE : m0 == 0 ? TRANSPOSE_AND_KEEP : KEPT;
+        pass<INT4>(source, rows, w, x, col, scales.data(), zeros.data(), m0, mask, y, ldy, later, keep);
+      }
     }
   }
 }
