@@ -218,7 +218,7 @@ def main() -> None:
     from llmkit.data.corpus import shakespeare
     from llmkit.generate import CompiledStep, generate
     from llmkit.interop.gguf import load_gguf
-    from llmkit.quant import describe, quantize
+    from llmkit.quant import describe, native, quantize
 
     gguf = Path(args.gguf) if args.gguf else smollm2_gguf()
     kind = gguf.stem.rsplit(".", 1)[-1]  # SmolLM2-135M-Instruct.Q4_1 -> Q4_1
@@ -268,10 +268,17 @@ def main() -> None:
         if vllm is not None:
             for batch in (1, 8):
                 vllm_rate(vport, prompt[0].tolist(), 4, batch)
+        # where the integer products run on AVX512-VNNI, the file's rows again on the AVX2 kernel, in the same repeats
+        avx2 = f"the {kind} file, AVX2 kernel" if native.integer_kernel() == "avx512-vnni" else None
         for _ in range(args.repeats):
             for name, model in models.items():
                 for batch in (1, 8):
                     rates.setdefault((name, batch), []).append(llmkit_rate(model, prompt.repeat(batch, 1), args.new))
+            if avx2 is not None:
+                with native.integer_kernel_set("avx2"):
+                    for batch in (1, 8):
+                        rate = llmkit_rate(models[f"the {kind} file"], prompt.repeat(batch, 1), args.new)
+                        rates.setdefault((avx2, batch), []).append(rate)
             if server is not None:
                 for batch in (1, 8):
                     rate = llama_rate(port, prompt[0].tolist(), args.new, batch)
@@ -306,10 +313,11 @@ def main() -> None:
         for (name, batch), runs in rates.items():
             median = sorted(r[0] for r in runs)[len(runs) // 2]
             decoding = sorted(r[1] for r in runs)[len(runs) // 2]
-            if name in models:
-                read = bytes_per_token(models[name])
-                row = _row(name, "eager", batch, median, read, limits.memory_read, ppl[name])
-                row["describe"] = describe(models[name])
+            if name in models or name == avx2:
+                model = models[f"the {kind} file"] if name == avx2 else models[name]
+                read = bytes_per_token(model)
+                row = _row(name, "eager", batch, median, read, limits.memory_read, ppl.get(name))
+                row["describe"] = describe(model)
             elif name.startswith("vLLM"):  # the fp32 model's weights in bf16: half its bytes
                 read = bytes_per_token(models["fp32"]) // 2
                 row = _row(name, "server", batch, median, read, limits.memory_read, None)
