@@ -309,12 +309,12 @@ LLMKIT_VNNI_TARGET void tiles(const QuantizedMatrix& w, const VnniRows& x, int64
     const int cols = static_cast<int>(std::min<int64_t>(TILE, n1 - t0));
     const bool fetch = t0 + AHEAD * TILE < n1;
     for (int c = 0; c < TILE; ++c) {  // a partial tile repeats its last column in the missing lanes, never stored
-      const int64_t n = t0 + std::min(c, cols - 1), later = std::min(t0 + AHEAD * TILE + c, n1 - 1);  // (scales)
+      const int64_t n = t0 + std::min(c, cols - 1);
       col[c] = w.codes + n * stride, first[c] = n * w.G;
-      for (int64_t o = 0; fetch && o < w.G; o += 16) {
-        _mm_prefetch(reinterpret_cast<const char*>(w.scales + later * w.G + o), _MM_HINT_T0);
-        if (INT4) _mm_prefetch(reinterpret_cast<const char*>(w.zeros + later * w.G + o), _MM_HINT_T0);
-      }
+    }
+    for (int64_t o = 0; fetch && o < TILE * w.G; o += 16) {  // the next tile's scales (and zeros): one run each
+      _mm_prefetch(reinterpret_cast<const char*>(w.scales + (t0 + AHEAD * TILE) * w.G + o), _MM_HINT_T0);
+      if (INT4) _mm_prefetch(reinterpret_cast<const char*>(w.zeros + (t0 + AHEAD * TILE) * w.G + o), _MM_HINT_T0);
     }
     transpose_groups(w.scales, first, w.G, scales.data());
     if (INT4) transpose_groups(w.zeros, first, w.G, zeros.data());
