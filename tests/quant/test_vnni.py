@@ -100,3 +100,29 @@ def test_the_integer_kernel_is_chosen_by_name():
         assert native.integer_kernel() == expected
     with native.integer_kernel_set("avx2"):
         assert native.integer_kernel() == "avx2"
+
+
+@pytest.mark.parametrize("cls", [Int4Linear, Int8Linear])
+def test_the_decode_steps_tiled_scales_give_the_same_bits_and_follow_in_place_updates(cls):
+    """The C++ decode step keeps each projection's scales transposed by tiles of 16 outputs for the VNNI kernel: its
+    products equal the per-call ones bit for bit (70 outputs: a partial last tile), and an in-place change of the
+    scales (or zeros) is seen at the next step, as the step's other weights are."""
+    needs_vnni()
+    torch.manual_seed(3)
+    layer = cls.from_linear(torch.nn.Linear(576, 70, bias=False), kernel="avx2")
+    ext = native.module()
+    zeros = layer.zeros if cls is Int4Linear else None
+    with native.integer_kernel_set("auto"):
+        projection = ext.Projection(1 if cls is Int4Linear else 2, layer.qweight, layer.scales, zeros)
+        assert projection.tiled()
+        for rows in (1, 3, 12):
+            x = torch.randn(rows, 576)
+            assert torch.equal(projection.product(x), product(layer, x)), rows
+        with torch.no_grad():
+            layer.scales.mul_(2.0)
+            if zeros is not None:
+                zeros.add_(0.5)
+        assert torch.equal(projection.product(x), product(layer, x))
+    with native.integer_kernel_set("avx2"):
+        assert torch.equal(projection.product(x), product(layer, x))
+        assert not projection.tiled()

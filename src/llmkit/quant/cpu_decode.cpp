@@ -320,6 +320,15 @@ struct DecodeBlock {
     }
   }
 
+  // every projection's tiled scales up to date (Projection::refresh_tiles), before a step
+  void refresh_tiles() const {
+    for (const ProjectionPtr& p : {wq, wk, wv, wo, w1, w2, w3})
+      if (p) p->refresh_tiles();
+    if (moe)
+      for (const ProjectionPtr& p : {moe->w1, moe->w3, moe->w2, moe->s1, moe->s3, moe->s2})
+        if (p) p->refresh_tiles();
+  }
+
   // the shapes the projections must have, checked once when the block is built
   void check() const {
     LLMKIT_CHECK(wq && wk && wv && wo && (moe || (w1 && w2 && (!gated || w3))), "a projection is missing");
@@ -356,6 +365,7 @@ Tensor run(const std::vector<DecodeBlock*>& blocks, const Tensor& x, const std::
   const bool* A = allowed.data_ptr<bool>();
   const int64_t M = x.size(0);  // query rows
   DecodeBlock::Workspace w;
+  for (const DecodeBlock* block : blocks) block->refresh_tiles();
   const int threads = std::max(1, at::get_num_threads());
 #pragma omp parallel num_threads(threads)
   {
@@ -429,7 +439,22 @@ void bind_decode(pybind11::module& m) {
            py::arg("kind"), py::arg("weight"), py::arg("scales") = py::none(), py::arg("zeros") = py::none(),
            py::arg("bias") = py::none())
       .def_readonly("N", &Projection::N)
-      .def_readonly("K", &Projection::K);
+      .def_readonly("K", &Projection::K)
+      .def("tiled", [](const Projection& p) { return p.matrix.tiled_scales != nullptr; },
+           "whether the VNNI kernel reads this projection's scales from its tiled copy")
+      .def(
+          "product",
+          [](const Projection& p, const Tensor& x) {  // as a step computes it (one thread), for tests
+            LLMKIT_CHECK(x.dim() == 2 && x.size(1) == p.K && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+                         "x must be (M, K) fp32");
+            p.refresh_tiles();
+            ProjectionGroup group;
+            group.prepare({p.all()}, x.data_ptr<float>(), x.size(0));
+            Tensor y = torch::empty({x.size(0), p.N}, x.options());
+            group.compute(0, p.N, y.data_ptr<float>(), p.N);
+            return y;
+          },
+          py::arg("x"), "x @ W^T (no bias), as the decode step's products compute it");
   py::class_<DecodeBlock>(m, "DecodeBlock")
       .def(py::init<>())
       .def_readwrite("rms", &DecodeBlock::rms)

@@ -62,7 +62,13 @@ struct QuantizedMatrix {
   const float* zeros = nullptr;    // (N, G), int4 only
   int64_t N = 0, K = 0, G = 1;
   bool int4 = true;
+  // Optional, read by the AVX512-VNNI kernel instead of transposing its own: the scales (and zeros) of each tile of
+  // VNNI_TILE rows as (G, VNNI_TILE), group g's values of the tile's rows side by side; tile t at t * VNNI_TILE * G.
+  const float* tiled_scales = nullptr;
+  const float* tiled_zeros = nullptr;
 };
+
+constexpr int64_t VNNI_TILE = 16;  // output columns the AVX512-VNNI kernel computes at once
 
 QuantizedMatrix int4_matrix(const torch::Tensor& qweight, const torch::Tensor& scales, const torch::Tensor& zeros);
 QuantizedMatrix int8_matrix(const torch::Tensor& qweight, const torch::Tensor& scales);

@@ -28,6 +28,18 @@ struct Matrix {
   int64_t N = 0, K = 0;
 };
 
+// (N, G) fp32 -> (ceil(N / 16) * 16, G) holding, for each tile of 16 rows, (G, 16): group g's values of the tile's
+// rows side by side (rows past N: 0).
+inline Tensor tile_rows(const Tensor& t) {
+  const int64_t N = t.size(0), G = t.size(1), tiles = (N + VNNI_TILE - 1) / VNNI_TILE;
+  Tensor out = torch::zeros({tiles * VNNI_TILE, G}, t.options());
+  const float* in = t.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t g = 0; g < G; ++g) o[((n / VNNI_TILE) * G + g) * VNNI_TILE + n % VNNI_TILE] = in[n * G + g];
+  return out;
+}
+
 // A linear layer as the step reads it: an fp32 matrix (N, K), or int4 / int8 codes; and an optional bias (N,).
 struct Projection {
   enum Kind { FLOAT = 0, INT4 = 1, INT8 = 2 };
@@ -35,7 +47,9 @@ struct Projection {
   int kind = FLOAT;
   Tensor weight, scales, zeros;  // FLOAT: weight (N, K); INT4 / INT8: weight = the codes (formats.py)
   std::optional<Tensor> bias;
-  QuantizedMatrix matrix;
+  mutable QuantizedMatrix matrix;           // (its tiled scales follow refresh_tiles)
+  mutable Tensor tiled_scales, tiled_zeros;  // (ceil(N / 16) * 16, G) as tiles of (G, 16)
+  mutable int64_t tiles_version = -1;
   int64_t N = 0, K = 0;
 
   Projection(int kind_, Tensor weight_, std::optional<Tensor> scales_, std::optional<Tensor> zeros_,
@@ -57,6 +71,7 @@ struct Projection {
         matrix = int8_matrix(weight, scales);
       }
       N = matrix.N, K = matrix.K;
+      refresh_tiles();
     }
     if (bias) LLMKIT_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == torch::kFloat32 &&
                               bias->is_contiguous(),
@@ -72,8 +87,34 @@ struct Projection {
       const int64_t row_bytes = matrix.int4 ? K / 2 : K;
       m.q.codes += r0 * row_bytes, m.q.scales += r0 * matrix.G, m.q.N = r1 - r0;
       if (matrix.zeros) m.q.zeros += r0 * matrix.G;
+      const bool tiled = matrix.tiled_scales != nullptr && r0 % VNNI_TILE == 0;
+      m.q.tiled_scales = tiled ? matrix.tiled_scales + r0 * matrix.G : nullptr;
+      m.q.tiled_zeros = tiled && matrix.tiled_zeros ? matrix.tiled_zeros + r0 * matrix.G : nullptr;
     }
     return m;
+  }
+
+  // The scales (and zeros) by tiles of rows for the AVX512-VNNI kernel (QuantizedMatrix::tiled_scales), where it
+  // runs: made when the projection is built and again whenever the scales or zeros were changed in place since
+  // (their version counters; the step calls this before each run). A decoding step at one row otherwise transposes
+  // them for every tile, a third of its products' time with a scale per block of 32. Costs their size again
+  // (SmolLM2's Q4_1 file: 30 MB beside 112). Inference-mode tensors keep no version, and get no copy.
+  void refresh_tiles() const {
+    if (kind == FLOAT || !vnni_selected() || scales.is_inference() || (zeros.defined() && zeros.is_inference())) {
+      matrix.tiled_scales = matrix.tiled_zeros = nullptr;
+      return;
+    }
+    const int64_t version = scales._version() + (zeros.defined() ? zeros._version() : 0);
+    if (tiled_scales.defined() && version == tiles_version) {
+      matrix.tiled_scales = tiled_scales.data_ptr<float>();
+      matrix.tiled_zeros = zeros.defined() ? tiled_zeros.data_ptr<float>() : nullptr;
+      return;
+    }
+    tiled_scales = tile_rows(scales);
+    if (zeros.defined()) tiled_zeros = tile_rows(zeros);
+    tiles_version = version;
+    matrix.tiled_scales = tiled_scales.data_ptr<float>();
+    matrix.tiled_zeros = zeros.defined() ? tiled_zeros.data_ptr<float>() : nullptr;
   }
 
   Matrix all() const { return rows(0, N); }

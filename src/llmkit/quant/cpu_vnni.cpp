@@ -40,9 +40,8 @@ namespace {
 
 std::atomic<bool> use_vnni{true};  // set_integer_kernel; only read where the CPU has VNNI
 
-constexpr int TILE = 16;  // output columns per tile: one per 32-bit lane of a zmm
+constexpr int TILE = VNNI_TILE;  // output columns per tile: one per 32-bit lane of a zmm
 constexpr int PASS = 8;   // rows of x per pass over a tile (2 accumulators each, beside the 8 code registers)
-constexpr int AHEAD = 1;  // tiles between the one computed and the one whose weights are requested from memory
 
 // Four columns' 16 code bytes of one block (or half block, int8) in the four 128-bit lanes of a zmm.
 LLMKIT_VNNI_INLINE __m512i load4(const uint8_t* const* col, int64_t offset) {
@@ -305,29 +304,42 @@ LLMKIT_VNNI_TARGET void tiles(const QuantizedMatrix& w, const VnniRows& x, int64
   scales.resize(w.G * TILE), zeros.resize(INT4 ? w.G * TILE : 0);
   if (x.M > PASS) kept.resize(w.K / BLOCK * 8 * 8);
   __m512i* keep = reinterpret_cast<__m512i*>(kept.data());
-  for (int64_t t0 = n0; t0 < n1; t0 += TILE) {
-    const int cols = static_cast<int>(std::min<int64_t>(TILE, n1 - t0));
-    const bool fetch = t0 + AHEAD * TILE < n1;
+  // tiles at multiples of 16 rows of the matrix (the first one may be partial), whose scales the matrix may hold
+  // transposed already (QuantizedMatrix::tiled_scales)
+  for (int64_t t0 = n0, t1; t0 < n1; t0 = t1) {
+    t1 = std::min(n1, (t0 / TILE + 1) * TILE);
+    const int cols = static_cast<int>(t1 - t0);
+    const bool fetch = t1 < n1;  // a next tile exists
     for (int c = 0; c < TILE; ++c) {  // a partial tile repeats its last column in the missing lanes, never stored
       const int64_t n = t0 + std::min(c, cols - 1);
       col[c] = w.codes + n * stride, first[c] = n * w.G;
     }
-    for (int64_t o = 0; fetch && o < TILE * w.G; o += 16) {  // the next tile's scales (and zeros): one run each
-      _mm_prefetch(reinterpret_cast<const char*>(w.scales + (t0 + AHEAD * TILE) * w.G + o), _MM_HINT_T0);
-      if (INT4) _mm_prefetch(reinterpret_cast<const char*>(w.zeros + (t0 + AHEAD * TILE) * w.G + o), _MM_HINT_T0);
+    const float* tile_scales = scales.data();
+    const float* tile_zeros = zeros.data();
+    if (w.tiled_scales != nullptr && t0 % TILE == 0) {
+      tile_scales = w.tiled_scales + t0 * w.G, tile_zeros = INT4 ? w.tiled_zeros + t0 * w.G : nullptr;
+      for (int64_t o = 0; fetch && o < TILE * w.G; o += 16) {  // the next tile's, one run each
+        _mm_prefetch(reinterpret_cast<const char*>(tile_scales + TILE * w.G + o), _MM_HINT_T0);
+        if (INT4) _mm_prefetch(reinterpret_cast<const char*>(tile_zeros + TILE * w.G + o), _MM_HINT_T0);
+      }
+    } else {
+      for (int64_t o = 0; fetch && o < TILE * w.G; o += 16) {  // the next tile's scales (and zeros): one run each
+        _mm_prefetch(reinterpret_cast<const char*>(w.scales + t1 * w.G + o), _MM_HINT_T0);
+        if (INT4) _mm_prefetch(reinterpret_cast<const char*>(w.zeros + t1 * w.G + o), _MM_HINT_T0);
+      }
+      transpose_groups(w.scales, first, w.G, scales.data());
+      if (INT4) transpose_groups(w.zeros, first, w.G, zeros.data());
     }
-    transpose_groups(w.scales, first, w.G, scales.data());
-    if (INT4) transpose_groups(w.zeros, first, w.G, zeros.data());
     const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
     float* y = Y + t0;
     for (int64_t m0 = 0; m0 < x.M; m0 += PASS) {
       const int rows = static_cast<int>(std::min<int64_t>(PASS, x.M - m0));
-      const uint8_t* later = m0 == 0 && fetch ? w.codes + (t0 + AHEAD * TILE) * stride : nullptr;
+      const uint8_t* later = m0 == 0 && fetch ? w.codes + t1 * stride : nullptr;
       if (INT4 && x.M == 1) {
-        one_row4(w, x, col, scales.data(), zeros.data(), mask, y, later);
+        one_row4(w, x, col, tile_scales, tile_zeros, mask, y, later);
       } else {
         const int source = x.M <= PASS ? TRANSPOSE : m0 == 0 ? TRANSPOSE_AND_KEEP : KEPT;
-        pass<INT4>(source, rows, w, x, col, scales.data(), zeros.data(), m0, mask, y, ldy, later, keep);
+        pass<INT4>(source, rows, w, x, col, tile_scales, tile_zeros, m0, mask, y, ldy, later, keep);
       }
     }
   }
@@ -349,22 +361,24 @@ void select_vnni(bool on) { use_vnni.store(on, std::memory_order_relaxed); }
 void vnni_prepare(const QuantizedRows& q, bool int4, VnniRows& out) {
   const int64_t M = q.M, K = q.K, nb = K / BLOCK;
   out.M = M, out.K = K;
-  out.q.resize(M * K), out.d.resize(M * nb), out.sums.resize(M * nb), out.flip.assign(int4 ? 0 : M * nb, 0);
+  out.q.resize(M * K), out.d.resize(M * nb), out.sums.resize(M * nb), out.flip.resize(int4 ? 0 : M * nb);
+  // int4: within each 8 inputs, the even ones, then the odd ones (the order a code byte's nibbles unpack in)
+  const __m256i order = _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15, 0, 2, 4, 6, 1, 3, 5,
+                                         7, 8, 10, 12, 14, 9, 11, 13, 15);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t from = m * nb + b, to = b * M + m;
-      const int8_t* s = q.q.data() + from * BLOCK;
-      int8_t* o = out.q.data() + to * BLOCK;
-      for (int64_t i = 0; i < BLOCK; i += 8)  // int4: each 8 inputs' even ones, then their odd ones
-        for (int j = 0; j < 4; ++j) {
-          o[i + j] = int4 ? s[i + 2 * j] : s[i + j];
-          o[i + 4 + j] = int4 ? s[i + 2 * j + 1] : s[i + 4 + j];
-        }
+      const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.q.data() + from * BLOCK));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + to * BLOCK),
+                          int4 ? _mm256_shuffle_epi8(codes, order) : codes);
       out.d[to] = q.d[from], out.sums[to] = q.sums[from];
-      if (!int4) {
-        int32_t sum = 0;
-        for (int64_t i = 0; i < BLOCK; ++i) sum += s[i];
-        out.flip[to] = 128 * sum;
+      if (!int4) {  // 128 times the sum of the 32 codes: pairs, then quads, summed in int16 / int32
+        const __m256i pairs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), codes);
+        const __m256i quads = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+        __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(quads), _mm256_extracti128_si256(quads, 1));
+        sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0x4E));
+        sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0xB1));
+        out.flip[to] = 128 * _mm_cvtsi128_si32(sum);
       }
     }
 }
