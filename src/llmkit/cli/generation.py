@@ -22,6 +22,7 @@ from llmkit.errors import LLMKitError
 if TYPE_CHECKING:
     from llmkit.generate import DecodeStep, Sampling
     from llmkit.models import DecoderLM
+    from llmkit.parallel import launch
     from llmkit.tokenizer import Tokenizer
 
 
@@ -198,6 +199,7 @@ def generate(
     dtype: DType | None = None,
     device: str | None = None,
     no_verify: bool = False,
+    tp: int = 1,
 ) -> int:
     """Generate text from a training run folder (its latest checkpoint), an llmkit checkpoint, a Hugging Face
     directory or a GGUF file.
@@ -212,13 +214,53 @@ def generate(
     dtype: load the weights in this precision (bf16 halves the memory read per token).
     device: cpu, cuda, cuda:1, ... (default: the CPU); a draft model goes to the same device.
     no_verify: load an llmkit checkpoint without checking its files against the checksums saved with them.
+    tp: split the model across this many processes (tensor parallelism), started by torchrun --nproc_per_node TP;
+      each holds about 1/TP of the weights and of the key/value cache (see docs/parallelism.md).
     """
+    from llmkit.parallel import launch
+
     _check_counts(samples, max_new_tokens, beam_search, speculation)
     _check_seed(sampling.seed)
     _check_stops(output)
     sampling.rule()  # its values checked (finite, in range) before the model loads
     mode = _mode(output, beam_search, speculation)
+    if tp > 1 and mode in ("beam", "speculate"):
+        raise LLMKitError("--tp runs plain decoding (sampled, greedy or streamed); not with --beams, --draft or --mtp")
+    ranks = launch.start(tp, device)
+    try:
+        where = device if ranks is None else str(ranks.device)
+        _generate(checkpoint, prompt, max_new_tokens, samples, sampling, output, beam_search, speculation, mode,
+                  compile, batch_invariant, dtype, where, no_verify, ranks)  # fmt: skip
+    except BaseException:
+        launch.end(ranks, finished=False)
+        raise
+    launch.end(ranks, finished=True)
+    return 0
+
+
+def _generate(
+    checkpoint: str,
+    prompt: str,
+    max_new_tokens: int,
+    samples: int,
+    sampling: SamplingOptions,
+    output: OutputOptions,
+    beam_search: BeamOptions,
+    speculation: SpeculationOptions,
+    mode: Mode,
+    compile: bool,
+    batch_invariant: bool,
+    dtype: DType | None,
+    device: str | None,
+    no_verify: bool,
+    ranks: launch.Ranks | None,
+) -> None:
     model, tok = load_decoder(checkpoint, dtype, device, verify=not no_verify)
+    if ranks is not None:  # this rank's part of every layer; all ranks sample with one seed
+        from llmkit.parallel import parallelize
+
+        parallelize(model)
+        sampling = dataclasses.replace(sampling, seed=ranks.shared_seed(sampling.seed))
     ids = tok.encode(prompt) if prompt else []
     if not ids:
         start = tok.bos_id if tok.bos_id is not None else tok.eos_id
@@ -243,7 +285,6 @@ def generate(
         _stream(request, sampling, output.stop_strings)
     else:
         _sample(request, sampling, output.stop_strings)
-    return 0
 
 
 def _sample(r: _Request, sampling: SamplingOptions, stop: list[str]) -> None:
