@@ -1,5 +1,6 @@
 """Helpers shared by test modules."""
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -77,3 +78,10 @@ def save_tiny(folder: Path, family: str, context: int = 128) -> Path:
     model.save_pretrained(folder)
     tok.save(folder)
     return folder
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for the processes a test starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

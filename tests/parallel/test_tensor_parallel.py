@@ -5,24 +5,18 @@ about half the weights on each rank; the checks that refuse a split say which si
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 
 from llmkit import InputError, build_model, get_preset
 from llmkit.parallel import check, split_sizes
 from llmkit.quant import quantize
 
 WORKER = Path(__file__).with_name("tp_worker.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from helpers import free_port
 
 from llmkit.train.config import TrainConfig
 from llmkit.train.loop import train
@@ -16,12 +16,6 @@ from llmkit.train.loop import train
 from .conftest import losses, tiny_config
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def torchrun(cfg: dict, path: Path, parallel: str) -> None:

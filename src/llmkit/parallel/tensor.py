@@ -283,17 +283,18 @@ def parallelize(model: DecoderLM, mesh: Any = None, plan: Plan | None = None) ->
     default group) as `plan` says (default: plan_of(model)); every rank calls this with the same model. Returns the
     model, whose forward, caches and generation work as before, each rank holding about 1/N of the weights and of
     the key/value cache, and every rank computing the same logits."""
+    if getattr(model, "tensor_parallel", None) is not None:
+        raise InputError("this model is already split across ranks")
     tp = TensorParallel.of(mesh)
     plan = plan or plan_of(model)
     check(model, tp.world, plan)
-    if getattr(model, "tensor_parallel", None) is not None:
-        raise InputError("this model is already split across ranks")
-    for _, module, style in _matches(plan, model):
+    found = _matches(plan, model)
+    for _, module, style in found:
         if style == "heads":
             _split_heads(module, tp)  # type: ignore[arg-type]
         elif style == "ffn":
             _split_ffn(module, tp)  # type: ignore[arg-type]
-    if any(style == "vocab" for _, _, style in _matches(plan, model)):
+    if any(style == "vocab" for _, _, style in found):
         _split_vocab(model, tp)
     object.__setattr__(model, "tensor_parallel", tp)  # a plain attribute: which ranks hold the model
     return model
