@@ -1,6 +1,8 @@
-"""Tensor parallelism: every dense decoder family split across 2 processes (torchrun, gloo on 127.0.0.1) computes
-the logits of the same model in one process, generates the same tokens (greedy and seeded sampling), and holds
-about half the weights on each rank; the checks that refuse a split say which sizes would work."""
+"""Tensor parallelism: every decoder family (dense MHA/GQA/MQA, latent attention, sparse attention, mixtures of
+experts) split across 2 processes (torchrun, gloo on 127.0.0.1) computes the logits of the same model in one
+process, generates the same tokens (greedy and seeded sampling), gives the parameters every rank holds whole the
+same gradients, and holds about half the weights on each rank; the checks that refuse a split say which sizes would
+work."""
 
 from __future__ import annotations
 
@@ -30,16 +32,29 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 
 
 FLOAT = ["gpt2-tiny", "llama2-7b-tiny", "llama2-70b-tiny", "gemma-2b-tiny", "gemma2-2b-tiny", "gemma3-1b-tiny",
-         "qwen3-0.6b-tiny"]  # fmt: skip
+         "qwen3-0.6b-tiny", "mixtral-8x7b-tiny", "qwen1.5-moe-a2.7b-tiny", "deepseek-v2-lite-tiny", "deepseek-v3-tiny",
+         "deepseek-v3.2-tiny"]  # fmt: skip
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [f"{n}/fp32" for n in FLOAT] + ["llama2-7b-tiny/int4/dequant"])
+@pytest.mark.parametrize(
+    "case", [f"{n}/fp32" for n in FLOAT] + ["llama2-7b-tiny/int4/dequant", "mixtral-8x7b-tiny/int8/dequant"]
+)
 def test_split_model_computes_the_same_logits_and_tokens(results, case):
     r = results[case]
     assert r["max_diff"] <= 1e-5 * max(1.0, r["scale"])  # fp32 sums in another order, nothing else
     assert r["greedy_equal"] and r["sampled_equal"] and r["ranks_agree"]
     assert r["bytes_fraction"] <= 0.6  # the replicated norms, biases and learned positions on top of half
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [f"{n}/fp32" for n in FLOAT])
+def test_split_model_gives_whole_parameters_the_same_gradients(results, case):
+    # norms, q/k norms, routers, MLA's latent projections, a key/value head shared by ranks: every rank holds them
+    # whole, each rank's part of the computation gives one term of their gradient, and the sum must be the same
+    r = results[case]
+    assert r["whole_grads"] >= 5
+    assert r["grad_diff"] <= 1e-5  # relative to each gradient's largest entry
 
 
 @pytest.mark.slow
@@ -70,10 +85,14 @@ def test_quantized_groups_must_not_be_cut():
         check(model, 2)
 
 
-@pytest.mark.parametrize("preset", ["deepseek-v3-tiny", "mixtral-8x7b-tiny"])
-def test_families_not_split_yet_are_refused_by_name(preset):
-    with pytest.raises(InputError, match=r"only (grouped-query attention|dense feed-forwards) .* so far"):
-        check(build_model(get_preset(preset)), 2)
+def test_mixtures_split_by_experts_and_latent_attention_by_heads():
+    assert split_sizes(build_model(get_preset("mixtral-8x7b-tiny")), most=16) == [1, 2, 4, 8]  # 8 heads, 8 experts
+    v3 = build_model(get_preset("deepseek-v3-tiny"))  # 4 heads, 16 experts, shared expert of 32 hidden units
+    assert split_sizes(v3, most=16) == [1, 2, 4]
+    with pytest.raises(InputError, match=r"3 ways: blocks.0.attn has 4 heads.*sizes that would: 1, 2, 4"):
+        check(v3, 3)
+    with pytest.raises(InputError, match=r"blocks.1.ffn has 16 experts.*sizes that would: 1, 2, 4, 8, 16$"):
+        check(v3, 32, plan={"*.ffn": "ffn"})  # the feed-forwards alone: experts spread up to 16 ways
 
 
 def _generate(checkpoint: Path, *flags: str, processes: int = 1) -> subprocess.CompletedProcess[str]:

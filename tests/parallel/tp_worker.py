@@ -10,9 +10,11 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from llmkit import build_model, get_preset
 from llmkit.generate import generate
+from llmkit.layers.extras import Extras
 from llmkit.parallel import parallelize, resident_bytes
 from llmkit.quant import quantize
 
@@ -24,9 +26,15 @@ CASES = [
     ("gemma2-2b-tiny", None),  # GQA, soft-capped scores and logits, sliding windows
     ("gemma3-1b-tiny", None),  # GQA 8:2 (split 2 ways), own head dim
     ("qwen3-0.6b-tiny", None),  # GQA with q/k norms, tied
+    ("mixtral-8x7b-tiny", None),  # GQA 8:2, 8 experts top-2: 4 a rank
+    ("qwen1.5-moe-a2.7b-tiny", None),  # experts plus a gated shared expert, split by hidden units
+    ("deepseek-v2-lite-tiny", None),  # MLA without a query latent, dense first layer, shared experts
+    ("deepseek-v3-tiny", None),  # MLA, grouped sigmoid routing with a score bias, MTP module
+    ("deepseek-v3.2-tiny", None),  # sparse attention: the indexer whole on every rank
     ("llama2-7b-tiny", "int8"),
     ("llama2-7b-tiny", "int4"),
     ("llama2-7b-tiny", "int4/dequant"),  # int4 codes multiplied as floats: no activation codes
+    ("mixtral-8x7b-tiny", "int8/dequant"),  # quantized expert stacks split by experts' rows
 ]
 
 
@@ -44,6 +52,21 @@ def model_of(name: str, quant: str | None) -> torch.nn.Module:
     return model
 
 
+def loss_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token loss plus the mixtures' balance and z losses: what training differentiates."""
+    extras = Extras()
+    logits = model(tokens, extras=extras)
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+    return loss + extras.moe_loss(0.01, 0.001, loss) if extras.moe else loss
+
+
+def whole_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The gradients of the parameters every rank holds whole (norms, routers, latent projections), then cleared."""
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
 def case(name: str, quant: str | None) -> dict:
     model = model_of(name, quant)
     vocab = model.cfg.vocab_size
@@ -52,12 +75,21 @@ def case(name: str, quant: str | None) -> dict:
     prompts = [tokens[0, :7].tolist(), tokens[1].tolist()]
     with torch.no_grad():
         ref = model(tokens)
+    if quant is None:
+        loss_of(model, tokens).backward()
+    ref_grads = whole_grads(model)
     ref_greedy = generate(model, prompts, max_new_tokens=10).new_tokens
     ref_sampled = generate(model, prompts, max_new_tokens=10, temperature=1.0, seed=3).new_tokens
     whole = resident_bytes(model)
+    shapes = {n: p.shape for n, p in model.named_parameters()}
     parallelize(model)
     with torch.no_grad():
         out = model(tokens)
+    if quant is None:
+        loss_of(model, tokens).backward()
+    grads = {n: g for n, g in whole_grads(model).items() if g.shape == shapes.get(n)}  # the ones not split
+    grad_diff = max(((g - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp(min=1e-12)).item()
+                    for n, g in grads.items()) if grads else 0.0  # fmt: skip
     greedy = generate(model, prompts, max_new_tokens=10).new_tokens
     sampled = generate(model, prompts, max_new_tokens=10, temperature=1.0, seed=3).new_tokens
     ranks = [None] * dist.get_world_size()
@@ -70,6 +102,8 @@ def case(name: str, quant: str | None) -> dict:
         "sampled_equal": sampled == ref_sampled,
         "ranks_agree": all(r == sampled for r in ranks),
         "bytes_fraction": resident_bytes(model) / whole,
+        "whole_grads": len(grads),
+        "grad_diff": grad_diff,
     }
 
 
