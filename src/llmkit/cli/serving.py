@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 from llmkit.cli.common import DType, load_decoder
 from llmkit.errors import LLMKitError
@@ -37,6 +38,7 @@ def serve(
     dtype: DType | None = None,
     device: str | None = None,
     no_verify: bool = False,
+    tensor_parallel: int = 1,
 ) -> int:
     """Serve a model over OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics):
     a run folder, an llmkit checkpoint, a Hugging Face directory or a GGUF file. Requests are batched continuously
@@ -76,6 +78,9 @@ def serve(
     dtype: load the weights in this precision.
     device: cpu, cuda, cuda:1, ... (default: where the checkpoint loads).
     no_verify: load an llmkit checkpoint without checking its files against the checksums saved with them.
+    tensor_parallel: split the model across this many processes, started by torchrun --nproc_per_node N: each
+      holds about 1/N of the weights and of the KV cache; rank 0 serves HTTP and schedules, every rank runs each
+      step (see docs/parallelism.md). Not with --mtp, --draft or --batch-invariant.
     """
     try:
         from llmkit.serve.engine import EngineConfig
@@ -113,15 +118,66 @@ def serve(
         draft_tokens=speculate if mtp or draft is not None else 0,
         draft_head_bits=draft_head_bits or None,
     )
+    if tensor_parallel > 1 and (mtp or draft is not None or batch_invariant):
+        raise LLMKitError("--tensor-parallel serves without --mtp, --draft or --batch-invariant")
+    from llmkit.parallel import launch
+
+    ranks = launch.start(tensor_parallel, device)
+    if ranks is not None:
+        return _serve_split(ranks, checkpoint, dtype, no_verify, options, config, host, port)
     model, tok = load_decoder(checkpoint, dtype, device, verify=not no_verify)
     drafter = load_decoder(draft, dtype, device, verify=not no_verify)[0] if draft is not None else None
     _log_to_stderr()
     server = Server(model, tok, options, config, host, port, drafter)
+    _announce(server, name, model, speculate if mtp else 0, draft, speculate)
+    server.run_foreground()
+    return 0
+
+
+def _serve_split(
+    ranks: Any,
+    checkpoint: str,
+    dtype: DType | None,
+    no_verify: bool,
+    options: Any,
+    config: Any,
+    host: str,
+    port: int,
+) -> int:
+    """`serve --tensor-parallel N` on one of torchrun's N processes: every rank loads the model and keeps its part;
+    rank 0 serves, the others follow its steps (serve/lockstep.py)."""
+    from llmkit.parallel import launch, parallelize
+    from llmkit.serve.lockstep import Lockstep, follow
+    from llmkit.serve.server import Server
+
+    finished = False
+    try:
+        model, tok = load_decoder(checkpoint, dtype, str(ranks.device), verify=not no_verify)
+        parallelize(model)
+        lockstep = Lockstep.create()
+        if ranks.rank != 0:
+            follow(model, lockstep)
+        else:
+            _log_to_stderr()
+            server = Server(model, tok, options, config, host, port, lockstep=lockstep)
+            _announce(server, options.model_name, model, 0, None, 0, ranks.world)
+            try:
+                server.run_foreground()
+            finally:
+                lockstep.stop()
+        finished = True
+    finally:
+        launch.end(ranks, finished)
+    return 0
+
+
+def _announce(server: Any, name: str, model: Any, mtp: int, draft: str | None, speculate: int, tp: int = 1) -> None:
     e = server.engine
     from llmkit.quant import describe, parameter_count
 
+    split = f", split across {tp} processes (this one's part)" if tp > 1 else ""
     print(
-        f"llmkit serve: {name} ({parameter_count(model) / 1e6:.1f}M parameters, {describe(model)}, "
+        f"llmkit serve: {name} ({parameter_count(model) / 1e6:.1f}M parameters{split}, {describe(model)}, "
         f"computing in {str(e.dtype).removeprefix('torch.')} on {e.device}); "
         f"KV cache {e.pool.n_blocks} blocks x {e.pool.block_size} tokens = {e.cache.nbytes / 2**20:.0f} MiB, "
         f"{e.capacity_sequences:.1f} sequences of the full {e.max_len}-token context; "
@@ -130,8 +186,6 @@ def serve(
         + f"listening on {server.url}/v1",
         flush=True,
     )
-    server.run_foreground()
-    return 0
 
 
 def _log_to_stderr() -> None:

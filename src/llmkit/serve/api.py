@@ -37,9 +37,10 @@ from starlette.exceptions import HTTPException
 
 from llmkit.errors import ConfigError, InputError
 from llmkit.serve.calls import APIError, Call, sse
-from llmkit.serve.embeddings import pooled_embedding
+from llmkit.serve.embeddings import check_input, pooled_embedding
 from llmkit.serve.engine import Engine, Refused
 from llmkit.serve.limits import BodyLimits
+from llmkit.serve.lockstep import embed_step
 from llmkit.serve.logprobs import TokenNames
 from llmkit.serve.protocol import (
     ChatRequest,
@@ -318,7 +319,10 @@ def build_app(
 
 
 def _embed(engine: Engine, prompt: list[int]) -> Any:
-    return pooled_embedding(engine.model, prompt)
+    if engine.lockstep is None:
+        return pooled_embedding(engine.model, prompt)
+    check_input(engine.model, prompt)  # a refusal before any rank starts the forward
+    return engine.lockstep.run(embed_step, engine, prompt)
 
 
 def _encoded(vector: Any, encoding: str) -> list[float] | str:

@@ -28,14 +28,14 @@ from torch import Tensor
 
 from llmkit.errors import InputError, LLMKitError
 from llmkit.layers.attention.gqa import GroupedQueryAttention
-from llmkit.layers.attention.mask import AttentionMask
-from llmkit.models.cache import Step
 from llmkit.models.decoder import DecoderLM
 from llmkit.quant.native_step import NativeDecoder
 from llmkit.serve.blocks import BlockPool
 from llmkit.serve.config import EngineConfig, EngineStats
 from llmkit.serve.drafters import speculator
-from llmkit.serve.paged import PagedCache, Pages
+from llmkit.serve.forward import prompt_count, prompt_logits, row_of, run_rows
+from llmkit.serve.lockstep import Lockstep, RanksLost, forward_step, make_cache
+from llmkit.serve.paged import PagedCache
 from llmkit.serve.request import (
     Completion,
     Delta,
@@ -47,7 +47,7 @@ from llmkit.serve.request import (
     Status,
     Top,
 )
-from llmkit.serve.sampler import prompt_logprobs, sample
+from llmkit.serve.sampler import record_prompt_logprobs, sample
 from llmkit.serve.scheduler import Scheduler, Work
 from llmkit.serve.structured import Grammars, allowed_tokens
 from llmkit.serve.text import TextOutput
@@ -69,12 +69,17 @@ class Engine:
         tokenizer: Tokenizer | None = None,
         config: EngineConfig | None = None,
         draft: DecoderLM | None = None,
+        lockstep: Lockstep | None = None,
     ):
         if not isinstance(model, DecoderLM):
             raise InputError(f"the engine serves decoder-only models, got {type(model).__name__}")
+        config = config or EngineConfig()
+        if lockstep is not None and (config.draft_tokens or config.batch_invariant or draft is not None):
+            raise InputError("a model split across ranks is served without speculation or the batch-invariant mode")
+        self.lockstep = lockstep  # a tensor-parallel model: every rank runs each forward (lockstep.py)
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.config = config = config or EngineConfig()
+        self.config = config
         self.device, self.dtype = model.device, model.dtype
         per_block = PagedCache.bytes_per_block(model, config.block_size, self.dtype)
         if draft is not None and config.draft_tokens:  # (its pools share the blocks and the memory)
@@ -83,7 +88,9 @@ class Engine:
         if n_blocks < 1:
             raise InputError(f"kv_memory={config.kv_memory} bytes is less than one block ({per_block} bytes)")
         self.cache = PagedCache(model, n_blocks, config.block_size, self.device, self.dtype)
-        self.native = NativeDecoder.of(model)  # decoding rows' blocks in one C++ call, where the model allows
+        if lockstep is not None:  # the other ranks' caches: the same blocks, their own heads
+            lockstep.tell(make_cache, n_blocks, config.block_size, self.dtype)
+        self.native = NativeDecoder.of(model) if lockstep is None else None  # decoding rows in C++ where it applies
         # whether rows of different lengths can go through the model as one packed row: grouped-query attention
         # takes them (AttentionMask.ragged); latent attention's paths size their work by the queries' batch
         self.packs = all(type(b.attn) is GroupedQueryAttention for b in model.blocks)
@@ -283,6 +290,8 @@ class Engine:
         for group in (g for g in groups if g):
             try:
                 out = self._forward(group)  # (B, V)
+            except RanksLost:
+                raise  # the ranks are out of step: nothing is retried
             except Exception as e:
                 if len(group) > 1:
                     log.warning(
@@ -310,9 +319,9 @@ class Engine:
 
     def _forward(self, rows: list[Work]) -> Tensor | list[Tensor]:
         """The model over the rows -> logits of each row's last token (B, V). Rows of one token each run in C++
-        where it applies; rows of one length run as a batch (B, T); rows of different lengths as one packed row
-        (1, N) whose attention runs row by row (AttentionMask.ragged); decoding rows with drafts (speculator.pending)
-        token by token in C++ (_forward_tokens), their logits (1 + k, V)."""
+        where it applies; the others through forward.run_rows (on every rank, for a model split across ranks);
+        decoding rows with drafts (speculator.pending) token by token in C++ (_forward_tokens), their logits
+        (1 + k, V)."""
         bs = self.pool.block_size
         dev = self.device
         counts = [w.count for w in rows]
@@ -325,32 +334,23 @@ class Engine:
         filled = torch.arange(nb * bs, device=dev) < (starts + torch.tensor(counts, device=dev) + extra)[:, None]
         if self.invariant or bool(extra.any()):
             return self._forward_tokens(rows, table, filled)
-        if len(set(counts)) == 1:
-            T = counts[0]
-            tokens = torch.tensor([w.seq.tokens[w.start : w.start + T] for w in rows], device=dev)  # (B, T)
-            positions = starts[:, None] + torch.arange(T, device=dev)  # (B, T): logical slots, which are positions
-            if T == 1 and self._native_applies(rows):
-                keys, values = self.cache.grouped_query() or ([], [])
-                h = self.native.run_paged(  # type: ignore[union-attr]
-                    tokens, positions=positions, table=table, slots=starts, allowed=filled, keys=keys, values=values
-                )  # (B, 1, C)
-            else:
-                pages = Pages.of(table, positions, bs)
-                mask = AttentionMask(allowed=filled[:, None, None, :], causal=T > 1, query_slots=positions)
-                h = self.model.run(tokens, Step(positions, mask, positions), self.cache.views(pages))  # (B, T, C)
+        if counts == [1] * len(rows) and self._native_applies(rows):
+            tokens = torch.tensor([w.seq.tokens[w.start] for w in rows], device=dev)[:, None]  # (B, 1)
+            keys, values = self.cache.grouped_query() or ([], [])
+            h = self.native.run_paged(  # type: ignore[union-attr]
+                tokens, positions=starts[:, None], table=table, slots=starts, allowed=filled, keys=keys, values=values
+            )  # (B, 1, C)
             self._states(rows, list(h))
             return self.model.logits(self.model.norm(h[:, -1]))  # (B, V)
-        tokens = torch.tensor([t for w in rows for t in w.seq.tokens[w.start : w.start + w.count]], device=dev)
-        positions = torch.cat([torch.arange(w.start, w.start + w.count, device=dev) for w in rows])[None]  # (1, N)
-        row = torch.repeat_interleave(torch.arange(len(rows), device=dev), torch.tensor(counts, device=dev))  # (N,)
-        pages = Pages(table, table[row, positions[0] // bs][None], positions % bs)
-        first = tuple(w.start == 0 for w in rows)  # chunks from a prompt's start: causality alone decides
-        allowed = filled[:, None, None, :]
-        mask = AttentionMask(allowed, causal=True, query_slots=positions, ragged=tuple(counts), ragged_first=first)
-        h = self.model.run(tokens[None], Step(positions, mask, positions), self.cache.views(pages))  # (1, N, C)
-        self._states(rows, list(h[0].split(counts)))
-        last = torch.tensor(counts, device=dev).cumsum(0) - 1  # each row's last query
-        return self.model.logits(self.model.norm(h[0, last]))  # (B, V)
+        inputs = [row_of(w, t) for w, t in zip(rows, tables, strict=True)]
+        if self.lockstep is not None:
+            out = self.lockstep.run(forward_step, self, bs, inputs)
+        else:
+            out = run_rows(self.model, self.cache, bs, inputs)
+        record_prompt_logprobs(rows, out.prompt)
+        if self.speculator is not None:
+            self.speculator.observe(rows, out.hidden)
+        return out.logits
 
     def _forward_tokens(self, rows: list[Work], table: Tensor, filled: Tensor) -> list[Tensor]:
         """Every token of the rows through the C++ step as a row of its own (table and filled (B, ...) repeated for
@@ -381,7 +381,7 @@ class Engine:
     def _states(self, rows: list[Work], hidden: list[Tensor], counts: list[int] | None = None) -> None:
         """What a forward's last-block states (n, C) of each row feed: the prompt log-probabilities asked for, and
         the drafter's record of the target's states."""
-        prompt_logprobs(self.model, rows, hidden)
+        record_prompt_logprobs(rows, prompt_logits(self.model, hidden, [prompt_count(w) for w in rows]))
         if self.speculator is not None:
             self.speculator.observe(rows, hidden, counts)
 

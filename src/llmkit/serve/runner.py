@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from llmkit.serve.engine import Engine, QueueFull
+from llmkit.serve.lockstep import RanksLost
 from llmkit.serve.metrics import Metrics
 from llmkit.serve.request import Delta, Request, SamplingParams
 
@@ -177,6 +178,10 @@ class EngineRunner:
                 continue
             try:
                 deltas = self.engine.step()
+            except RanksLost:  # a model split across ranks whose ranks are out of step: the server ends
+                for delta in self.engine.fail():
+                    self._deliver(delta)
+                raise
             except Exception:  # a failed step must not take the server down
                 log.exception("engine step failed; ending the requests in flight")
                 deltas = self.engine.fail()

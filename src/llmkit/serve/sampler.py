@@ -22,7 +22,6 @@ import torch
 from torch import Tensor
 
 from llmkit.generate.sampling import distribution, draw
-from llmkit.models.decoder import DecoderLM
 from llmkit.serve.request import Sequence, Top
 from llmkit.serve.scheduler import Work
 from llmkit.serve.structured import mask_logits
@@ -49,15 +48,15 @@ def top_logprobs(logprobs: Tensor, k: int) -> list[Top]:
     return [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
 
 
-def prompt_logprobs(model: DecoderLM, rows: list[Work], hidden: list[Tensor]) -> None:
-    """Record the log-probabilities of the prompt tokens that the rows' last-block states (T, C) predict, for the
-    sequences that asked for them: the state at position i gives token i + 1."""
-    for w, h in zip(rows, hidden, strict=True):
+def record_prompt_logprobs(rows: list[Work], logits: list[Tensor | None]) -> None:
+    """Record the log-probabilities of the prompt tokens that each row's first n states predict, from their logits
+    (n, V) (None: the row's request asked for none here): the state at position i gives token i + 1."""
+    for w, x in zip(rows, logits, strict=True):
         record, k = w.seq.prompt_logprobs, w.seq.request.params.prompt_logprobs
-        n = min(w.count, w.seq.prompt_len - 1 - w.start)  # positions whose next token is a prompt token
-        if record is None or k is None or n <= 0:
+        if record is None or k is None or x is None:
             continue
-        logprobs = torch.log_softmax(model.logits(model.norm(h[:n])).float(), dim=-1)  # (n, V)
+        n = x.shape[0]
+        logprobs = torch.log_softmax(x.float(), dim=-1)  # (n, V)
         targets = torch.tensor(w.seq.tokens[w.start + 1 : w.start + 1 + n], device=logprobs.device)
         values = logprobs.gather(1, targets[:, None])[:, 0].tolist()
         for i, (value, top) in enumerate(zip(values, top_logprobs(logprobs, k), strict=True)):

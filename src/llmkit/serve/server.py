@@ -30,6 +30,7 @@ from llmkit.perf import tune_allocator
 from llmkit.serve.api import Gate, ServeOptions, build_app
 from llmkit.serve.engine import Engine, EngineConfig
 from llmkit.serve.limits import with_header_timeout
+from llmkit.serve.lockstep import Lockstep
 from llmkit.serve.runner import EngineRunner
 from llmkit.tokenizer import Tokenizer
 
@@ -82,13 +83,14 @@ class Server:
         host: str = "127.0.0.1",
         port: int | None = None,
         draft: DecoderLM | None = None,
+        lockstep: Lockstep | None = None,
     ) -> None:
         self.options = options
         # freed step buffers stay in the heap: with glibc's default, the server's steps faulted fresh pages in for
         # their activations all the time (770,000 minor faults in a 7 s load, a quarter of its CPU time) where a
         # plain loop of Engine.step did not; tuned, concurrency 16 served 1.2-1.3x the output tokens/s
         tune_allocator()
-        self.engine = Engine(model, tokenizer, config, draft)
+        self.engine = Engine(model, tokenizer, config, draft, lockstep)
         self.runner = EngineRunner(self.engine)
         self.gate = Gate()
         self.app = build_app(self.runner, tokenizer, options, self.gate)
