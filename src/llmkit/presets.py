@@ -116,6 +116,18 @@ def _mixtral() -> ModelConfig:
     )
 
 
+def _mixtral_8x22b() -> ModelConfig:
+    # the 8x7B block at larger widths: 56 layers of 6144, 48 query and 8 key/value heads, experts of 16384 hidden
+    # units, a 32768-token vocabulary and a 64K context
+    cfg = _mixtral()
+    assert cfg.moe is not None
+    return dataclasses.replace(
+        _llama(6144, 56, 48, 8, 16384, vocab=32768),
+        position=PositionConfig(kind="rope", max_seq_len=65536, theta=1e6, layout="half"),
+        moe=dataclasses.replace(cfg.moe, expert_hidden_dim=16384),
+    )
+
+
 def _qwen3_06b() -> ModelConfig:
     # Qwen3: the Llama block with an RMSNorm on every query and key head (QK-norm), head_dim 128 of its own, no
     # biases, tied embeddings, theta 1e6
@@ -425,6 +437,14 @@ _BASE: list[Preset] = [
         "announcement 'Mixtral of experts' (2023)",
         Published(46.7e9),
         Published(12.9e9),
+    ),
+    Preset(
+        "mixtral-8x22b",
+        _mixtral_8x22b(),
+        "mistralai/Mixtral-8x22B-v0.1 config.json; 141B / 39B from Mistral's announcement 'Cheaper, Better, Faster, "
+        "Stronger' (2024)",
+        Published(141e9, rel_tol=0.01),
+        Published(39e9, rel_tol=0.01),
     ),
     Preset(
         "deepseek-v2-lite",

@@ -141,3 +141,18 @@ def test_help_lists_the_commands_by_concern_and_generate_groups_its_options(caps
         assert f"\n{group}\n" in out
     for flag in ("--temperature", "--top-k", "--min-p", "--stop", "--stream", "--beams", "--draft", "--mtp"):
         assert flag in out
+
+
+def test_inspect_tp_reports_each_ranks_part(capsys):
+    code, out, _ = run(capsys, "inspect", "llama2-70b", "--tp", "8", "--json")
+    assert code == 0
+    tp = json.loads(out)["tensor_parallel"]
+    whole, ranks = tp["weight_bytes_whole"], tp["weight_bytes"]
+    assert len(ranks) == 8 and all(whole / 8 <= r <= whole / 8 * 1.01 for r in ranks)  # norms whole on every rank
+    assert tp["kv_cache_bytes_per_token"] == [tp["kv_cache_bytes_per_token_whole"] // 8] * 8  # 8 kv heads, 1 each
+    assert tp["all_reduces_per_token"] == 2 * 80 + 1  # after attention and feed-forward in 80 blocks, and the embedding
+    assert tp["all_reduce_bytes_per_token"] == 161 * 8192 * 2
+    code, out, _ = run(capsys, "inspect", "deepseek-v3", "--tp", "8")
+    assert code == 0 and "split 8 ways" in out and "KV cache / token / rank" in out
+    code, _, err = run(capsys, "inspect", "mixtral-8x22b", "--tp", "3")
+    assert code == 2 and "8 key/value heads" in err and err.rstrip().endswith("sizes that would: 1, 2, 4, 8")

@@ -53,6 +53,7 @@ def test_split_model_gives_whole_parameters_the_same_gradients(results, case):
     # norms, q/k norms, routers, MLA's latent projections, a key/value head shared by ranks: every rank holds them
     # whole, each rank's part of the computation gives one term of their gradient, and the sum must be the same
     r = results[case]
+    assert r["inspected_bytes"] == r["resident_bytes"]  # `inspect --tp`'s count is each rank's measured bytes
     assert r["whole_grads"] >= 5
     assert r["grad_diff"] <= 1e-5  # relative to each gradient's largest entry
 

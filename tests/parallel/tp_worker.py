@@ -16,6 +16,7 @@ from llmkit import build_model, get_preset
 from llmkit.generate import generate
 from llmkit.layers.extras import Extras
 from llmkit.parallel import parallelize, resident_bytes
+from llmkit.parallel.costs import rank_costs
 from llmkit.quant import quantize
 
 CASES = [
@@ -67,6 +68,12 @@ def whole_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return grads
 
 
+def inspected(cfg) -> list[int]:
+    """What `llmkit inspect --tp` says each rank holds in fp32, the MTP module's part included."""
+    costs = rank_costs(cfg, dist.get_world_size(), "fp32")
+    return [a + b for a, b in zip(costs.weight_bytes, costs.mtp_weight_bytes, strict=True)]
+
+
 def case(name: str, quant: str | None) -> dict:
     model = model_of(name, quant)
     vocab = model.cfg.vocab_size
@@ -94,6 +101,8 @@ def case(name: str, quant: str | None) -> dict:
     sampled = generate(model, prompts, max_new_tokens=10, temperature=1.0, seed=3).new_tokens
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, sampled)
+    ranks_bytes = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks_bytes, resident_bytes(model))
     return {
         "case": f"{name}/{quant or 'fp32'}",
         "max_diff": (out - ref).abs().max().item(),
@@ -103,6 +112,8 @@ def case(name: str, quant: str | None) -> dict:
         "ranks_agree": all(r == sampled for r in ranks),
         "bytes_fraction": resident_bytes(model) / whole,
         "whole_grads": len(grads),
+        "inspected_bytes": inspected(model.cfg) if quant is None else [],
+        "resident_bytes": ranks_bytes,
         "grad_diff": grad_diff,
     }
 

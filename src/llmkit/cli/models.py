@@ -85,9 +85,11 @@ def inspect(
     dtype: DType = "bf16",
     compare: str | None = None,
     no_verify: bool = False,
+    tp: int = 1,
 ) -> int:
     """Parameters (total, active, by component), weight memory, KV cache and FLOPs of a preset, config file or
-    checkpoint (whose weights in memory are reported as loaded: quantized layers at their own size).
+    checkpoint (whose weights in memory are reported as loaded: quantized layers at their own size); with --tp N,
+    what each of N tensor-parallel ranks holds and sends.
 
     model: a preset name (see `llmkit presets`), a ModelConfig JSON file, or a checkpoint (llmkit, Hugging Face, GGUF).
     json_: print one JSON object (with --compare, a list).
@@ -95,18 +97,33 @@ def inspect(
     dtype: element type for weight and cache bytes.
     compare: comma-separated presets or config files to show side by side.
     no_verify: load an llmkit checkpoint without checking it against its manifest.
+    tp: split the model this many ways (tensor parallelism, measured on the model split on the meta device): weights,
+      KV cache and activations per rank, and the bytes all-reduced per token (see docs/parallelism.md).
     """
     from llmkit.analysis import analyze, format_compare, format_report
 
+    if tp < 1:
+        raise LLMKitError(f"--tp must be at least 1, got {tp}")
     if compare is None:
         if model is None:
             raise LLMKitError("give a preset or config file to inspect, or --compare A,B,...")
         loaded = _checkpoint(model, verify=not no_verify)
         name, cfg = (Path(model).name, loaded.model.cfg) if loaded is not None else _load_config(model)
         report = analyze(cfg, name, seq_len, dtype)
+        if loaded is None and tp > 1:
+            from llmkit.parallel.costs import format_costs, rank_costs
+
+            costs = rank_costs(cfg, tp, dtype)
+            if json_:
+                print(json.dumps({**report.to_dict(), "tensor_parallel": costs.to_dict()}, indent=2))
+            else:
+                print(format_report(report) + "\n" + format_costs(costs, report.seq_len))
+            return 0
         if loaded is None:
             print(json.dumps(report.to_dict(), indent=2) if json_ else format_report(report))
             return 0
+        if tp > 1:
+            raise LLMKitError("--tp reports a preset or config file's split; inspect the checkpoint's config instead")
         from llmkit.quant import describe, quantized_spec, weight_bytes
 
         spec = quantized_spec(loaded.model)
@@ -122,6 +139,8 @@ def inspect(
             print(format_report(report))
             print(f"  loaded ({loaded.source})  {extra['weights_loaded']}")
         return 0
+    if tp > 1:
+        raise LLMKitError("--tp reports one model, not --compare")
     specs = [s.strip() for s in compare.split(",") if s.strip()]
     if model is not None:
         specs.insert(0, model)

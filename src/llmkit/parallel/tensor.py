@@ -87,9 +87,14 @@ def parallelize(model: DecoderLM, mesh: Any = None, plan: Plan | None = None) ->
     default group) as `plan` says (default: plan_of(model)); every rank calls this with the same model. Returns the
     model, whose forward, caches and generation work as before, each rank holding about 1/N of the weights and of
     the key/value cache, and every rank computing the same logits."""
+    return split_model(model, TensorParallel.of(mesh), plan)
+
+
+def split_model(model: DecoderLM, tp: TensorParallel, plan: Plan | None = None) -> DecoderLM:
+    """parallelize's work for rank tp.rank of tp.world; on the meta device it needs no process group (what
+    `llmkit inspect --tp` measures each rank's part on)."""
     if getattr(model, "tensor_parallel", None) is not None:
         raise InputError("this model is already split across ranks")
-    tp = TensorParallel.of(mesh)
     plan = plan or plan_of(model)
     check(model, tp.world, plan)
     found = _matches(plan, model)
