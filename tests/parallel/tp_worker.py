@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from llmkit import build_model, get_preset
+from llmkit import InputError, build_model, get_preset
 from llmkit.generate import generate
 from llmkit.layers.extras import Extras
 from llmkit.parallel import parallelize, resident_bytes
@@ -95,6 +95,13 @@ def case(name: str, quant: str | None) -> dict:
     if quant is None:
         loss_of(model, tokens).backward()
     grads = {n: g for n, g in whole_grads(model).items() if g.shape == shapes.get(n)}  # the ones not split
+    refused = None
+    if model.cfg.attention.indexer is not None:  # sparse attention's indexer does not train split
+        try:
+            model.train()(tokens, extras=Extras(indexer="dense"))
+        except InputError as e:
+            refused = str(e)
+        model.eval()
     grad_diff = max(((g - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp(min=1e-12)).item()
                     for n, g in grads.items()) if grads else 0.0  # fmt: skip
     greedy = generate(model, prompts, max_new_tokens=10).new_tokens
@@ -112,6 +119,7 @@ def case(name: str, quant: str | None) -> dict:
         "ranks_agree": all(r == sampled for r in ranks),
         "bytes_fraction": resident_bytes(model) / whole,
         "whole_grads": len(grads),
+        "indexer_training": refused,
         "inspected_bytes": inspected(model.cfg) if quant is None else [],
         "resident_bytes": ranks_bytes,
         "grad_diff": grad_diff,
