@@ -6,6 +6,7 @@ non-zero exit, instead of leaving it hanging."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -74,8 +75,18 @@ class _SplitServer:
         return found
 
     def kill(self) -> None:
+        """Stop torchrun and its ranks: torchrun stops its workers on SIGTERM; a rank it left behind (its workers
+        are not in its process group) is killed by pid."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            ranks = self.ranks()
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            for pid in ranks.values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         self.proc.wait()
 
 
