@@ -18,6 +18,7 @@ drives an engine for the HTTP server, and `generate` drives it to completion for
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -33,7 +34,7 @@ from llmkit.quant.native_step import NativeDecoder
 from llmkit.serve.blocks import BlockPool
 from llmkit.serve.config import EngineConfig, EngineStats
 from llmkit.serve.drafters import speculator
-from llmkit.serve.forward import prompt_count, prompt_logits, row_of, run_rows
+from llmkit.serve.forward import prompt_count, prompt_logits, row_of
 from llmkit.serve.lockstep import Lockstep, RanksLost, forward_step, make_cache
 from llmkit.serve.paged import PagedCache
 from llmkit.serve.request import (
@@ -77,6 +78,7 @@ class Engine:
         if lockstep is not None and (config.draft_tokens or config.batch_invariant or draft is not None):
             raise InputError("a model split across ranks is served without speculation or the batch-invariant mode")
         self.lockstep = lockstep  # a tensor-parallel model: every rank runs each forward (lockstep.py)
+        self._run_rows = forward_step if lockstep is None else functools.partial(lockstep.run, forward_step)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = config
@@ -325,32 +327,30 @@ class Engine:
         bs = self.pool.block_size
         dev = self.device
         counts = [w.count for w in rows]
-        starts = torch.tensor([w.start for w in rows], device=dev)  # (B,) each row's first new slot
         tables = [self.scheduler.kv.table(w.seq) for w in rows]
+        drafts = self.speculator.pending if self.speculator is not None else {}
+        extra = [len(drafts[id(w)].tokens) if id(w) in drafts else 0 for w in rows]
+        in_cpp = self.invariant or any(extra) or (counts == [1] * len(rows) and self._native_applies(rows))
+        if not in_cpp:  # the PyTorch forward, which builds its own slots and tables
+            out = self._run_rows(self, bs, [row_of(w, t) for w, t in zip(rows, tables, strict=True)])
+            record_prompt_logprobs(rows, out.prompt)
+            if self.speculator is not None:
+                self.speculator.observe(rows, out.hidden)
+            return out.logits
+        starts = torch.tensor([w.start for w in rows], device=dev)  # (B,) each row's first new slot
         nb = max(len(t) for t in tables)
         table = torch.tensor([t + t[:1] * (nb - len(t)) for t in tables], device=dev)  # (B, nb), padded
-        drafts = self.speculator.pending if self.speculator is not None else {}
-        extra = torch.tensor([len(drafts[id(w)].tokens) if id(w) in drafts else 0 for w in rows], device=dev)
-        filled = torch.arange(nb * bs, device=dev) < (starts + torch.tensor(counts, device=dev) + extra)[:, None]
-        if self.invariant or bool(extra.any()):
+        ends = torch.tensor([w.start + n + e for w, n, e in zip(rows, counts, extra, strict=True)], device=dev)
+        filled = torch.arange(nb * bs, device=dev) < ends[:, None]  # (B, nb * bs) the slots each row fills
+        if self.invariant or any(extra):
             return self._forward_tokens(rows, table, filled)
-        if counts == [1] * len(rows) and self._native_applies(rows):
-            tokens = torch.tensor([w.seq.tokens[w.start] for w in rows], device=dev)[:, None]  # (B, 1)
-            keys, values = self.cache.grouped_query() or ([], [])
-            h = self.native.run_paged(  # type: ignore[union-attr]
-                tokens, positions=starts[:, None], table=table, slots=starts, allowed=filled, keys=keys, values=values
-            )  # (B, 1, C)
-            self._states(rows, list(h))
-            return self.model.logits(self.model.norm(h[:, -1]))  # (B, V)
-        inputs = [row_of(w, t) for w, t in zip(rows, tables, strict=True)]
-        if self.lockstep is not None:
-            out = self.lockstep.run(forward_step, self, bs, inputs)
-        else:
-            out = run_rows(self.model, self.cache, bs, inputs)
-        record_prompt_logprobs(rows, out.prompt)
-        if self.speculator is not None:
-            self.speculator.observe(rows, out.hidden)
-        return out.logits
+        tokens = torch.tensor([w.seq.tokens[w.start] for w in rows], device=dev)[:, None]  # (B, 1)
+        keys, values = self.cache.grouped_query() or ([], [])
+        h = self.native.run_paged(  # type: ignore[union-attr]
+            tokens, positions=starts[:, None], table=table, slots=starts, allowed=filled, keys=keys, values=values
+        )  # (B, 1, C)
+        self._states(rows, list(h))
+        return self.model.logits(self.model.norm(h[:, -1]))  # (B, V)
 
     def _forward_tokens(self, rows: list[Work], table: Tensor, filled: Tensor) -> list[Tensor]:
         """Every token of the rows through the C++ step as a row of its own (table and filled (B, ...) repeated for
