@@ -47,9 +47,10 @@ def print_streamed(
 
 
 def load_decoder(
-    checkpoint: str, dtype: DType | None, device: str | None = None, verify: bool = True
+    checkpoint: str, dtype: DType | None, device: str | None = None, verify: bool = True, split: bool = False
 ) -> tuple[DecoderLM, Tokenizer]:
-    """A decoder-only model, in eval mode, and its tokenizer; a run folder gives its latest checkpoint."""
+    """A decoder-only model, in eval mode, and its tokenizer; a run folder gives its latest checkpoint. `split`:
+    this tensor-parallel rank's part of it, only that read from the files (torch.distributed initialized)."""
     from llmkit.devices import check_device
     from llmkit.interop.load import load_model
     from llmkit.models import DecoderLM
@@ -58,7 +59,12 @@ def load_decoder(
     if device is not None:
         check_device(device)
     path = resolve_checkpoint(checkpoint, averaged=False)
-    loaded = load_model(path, dtype=torch_dtype(dtype), device=device, verify=verify)
+    cut = None
+    if split:
+        from llmkit.parallel import split_loader
+
+        cut = split_loader()
+    loaded = load_model(path, dtype=torch_dtype(dtype), device=device, verify=verify, split=cut)
     if loaded.tokenizer is None:
         raise LLMKitError(f"{checkpoint} has no tokenizer to turn text into tokens")
     if not isinstance(loaded.model, DecoderLM):
@@ -67,9 +73,15 @@ def load_decoder(
     from llmkit.quant import describe, parameter_count
 
     print(
-        f"loaded {checkpoint} ({loaded.source}): {parameter_count(loaded.model) / 1e6:.1f}M parameters, "
+        f"loaded {checkpoint} ({loaded.source}){_part(loaded.model)}: {parameter_count(loaded.model) / 1e6:.1f}M "
+        "parameters, "
         f"{describe(loaded.model)}" + "".join(f"; {n}" for n in loaded.notes),
         file=sys.stderr,
         flush=True,
     )
     return loaded.model, loaded.tokenizer
+
+
+def _part(model: DecoderLM) -> str:
+    tp = getattr(model, "tensor_parallel", None)
+    return "" if tp is None else f", rank {tp.rank}'s part of {tp.world}"

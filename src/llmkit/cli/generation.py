@@ -255,11 +255,8 @@ def _generate(
     no_verify: bool,
     ranks: launch.Ranks | None,
 ) -> None:
-    model, tok = load_decoder(checkpoint, dtype, device, verify=not no_verify)
-    if ranks is not None:  # this rank's part of every layer; all ranks sample with one seed
-        from llmkit.parallel import parallelize
-
-        parallelize(model)
+    model, tok = load_decoder(checkpoint, dtype, device, verify=not no_verify, split=ranks is not None)
+    if ranks is not None:  # each rank loaded its part of every layer; all ranks sample with one seed
         sampling = dataclasses.replace(sampling, seed=ranks.shared_seed(sampling.seed))
     ids = tok.encode(prompt) if prompt else []
     if not ids:

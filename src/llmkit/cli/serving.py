@@ -144,16 +144,15 @@ def _serve_split(
     host: str,
     port: int,
 ) -> int:
-    """`serve --tensor-parallel N` on one of torchrun's N processes: every rank loads the model and keeps its part;
+    """`serve --tensor-parallel N` on one of torchrun's N processes: every rank loads its part of the model;
     rank 0 serves, the others follow its steps (serve/lockstep.py)."""
-    from llmkit.parallel import launch, parallelize
+    from llmkit.parallel import launch
     from llmkit.serve.lockstep import Lockstep, follow
     from llmkit.serve.server import Server
 
     finished = False
     try:
-        model, tok = load_decoder(checkpoint, dtype, str(ranks.device), verify=not no_verify)
-        parallelize(model)
+        model, tok = load_decoder(checkpoint, dtype, str(ranks.device), verify=not no_verify, split=True)
         lockstep = Lockstep.create()
         if ranks.rank != 0:
             follow(model, lockstep)

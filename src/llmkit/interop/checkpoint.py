@@ -52,9 +52,10 @@ from llmkit.errors import ConfigError, InputError
 from llmkit.interop.keymap import IDENTITY, Concrete
 from llmkit.interop.loaded import Loaded
 from llmkit.interop.safetensors_io import CheckpointError, open_tensors, save_tensors
-from llmkit.interop.weights import build_quantized, build_with_weights, expected_shapes
+from llmkit.interop.weights import Split, build_quantized, build_with_weights, expected_shapes
 from llmkit.layers.precision import cast_state, fp32_state
 from llmkit.models import DecoderLM, EncoderDecoder, RNNConfig, RNNSeq2Seq, build_rnn
+from llmkit.parts import Index
 from llmkit.quant import QuantSpec, quantized_spec
 from llmkit.tokenizer import Tokenizer
 
@@ -277,8 +278,10 @@ def load_llmkit(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     verify: bool = True,
+    split: Split | None = None,
 ) -> Loaded:
-    """An llmkit checkpoint, its config and files verified against their manifest first (unless not `verify`)."""
+    """An llmkit checkpoint, its config and files verified against their manifest first (unless not `verify`).
+    `split` cuts the model on the meta device before loading, and only the parts it keeps are read (weights.py)."""
     d = Path(directory)
     meta = read_meta(d)
     if meta.get("adapter"):
@@ -296,18 +299,28 @@ def load_llmkit(
     tensors = open_tensors(d)
     model: DecoderLM | EncoderDecoder | RNNSeq2Seq
     if isinstance(cfg, RNNConfig):
+        if split is not None:
+            raise CheckpointError(f"{d} holds a recurrent model: only decoder-only models load split across ranks")
         model = _load_rnn(cfg, tensors, dtype, device, d)
     elif meta.get("quantization"):
         try:
             spec = QuantSpec.from_dict(meta["quantization"])
         except (InputError, TypeError) as e:
             raise CheckpointError(f"{d / FORMAT_FILE} holds an invalid quantization record: {e}") from None
-        model = build_quantized(cfg, spec, lambda _: {n: tensors[n] for n in tensors.shapes}, dtype, device, str(d))
+
+        def part(name: str, index: Index | None) -> torch.Tensor:
+            return tensors[name] if index is None else tensors.part(name, index)
+
+        model = build_quantized(
+            cfg, spec, lambda _: {n: tensors[n] for n in tensors.shapes}, dtype, device, str(d),
+            split=split, part=part, shapes=tensors.shapes,
+        )  # fmt: skip
     else:
         concrete = [Concrete((n,), (n,), IDENTITY) for n in expected_shapes(cfg)]
         model = build_with_weights(
-            cfg, concrete, tensors.__getitem__, tensors.shapes, lambda n: False, dtype, device, str(d)
-        )
+            cfg, concrete, tensors.__getitem__, tensors.shapes, lambda n: False, dtype, device, str(d),
+            split=split, part=tensors.part,
+        )  # fmt: skip
     hf = meta.get("hf") or {}
     loaded = Loaded(
         model,

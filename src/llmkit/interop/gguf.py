@@ -33,7 +33,8 @@ from llmkit.errors import ConfigError
 from llmkit.interop.keymap import IDENTITY, Concrete, RopeToHalf, Rule, check_against, expand
 from llmkit.interop.loaded import Loaded
 from llmkit.interop.safetensors_io import CheckpointError
-from llmkit.interop.weights import build_quantized, build_with_weights, expected_shapes
+from llmkit.interop.weights import RuleReader, Split, build_quantized, build_with_weights, expected_shapes
+from llmkit.parts import Index
 from llmkit.tokenizer import Tokenizer
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
@@ -244,8 +245,10 @@ def load_gguf(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     quantized: bool | None = None,
+    split: Split | None = None,
 ) -> Loaded:
-    """Load a llama-architecture GGUF file and its tokenizer.
+    """Load a llama-architecture GGUF file and its tokenizer. `split` cuts the model on the meta device first, and
+    only the rows and blocks of columns of its parts are read from the memory-mapped file (interop/weights.py).
 
     quantized: keep the Q4_0 / Q4_1 / Q4_K / Q5_0 / Q8_0 tensors in their exact llmkit formats (int4 / int8, groups
     of 32); round the other quantized types (Q6_K, Q5_K, ...) to int8 in groups of 32, a quarter of their step or
@@ -268,6 +271,16 @@ def load_gguf(
         t = tensors[name]
         return torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).reshape(shapes[name])
 
+    def part(name: str, index: Index) -> Tensor:
+        t = tensors[name]
+        if len(index) == 1:  # a vector: always float
+            ((a, b),) = index
+            return torch.from_numpy(dequantize(t.data[a:b], t.tensor_type).copy())
+        (a, b), (c, d) = index
+        raw, c0, _ = _blocks(t, a, b, c, d)
+        values = torch.from_numpy(dequantize(raw, t.tensor_type).copy()).reshape(b - a, -1)
+        return values[:, c - c0 : d - c0].contiguous()
+
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if quantized is None:
         quantized = dtype is None and fast_kernels(dev, torch.float32)
@@ -279,9 +292,12 @@ def load_gguf(
         def read(expected: dict[str, tuple[int, ...]]) -> dict[str, Tensor]:
             return _quantized_state(concrete, tensors, shapes, spec, get)
 
-        model = build_quantized(cfg, spec, read, dtype or torch.float32, device, str(p))
+        parts = _QuantizedParts(cfg, spec, concrete, tensors, shapes, RuleReader(concrete, get, part))
+        model = build_quantized(cfg, spec, read, dtype or torch.float32, device, str(p), split=split, part=parts)
     else:
-        model = build_with_weights(cfg, concrete, get, shapes, lambda n: False, dtype or torch.float32, device, str(p))
+        model = build_with_weights(
+            cfg, concrete, get, shapes, lambda n: False, dtype or torch.float32, device, str(p), split=split, part=part
+        )
     tokenizer = gguf_tokenizer(meta)
     generation = {}
     if tokenizer is not None:
@@ -370,3 +386,72 @@ def _quantized_state(
         for part, t in raw("token_embd.weight").items():
             state[f"head.{part}"] = t
     return state
+
+
+def _blocks(t: Any, a: int, b: int, c: int, d: int) -> tuple[Any, int, int]:
+    """Rows [a, b) of a 2-D GGUF tensor and the whole blocks holding its columns [c, d), read from the memory map
+    alone: (their raw data, the columns [c0, d1) they hold)."""
+    from gguf import GGML_QUANT_SIZES
+
+    per, size = GGML_QUANT_SIZES[t.tensor_type]  # values and bytes a block
+    c0, d1 = c // per * per, -(-d // per) * per
+    if t.data.shape[-1] == int(t.shape[0]):  # the array holds values (F32, F16), not bytes
+        return t.data[a:b, c0:d1], c0, d1
+    return t.data[a:b, c0 // per * size : d1 // per * size], c0, d1
+
+
+class _QuantizedParts:
+    """Parts of the quantized state `_quantized_state` makes, read alone: a quantized layer's rows and the blocks
+    of its columns are converted to codes and scales; float tensors come from `floats` (their rules, in part)."""
+
+    def __init__(
+        self, cfg: ModelConfig, spec: Any, concrete: list[Concrete], tensors: dict[str, Any],
+        shapes: dict[str, tuple[int, ...]], floats: RuleReader,
+    ) -> None:  # fmt: skip
+        from llmkit.models import build_model
+        from llmkit.quant import apply_spec
+
+        model = build_model(cfg, device="meta")
+        apply_spec(model, spec)
+        self.expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+        self.layers = {  # our quantized layer -> (their tensor, the rule's row transform)
+            c.ours[0].removesuffix(".weight"): (c.theirs[0], c.transform)
+            for c in concrete
+            if c.ours[0].endswith(".weight") and spec.layers is not None and c.ours[0][: -len(".weight")] in spec.layers
+        }
+        if spec.layers is not None and "head" in spec.layers and "head" not in self.layers:
+            self.layers["head"] = ("token_embd.weight", IDENTITY)  # tied: the head's codes are the table's
+        self.tensors, self.shapes, self.floats = tensors, shapes, floats
+        self.last: dict[tuple[str, int, int, int, int], tuple[dict[str, Tensor], int]] = {}
+
+    def __call__(self, name: str, index: Index | None) -> Tensor:
+        layer, _, field = name.rpartition(".")
+        if layer not in self.layers:
+            return self.floats(name, index, self.expected[name])
+        theirs, transform = self.layers[layer]
+        (N, K), width = self.shapes[theirs], self.expected[name][1]
+        (a, b), (x, y) = index or ((0, N), (0, width))  # rows; columns in this field's units (codes, bytes, groups)
+        how = transform.part((theirs,), ((a, b),), (N,)) if (a, b) != (0, N) else ([], transform)
+        rows = (a, b) if how is not None else (0, N)  # a row transform that needs every row: read them, cut after
+        key = (theirs, *rows, x * K // width, y * K // width)
+        if key not in self.last:
+            self.last.clear()
+            self.last[key] = _quantized_blocks(self.tensors[theirs], *key[1:])
+        fields, c0 = self.last[key]
+        off = c0 * width // K
+        t = (how[1] if how is not None else transform).to_ours([fields[field][:, x - off : y - off]])[0]
+        return (t if how is not None else t[a:b]).contiguous().clone()
+
+
+def _quantized_blocks(t: Any, a: int, b: int, c: int, d: int) -> tuple[dict[str, Tensor], int]:
+    """Codes and scales of rows [a, b) and the blocks of columns holding [c, d) of a quantized GGUF tensor (as
+    _quantized_state makes them), and the first column they hold."""
+    from gguf.quants import dequantize
+
+    from llmkit.quant.formats import GGUF_KINDS, from_gguf_blocks, requantized_int8
+
+    raw, c0, d1 = _blocks(t, a, b, c, d)
+    if t.tensor_type.name in GGUF_KINDS:
+        return from_gguf_blocks(t.tensor_type.name, raw, (b - a, d1 - c0)), c0
+    values = torch.from_numpy(dequantize(raw, t.tensor_type).copy()).reshape(b - a, d1 - c0)
+    return requantized_int8(values), c0

@@ -24,14 +24,23 @@ from torch import Tensor
 
 from llmkit.config import ModelConfig
 from llmkit.errors import LLMKitError
+from llmkit.parts import Index
 
 # ---- transforms: each maps the other format's tensors (a list) to llmkit's (a list), and back
+
+Reading = tuple[list[tuple[str, Index]], "Transform"]  # parts of their tensors, and what makes ours of them
 
 
 class Transform(abc.ABC):
     """An invertible mapping between the other format's tensors and llmkit's tensors of one rule."""
 
     name = "transform"
+
+    def part(self, theirs: tuple[str, ...], index: Index, shape: tuple[int, ...]) -> Reading | None:
+        """How to read only the part `index` of our one tensor (whole: `shape`) from the other format: which part
+        of which of their tensors, and the transform that makes our part of them. None: it needs all of theirs
+        (the caller reads them whole and cuts)."""
+        return None
 
     @abc.abstractmethod
     def to_ours(self, theirs: list[Tensor]) -> list[Tensor]:
@@ -45,6 +54,9 @@ class Transform(abc.ABC):
 class Identity(Transform):
     name = "identity"
 
+    def part(self, theirs: tuple[str, ...], index: Index, shape: tuple[int, ...]) -> Reading | None:
+        return [(theirs[0], index)], self
+
     def to_ours(self, theirs: list[Tensor]) -> list[Tensor]:
         return list(theirs)
 
@@ -56,6 +68,9 @@ class Transpose(Transform):
     """GPT-2's Conv1D stores weights (in, out); nn.Linear wants (out, in)."""
 
     name = "transpose"
+
+    def part(self, theirs: tuple[str, ...], index: Index, shape: tuple[int, ...]) -> Reading | None:
+        return ([(theirs[0], index[::-1])], self) if len(index) == 2 else None
 
     def to_ours(self, theirs: list[Tensor]) -> list[Tensor]:
         return [t.t().contiguous() for t in theirs]
@@ -87,6 +102,10 @@ class Stack(Transform):
 
     name = "stack"
 
+    def part(self, theirs: tuple[str, ...], index: Index, shape: tuple[int, ...]) -> Reading | None:
+        (e0, e1), rest = index[0], index[1:]  # experts [e0, e1), each cut alike
+        return [(theirs[e], rest) for e in range(e0, e1)], self
+
     def to_ours(self, theirs: list[Tensor]) -> list[Tensor]:
         return [torch.stack(theirs)]
 
@@ -115,6 +134,12 @@ class RopeToHalf(Transform):
 
     n_heads: int
     name = "rope-permute"
+
+    def part(self, theirs: tuple[str, ...], index: Index, shape: tuple[int, ...]) -> Reading | None:
+        (a, b), per_head = index[0], shape[0] // self.n_heads
+        if a % per_head or b % per_head:
+            return None  # the permutation runs within a head: a part must hold whole heads
+        return [(theirs[0], index)], RopeToHalf((b - a) // per_head)
 
     def to_ours(self, theirs: list[Tensor]) -> list[Tensor]:
         w = theirs[0]

@@ -13,6 +13,7 @@ from llmkit.interop.gguf import load_gguf
 from llmkit.interop.hf import load_hf
 from llmkit.interop.loaded import Format, Loaded
 from llmkit.interop.safetensors_io import CheckpointError
+from llmkit.interop.weights import Split
 from llmkit.models import DecoderLM
 from llmkit.tokenizer import Tokenizer
 
@@ -105,13 +106,25 @@ def load_model(
     device: torch.device | str | None = None,
     quantized: bool | None = None,
     verify: bool = True,
+    split: Split | None = None,
 ) -> Loaded:
     """Load any supported checkpoint: a Hugging Face directory, a GGUF file, or an llmkit checkpoint (quantized
     ones too); LoRA adapters (an llmkit fine-tuning checkpoint, or a folder PEFT saved) come folded into their base
     checkpoint's weights. `quantized` applies to GGUF files (see load_gguf). With `verify`, an llmkit checkpoint's
     files are checked against their recorded checksums first; whatever the source, weights that are NaN or infinite
-    after loading are a CheckpointError naming the tensor."""
+    after loading are a CheckpointError naming the tensor.
+
+    `split` (llmkit.parallel.split_loader) cuts the model, built on the meta device, to one tensor-parallel rank's
+    part before any weight is read, and only those parts are read from the files (interop/weights.py)."""
     kind = detect_format(path)
+    if split is not None and (
+        (kind == "hf" and not (Path(path) / "config.json").is_file())
+        or (kind == "llmkit" and read_meta(path).get("adapter"))
+    ):
+        raise CheckpointError(
+            f"{path} holds LoRA adapters, which cannot be read in slices: folding them into their base needs the "
+            f"whole weights. Write the merged model first (`llmkit merge {path} MERGED`) and load that"
+        )
     if kind == "hf" and not (Path(path) / "config.json").is_file():  # PEFT's adapters
         loaded = load_peft_folder(path, dtype=dtype, device=device, verify=verify)
     elif kind == "llmkit":
@@ -122,11 +135,11 @@ def load_model(
             )
             loaded.source = "llmkit"
         else:
-            loaded = load_llmkit(path, dtype=dtype, device=device, verify=verify)
+            loaded = load_llmkit(path, dtype=dtype, device=device, verify=verify, split=split)
     elif kind == "gguf":
-        loaded = load_gguf(path, dtype=dtype, device=device, quantized=quantized)
+        loaded = load_gguf(path, dtype=dtype, device=device, quantized=quantized, split=split)
     else:
-        ck = load_hf(path, dtype=dtype, device=device)
+        ck = load_hf(path, dtype=dtype, device=device, split=split)
         loaded = Loaded(
             ck.model, Tokenizer.from_dir(path), "hf", Path(path), ck.model_type, ck.hf_config, ck.generation_config
         )

@@ -1,7 +1,8 @@
 """Reading and writing safetensors checkpoints: one file or shards with an index, read lazily.
 
 `open_tensors` returns a `LazyTensors` mapping: names and shapes come from the file headers, and a tensor is read
-(memory-mapped) only when asked for, so loading a model never holds a second full copy of the weights. A file whose
+(memory-mapped) only when asked for, so loading a model never holds a second full copy of the weights; `part` reads
+only a slice of one (a tensor-parallel rank's rows or columns). A file whose
 data is shorter than its header promises is reported as truncated before anything is read.
 """
 
@@ -15,11 +16,13 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
 from llmkit.errors import LLMKitError, os_error_in
+from llmkit.parts import Index
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -102,6 +105,16 @@ class LazyTensors(Mapping[str, Tensor]):
         path = self._file_of[name]
         with _reading(path):
             return self._handle(path).get_tensor(name)
+
+    def part(self, name: str, index: Index) -> Tensor:
+        """The part `index` ([start, stop) of each dimension) of tensor `name`, reading only its bytes (safetensors
+        gives a view of the memory-mapped file; the copy reads the pages it covers)."""
+        if name not in self._file_of:
+            raise KeyError(name)
+        path = self._file_of[name]
+        with _reading(path):
+            view = self._handle(path).get_slice(name)[tuple(slice(a, b) for a, b in index)]
+        return view.clone(memory_format=torch.contiguous_format)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._file_of)

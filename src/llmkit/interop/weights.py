@@ -3,6 +3,12 @@
 The model is built on the meta device (no memory), every name and shape the key map implies is checked against the
 source's header, and then each rule's tensors are read, transformed, cast and assigned in turn. Memory holds the
 model being filled plus one rule's inputs.
+
+A tensor-parallel rank loads its part only (`split`): the model is cut on the meta device first, each cut tensor
+remembers which part of which whole tensor it is (llmkit.parallel.shard), and only those parts are read: slices of
+the file where the format and the rule allow (safetensors' get_slice, GGUF's memory map; identity, transposed,
+stacked-expert and RoPE-permuted tensors), else the rule's tensors whole, cut at once (fused projections such as
+GPT-2's c_attn or Phi-3's qkv_proj: one at a time).
 """
 
 from __future__ import annotations
@@ -15,10 +21,11 @@ from torch import Tensor
 
 from llmkit.config import ModelConfig
 from llmkit.errors import LLMKitError
-from llmkit.interop.keymap import Concrete, check_against, convert_to_ours
+from llmkit.interop.keymap import Concrete, check_against
 from llmkit.interop.safetensors_io import CheckpointError
 from llmkit.layers.precision import fp32_state
 from llmkit.models import DecoderLM, EncoderDecoder, build_model
+from llmkit.parts import SOURCE, Index, mark_sources, narrowed, own, parts_of
 
 if TYPE_CHECKING:
     from llmkit.quant import QuantSpec
@@ -29,13 +36,69 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {n: tuple(t.shape) for n, t in build_model(cfg, device="meta").state_dict().items()}
 
 
-def _checkpoint_dtype(concrete: list[Concrete], get: Callable[[str], Tensor]) -> torch.dtype:
-    """The floating dtype of the first weight the map reads (embeddings come first): the model's default dtype."""
+Split = Callable[[torch.nn.Module], object]  # cuts a model built on the meta device down to one rank's part
+PartReader = Callable[[str, Index], Tensor]  # (a tensor's name in the source, a part of it) -> that part only
+
+
+def _checkpoint_dtype(
+    concrete: list[Concrete],
+    get: Callable[[str], Tensor],
+    part: PartReader | None,
+    shapes: Mapping[str, tuple[int, ...]],
+) -> torch.dtype:
+    """The floating dtype of the first weight the map reads (embeddings come first): the model's default dtype.
+    With a part reader, one element of it is read."""
     for c in concrete:
-        t = get(c.theirs[0])
+        name = c.theirs[0]
+        t = part(name, tuple((0, min(1, n)) for n in shapes[name])) if part is not None else get(name)
         if t.is_floating_point():
             return t.dtype
     return torch.float32
+
+
+class RuleReader:
+    """llmkit's tensors read from another format through its rules, whole or in part: a part is read alone where
+    the rule's transform says how (Transform.part), else its rule's inputs are read whole, transformed and cut (one
+    rule's at a time: the last one is kept for the rule's other outputs)."""
+
+    def __init__(self, concrete: list[Concrete], get: Callable[[str], Tensor], part: PartReader | None) -> None:
+        self.rule = {n: (c, k) for c in concrete for k, n in enumerate(c.ours)}
+        self.get, self.part = get, part
+        self.last: tuple[Concrete | None, list[Tensor]] = (None, [])
+
+    def __call__(self, name: str, index: Index | None, shape: tuple[int, ...]) -> Tensor:
+        c, k = self.rule[name]
+        if index is not None and self.part is not None and len(c.ours) == 1:
+            how = c.transform.part(c.theirs, index, shape)
+            if how is not None:
+                pieces, transform = how
+                return transform.to_ours([self.part(n, i) for n, i in pieces])[0]
+        if self.last[0] is not c:
+            self.last = (None, [])  # the previous rule's tensors go before this one's are read
+            self.last = (c, c.transform.to_ours([self.get(n) for n in c.theirs]))
+        whole = self.last[1][k]
+        return whole if index is None else own(narrowed(whole, index))
+
+
+def _fill(
+    model: torch.nn.Module, read: Callable[[str, Index | None], Tensor], device: torch.device, where: str
+) -> None:
+    """Assign every state-dict entry of `model` (on the meta device, maybe cut: shard.parts_of) what `read(source
+    name, part)` gives, each part read once (a tied weight is one tensor), checked against the expected shape."""
+    state: dict[str, Tensor] = {}
+    done: dict[tuple[str, Index | None], Tensor] = {}
+    meta, parts = model.state_dict(keep_vars=True), parts_of(model)
+    for name, key in parts.items():
+        if key not in done:
+            done[key] = read(*key)
+        t = state[name] = done[key]
+        if tuple(t.shape) != tuple(meta[name].shape):
+            raise CheckpointError(f"{where}: {key[0]} has shape {tuple(t.shape)}, expected {tuple(meta[name].shape)}")
+    model.load_state_dict(state, strict=True, assign=True)
+    materialize_buffers(model, device)
+    for name, t in model.state_dict(keep_vars=True).items():
+        if parts[name][1] is not None:  # a part keeps saying which part it is (the assigned tensors are new)
+            setattr(t, SOURCE, parts[name])
 
 
 def build_with_weights(
@@ -47,9 +110,13 @@ def build_with_weights(
     dtype: torch.dtype | None,
     device: torch.device | str | None,
     where: str,
+    *,
+    split: Split | None = None,
+    part: PartReader | None = None,
 ) -> DecoderLM | EncoderDecoder:
     """A model for `cfg` holding the source's weights. Raises MappingError naming missing, unexpected or misshapen
-    source tensors before anything is read."""
+    source tensors before anything is read. `split` cuts the model (on the meta device) first, and then only the
+    parts it keeps are read: through `part` where the source reads slices, else whole one rule at a time."""
     model = build_model(cfg, device="meta")
     ours = model.state_dict()
     produced = [n for c in concrete for n in c.ours]
@@ -57,16 +124,21 @@ def build_with_weights(
     if unmapped:  # a key map that forgets a parameter is a bug in llmkit, not in the checkpoint
         raise LLMKitError(f"the key map does not produce {unmapped[:8]}; please report this")
     check_against(concrete, {n: tuple(t.shape) for n, t in ours.items()}, source_shapes, ignored, where)
-    keep = fp32_state(model)
-    target = dtype or _checkpoint_dtype(concrete, get)
+    keep, shapes = fp32_state(model), {n: tuple(t.shape) for n, t in ours.items()}
+    if split is not None:
+        mark_sources(model)
+        split(model)
+    target = dtype or _checkpoint_dtype(concrete, get, part, source_shapes)
     dev = torch.device(device) if device is not None else torch.device("cpu")
-    state: dict[str, Tensor] = {}
-    for name, t in convert_to_ours(concrete, get):
+    reader = RuleReader(concrete, get, part)
+
+    def read(name: str, index: Index | None) -> Tensor:
+        t = reader(name, index, shapes[name])
         if t.is_floating_point():
             t = t.to(torch.float32 if name in keep else target)
-        state[name] = t.to(dev)
-    model.load_state_dict(state, strict=True, assign=True)
-    materialize_buffers(model, dev)
+        return t.to(dev)
+
+    _fill(model, read, dev, where)
     return model
 
 
@@ -77,34 +149,58 @@ def build_quantized(
     dtype: torch.dtype | None,
     device: torch.device | str | None,
     where: str,
+    *,
+    split: Split | None = None,
+    part: Callable[[str, Index | None], Tensor] | None = None,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
 ) -> DecoderLM | EncoderDecoder:
     """A model for `cfg` with the quantized structure of `spec`, holding the tensors `read(expected names and
     shapes)` returns (codes, scales, and the float weights left unquantized). Floats are cast to `dtype` (default:
-    the first float weight's), scales stay fp32."""
+    the first float weight's), scales stay fp32. With `split` (which cuts the model on the meta device first) and
+    `part(our name, part or None)`, only this rank's parts are read (`shapes`: the source's, checked first)."""
     from llmkit.quant import apply_spec
 
     model = build_model(cfg, device="meta")
     apply_spec(model, spec)
     expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
-    state = read(expected)
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise CheckpointError(f"{where}: quantized weights missing {missing[:5]}, unexpected {unexpected[:5]}")
-    bad = [n for n in expected if tuple(state[n].shape) != expected[n]]
-    if bad:
-        raise CheckpointError(f"{where}: {bad[0]} has shape {tuple(state[bad[0]].shape)}, expected {expected[bad[0]]}")
     keep = fp32_state(model)
-    floats = [t.dtype for n, t in state.items() if t.is_floating_point() and n not in keep]
+    if shapes is not None:
+        check_state(expected, shapes, where)
+    if split is not None:
+        mark_sources(model)
+        split(model)
+    if split is None or part is None:  # read whole (and cut when split)
+        whole = read(expected)
+        check_state(expected, {n: tuple(t.shape) for n, t in whole.items()}, where)
+
+        def part(name: str, index: Index | None) -> Tensor:
+            return whole[name] if index is None else own(narrowed(whole[name], index))
+
+    parts = {key: part(*key) for key in dict.fromkeys(parts_of(model).values())}
+    whole = {}
+    floats = [t.dtype for (n, _), t in parts.items() if t.is_floating_point() and n not in keep]
     target = dtype or (floats[0] if floats else torch.float32)
     dev = torch.device(device) if device is not None else torch.device("cpu")
-    for name, t in state.items():
+
+    def cast(name: str, index: Index | None) -> Tensor:
+        t = parts.pop((name, index))
         if t.is_floating_point():
             t = t.to(torch.float32 if name in keep else target)
-        state[name] = t.to(dev)
-    model.load_state_dict(state, strict=True, assign=True)
-    materialize_buffers(model, dev)
+        return t.to(dev)
+
+    _fill(model, cast, dev, where)
     model.to(target)  # the dtype the quantized layers compute in (codes and scales keep theirs)
     return model
+
+
+def check_state(expected: Mapping[str, tuple[int, ...]], shapes: Mapping[str, tuple[int, ...]], where: str) -> None:
+    """A CheckpointError naming the quantized weights missing, unexpected or misshapen."""
+    missing, unexpected = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"{where}: quantized weights missing {missing[:5]}, unexpected {unexpected[:5]}")
+    bad = [n for n in expected if tuple(shapes[n]) != expected[n]]
+    if bad:
+        raise CheckpointError(f"{where}: {bad[0]} has shape {tuple(shapes[bad[0]])}, expected {expected[bad[0]]}")
 
 
 @torch.no_grad()

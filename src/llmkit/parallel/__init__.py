@@ -5,7 +5,7 @@ collectives.py: what flows between ranks; shard.py: the cuts of one layer) and l
 from llmkit.parallel.collectives import TensorParallel
 from llmkit.parallel.shard import resident_bytes
 from llmkit.parallel.splits import VocabParallelHead
-from llmkit.parallel.tensor import Plan, check, parallelize, plan_of, split_sizes
+from llmkit.parallel.tensor import Plan, check, parallelize, plan_of, split_loader, split_sizes
 
 __all__ = [
     "Plan",
@@ -15,5 +15,6 @@ __all__ = [
     "parallelize",
     "plan_of",
     "resident_bytes",
+    "split_loader",
     "split_sizes",
 ]

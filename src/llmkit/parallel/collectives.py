@@ -102,9 +102,12 @@ def gather(y: Tensor, tp: TensorParallel, size: int) -> Tensor:
     return _Gather.apply(y, tp, size)
 
 
-def summed_grads(params: list[nn.Parameter], tp: TensorParallel, among: list[int] | None = None) -> None:
-    """Sum the gradients of `params` over the ranks as they are computed: over all of them, or over the ranks
-    `among` (those holding the same part: a key/value head shared by fewer ranks than all)."""
+def summed_grads(module: nn.Module, names: list[str], tp: TensorParallel, among: list[int] | None = None) -> None:
+    """Sum the gradients of `module`'s parameters `names` over the ranks as they are computed: over all of them, or
+    over the ranks `among` (those holding the same part: a key/value head shared by fewer ranks than all).
+
+    The hooks go on the parameters the module holds when it runs, so that parameters replaced after the split (a
+    loader assigning this rank's weights to a model split on the meta device) are summed too."""
 
     def summed(grad: Tensor) -> Tensor:
         grad = grad.contiguous().clone()
@@ -115,6 +118,14 @@ def summed_grads(params: list[nn.Parameter], tp: TensorParallel, among: list[int
         dist.all_gather(parts, grad, group=tp.group)  # every rank takes part: only `among`'s parts are summed
         return torch.stack([parts[r] for r in among]).sum(0)
 
-    for p in params:
-        if p.requires_grad:
-            p.register_hook(summed)
+    def hooked(m: nn.Module, _: Any) -> None:
+        for name in names:
+            p = m.get_parameter(name)
+            if p.requires_grad and not getattr(p, SUMMED, False):
+                p.register_hook(summed)
+                setattr(p, SUMMED, True)
+
+    module.register_forward_pre_hook(hooked)
+
+
+SUMMED = "_llmkit_summed"  # a parameter's attribute: its gradient hook is registered

@@ -6,14 +6,18 @@ float or quantized, and the rows (vocabulary) of an embedding table. What each p
 
 Every cut tensor is copied (`contiguous().clone()`), so that the full matrix is freed once the caller drops it: a
 rank then holds its part only, which the tests measure.
+
+Cutting a model built on the meta device costs nothing, and each cut remembers which part of which whole tensor it
+is (llmkit.parts), which is how a loader reads from a checkpoint only the slices this rank keeps.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from llmkit.errors import InputError
+from llmkit.parts import cut, cut_parameter
 from llmkit.quant.linear import Int4Linear, Int8Linear, QuantizedLinear
 
 Linear = nn.Linear | QuantizedLinear
@@ -27,24 +31,20 @@ def span(size: int, rank: int, world: int) -> tuple[int, int]:
     return a, a + base + (rank < extra)
 
 
-def own(t: Tensor) -> Tensor:
-    return t.contiguous().clone()
-
-
 @torch.no_grad()
 def take_rows(layer: Linear, a: int, b: int) -> None:
     """Keep output rows [a, b) of `layer` (and of its bias)."""
     if isinstance(layer, nn.Linear):
-        layer.weight = nn.Parameter(own(layer.weight[a:b]), requires_grad=layer.weight.requires_grad)
+        layer.weight = cut_parameter(layer.weight, 0, a, b)
     elif isinstance(layer, QuantizedLinear):
         for name in ("qweight", "scales", "zeros"):
             t = layer._buffers.get(name)
             if t is not None:
-                layer._buffers[name] = own(t[a:b])
+                layer._buffers[name] = cut(t, 0, a, b)
     else:
         raise InputError(f"tensor parallelism cannot split a {type(layer).__name__} by rows")
     if layer.bias is not None:
-        layer.bias = nn.Parameter(own(layer.bias[a:b]), requires_grad=layer.bias.requires_grad)
+        layer.bias = cut_parameter(layer.bias, 0, a, b)
     layer.out_features = b - a
     _prepared(layer)
 
@@ -54,20 +54,20 @@ def take_columns(layer: Linear, a: int, b: int, keep_bias: bool) -> None:
     """Keep input columns [a, b) of `layer`; its bias only where `keep_bias` (the ranks' parts are summed, and the
     bias must be added once)."""
     if isinstance(layer, nn.Linear):
-        layer.weight = nn.Parameter(own(layer.weight[:, a:b]), requires_grad=layer.weight.requires_grad)
+        layer.weight = cut_parameter(layer.weight, 1, a, b)
     elif isinstance(layer, (Int8Linear, Int4Linear)):
         g = layer.group_size
         if g is not None and (a % g or b % g):
             raise InputError(f"inputs [{a}, {b}) of an int{layer.bits} layer cut its groups of {g}")
         if isinstance(layer, Int4Linear):
-            layer._buffers["qweight"] = own(layer.qweight[:, a // 2 : b // 2])  # two codes a byte, in input order
+            layer._buffers["qweight"] = cut(layer.qweight, 1, a // 2, b // 2)  # two codes a byte, in input order
         else:
-            layer._buffers["qweight"] = own(layer.qweight[:, a:b])
+            layer._buffers["qweight"] = cut(layer.qweight, 1, a, b)
         if g is not None:  # per-group scales follow their inputs; one scale per row (int8's default) stays
             for name in ("scales", "zeros"):
                 t = layer._buffers.get(name)
                 if t is not None:
-                    layer._buffers[name] = own(t[:, a // g : b // g])
+                    layer._buffers[name] = cut(t, 1, a // g, b // g)
             layer.n_groups = (b - a) // g
     else:
         raise InputError(f"tensor parallelism cannot split a {type(layer).__name__} by columns")
@@ -85,7 +85,7 @@ def _prepared(layer: Linear) -> None:
 @torch.no_grad()
 def take_embedding_rows(table: nn.Embedding, a: int, b: int) -> None:
     """Keep rows [a, b) of an embedding table (the tokens a..b-1)."""
-    table.weight = nn.Parameter(own(table.weight[a:b]), requires_grad=table.weight.requires_grad)
+    table.weight = cut_parameter(table.weight, 0, a, b)
     table.num_embeddings = b - a
 
 

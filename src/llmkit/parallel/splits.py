@@ -32,7 +32,8 @@ from llmkit.layers.mlp import MLP, SwiGLU
 from llmkit.layers.moe import MoE, Routing
 from llmkit.models.decoder import DecoderLM
 from llmkit.parallel.collectives import TensorParallel, copy_in, gather, sum_out, summed_grads
-from llmkit.parallel.shard import own, span, take_columns, take_embedding_rows, take_rows
+from llmkit.parallel.shard import span, take_columns, take_embedding_rows, take_rows
+from llmkit.parts import cut_parameter
 from llmkit.quant.embedding import QuantizedEmbedding
 from llmkit.quant.experts import QuantizedExperts
 from llmkit.quant.linear import QuantizedLinear
@@ -117,7 +118,8 @@ def _heads(attn: GroupedQueryAttention, tp: TensorParallel) -> None:
     _whole_summed(attn, (attn.wq, attn.wk, attn.wv, attn.wo), tp)  # q/k norms
     if K % tp.world:  # ranks holding the same key/value head each contribute their query heads' gradient
         sharing = [r for r in range(tp.world) if span(H, r, tp.world)[0] // (H // K) == k0]
-        summed_grads([*attn.wk.parameters(), *attn.wv.parameters()], tp, among=sharing)
+        kv = [f"{layer}.{n}" for layer in ("wk", "wv") for n, _ in getattr(attn, layer).named_parameters()]
+        summed_grads(attn, kv, tp, among=sharing)
     _copied_in(attn, tp)
     attn.wo.register_forward_hook(lambda _, __, y: sum_out(y, tp))
 
@@ -142,7 +144,7 @@ def _whole_summed(module: nn.Module, apart: tuple[nn.Module, ...], tp: TensorPar
     """The parameters of `module` outside its layers `apart` (the split ones) are whole on every rank, and each
     rank's heads use them: their gradients are summed over the ranks."""
     cut = {id(p) for layer in apart for p in layer.parameters()}
-    summed_grads([p for p in module.parameters() if id(p) not in cut], tp)
+    summed_grads(module, [n for n, p in module.named_parameters() if id(p) not in cut], tp)
 
 
 def _no_indexer_training(attn: nn.Module, args: tuple[Any, ...]) -> None:
@@ -175,7 +177,7 @@ def _experts(moe: MoE, tp: TensorParallel) -> None:
         for name in ("w1", "w2", "w3"):
             w = getattr(experts, name)
             if w is not None:
-                setattr(experts, name, nn.Parameter(own(w.detach()[e0:e1]), requires_grad=w.requires_grad))
+                setattr(experts, name, cut_parameter(w, 0, e0, e1))
     rows: list[tuple[int, int, int]] = []
 
     def local(_: nn.Module, args: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
@@ -241,7 +243,7 @@ def split_vocab(model: DecoderLM, tp: TensorParallel) -> None:
         head = nn.Linear(model.cfg.d_model, b - a, bias=False, device="meta")
         head.weight = embed.weight
     if model.head_bias is not None:  # the bias's rows go with the head's
-        head.bias = nn.Parameter(own(model.head_bias.detach()[a:b]))
+        head.bias = cut_parameter(model.head_bias, 0, a, b)
         model.head_bias = None
     model.head = VocabParallelHead(head, tp, V)
 

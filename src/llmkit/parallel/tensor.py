@@ -30,6 +30,7 @@ them). What is split is written down in `plan_of`; `parallelize` checks it all b
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -105,3 +106,17 @@ def split_model(model: DecoderLM, tp: TensorParallel, plan: Plan | None = None) 
         split_vocab(model, tp)
     object.__setattr__(model, "tensor_parallel", tp)  # a plain attribute: which ranks hold the model
     return model
+
+
+def split_loader(mesh: Any = None, plan: Plan | None = None) -> Callable[[nn.Module], DecoderLM]:
+    """What `load_model(path, split=...)` takes to load this rank's part of a checkpoint: the model is split on the
+    meta device (checked, nothing read yet) and only the slices each tensor keeps are read from the files, so that
+    no rank ever holds the whole model."""
+    tp = TensorParallel.of(mesh)
+
+    def cut(model: nn.Module) -> DecoderLM:
+        if not isinstance(model, DecoderLM):
+            raise InputError(f"tensor parallelism splits decoder-only models, not {type(model).__name__}")
+        return split_model(model, tp, plan)
+
+    return cut

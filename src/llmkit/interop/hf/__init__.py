@@ -36,7 +36,7 @@ from llmkit.interop.hf.stablelm import StableLMFamily
 from llmkit.interop.hf.starcoder2 import StarCoder2Family
 from llmkit.interop.keymap import check_against, convert_to_ours, convert_to_theirs, expand
 from llmkit.interop.safetensors_io import CheckpointError, open_tensors, save_tensors
-from llmkit.interop.weights import build_with_weights, expected_shapes
+from llmkit.interop.weights import Split, build_with_weights, expected_shapes
 from llmkit.layers.precision import cast_state, fp32_state
 from llmkit.models import DecoderLM, EncoderDecoder
 
@@ -151,8 +151,10 @@ def load_hf(
     *,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
+    split: Split | None = None,
 ) -> HFCheckpoint:
-    """Load a Hugging Face checkpoint directory into llmkit. dtype None keeps the checkpoint's floating dtype."""
+    """Load a Hugging Face checkpoint directory into llmkit. dtype None keeps the checkpoint's floating dtype.
+    `split` cuts the model on the meta device before loading, and only its parts are read (interop/weights.py)."""
     d = Path(directory)
     if not d.is_dir():
         raise CheckpointError(f"{d} is not a directory")
@@ -162,8 +164,9 @@ def load_hf(
     cfg = family.config_from_hf(hf, tensors.shapes.keys())
     concrete = expand(family.rules(cfg, tensors.shapes.keys()), cfg)
     model = build_with_weights(
-        cfg, concrete, tensors.__getitem__, tensors.shapes, lambda n: family.ignored(n, cfg), dtype, device, str(d)
-    )
+        cfg, concrete, tensors.__getitem__, tensors.shapes, lambda n: family.ignored(n, cfg), dtype, device, str(d),
+        split=split, part=tensors.part,
+    )  # fmt: skip
     gen_path = d / "generation_config.json"
     generation = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
     return HFCheckpoint(model, str(hf["model_type"]), hf, d, generation)
