@@ -31,7 +31,7 @@ PROMPT, NEW = 256, 64
 
 def checkpoint() -> Path:
     out = RUNS / "tp-model"
-    if (out / "config.json").is_file():
+    if (out / "llmkit.json").is_file():
         return out
     from tokenizers import Tokenizer as Backend
     from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -57,19 +57,18 @@ def checkpoint() -> Path:
 
 
 def worker(path: Path, tp: int, out: Path) -> None:
-    """One rank (or the one process): load, split, prefill, decode; rank 0 writes what it measured."""
+    """One rank (or the one process): load (a rank: its slices only), prefill, decode; rank 0 writes what it
+    measured."""
     import torch.distributed as dist
 
     from llmkit.cli.common import load_decoder
     from llmkit.generate import generate
     from llmkit.generate.step import DecodeStep
-    from llmkit.parallel import launch, parallelize, resident_bytes
+    from llmkit.parallel import launch, resident_bytes
 
     ranks = launch.start(tp, None)
     start = time.perf_counter()
-    model, _ = load_decoder(str(path), None)
-    if ranks is not None:
-        parallelize(model)
+    model, _ = load_decoder(str(path), None, split=ranks is not None)
     load_s = time.perf_counter() - start
     peak_load = peak_rss_gib()
     sent = {"all_reduce": 0, "all_gather": 0, "calls": 0}
@@ -184,7 +183,7 @@ def main() -> None:
             f"all-reduced, {per['all_gather'] / 1024:.1f} KiB gathered |"
         )
         print(
-            f"| load s, whole checkpoint then this rank's part (per rank) | {one['load_s']:.2f} | "
+            f"| load s, checksums verified; a rank reads its slices only (per rank) | {one['load_s']:.2f} | "
             f"{_each(two, 'load_s', 1, '.2f')} |"
         )
         print(

@@ -146,3 +146,25 @@ def test_a_real_gguf_file_splits_three_ways_and_says_the_same(tmp_path):
     assert one.returncode == 0 and three.returncode == 0, three.stderr[-2000:]
     assert three.stdout == one.stdout and "Paris" in one.stdout
     assert "rank 2's part of 3: 44.9M parameters" in three.stderr  # of 134.5M
+
+
+def test_a_part_read_from_a_safetensors_file_is_that_slice(tmp_path):
+    import random
+
+    from safetensors.torch import save_file
+
+    from llmkit.interop.safetensors_io import open_tensors
+
+    torch.manual_seed(0)
+    whole = {"rows": torch.randn(6, 10), "bf16": torch.randn(4, 5, 6).to(torch.bfloat16), "vector": torch.randn(7),
+             "codes": torch.randint(-100, 100, (3, 8), dtype=torch.int8), "4d": torch.randn(2, 3, 4, 5)}  # fmt: skip
+    save_file(whole, str(tmp_path / "model.safetensors"))
+    tensors, rng = open_tensors(tmp_path), random.Random(0)
+    for name, t in whole.items():
+        for _ in range(100):  # random parts, some dimensions whole: one run of bytes, or one a row
+            index = []
+            for n in t.shape:
+                a = rng.randrange(n)
+                index.append((0, n) if rng.random() < 0.4 else (a, rng.randrange(a + 1, n + 1)))
+            part = tensors.part(name, tuple(index))
+            assert part.dtype == t.dtype and torch.equal(part, narrowed(t, tuple(index))), (name, index)

@@ -2,14 +2,16 @@
 
 `open_tensors` returns a `LazyTensors` mapping: names and shapes come from the file headers, and a tensor is read
 (memory-mapped) only when asked for, so loading a model never holds a second full copy of the weights; `part` reads
-only a slice of one (a tensor-parallel rank's rows or columns). A file whose
+only a slice of one (a tensor-parallel rank's rows or columns), with pread. A file whose
 data is shorter than its header promises is reported as truncated before anything is read.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
+import math
 import os
 import struct
 from collections.abc import Iterator, Mapping
@@ -87,11 +89,16 @@ class LazyTensors(Mapping[str, Tensor]):
         self._file_of = files  # tensor name -> file
         self._handles: dict[Path, Any] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self._where: dict[str, tuple[str, int]] = {}  # tensor name -> (safetensors dtype, offset of its data)
         for path in sorted(set(files.values())):
             with _reading(path), safe_open(str(path), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                     if files.get(name) == path:
                         self.shapes[name] = tuple(f.get_slice(name).get_shape())
+            header, start = _header(path)
+            for name, entry in header.items():
+                if files.get(name) == path:
+                    self._where[name] = (entry["dtype"], start + entry["data_offsets"][0])
 
     def _handle(self, path: Path) -> Any:
         if path not in self._handles:
@@ -107,20 +114,61 @@ class LazyTensors(Mapping[str, Tensor]):
             return self._handle(path).get_tensor(name)
 
     def part(self, name: str, index: Index) -> Tensor:
-        """The part `index` ([start, stop) of each dimension) of tensor `name`, reading only its bytes (safetensors
-        gives a view of the memory-mapped file; the copy reads the pages it covers)."""
+        """The part `index` ([start, stop) of each dimension) of tensor `name`, reading only its bytes.
+
+        They are read with pread into the part's own memory, one run of contiguous bytes at a time (one for a block
+        of rows, one a row for a block of columns), not through a memory map: the file's pages stay in the page
+        cache instead of adding to the process's resident memory, so a rank's peak is its part."""
         if name not in self._file_of:
             raise KeyError(name)
-        path = self._file_of[name]
-        with _reading(path):
-            view = self._handle(path).get_slice(name)[tuple(slice(a, b) for a, b in index)]
-        return view.clone(memory_format=torch.contiguous_format)
+        path, (kind, start), shape = self._file_of[name], self._where[name], self.shapes[name]
+        dtype = _DTYPES.get(kind)
+        if dtype is None:  # a dtype read no other way: safetensors' view of the memory-mapped file, copied
+            with _reading(path):
+                view = self._handle(path).get_slice(name)[tuple(slice(a, b) for a, b in index)]
+            return view.clone(memory_format=torch.contiguous_format)
+        return _read_part(path, start, dtype, shape, index)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._file_of)
 
     def __len__(self) -> int:
         return len(self._file_of)
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8}  # fmt: skip
+
+
+def _header(path: Path) -> tuple[dict[str, Any], int]:
+    """A safetensors file's header (tensor entries only) and where its data starts (check_file ran first)."""
+    with path.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return {k: v for k, v in header.items() if k != "__metadata__"}, 8 + n
+
+
+def _read_part(path: Path, start: int, dtype: torch.dtype, shape: tuple[int, ...], index: Index) -> Tensor:
+    """Part `index` of the row-major tensor of `shape` whose data starts at byte `start` of `path`."""
+    item = torch.empty((), dtype=dtype).element_size()
+    strides = [item * math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    cut = [d for d, (a, b) in enumerate(index) if (a, b) != (0, shape[d])]
+    last = cut[-1] if cut else 0  # the dimensions after it are whole: each run of bytes ends there
+    a, b = index[last] if index else (0, 1)
+    run = (b - a) * (strides[last] if shape else item)
+    out = bytearray(run * math.prod(hi - lo for lo, hi in index[:last]))
+    view = memoryview(out)
+    with path.open("rb") as f:
+        for k, outer in enumerate(itertools.product(*(range(lo, hi) for lo, hi in index[:last]))):
+            at = start + sum(i * strides[d] for d, i in enumerate(outer)) + a * (strides[last] if shape else item)
+            done = 0
+            while done < run:
+                got = os.preadv(f.fileno(), [view[k * run + done : (k + 1) * run]], at + done)
+                if got <= 0:
+                    raise CheckpointError(f"{path} ended while reading a tensor: truncated after it was opened?")
+                done += got
+    parts = tuple(hi - lo for lo, hi in index)
+    return torch.frombuffer(out, dtype=dtype).reshape(parts) if out else torch.empty(parts, dtype=dtype)
 
 
 def open_tensors(directory: str | os.PathLike[str]) -> LazyTensors:

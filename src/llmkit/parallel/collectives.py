@@ -119,6 +119,8 @@ def summed_grads(module: nn.Module, names: list[str], tp: TensorParallel, among:
         return torch.stack([parts[r] for r in among]).sum(0)
 
     def hooked(m: nn.Module, _: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
         for name in names:
             p = m.get_parameter(name)
             if p.requires_grad and not getattr(p, SUMMED, False):
