@@ -5,8 +5,8 @@ source's header, and then each rule's tensors are read, transformed, cast and as
 model being filled plus one rule's inputs.
 
 A tensor-parallel rank loads its part only (`split`): the model is cut on the meta device first, each cut tensor
-remembers which part of which whole tensor it is (llmkit.parallel.shard), and only those parts are read: slices of
-the file where the format and the rule allow (safetensors' get_slice, GGUF's memory map; identity, transposed,
+remembers which part of which whole tensor it is (llmkit.parts), and only those parts are read: slices of the file
+where the format and the rule allow (safetensors with pread, GGUF from its memory map; identity, transposed,
 stacked-expert and RoPE-permuted tensors), else the rule's tensors whole, cut at once (fused projections such as
 GPT-2's c_attn or Phi-3's qkv_proj: one at a time).
 """
@@ -83,7 +83,7 @@ class RuleReader:
 def _fill(
     model: torch.nn.Module, read: Callable[[str, Index | None], Tensor], device: torch.device, where: str
 ) -> None:
-    """Assign every state-dict entry of `model` (on the meta device, maybe cut: shard.parts_of) what `read(source
+    """Assign every state-dict entry of `model` (on the meta device, maybe cut: parts.parts_of) what `read(source
     name, part)` gives, each part read once (a tied weight is one tensor), checked against the expected shape."""
     state: dict[str, Tensor] = {}
     done: dict[tuple[str, Index | None], Tensor] = {}
