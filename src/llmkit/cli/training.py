@@ -16,14 +16,17 @@ def train(
     *,
     set_: list[str] | None = None,
     resume: bool = False,
-    parallel: Literal["none", "ddp", "fsdp"] | None = None,
+    parallel: Literal["none", "ddp", "fsdp", "fsdp+tp"] | None = None,
+    tp: int | None = None,
 ) -> int:
     """Train a model on prepared data: progress bar, metrics, loss plot, checkpoints.
 
     config: a YAML training config (sections model, data, optim, schedule, train, loss); defaults if omitted.
     set_: override a config value, e.g. --set optim.lr=3e-4 --set model.n_layers=6 (repeatable).
     resume: continue from the latest checkpoint in train.out, exactly where it stopped.
-    parallel: data parallelism under torchrun: ddp or fsdp (the same as --set train.parallel=...).
+    parallel: data parallelism under torchrun: ddp or fsdp (the same as --set train.parallel=...); fsdp+tp splits
+        the model across --tp processes (tensor parallelism) and shards it with FSDP across the rest.
+    tp: with --parallel fsdp+tp, how many processes split the model (the same as --set train.tp=...).
     """
     from llmkit.recipes import train_and_evaluate
     from llmkit.train.config import load_train_config
@@ -31,6 +34,8 @@ def train(
     overrides = list(set_ or [])
     if parallel is not None:
         overrides.append(f"train.parallel={parallel}")
+    if tp is not None:
+        overrides.append(f"train.tp={tp}")
     cfg = load_train_config(config, overrides)
     done = train_and_evaluate(cfg, resume=resume)
     result = done.training

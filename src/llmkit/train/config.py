@@ -41,7 +41,7 @@ from llmkit.models.rnn import RNNConfig
 DEFAULT_PRESET = "llama2-7b-tiny"
 Precision = Literal["fp32", "bf16", "fp16", "auto"]
 ScheduleKind = Literal["cosine", "wsd", "noam", "constant"]
-Parallel = Literal["none", "ddp", "fsdp"]
+Parallel = Literal["none", "ddp", "fsdp", "fsdp+tp"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,7 @@ class TrainSection(ConfigBase):
     compile: bool = False
     activation_checkpointing: bool = False
     parallel: Parallel = "none"
+    tp: int = 1  # with parallel fsdp+tp: the model split across this many processes, FSDP over the others
     device: str = "auto"
     seed: int = 1337
     log_every: int = 10
@@ -131,7 +132,13 @@ class TrainSection(ConfigBase):
         )
         if self.halt_at is not None:
             self.require(1 <= self.halt_at <= self.steps, "halt_at", f"must be between 1 and steps={self.steps}")
-        self.at_least(1, "grad_accum")
+        self.at_least(1, "grad_accum", "tp")
+        if self.tp > 1:
+            self.require(self.parallel == "fsdp+tp", "tp", f"needs train.parallel='fsdp+tp', not {self.parallel!r}")
+        if self.parallel == "fsdp+tp":
+            self.require(self.tp >= 2, "tp", "must be >= 2 with train.parallel='fsdp+tp' (--tp N)")
+            self.require(not self.compile, "compile", "is not supported with train.parallel='fsdp+tp' yet")
+            self.require(self.trainable is None, "trainable", "is not supported with train.parallel='fsdp+tp'")
         for name in ("log_every", "eval_every", "save_every", "keep_last", "eval_tokens"):
             self.require(getattr(self, name) >= 1, name, "must be >= 1")
         self.require(self.average_last >= 0, "average_last", "must be >= 0 (0: no averaging)")

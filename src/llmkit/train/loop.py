@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from llmkit.errors import OutputError
+from llmkit.errors import ConfigError, OutputError
 from llmkit.outputs import DESCRIBED, check_not_input, found_at
 from llmkit.perf import matmul_flops, tune_allocator
 from llmkit.runs import latest_checkpoint
@@ -51,8 +51,9 @@ from llmkit.train.parallel import (
 )
 from llmkit.train.schedule import lr_multiplier
 from llmkit.train.source import Model, ModelSource, TrainingError, model_source
-from llmkit.train.strategy import FineTuning, from_config
+from llmkit.train.strategy import FineTuning, Full, from_config
 from llmkit.train.tasks import build_task
+from llmkit.train.tensor_parallel import Split, clip_grad_norm, local_state, split_for_training, whole_state
 
 # train.fit_to_time: the step time is measured after FIT_SKIP steps (allocations, caches and compilation make the
 # first steps slow) over at least FIT_WINDOW steps and FIT_SHARE of the time limit, and FIT_MARGIN of the remaining
@@ -101,7 +102,7 @@ class Trainer:
         tune_allocator()  # reuse the large per-step buffers instead of faulting in fresh pages each step
         self.out = Path(t.out)
         check_run_folder(cfg)
-        self.rt = setup(t.parallel, t.device)
+        self.rt = setup(t.parallel, t.device, t.tp)
         self.precision = resolve_precision(t.precision, self.rt.device)  # "auto": bf16 only where it is fast
         if self.rt.main:  # before a resume looks for its checkpoint: a full disk's leftover would keep it full
             for note in ckpt.remove_leftovers(self.out):
@@ -119,6 +120,7 @@ class Trainer:
         torch.manual_seed(t.seed)  # the same initial weights in every process
         self.model: Model = self.source.build(self.rt.device)
         described = self.fine_tuning.prepare(self.model)
+        self.split = self._split() if self.rt.tp is not None else None
         if described and self.rt.main and t.progress:
             print(described)
         self.state = ckpt.TrainState(step=0, tokens=0, elapsed=0.0)
@@ -132,9 +134,11 @@ class Trainer:
         self.wrapped = wrap(self.runner, t.parallel, self.rt, find_unused=False)
         self.optimizer = build_optimizer(self.model, cfg.optim, self._group_of)
         if resumed is not None:
-            state = self.fine_tuning.restore(self.model, resumed.model_state)
+            state, optim = self.fine_tuning.restore(self.model, resumed.model_state), resumed.optimizer
+            if self.split is not None:  # this process's parts of the whole checkpoint
+                state, optim = local_state(state, optim, self.split, self._optimizer_names())
             model_state = {"model." + k: v.to(self.rt.device) for k, v in state.items()}
-            load_full_state(self.runner, self.optimizer, model_state, wrapper_keys(resumed.optimizer))
+            load_full_state(self.runner, self.optimizer, model_state, wrapper_keys(optim))
             ckpt.set_rng_state(resumed.rng)
         # not the groups' lr: a resumed optimizer holds the learning rate of its last step
         self.base_lr = cfg.optim.lr
@@ -188,6 +192,16 @@ class Trainer:
         """Whether the step time has been measured over FIT_SHARE of the time limit (all processes agree)."""
         limit = self.cfg.train.time_limit or 0.0
         return agree(self.state.elapsed - since[1] >= FIT_SHARE * limit, self.rt)
+
+    def _split(self) -> Split:
+        if not isinstance(self.fine_tuning, Full):
+            raise ConfigError("train.parallel='fsdp+tp' trains every weight (pre-training or full fine-tuning)")
+        assert self.rt.tp is not None
+        return split_for_training(self.model, self.rt.tp)
+
+    def _optimizer_names(self) -> list[list[str]]:
+        name_of = {id(p): n for n, p in self.model.named_parameters()}
+        return [[name_of[id(p)] for p in group["params"]] for group in self.optimizer.param_groups]
 
     def _group_of(self, name: str) -> str | None:
         return next((g for hook in self.hooks if (g := hook.group(name)) is not None), None)
@@ -259,8 +273,10 @@ class Trainer:
         return terms, int(read.item()), grad_norm
 
     def _clip(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
         clip = self.cfg.optim.grad_clip
+        if self.split is not None:  # the whole model's norm, from the parts
+            return clip_grad_norm(self.model, self.split, self.rt.group, clip if clip > 0 else float("inf"))
+        params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
@@ -287,15 +303,18 @@ class Trainer:
         return f"{self.out.name}: {params / 1e6:.1f}M parameters, {self.state.tokens / 1e6:.2f}M tokens"
 
     def save(self) -> Path | None:
-        model_state, optim_state = full_state(self.runner, self.optimizer)
+        model_state, optim_state = full_state(self.runner, self.optimizer, every_process=self.split is not None)
+        state, optim_state = {k.removeprefix("model."): v for k, v in model_state.items()}, checkpoint_keys(optim_state)
+        if self.split is not None:  # the whole model's state, assembled in process 0
+            state, optim_state = whole_state(state, optim_state, self.split)
         if not self.rt.main:
             return None
-        state = self.fine_tuning.saved({k.removeprefix("model."): v for k, v in model_state.items()})
+        state = self.fine_tuning.saved(state)
         return ckpt.save(
             self.out,
             self.model,
             state,
-            checkpoint_keys(optim_state),
+            optim_state,
             self.state,
             self.cfg.train.keep_last,
             self.task.tokenizer,
@@ -313,7 +332,7 @@ class Trainer:
             # the best of three short measurements: the peak is the best sustained rate, and one window on a shared
             # machine can land on a slow moment (a run of SmolLM2 once read half the usual peak and showed MFU 109%)
             peak = max(matmul_flops(_DTYPES[self.precision], self.rt.device, seconds=0.1) for _ in range(3))
-            self.peak_flops = peak * self.rt.world
+            self.peak_flops = peak * self.rt.world * (self.rt.tp.world if self.rt.tp is not None else 1)
         bar = tqdm(
             total=self.total_steps,
             initial=self.state.step,

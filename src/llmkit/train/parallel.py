@@ -7,8 +7,12 @@ Distributed runs start with torchrun, which sets RANK / WORLD_SIZE / MASTER_ADDR
     torchrun --nnodes 2 --node_rank 0 --master_addr HOST --master_port 29500 \\
              --nproc_per_node 8 -m llmkit train run.yaml --parallel fsdp             the first of two machines
 
-The backend is gloo on CPU and NCCL on CUDA. Checkpoints hold full (unsharded) state, written by process 0, so a
-run saved under FSDP resumes in one process and the other way round.
+    torchrun --nproc_per_node 4 -m llmkit train run.yaml --parallel fsdp+tp --tp 2
+             a 2-D mesh: the model split across 2 processes (tensor parallelism, llmkit.parallel), FSDP across
+             the 2 such groups; data is split by FSDP's ranks (the processes of one split share each batch)
+
+The backend is gloo on CPU and NCCL on CUDA. Checkpoints hold full (unsharded, unsplit) state, written by process 0,
+so a run saved under FSDP, or split, resumes in one process or another layout, and the other way round.
 """
 
 from __future__ import annotations
@@ -24,24 +28,30 @@ from torch import nn
 from llmkit.devices import check_device
 from llmkit.errors import ConfigError, InputError
 from llmkit.layers.block import CrossAttentionBlock, TransformerBlock
+from llmkit.parallel.collectives import TensorParallel
 
 
 @dataclass(frozen=True)
 class Runtime:
-    """Where this process runs: its rank among `world` processes and its device."""
+    """Where this process runs: its rank among `world` data-parallel processes (what the data and the sums of
+    losses and token counts are split over) and its device. With tensor parallelism, `tp` is this process's place
+    in the model's split and `group` the data-parallel group it sums with (None: every process)."""
 
     rank: int
     world: int
     local_rank: int
     device: torch.device
+    tp: TensorParallel | None = None
+    group: Any = None
+    mesh: Any = None  # the 2-D device mesh ("dp", "tp") of fsdp+tp
 
     @property
     def main(self) -> bool:
-        return self.rank == 0
+        return self.rank == 0 and (self.tp is None or self.tp.rank == 0)
 
     @property
     def distributed(self) -> bool:
-        return self.world > 1
+        return self.world * (self.tp.world if self.tp is not None else 1) > 1
 
 
 def pick_device(spec: str) -> torch.device:
@@ -53,8 +63,8 @@ def pick_device(spec: str) -> torch.device:
         raise ConfigError(str(e)) from None
 
 
-def setup(parallel: str, device_spec: str) -> Runtime:
-    """Start the process group when run under torchrun with --parallel ddp|fsdp."""
+def setup(parallel: str, device_spec: str, tp: int = 1) -> Runtime:
+    """Start the process group when run under torchrun with --parallel ddp|fsdp|fsdp+tp."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if parallel == "none":
         if world > 1:
@@ -69,7 +79,16 @@ def setup(parallel: str, device_spec: str) -> Runtime:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device)
+    if parallel != "fsdp+tp":
+        return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device)
+    world = dist.get_world_size()
+    if world % tp:
+        raise ConfigError(f"--tp {tp} does not divide the {world} processes torchrun started")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    split = TensorParallel.of(mesh["tp"])
+    return Runtime(mesh["dp"].get_local_rank(), world // tp, local_rank, device, split, mesh["dp"].get_group(), mesh)
 
 
 def teardown(rt: Runtime, finished: bool = False) -> None:
@@ -128,18 +147,22 @@ def wrap(model: nn.Module, parallel: str, rt: Runtime, find_unused: bool = False
         return DistributedDataParallel(model, device_ids=ids, find_unused_parameters=find_unused)
     from torch.distributed.fsdp import fully_shard
 
+    dp = rt.mesh["dp"] if rt.mesh is not None else None  # fsdp+tp: each process's part sharded across its group
     for _, _, block in blocks_of(model):
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=dp)
+    fully_shard(model, mesh=dp)
     return model
 
 
-def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], dict[str, Any]]:
+def full_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, every_process: bool = False
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Unsharded model and optimizer state (on CPU), keyed by parameter names, whatever the wrapping. Every process
-    must call this under FSDP; only process 0 needs the result."""
+    must call this under FSDP; only process 0 needs the result, unless `every_process` (a split model: each process
+    holds its own parts)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=not every_process)  # offloaded: process 0 only
     inner = _unwrapped(model)
     model_state = get_model_state_dict(inner, options=opts)
     optim_state = get_optimizer_state_dict(inner, optimizer, options=opts) if optimizer is not None else {}
@@ -167,8 +190,9 @@ def _unwrapped(model: nn.Module) -> nn.Module:
 
 
 def all_reduce_sum(t: torch.Tensor, rt: Runtime) -> torch.Tensor:
-    if rt.distributed:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    """`t` summed over the data-parallel processes (those of one tensor-parallel split hold the same values)."""
+    if rt.world > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=rt.group)
     return t
 
 
