@@ -16,7 +16,7 @@ pass appends a second copy of each record to an Extras the caller has already re
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -37,7 +37,6 @@ class MoEStats:
     dropped: Tensor  # scalar, fraction of assignments dropped by the capacity limit
 
 
-@dataclass
 class Extras:
     """A request for side outputs, and the place layers put them.
 
@@ -45,14 +44,27 @@ class Extras:
     indexer: how DeepSeek sparse attention trains its lightning indexer in this call (DeepSeek-V3.2 §2.1): "off"
         (inference, or a model without one), "dense" (the warm-up: attention stays dense and the indexer learns to
         match it) or "sparse" (attention uses the indexer's selection). Ignored outside training mode.
+
+    A plain class, not a dataclass, on purpose: FSDP2 rebuilds the dataclasses among a wrapped module's arguments
+    that hold tensors needing gradients (to hook them for its backward), so the layers of every FSDP-wrapped block
+    after the first MoE layer appended their records to a copy the caller never saw (their balance losses and expert
+    loads were lost in training). FSDP passes other objects through as they are.
     """
 
-    attention_weights: bool = False
-    indexer: IndexerMode = "off"
-    moe: list[MoEStats] = field(default_factory=list)
-    indexer_losses: list[Tensor] = field(default_factory=list)
-    self_attention: list[Tensor] = field(default_factory=list)
-    cross_attention: list[Tensor] = field(default_factory=list)
+    def __init__(self, attention_weights: bool = False, indexer: IndexerMode = "off") -> None:
+        self.attention_weights = attention_weights
+        self.indexer: IndexerMode = indexer
+        self.moe: list[MoEStats] = []
+        self.indexer_losses: list[Tensor] = []
+        self.self_attention: list[Tensor] = []
+        self.cross_attention: list[Tensor] = []
+
+    def __repr__(self) -> str:
+        return (
+            f"Extras(attention_weights={self.attention_weights}, indexer={self.indexer!r}, {len(self.moe)} MoE "
+            f"records, {len(self.indexer_losses)} indexer losses, {len(self.self_attention)} + "
+            f"{len(self.cross_attention)} attention maps)"
+        )
 
     def moe_loss(self, aux_coef: float, z_coef: float, like: Tensor) -> Tensor:
         """The MoE layers' balance and z losses, weighted by their coefficients, summed over layers (fp32)."""
