@@ -118,3 +118,35 @@ def test_tp_settings_are_checked(tiny_data, tmp_path):
         TrainConfig.from_dict(tiny_config(tiny_data, tmp_path, train={"parallel": "fsdp+tp"}))
     with pytest.raises(ConfigError, match=r"train.compile.*not supported with train.parallel='fsdp\+tp'"):
         TrainConfig.from_dict(tiny_config(tiny_data, tmp_path, train={"parallel": "fsdp+tp", "tp": 2, "compile": True}))
+
+
+def test_split_training_of_latent_attention_and_experts_follows_one_process(tiny_data, tmp_path):
+    # DeepSeek-V3's family: latent attention split by heads, experts spread over the split (router biases updated
+    # from the loads), an MTP module; its balance losses reach the loss through FSDP's wrapped blocks
+    steps = {"steps": 8, "eval_every": 4, "save_every": 4}
+    cfg = tiny_config(tiny_data, tmp_path / "one", model={"preset": "deepseek-v3-tiny"}, data={"batch_size": 8},
+                      train=steps)  # fmt: skip
+    train(TrainConfig.from_dict(cfg))
+    torchrun({**cfg, "train": {**cfg["train"], "out": str(tmp_path / "split")}}, tmp_path / "split.yaml")
+    one, two = losses(tmp_path / "one"), losses(tmp_path / "split")
+    assert len(one) == len(two) == 8 and max(abs(x - y) for x, y in zip(one, two, strict=True)) <= 1e-5
+    assert all(a > 0 for a in losses(tmp_path / "split", "aux"))  # the balance losses are counted
+
+
+def test_split_training_refuses_adapters_and_a_size_that_does_not_divide(tiny_data, tmp_path, single):
+    def refused(cfg: dict, *flags: str) -> str:
+        path = tmp_path / "run.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(free_port()), "-m", "llmkit", "train", str(path), "--parallel", "fsdp+tp",
+               *flags]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert done.returncode != 0
+        return done.stderr
+
+    lora = tiny_config(tiny_data, tmp_path / "lora", lora={"r": 4})
+    lora["model"] = {"checkpoint": str(single / "checkpoints" / "step-000020")}
+    assert "train.parallel='fsdp+tp' trains every weight" in refused(lora, "--tp", "2")
+    assert "--tp 3 does not divide the 2 processes torchrun started" in refused(
+        tiny_config(tiny_data, tmp_path / "three"), "--tp", "3"
+    )
