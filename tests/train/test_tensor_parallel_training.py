@@ -150,3 +150,13 @@ def test_split_training_refuses_adapters_and_a_size_that_does_not_divide(tiny_da
     assert "--tp 3 does not divide the 2 processes torchrun started" in refused(
         tiny_config(tiny_data, tmp_path / "three"), "--tp", "3"
     )
+
+
+def test_split_run_with_activation_checkpointing_saves_and_resumes(tiny_data, tmp_path, single):
+    # blocks wrapped for recomputation name their parameters differently; the split's records use the plain names
+    train_cfg = {**STEPS, "activation_checkpointing": True}
+    cfg = tiny_config(tiny_data, tmp_path / "run", data={"batch_size": 8}, train={**train_cfg, "halt_at": 10})
+    torchrun(cfg, tmp_path / "halted.yaml")
+    torchrun(tiny_config(tiny_data, tmp_path / "run", data={"batch_size": 8}, train=train_cfg), tmp_path / "run.yaml",
+             2, "--resume")  # fmt: skip
+    _close(single, tmp_path / "run")

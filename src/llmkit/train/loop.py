@@ -53,7 +53,14 @@ from llmkit.train.schedule import lr_multiplier
 from llmkit.train.source import Model, ModelSource, TrainingError, model_source
 from llmkit.train.strategy import FineTuning, Full, from_config
 from llmkit.train.tasks import build_task
-from llmkit.train.tensor_parallel import Split, clip_grad_norm, local_state, split_for_training, whole_state
+from llmkit.train.tensor_parallel import (
+    Split,
+    clip_grad_norm,
+    local_state,
+    named_parameters,
+    split_for_training,
+    whole_state,
+)
 
 # train.fit_to_time: the step time is measured after FIT_SKIP steps (allocations, caches and compilation make the
 # first steps slow) over at least FIT_WINDOW steps and FIT_SHARE of the time limit, and FIT_MARGIN of the remaining
@@ -200,7 +207,7 @@ class Trainer:
         return split_for_training(self.model, self.rt.tp)
 
     def _optimizer_names(self) -> list[list[str]]:
-        name_of = {id(p): n for n, p in self.model.named_parameters()}
+        name_of = {id(p): n for n, p in named_parameters(self.model)}
         return [[name_of[id(p)] for p in group["params"]] for group in self.optimizer.param_groups]
 
     def _group_of(self, name: str) -> str | None:

@@ -66,7 +66,7 @@ def clip_grad_norm(model: nn.Module, split: Split, group: Any, max_norm: float) 
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")  # NCCL reduces tensors on the GPU
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # squares of [split gradients / holders, whole ones]
-    for name, p in model.named_parameters():
+    for name, p in named_parameters(model):
         if p.grad is None:
             continue
         g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # FSDP: this process's shard
@@ -85,6 +85,15 @@ def clip_grad_norm(model: nn.Module, split: Split, group: Any, max_norm: float) 
         for g in grads:
             g.mul_(coefficient)
     return norm
+
+
+def named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The model's parameters under their state-dict names (activation checkpointing's wrapper, which adds a
+    `_checkpoint_wrapped_module.` to each name inside a block, left out, as its state dict leaves it out)."""
+    return [(name.replace(WRAPPED, ""), p) for name, p in model.named_parameters()]
+
+
+WRAPPED = "_checkpoint_wrapped_module."
 
 
 def whole_state(
