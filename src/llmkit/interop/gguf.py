@@ -32,7 +32,7 @@ from llmkit.config import AttentionConfig, FFNConfig, ModelConfig, NormConfig, P
 from llmkit.errors import ConfigError
 from llmkit.interop.keymap import IDENTITY, Concrete, RopeToHalf, Rule, check_against, expand
 from llmkit.interop.loaded import Loaded
-from llmkit.interop.safetensors_io import CheckpointError
+from llmkit.interop.safetensors_io import CheckpointError, read_part
 from llmkit.interop.weights import RuleReader, Split, build_quantized, build_with_weights, expected_shapes
 from llmkit.parts import Index
 from llmkit.tokenizer import Tokenizer
@@ -248,7 +248,7 @@ def load_gguf(
     split: Split | None = None,
 ) -> Loaded:
     """Load a llama-architecture GGUF file and its tokenizer. `split` cuts the model on the meta device first, and
-    only the rows and blocks of columns of its parts are read from the memory-mapped file (interop/weights.py).
+    only the rows and blocks of columns of its parts are read from the file (interop/weights.py).
 
     quantized: keep the Q4_0 / Q4_1 / Q4_K / Q5_0 / Q8_0 tensors in their exact llmkit formats (int4 / int8, groups
     of 32); round the other quantized types (Q6_K, Q5_K, ...) to int8 in groups of 32, a quarter of their step or
@@ -277,7 +277,7 @@ def load_gguf(
             ((a, b),) = index
             return torch.from_numpy(dequantize(t.data[a:b], t.tensor_type).copy())
         (a, b), (c, d) = index
-        raw, c0, _ = _blocks(t, a, b, c, d)
+        raw, c0, _ = _blocks(t, a, b, c, d, p)
         values = torch.from_numpy(dequantize(raw, t.tensor_type).copy()).reshape(b - a, -1)
         return values[:, c - c0 : d - c0].contiguous()
 
@@ -292,7 +292,7 @@ def load_gguf(
         def read(expected: dict[str, tuple[int, ...]]) -> dict[str, Tensor]:
             return _quantized_state(concrete, tensors, shapes, spec, get)
 
-        parts = _QuantizedParts(cfg, spec, concrete, tensors, shapes, RuleReader(concrete, get, part))
+        parts = _QuantizedParts(cfg, spec, concrete, tensors, shapes, RuleReader(concrete, get, part), p)
         model = build_quantized(cfg, spec, read, dtype or torch.float32, device, str(p), split=split, part=parts)
     else:
         model = build_with_weights(
@@ -388,16 +388,20 @@ def _quantized_state(
     return state
 
 
-def _blocks(t: Any, a: int, b: int, c: int, d: int) -> tuple[Any, int, int]:
-    """Rows [a, b) of a 2-D GGUF tensor and the whole blocks holding its columns [c, d), read from the memory map
-    alone: (their raw data, the columns [c0, d1) they hold)."""
+def _blocks(t: Any, a: int, b: int, c: int, d: int, path: Path) -> tuple[Any, int, int]:
+    """Rows [a, b) of a 2-D GGUF tensor and the whole blocks holding its columns [c, d), read from `path` alone
+    (pread: not through the memory map, whose pages would stay in this process's resident memory): (their raw data,
+    the columns [c0, d1) they hold)."""
     from gguf import GGML_QUANT_SIZES
 
     per, size = GGML_QUANT_SIZES[t.tensor_type]  # values and bytes a block
     c0, d1 = c // per * per, -(-d // per) * per
-    if t.data.shape[-1] == int(t.shape[0]):  # the array holds values (F32, F16), not bytes
-        return t.data[a:b, c0:d1], c0, d1
-    return t.data[a:b, c0 // per * size : d1 // per * size], c0, d1
+    values = t.data.shape[-1] == int(t.shape[0])  # the array holds values (F32, F16), not bytes
+    item = t.data.itemsize
+    lo, hi = (c0 * item, d1 * item) if values else (c0 // per * size, d1 // per * size)
+    rows = (int(t.data.shape[0]), int(t.data.shape[-1]) * item)  # in bytes
+    raw = read_part(path, int(t.data_offset), torch.uint8, rows, ((a, b), (lo, hi))).numpy()
+    return (raw.view(t.data.dtype) if values else raw), c0, d1
 
 
 class _QuantizedParts:
@@ -406,7 +410,7 @@ class _QuantizedParts:
 
     def __init__(
         self, cfg: ModelConfig, spec: Any, concrete: list[Concrete], tensors: dict[str, Any],
-        shapes: dict[str, tuple[int, ...]], floats: RuleReader,
+        shapes: dict[str, tuple[int, ...]], floats: RuleReader, path: Path,
     ) -> None:  # fmt: skip
         from llmkit.models import build_model
         from llmkit.quant import apply_spec
@@ -421,7 +425,7 @@ class _QuantizedParts:
         }
         if spec.layers is not None and "head" in spec.layers and "head" not in self.layers:
             self.layers["head"] = ("token_embd.weight", IDENTITY)  # tied: the head's codes are the table's
-        self.tensors, self.shapes, self.floats = tensors, shapes, floats
+        self.tensors, self.shapes, self.floats, self.path = tensors, shapes, floats, path
         self.last: dict[tuple[str, int, int, int, int], tuple[dict[str, Tensor], int]] = {}
 
     def __call__(self, name: str, index: Index | None) -> Tensor:
@@ -436,21 +440,21 @@ class _QuantizedParts:
         key = (theirs, *rows, x * K // width, y * K // width)
         if key not in self.last:
             self.last.clear()
-            self.last[key] = _quantized_blocks(self.tensors[theirs], *key[1:])
+            self.last[key] = _quantized_blocks(self.tensors[theirs], *key[1:], self.path)
         fields, c0 = self.last[key]
         off = c0 * width // K
         t = (how[1] if how is not None else transform).to_ours([fields[field][:, x - off : y - off]])[0]
         return (t if how is not None else t[a:b]).contiguous().clone()
 
 
-def _quantized_blocks(t: Any, a: int, b: int, c: int, d: int) -> tuple[dict[str, Tensor], int]:
+def _quantized_blocks(t: Any, a: int, b: int, c: int, d: int, path: Path) -> tuple[dict[str, Tensor], int]:
     """Codes and scales of rows [a, b) and the blocks of columns holding [c, d) of a quantized GGUF tensor (as
     _quantized_state makes them), and the first column they hold."""
     from gguf.quants import dequantize
 
     from llmkit.quant.formats import GGUF_KINDS, from_gguf_blocks, requantized_int8
 
-    raw, c0, d1 = _blocks(t, a, b, c, d)
+    raw, c0, d1 = _blocks(t, a, b, c, d, path)
     if t.tensor_type.name in GGUF_KINDS:
         return from_gguf_blocks(t.tensor_type.name, raw, (b - a, d1 - c0)), c0
     values = torch.from_numpy(dequantize(raw, t.tensor_type).copy()).reshape(b - a, d1 - c0)

@@ -127,7 +127,7 @@ class LazyTensors(Mapping[str, Tensor]):
             with _reading(path):
                 view = self._handle(path).get_slice(name)[tuple(slice(a, b) for a, b in index)]
             return view.clone(memory_format=torch.contiguous_format)
-        return _read_part(path, start, dtype, shape, index)
+        return read_part(path, start, dtype, shape, index)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._file_of)
@@ -148,8 +148,11 @@ def _header(path: Path) -> tuple[dict[str, Any], int]:
     return {k: v for k, v in header.items() if k != "__metadata__"}, 8 + n
 
 
-def _read_part(path: Path, start: int, dtype: torch.dtype, shape: tuple[int, ...], index: Index) -> Tensor:
-    """Part `index` of the row-major tensor of `shape` whose data starts at byte `start` of `path`."""
+def read_part(path: Path, start: int, dtype: torch.dtype, shape: tuple[int, ...], index: Index) -> Tensor:
+    """Part `index` of the row-major tensor of `shape` whose data starts at byte `start` of `path`, read with pread
+    into memory of its own (one read a run of contiguous bytes): the file's pages stay out of the process's resident
+    memory, as they would not through a memory map. Any format that stores a tensor's bytes in row-major order (a
+    safetensors file, a GGUF tensor's rows of blocks) reads its parts this way."""
     item = torch.empty((), dtype=dtype).element_size()
     strides = [item * math.prod(shape[d + 1 :]) for d in range(len(shape))]
     cut = [d for d, (a, b) in enumerate(index) if (a, b) != (0, shape[d])]
