@@ -36,10 +36,10 @@ class Transform(abc.ABC):
 
     name = "transform"
 
-    def part(self, theirs: tuple[str, ...], index: Index, shape: tuple[int, ...]) -> Reading | None:
-        """How to read only the part `index` of our one tensor (whole: `shape`) from the other format: which part
-        of which of their tensors, and the transform that makes our part of them. None: it needs all of theirs
-        (the caller reads them whole and cuts)."""
+    def part(self, theirs: tuple[str, ...], index: Index, shape: tuple[int, ...], output: int = 0) -> Reading | None:
+        """How to read only the part `index` of our tensor number `output` (whole: `shape`) from the other format:
+        which part of which of their tensors, and the transform that makes our part of them (one tensor). None: it
+        needs all of theirs (the caller reads them whole and cuts)."""
         return None
 
     @abc.abstractmethod
@@ -54,7 +54,7 @@ class Transform(abc.ABC):
 class Identity(Transform):
     name = "identity"
 
-    def part(self, theirs: tuple[str, ...], index: Index, shape: tuple[int, ...]) -> Reading | None:
+    def part(self, theirs: tuple[str, ...], index: Index, shape: tuple[int, ...], output: int = 0) -> Reading | None:
         return [(theirs[0], index)], self
 
     def to_ours(self, theirs: list[Tensor]) -> list[Tensor]:
@@ -69,7 +69,7 @@ class Transpose(Transform):
 
     name = "transpose"
 
-    def part(self, theirs: tuple[str, ...], index: Index, shape: tuple[int, ...]) -> Reading | None:
+    def part(self, theirs: tuple[str, ...], index: Index, shape: tuple[int, ...], output: int = 0) -> Reading | None:
         return ([(theirs[0], index[::-1])], self) if len(index) == 2 else None
 
     def to_ours(self, theirs: list[Tensor]) -> list[Tensor]:
@@ -89,6 +89,15 @@ class Split(Transform):
     then: Transform = field(default_factory=Identity)
     name = "split"
 
+    def part(self, theirs: tuple[str, ...], index: Index, shape: tuple[int, ...], output: int = 0) -> Reading | None:
+        start = sum(self.sizes[:output])  # our tensor `output` is [start, start + size) of the fused one
+        spans = list(index)
+        a, b = spans[self.dim]
+        spans[self.dim] = (start + a, start + b)
+        fused = list(shape)
+        fused[self.dim] = sum(self.sizes)
+        return self.then.part(theirs, tuple(spans), tuple(fused))
+
     def to_ours(self, theirs: list[Tensor]) -> list[Tensor]:
         (fused,) = self.then.to_ours(theirs)
         return [part.contiguous() for part in fused.split(list(self.sizes), dim=self.dim)]
@@ -102,7 +111,7 @@ class Stack(Transform):
 
     name = "stack"
 
-    def part(self, theirs: tuple[str, ...], index: Index, shape: tuple[int, ...]) -> Reading | None:
+    def part(self, theirs: tuple[str, ...], index: Index, shape: tuple[int, ...], output: int = 0) -> Reading | None:
         (e0, e1), rest = index[0], index[1:]  # experts [e0, e1), each cut alike
         return [(theirs[e], rest) for e in range(e0, e1)], self
 
@@ -135,7 +144,7 @@ class RopeToHalf(Transform):
     n_heads: int
     name = "rope-permute"
 
-    def part(self, theirs: tuple[str, ...], index: Index, shape: tuple[int, ...]) -> Reading | None:
+    def part(self, theirs: tuple[str, ...], index: Index, shape: tuple[int, ...], output: int = 0) -> Reading | None:
         (a, b), per_head = index[0], shape[0] // self.n_heads
         if a % per_head or b % per_head:
             return None  # the permutation runs within a head: a part must hold whole heads

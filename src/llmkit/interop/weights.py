@@ -7,8 +7,8 @@ model being filled plus one rule's inputs.
 A tensor-parallel rank loads its part only (`split`): the model is cut on the meta device first, each cut tensor
 remembers which part of which whole tensor it is (llmkit.parts), and only those parts are read: slices of the file
 where the format and the rule allow (safetensors with pread, GGUF from its memory map; identity, transposed,
-stacked-expert and RoPE-permuted tensors), else the rule's tensors whole, cut at once (fused projections such as
-GPT-2's c_attn or Phi-3's qkv_proj: one at a time).
+stacked-expert, RoPE-permuted and fused tensors such as GPT-2's c_attn or Phi-3's qkv_proj), else the rule's tensors
+whole, cut at once.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ class RuleReader:
 
     def __call__(self, name: str, index: Index | None, shape: tuple[int, ...]) -> Tensor:
         c, k = self.rule[name]
-        if index is not None and self.part is not None and len(c.ours) == 1:
-            how = c.transform.part(c.theirs, index, shape)
+        if index is not None and self.part is not None:
+            how = c.transform.part(c.theirs, index, shape, k)
             if how is not None:
                 pieces, transform = how
                 return transform.to_ours([self.part(n, i) for n, i in pieces])[0]
