@@ -146,9 +146,10 @@ def _smollm2() -> Path:
 
 @pytest.mark.slow
 def test_a_real_gguf_file_splits_three_ways_and_says_the_same(tmp_path):
-    # SmolLM2-135M (9 query heads, 3 key/value heads: it splits 3 ways), its Q4_1 blocks kept quantized
+    # SmolLM2-135M (9 query heads, 3 key/value heads: it splits 3 ways), its Q4_1 blocks kept quantized; a few tokens
+    # only: a quantized split moves logits by ~1% (docs/parallelism.md), which could flip a later near-tie
     path = _smollm2()
-    args = ["-m", "llmkit", "generate", str(path), "--prompt", "The capital of France is", "--max-new-tokens", "12",
+    args = ["-m", "llmkit", "generate", str(path), "--prompt", "The capital of France is", "--max-new-tokens", "3",
             "--temperature", "0"]  # fmt: skip
     launcher = ["-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_addr", "127.0.0.1",
                 "--master_port", str(free_port())]  # fmt: skip
