@@ -4,16 +4,14 @@ files are counted where they are read. Rank 0 writes the results (JSON) to argv[
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import gguf.quants
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from on_ranks import run
 
 import llmkit.quant.formats
 from llmkit.generate import generate
@@ -86,13 +84,7 @@ def summed_gradients(whole: torch.nn.Module, part: torch.nn.Module, tokens: torc
 
 
 def main() -> None:
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    torch.set_num_threads(1)
-    results = [case(path) for path in sys.argv[2:]]
-    if dist.get_rank() == 0:
-        with open(sys.argv[1], "w") as f:
-            json.dump(results, f)
-    dist.destroy_process_group()
+    run(lambda: [case(path) for path in sys.argv[2:]])
 
 
 if __name__ == "__main__":

@@ -4,13 +4,11 @@ the processes against the same model unsplit, in the same process. Rank 0 writes
 from __future__ import annotations
 
 import dataclasses
-import json
-import sys
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from on_ranks import run
 
 from llmkit import InputError, build_model, get_preset
 from llmkit.generate import generate
@@ -127,13 +125,7 @@ def case(name: str, quant: str | None) -> dict:
 
 
 def main() -> None:
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    torch.set_num_threads(1)
-    results = [case(name, quant) for name, quant in CASES]
-    if dist.get_rank() == 0:
-        with open(sys.argv[1], "w") as f:
-            json.dump(results, f)
-    dist.destroy_process_group()
+    run(lambda: [case(name, quant) for name, quant in CASES])
 
 
 if __name__ == "__main__":
