@@ -14,7 +14,7 @@ Q = gguf.GGMLQuantizationType
 # where each type keeps its half-precision fields (scale d, and the min / dmin), as byte offsets in a block
 FP16_FIELDS = {
     "Q8_0": [0], "Q5_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q5_1": [0, 2],
-    "Q6_K": [-2], "Q3_K": [-2], "Q2_K": [-4, -2],
+    "Q6_K": [-2], "Q3_K": [-2], "Q2_K": [-4, -2], "IQ4_NL": [0], "IQ4_XS": [0], "IQ2_XXS": [0],
 }  # fmt: skip
 
 
@@ -32,11 +32,17 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
 
 
 def write_gguf(
-    path: Path, kinds: dict[str, str], seed: int = 0, arch: str = "llama", head_dim: int | None = None
+    path: Path,
+    kinds: dict[str, str],
+    seed: int = 0,
+    arch: str = "llama",
+    head_dim: int | None = None,
+    untied: bool = False,
 ) -> None:
     """A 2-block GGUF file of architecture `arch` (width 256, 4 query and 2 kv heads, vocab 64, tied embedding) whose
     tensors named in `kinds` (a GGUF name's suffix -> block type, e.g. "attn_q" -> "Q4_K") hold random blocks; the
-    rest are F32. qwen2 adds q / k / v biases, qwen3 QK-norm gains; head_dim (qwen3) sets attention.key_length."""
+    rest are F32. qwen2 adds q / k / v biases, qwen3 QK-norm gains; head_dim (qwen3) sets attention.key_length;
+    untied adds an output head of its own."""
     C, F, V, L, H, KH = 256, 512, 64, 2, 4, 2
     D = head_dim or C // H
     w = gguf.GGUFWriter(str(path), arch)
@@ -54,6 +60,8 @@ def write_gguf(
     w.add_vocab_size(V)
     rng = np.random.default_rng(seed)
     shapes: dict[str, tuple[int, ...]] = {"token_embd": (V, C), "output_norm": (C,)}
+    if untied:
+        shapes["output"] = (V, C)
     for i in range(L):
         b = f"blk.{i}."
         shapes |= {b + "attn_norm": (C,), b + "ffn_norm": (C,), b + "attn_q": (H * D, C), b + "attn_k": (KH * D, C)}

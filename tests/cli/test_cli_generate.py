@@ -138,7 +138,7 @@ def test_chat_never_splits_a_character_across_tokens(tmp_path, capsys, monkeypat
 
 @pytest.mark.slow
 def test_a_gguf_file_drafts_for_itself_kept_quantized(capsys):
-    """`--dtype fp32 --draft FILE --draft-dtype file`: the target dequantized, the draft the file's int4 weights; the
+    """`--dtype fp32 --draft FILE --draft-dtype file`: the target dequantized, the draft the file's Q4_1 blocks; the
     output is the fp32 model's greedy output."""
     import importlib.util
     from pathlib import Path
@@ -154,7 +154,7 @@ def test_a_gguf_file_drafts_for_itself_kept_quantized(capsys):
     out = capsys.readouterr()
     assert out.out == plain
     loads = [line for line in out.err.splitlines() if line.startswith("loaded")]
-    assert "float32" in loads[0] and "int4" in loads[1]  # the target, then the draft
+    assert "float32" in loads[0] and "Q4_1" in loads[1]  # the target, then the draft
 
 
 def test_batch_invariant_generation_from_the_command_line(checkpoints, capsys):

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from on_ranks import run
 
-import llmkit.quant.formats
+import llmkit.interop.gguf
 from llmkit.generate import generate
 from llmkit.interop.load import load_model
 from llmkit.interop.safetensors_io import LazyTensors
@@ -34,7 +34,9 @@ def counted(f: Callable[..., Any], size: Callable[[Any, tuple, dict], int]) -> C
 LazyTensors.__getitem__ = counted(LazyTensors.__getitem__, lambda t, a, k: t.nbytes)  # type: ignore[method-assign]
 LazyTensors.part = counted(LazyTensors.part, lambda t, a, k: t.nbytes)  # type: ignore[method-assign]
 gguf.quants.dequantize = counted(gguf.quants.dequantize, lambda t, a, k: a[0].nbytes)
-llmkit.quant.formats.from_gguf_blocks = counted(llmkit.quant.formats.from_gguf_blocks, lambda t, a, k: a[1].nbytes)
+# blocks: read with pread (32-weight types, parts), or views of the memory map (K-quants, read as they are used)
+llmkit.interop.gguf.read_blocks = counted(llmkit.interop.gguf.read_blocks, lambda t, a, k: t.nbytes)
+llmkit.interop.gguf.mapped = counted(llmkit.interop.gguf.mapped, lambda t, a, k: t.nbytes)
 
 
 def load(path: str, split: bool) -> tuple[torch.nn.Module, int]:

@@ -250,9 +250,10 @@ def load_gguf(
     """Load a llama-architecture GGUF file and its tokenizer. `split` cuts the model on the meta device first, and
     only the rows and blocks of columns of its parts are read from the file (interop/weights.py).
 
-    quantized: keep the Q4_0 / Q4_1 / Q4_K / Q5_0 / Q8_0 tensors in their exact llmkit formats (int4 / int8, groups
-    of 32); round the other quantized types (Q6_K, Q5_K, ...) to int8 in groups of 32, a quarter of their step or
-    less, and keep F16 / F32 tensors as floats (`Loaded.notes` says which tensors were neither exact nor float);
+    quantized: hold every quantized tensor as its blocks (llmkit.quant.blocks: Q4_0 ... Q6_K, IQ4_NL, IQ4_XS,
+    multiplied as stored; K-quants are views of the file's memory map), and F16 / F32 tensors as floats; a type
+    llmkit has no kernel for is dequantized (`Loaded.notes` says which). A tensor-parallel rank's part (`split`)
+    keeps Q4_0 / Q4_1 / Q4_K / Q5_0 / Q8_0 as int4 / int8 and rounds the other types to int8 in groups of 32;
     False: dequantize every tensor to `dtype` (default fp32);
     None: keep them when no dtype is asked for and the device has a fast kernel for them (llmkit.quant.kernels),
     else dequantize."""
@@ -285,14 +286,14 @@ def load_gguf(
     if quantized is None:
         quantized = dtype is None and fast_kernels(dev, torch.float32)
     notes: list[str] = []
-    if quantized:
+    if quantized:  # every block type held as stored
         check_against(concrete, expected_shapes(cfg), shapes, lambda n: False, str(p))
-        spec, notes = _quantized_spec(concrete, tensors, cfg)
+        spec, notes = _block_spec(concrete, tensors, cfg)
 
         def read(expected: dict[str, tuple[int, ...]]) -> dict[str, Tensor]:
-            return _quantized_state(concrete, tensors, shapes, spec, get)
+            return _block_state(concrete, tensors, shapes, spec, get, p)
 
-        parts = _QuantizedParts(cfg, spec, concrete, tensors, shapes, RuleReader(concrete, get, part), p)
+        parts = _BlockParts(cfg, spec, concrete, tensors, shapes, RuleReader(concrete, get, part), p)
         model = build_quantized(cfg, spec, read, dtype or torch.float32, device, str(p), split=split, part=parts)
     else:
         model = build_with_weights(
@@ -314,77 +315,103 @@ def fast_kernels(device: torch.device, dtype: torch.dtype) -> bool:
     return choose(4, device, torch.bfloat16 if device.type == "cuda" else dtype, False, 4096) != "dequant"
 
 
-def _quantized_spec(concrete: list[Concrete], tensors: dict[str, Any], cfg: ModelConfig) -> tuple[Any, list[str]]:
-    """Which of our layers keep a GGUF tensor quantized (name -> [method, 32]): exactly, or rounded to int8 for a
-    block type without an exact format (noted); float tensors stay float. A tied head is quantized from the
-    embedding table when that is stored quantized."""
+def _block_spec(concrete: list[Concrete], tensors: dict[str, Any], cfg: ModelConfig) -> tuple[Any, list[str]]:
+    """Which of our layers hold a GGUF tensor's blocks as stored (name -> [block type, None]): every type llmkit
+    multiplies (llmkit.quant.blocks.TYPES); float tensors stay float, and a type llmkit has no kernel for is
+    dequantized to floats (the notes say which). A tied head holds the embedding table's blocks, which the
+    embedding reads its rows from; an untied table stored quantized is held as blocks too (BlockEmbedding)."""
     from torch import nn
 
     from llmkit.models import build_model
     from llmkit.quant import QuantSpec
-    from llmkit.quant.formats import GGUF_FLOAT, GGUF_KINDS
-
-    def method(kind: str) -> str | None:
-        if kind in GGUF_KINDS:
-            return GGUF_KINDS[kind]
-        return None if kind in GGUF_FLOAT else "int8"
+    from llmkit.quant.blocks import TYPES
+    from llmkit.quant.formats import GGUF_FLOAT
 
     linears = {n for n, m in build_model(cfg, device="meta").named_modules() if isinstance(m, nn.Linear)}
     layers: dict[str, list[Any]] = {}
-    inexact: dict[str, list[str]] = {}
+    floats: dict[str, list[str]] = {}  # quantized types without a kernel -> their tensors
     for c in concrete:
         name, theirs = c.ours[0], c.theirs[0]
         kind = tensors[theirs].tensor_type.name
-        if name.removesuffix(".weight") not in linears or (m := method(kind)) is None:
+        if name.removesuffix(".weight") not in linears or kind in GGUF_FLOAT:
             continue
-        layers[name.removesuffix(".weight")] = [m, 32]
-        if kind not in GGUF_KINDS:
-            inexact.setdefault(kind, []).append(theirs)
+        if kind in TYPES:
+            layers[name.removesuffix(".weight")] = [kind, None]
+        else:
+            floats.setdefault(kind, []).append(theirs)
     embed_kind = tensors["token_embd.weight"].tensor_type.name
-    tied = cfg.tie_embeddings and method(embed_kind) is not None
-    include_head = "head" in layers or tied
+    held = embed_kind in TYPES
+    if embed_kind not in TYPES and embed_kind not in GGUF_FLOAT:
+        floats.setdefault(embed_kind, []).append("token_embd.weight")
+    tied = cfg.tie_embeddings and held
     if tied:
-        layers["head"] = [method(embed_kind), 32]
-        if embed_kind not in GGUF_KINDS:
-            inexact.setdefault(embed_kind, []).append("token_embd.weight (the tied head)")
+        layers["head"] = [embed_kind, None]
     notes = [
-        f"{len(v)} {k} tensors rounded to int8 in groups of 32 (no exact llmkit format), e.g. {v[0]}"
-        for k, v in inexact.items()
+        f"{len(v)} {k} tensors dequantized to floats (llmkit has no kernel for {k}), e.g. {v[0]}"
+        for k, v in floats.items()
     ]
-    # a tied table stored in an exact format: the embedding reads its rows from the head's codes, not a float copy
-    from_head = tied and embed_kind in GGUF_KINDS
-    return QuantSpec("int4", 32, include_head, layers, embedding_from_head=from_head), notes
+    counts: dict[str, int] = {}
+    for method, _ in layers.values():
+        counts[method] = counts.get(method, 0) + 1
+    main = max(counts, key=counts.__getitem__) if counts else "Q8_0"
+    embedding = embed_kind if held and not cfg.tie_embeddings else None
+    spec = QuantSpec(main, None, "head" in layers, layers, embedding_from_head=tied, embedding=embedding)
+    return spec, notes
 
 
-def _quantized_state(
-    concrete: list[Concrete], tensors: dict[str, Any], shapes: dict[str, tuple[int, ...]], spec: Any, get: Any
+def mapped(data: Any) -> Tensor:
+    """A tensor over a numpy view of the file's (read-only) memory map: nothing llmkit runs writes into weights in
+    place, and the warning torch gives for a read-only array says only that."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.from_numpy(data)
+
+
+def read_blocks(path: Path, t: Any, shape: tuple[int, int], index: Index) -> Tensor:
+    """Part `index` of GGUF tensor t's rows of blocks (rows, row bytes), read with pread (read_part)."""
+    return read_part(path, int(t.data_offset), torch.uint8, shape, index)
+
+
+def _block_state(
+    concrete: list[Concrete],
+    tensors: dict[str, Any],
+    shapes: dict[str, tuple[int, ...]],
+    spec: Any,
+    get: Any,
+    path: Path,
 ) -> dict[str, Tensor]:
-    """Our state dict: quantized layers' codes and scales from the raw blocks (with the rule's row transform
-    applied to each), everything else dequantized by `get`."""
-    from llmkit.quant.formats import GGUF_KINDS, from_gguf_blocks, requantized_int8
+    """Our state dict: each held layer's blocks (its rule's row transform applied), everything else dequantized by
+    `get`. A K-quant tensor whose rows need no transform is a view of the file's memory map (its pages are read
+    when the kernels first touch them, and are the page cache's, shared); the others are read with pread into
+    memory of their own (a 32-weight type's blocks are regrouped into more of it where the kernels run, and
+    mapped pages would stay resident beside them)."""
+    from llmkit.quant.blocks import TYPES
 
-    def raw(theirs: str) -> dict[str, Tensor]:
+    def blocks(theirs: str, transform: Any) -> Tensor:
         t = tensors[theirs]
-        N, K = shapes[theirs]
-        if t.tensor_type.name not in GGUF_KINDS:
-            return requantized_int8(get(theirs))
-        return from_gguf_blocks(t.tensor_type.name, t.data, (N, K))
+        kind = TYPES[t.tensor_type.name]
+        rows, row_bytes = shapes[theirs][0], kind.row_bytes(shapes[theirs][1])
+        if not kind.head and transform is IDENTITY:
+            return mapped(t.data.reshape(rows, row_bytes))
+        return transform.to_ours([read_blocks(path, t, (rows, row_bytes), ((0, rows), (0, row_bytes)))])[0]
 
     state: dict[str, Tensor] = {}
     for c in concrete:
         name = c.ours[0]
         if name == "embed.weight" and spec.embedding_from_head:
-            continue  # the head's codes are the table
+            continue  # the head's blocks are the table
         layer = name.removesuffix(".weight")
-        if spec.layers is not None and layer in spec.layers and name.endswith(".weight"):
-            for part, t in raw(c.theirs[0]).items():
-                state[f"{layer}.{part}"] = c.transform.to_ours([t])[0]
+        if name == "embed.weight" and spec.embedding is not None:
+            state["embed.blocks"] = blocks(c.theirs[0], c.transform)
+        elif spec.layers is not None and layer in spec.layers and name.endswith(".weight"):
+            state[f"{layer}.blocks"] = blocks(c.theirs[0], c.transform)
         else:
             for ours, t in zip(c.ours, c.transform.to_ours([get(n) for n in c.theirs]), strict=True):
                 state[ours] = t
-    if spec.layers is not None and "head" in spec.layers and "head.weight" not in {c.ours[0] for c in concrete}:
-        for part, t in raw("token_embd.weight").items():
-            state[f"head.{part}"] = t
+    if spec.embedding_from_head and "head.weight" not in {c.ours[0] for c in concrete}:
+        state["head.blocks"] = blocks("token_embd.weight", IDENTITY)
     return state
 
 
@@ -404,9 +431,9 @@ def _blocks(t: Any, a: int, b: int, c: int, d: int, path: Path) -> tuple[Any, in
     return (raw.view(t.data.dtype) if values else raw), c0, d1
 
 
-class _QuantizedParts:
-    """Parts of the quantized state `_quantized_state` makes, read alone: a quantized layer's rows and the blocks
-    of its columns are converted to codes and scales; float tensors come from `floats` (their rules, in part)."""
+class _BlockParts:
+    """Parts of the state `_block_state` makes, read alone: a held layer's rows and bytes of blocks (the cuts of
+    parallel/shard.py keep whole blocks); float tensors come from `floats` (their rules, in part)."""
 
     def __init__(
         self, cfg: ModelConfig, spec: Any, concrete: list[Concrete], tensors: dict[str, Any],
@@ -418,44 +445,28 @@ class _QuantizedParts:
         model = build_model(cfg, device="meta")
         apply_spec(model, spec)
         self.expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
-        self.layers = {  # our quantized layer -> (their tensor, the rule's row transform)
-            c.ours[0].removesuffix(".weight"): (c.theirs[0], c.transform)
+        self.held = {  # our state name -> (their tensor, the rule's row transform)
+            f"{c.ours[0].removesuffix('.weight')}.blocks": (c.theirs[0], c.transform)
             for c in concrete
             if c.ours[0].endswith(".weight") and spec.layers is not None and c.ours[0][: -len(".weight")] in spec.layers
         }
-        if spec.layers is not None and "head" in spec.layers and "head" not in self.layers:
-            self.layers["head"] = ("token_embd.weight", IDENTITY)  # tied: the head's codes are the table's
+        if spec.embedding is not None:
+            self.held["embed.blocks"] = ("token_embd.weight", IDENTITY)
+        if spec.embedding_from_head and "head.blocks" not in self.held:
+            self.held["head.blocks"] = ("token_embd.weight", IDENTITY)  # tied: the head's blocks are the table's
         self.tensors, self.shapes, self.floats, self.path = tensors, shapes, floats, path
-        self.last: dict[tuple[str, int, int, int, int], tuple[dict[str, Tensor], int]] = {}
 
     def __call__(self, name: str, index: Index | None) -> Tensor:
-        layer, _, field = name.rpartition(".")
-        if layer not in self.layers:
+        from llmkit.quant.blocks import TYPES
+
+        if name not in self.held:
             return self.floats(name, index, self.expected[name])
-        theirs, transform = self.layers[layer]
-        (N, K), width = self.shapes[theirs], self.expected[name][1]
-        (a, b), (x, y) = index or ((0, N), (0, width))  # rows; columns in this field's units (codes, bytes, groups)
+        theirs, transform = self.held[name]
+        t = self.tensors[theirs]
+        N, row = self.shapes[theirs][0], TYPES[t.tensor_type.name].row_bytes(self.shapes[theirs][1])
+        (a, b), (x, y) = index or ((0, N), (0, row))
         how = transform.part((theirs,), ((a, b),), (N,)) if (a, b) != (0, N) else ([], transform)
         rows = (a, b) if how is not None else (0, N)  # a row transform that needs every row: read them, cut after
-        key = (theirs, *rows, x * K // width, y * K // width)
-        if key not in self.last:
-            self.last.clear()
-            self.last[key] = _quantized_blocks(self.tensors[theirs], *key[1:], self.path)
-        fields, c0 = self.last[key]
-        off = c0 * width // K
-        t = (how[1] if how is not None else transform).to_ours([fields[field][:, x - off : y - off]])[0]
-        return (t if how is not None else t[a:b]).contiguous().clone()
-
-
-def _quantized_blocks(t: Any, a: int, b: int, c: int, d: int, path: Path) -> tuple[dict[str, Tensor], int]:
-    """Codes and scales of rows [a, b) and the blocks of columns holding [c, d) of a quantized GGUF tensor (as
-    _quantized_state makes them), and the first column they hold."""
-    from gguf.quants import dequantize
-
-    from llmkit.quant.formats import GGUF_KINDS, from_gguf_blocks, requantized_int8
-
-    raw, c0, d1 = _blocks(t, a, b, c, d, path)
-    if t.tensor_type.name in GGUF_KINDS:
-        return from_gguf_blocks(t.tensor_type.name, raw, (b - a, d1 - c0)), c0
-    values = torch.from_numpy(dequantize(raw, t.tensor_type).copy()).reshape(b - a, d1 - c0)
-    return requantized_int8(values), c0
+        raw = read_blocks(self.path, t, (N, row), (rows, (x, y)))
+        out = (how[1] if how is not None else transform).to_ours([raw])[0]
+        return (out if how is not None else out[a:b]).contiguous()

@@ -94,6 +94,8 @@ def _fill(
         t = state[name] = done[key]
         if tuple(t.shape) != tuple(meta[name].shape):
             raise CheckpointError(f"{where}: {key[0]} has shape {tuple(t.shape)}, expected {tuple(meta[name].shape)}")
+        if key[1] is not None:  # (a buffer is assigned as it is, and a layer that regroups it keeps the mark)
+            setattr(t, SOURCE, key)
     model.load_state_dict(state, strict=True, assign=True)
     materialize_buffers(model, device)
     for name, t in model.state_dict(keep_vars=True).items():

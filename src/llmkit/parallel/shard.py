@@ -18,6 +18,8 @@ from torch import nn
 
 from llmkit.errors import InputError
 from llmkit.parts import cut, cut_parameter
+from llmkit.quant.block_linear import BlockLinear
+from llmkit.quant.embedding import BlockEmbedding
 from llmkit.quant.linear import Int4Linear, Int8Linear, QuantizedLinear
 
 Linear = nn.Linear | QuantizedLinear
@@ -37,7 +39,7 @@ def take_rows(layer: Linear, a: int, b: int) -> None:
     if isinstance(layer, nn.Linear):
         layer.weight = cut_parameter(layer.weight, 0, a, b)
     elif isinstance(layer, QuantizedLinear):
-        for name in ("qweight", "scales", "zeros"):
+        for name in ("qweight", "scales", "zeros", "blocks"):
             t = layer._buffers.get(name)
             if t is not None:
                 layer._buffers[name] = cut(t, 0, a, b)
@@ -69,6 +71,12 @@ def take_columns(layer: Linear, a: int, b: int, keep_bias: bool) -> None:
                 if t is not None:
                     layer._buffers[name] = cut(t, 1, a // g, b // g)
             layer.n_groups = (b - a) // g
+    elif isinstance(layer, BlockLinear):  # whole blocks, in the file's layout
+        w = layer.block.weights
+        if a % w or b % w:
+            raise InputError(f"inputs [{a}, {b}) of a {layer.block.name} layer cut its blocks of {w} inputs")
+        layer.set_grouped(False)
+        layer._buffers["blocks"] = cut(layer.blocks, 1, a // w * layer.block.bytes, b // w * layer.block.bytes)
     else:
         raise InputError(f"tensor parallelism cannot split a {type(layer).__name__} by columns")
     if not keep_bias:
@@ -78,14 +86,17 @@ def take_columns(layer: Linear, a: int, b: int, keep_bias: bool) -> None:
 
 
 def _prepared(layer: Linear) -> None:
-    if isinstance(layer, QuantizedLinear) and not layer.qweight.is_meta:
+    if isinstance(layer, QuantizedLinear) and not layer.dtype_probe.is_meta:
         layer.prepare()  # the kernel's own form of the weights, remade from the cut codes
 
 
 @torch.no_grad()
-def take_embedding_rows(table: nn.Embedding, a: int, b: int) -> None:
-    """Keep rows [a, b) of an embedding table (the tokens a..b-1)."""
-    table.weight = cut_parameter(table.weight, 0, a, b)
+def take_embedding_rows(table: nn.Embedding | BlockEmbedding, a: int, b: int) -> None:
+    """Keep rows [a, b) of an embedding table (the tokens a..b-1), float or held as GGUF blocks."""
+    if isinstance(table, BlockEmbedding):
+        table._buffers["blocks"] = cut(table.blocks, 0, a, b)
+    else:
+        table.weight = cut_parameter(table.weight, 0, a, b)
     table.num_embeddings = b - a
 
 

@@ -34,7 +34,7 @@ from llmkit.models.decoder import DecoderLM
 from llmkit.parallel.collectives import TensorParallel, copy_in, gather, sum_out, summed_grads
 from llmkit.parallel.shard import span, take_columns, take_embedding_rows, take_rows
 from llmkit.parts import cut_parameter
-from llmkit.quant.embedding import QuantizedEmbedding
+from llmkit.quant.embedding import BlockEmbedding, QuantizedEmbedding
 from llmkit.quant.experts import QuantizedExperts
 from llmkit.quant.linear import QuantizedLinear
 
@@ -233,7 +233,7 @@ def split_vocab(model: DecoderLM, tp: TensorParallel) -> None:
     if isinstance(embed, QuantizedEmbedding):  # rows read from the (quantized) head: splitting the head splits both
         assert head is not None
         take_rows(head, a, b)
-    elif isinstance(embed, nn.Embedding):
+    elif isinstance(embed, (nn.Embedding, BlockEmbedding)):
         take_embedding_rows(embed, a, b)
         if head is not None:
             take_rows(head, a, b)

@@ -12,7 +12,7 @@ the head's codes, as a GGUF file's tied table loads). Routers and norms stay in 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,33 +21,45 @@ from llmkit.errors import InputError
 from llmkit.layers.attention.gqa import GroupedQueryAttention
 from llmkit.layers.moe import GroupedExperts
 from llmkit.quant import native
-from llmkit.quant.embedding import QuantizedEmbedding
+from llmkit.quant.block_linear import BlockLinear, block_layer
+from llmkit.quant.blocks import TYPES
+from llmkit.quant.embedding import BlockEmbedding, QuantizedEmbedding
 from llmkit.quant.experts import QuantizedExperts
 from llmkit.quant.kernels import Kernel
 from llmkit.quant.linear import Int4Linear, Int8Linear, QuantizedLinear
 
-Method = Literal["int8", "int4"]
-METHODS: tuple[Method, ...] = ("int8", "int4")
+Method = str  # "int8", "int4", or a GGUF block type (llmkit.quant.blocks.TYPES: "Q4_K", "Q8_0", ...)
+METHODS: tuple[str, ...] = ("int8", "int4", *TYPES)
 GROUP_SIZES = (32, 64, 128, 256)  # the ones torch's int4 kernels take; other sizes run dequantized
 
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """method: "int8" or "int4"; group_size: inputs per scale (None: one per output row, int8 only);
-    include_head: the output head too; layers: when given, exactly the layers quantized, each with its own [method,
-    group size] (a GGUF file's: only the tensors it stores in an exact format), overriding method and group_size;
-    embedding_from_head: a tied model's embedding reads its rows from the quantized head's codes (QuantizedEmbedding)
-    instead of keeping a float table (set where the codes are the table exactly: a GGUF file's tied embedding)."""
+    """method: "int8", "int4" or a GGUF block type ("Q4_K", ...: llmkit.quant.blocks); group_size: inputs per
+    scale (None: one per output row, int8 only; block types have their own); include_head: the output head too;
+    layers: when given, exactly the layers quantized, each with its own [method, group size] (a GGUF file's: the
+    tensors it stores quantized, each in its block type), overriding method and group_size; embedding_from_head: a
+    tied model's embedding reads its rows from the quantized head's codes (QuantizedEmbedding) instead of keeping a
+    float table (set where the codes are the table exactly: a GGUF file's tied embedding); embedding: an untied
+    embedding table held in this block type (BlockEmbedding: rows dequantized when looked up)."""
 
     method: Method
     group_size: int | None = None
     include_head: bool = False
     layers: dict[str, list[Any]] | None = None
     embedding_from_head: bool = False
+    embedding: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise InputError(f"quantization method {self.method!r} is not one of {', '.join(METHODS)}")
+        for name, (method, _) in (self.layers or {}).items():
+            if method not in METHODS:
+                raise InputError(f"layer {name}: quantization method {method!r} is not one of {', '.join(METHODS)}")
+        if self.embedding is not None and self.embedding not in TYPES:
+            raise InputError(
+                f"an embedding table is held in a GGUF block type ({', '.join(TYPES)}), not {self.embedding!r}"
+            )
         if self.method == "int4" and self.group_size is None:
             raise InputError("int4 needs a group size: one of " + ", ".join(map(str, GROUP_SIZES)))
         if self.group_size is not None and (self.group_size < 2 or self.group_size % 2):
@@ -60,7 +72,7 @@ class QuantSpec:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> QuantSpec:
-        unknown = set(d) - {"method", "group_size", "include_head", "layers", "embedding_from_head"}
+        unknown = set(d) - {"method", "group_size", "include_head", "layers", "embedding_from_head", "embedding"}
         if unknown:
             raise InputError(f"unknown quantization fields {sorted(unknown)}")
         return cls(**d)
@@ -144,12 +156,19 @@ def _embedding(model: nn.Module) -> torch.Tensor:
 def _quantized(module: nn.Module, spec: QuantSpec, name: str, kernel: Kernel) -> nn.Module:
     method, group = spec.for_layer(name)
     if isinstance(module, GroupedExperts):
+        if method in TYPES:
+            raise InputError(f"{name}: experts' stacks are quantized to int8 or int4, not {method}")
         return QuantizedExperts.from_experts(module, method, group, "dequant" if kernel == "dequant" else "auto")
     assert isinstance(module, nn.Linear)
+    if method in TYPES:
+        return BlockLinear.from_float(module, method, kernel)
     return _layer_class(method).from_linear(module, group, kernel)
 
 
-def _layer_class(method: str) -> type[QuantizedLinear]:
+def _layer_class(method: str) -> Any:
+    """The class (or, for a GGUF block type, a constructor with the same signature) of a layer of `method`."""
+    if method in TYPES:
+        return block_layer(method)
     return Int8Linear if method == "int8" else Int4Linear
 
 
@@ -169,11 +188,15 @@ def apply_spec(model: nn.Module, spec: QuantSpec, device: torch.device | str | N
     if spec.include_head and getattr(model, "head", "absent") is None:
         vocab, dim = _embedding(model).shape
         method, group = spec.for_layer("head")
-        model.head = _layer_class(method)(dim, vocab, False, group, device=device)
+        head = _layer_class(method)(dim, vocab, False, group, device=device)
+        model.head = head
         if spec.embedding_from_head:
-            _set(model, "embed", QuantizedEmbedding(model.head))
+            _set(model, "embed", QuantizedEmbedding(head))
     elif spec.embedding_from_head:
         raise InputError("embedding_from_head needs a tied model (one without a head of its own)")
+    if spec.embedding is not None:
+        vocab, dim = _embedding(model).shape
+        _set(model, "embed", BlockEmbedding(vocab, dim, spec.embedding, device=device))
     _give_prefill_kernel(model)
     model.quantization = spec  # type: ignore[assignment]  # a plain attribute: the record of what was done
     return model
@@ -202,10 +225,13 @@ def parameter_count(model: nn.Module) -> int:
 
 
 def describe(model: nn.Module) -> str:
-    """'225.0 MB of weights (int4 g32: 210 layers, int8 g32: 1 layer)', or '538.1 MB of weights (fp32)'."""
+    """'225.0 MB of weights (int4 g32: 210 layers, int8 g32: 1 layer)', '895.1 MB of weights (Q4_K: 169 layers,
+    Q6_K: 29 layers)', or '538.1 MB of weights (fp32)'."""
     kinds: dict[str, int] = {}
     for module in model.modules():
-        if isinstance(module, QuantizedLinear):
+        if isinstance(module, BlockLinear):
+            kinds[module.block.name] = kinds.get(module.block.name, 0) + 1
+        elif isinstance(module, QuantizedLinear):
             g = "" if module.group_size is None else f" g{module.group_size}"
             key = f"int{module.bits}{g}"
             kinds[key] = kinds.get(key, 0) + 1

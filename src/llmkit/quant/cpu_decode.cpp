@@ -438,6 +438,8 @@ void bind_decode(pybind11::module& m) {
       .def(py::init<int, Tensor, std::optional<Tensor>, std::optional<Tensor>, std::optional<Tensor>>(),
            py::arg("kind"), py::arg("weight"), py::arg("scales") = py::none(), py::arg("zeros") = py::none(),
            py::arg("bias") = py::none())
+      .def(py::init<Tensor, int, int64_t, std::optional<Tensor>>(), py::arg("blocks"), py::arg("block_kind"),
+           py::arg("k"), py::arg("bias") = py::none(), "rows of GGUF blocks of ggml type block_kind, k inputs each")
       .def_readonly("N", &Projection::N)
       .def_readonly("K", &Projection::K)
       .def("tiled", [](const Projection& p) { return p.matrix.tiled_scales != nullptr; },

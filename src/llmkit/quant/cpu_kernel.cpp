@@ -593,6 +593,7 @@ torch::Tensor float_linear(torch::Tensor x, torch::Tensor w, std::optional<torch
 void bind_decode(pybind11::module& m);  // cpu_decode.cpp
 namespace llmkit {
 void bind_attention(pybind11::module& m);  // cpu_attention.cpp
+void bind_blocks(pybind11::module& m);     // cpu_blocks.cpp
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -609,4 +610,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "use the AVX512-VNNI kernel for integer products where the CPU has it (default), or the AVX2 one");
   bind_decode(m);
   llmkit::bind_attention(m);
+  llmkit::bind_blocks(m);
 }

@@ -4,6 +4,7 @@
 
 #pragma once
 
+#include "cpu_blocks.h"
 #include "cpu_kernel.h"
 
 #include <immintrin.h>
@@ -19,12 +20,13 @@ namespace llmkit::step {
 
 using torch::Tensor;
 
-// A matrix a product reads: fp32 rows (N, K), or int4 / int8 codes. A linear layer's whole matrix, or a run of its
-// rows (one expert's, in the stacked expert weights).
+// A matrix a product reads: fp32 rows (N, K), int4 / int8 codes, or GGUF blocks. A linear layer's whole matrix, or
+// a run of its rows (one expert's, in the stacked expert weights).
 struct Matrix {
   int kind = 0;             // Projection::Kind
   const float* w = nullptr;  // FLOAT: (N, K) row-major
   QuantizedMatrix q;         // INT4 / INT8
+  BlockMatrix b;             // BLOCKS
   int64_t N = 0, K = 0;
 };
 
@@ -40,9 +42,10 @@ inline Tensor tile_rows(const Tensor& t) {
   return out;
 }
 
-// A linear layer as the step reads it: an fp32 matrix (N, K), or int4 / int8 codes; and an optional bias (N,).
+// A linear layer as the step reads it: an fp32 matrix (N, K), int4 / int8 codes, or rows of GGUF blocks
+// (cpu_blocks.h); and an optional bias (N,).
 struct Projection {
-  enum Kind { FLOAT = 0, INT4 = 1, INT8 = 2 };
+  enum Kind { FLOAT = 0, INT4 = 1, INT8 = 2, BLOCKS = 3 };
 
   int kind = FLOAT;
   Tensor weight, scales, zeros;  // FLOAT: weight (N, K); INT4 / INT8: weight = the codes (formats.py)
@@ -51,6 +54,16 @@ struct Projection {
   mutable Tensor tiled_scales, tiled_zeros;  // (ceil(N / 16) * 16, G) as tiles of (G, 16)
   mutable int64_t tiles_version = -1;
   int64_t N = 0, K = 0;
+
+  BlockMatrix blocks;  // BLOCKS
+
+  // rows of GGUF blocks of ggml type block_kind, K inputs each (weight: the (N, row bytes) uint8 blocks)
+  Projection(Tensor weight_, int block_kind, int64_t K_, std::optional<Tensor> bias_)
+      : kind(BLOCKS), weight(std::move(weight_)), bias(std::move(bias_)) {
+    blocks = block_matrix(weight, block_kind, K_);
+    N = blocks.N, K = K_;
+    check_bias();
+  }
 
   Projection(int kind_, Tensor weight_, std::optional<Tensor> scales_, std::optional<Tensor> zeros_,
              std::optional<Tensor> bias_)
@@ -73,6 +86,10 @@ struct Projection {
       N = matrix.N, K = matrix.K;
       refresh_tiles();
     }
+    check_bias();
+  }
+
+  void check_bias() const {
     if (bias) LLMKIT_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == torch::kFloat32 &&
                               bias->is_contiguous(),
                           "the bias must be (N,) fp32");
@@ -80,9 +97,11 @@ struct Projection {
 
   // rows [r0, r1) of the matrix (the bias is not part of it)
   Matrix rows(int64_t r0, int64_t r1) const {
-    Matrix m{kind, nullptr, matrix, r1 - r0, K};
+    Matrix m{kind, nullptr, matrix, blocks, r1 - r0, K};
     if (kind == FLOAT) {
       m.w = weight.data_ptr<float>() + r0 * K;
+    } else if (kind == BLOCKS) {
+      m.b = blocks.rows(r0, r1);
     } else {
       const int64_t row_bytes = matrix.int4 ? K / 2 : K;
       m.q.codes += r0 * row_bytes, m.q.scales += r0 * matrix.G, m.q.N = r1 - r0;
@@ -100,7 +119,7 @@ struct Projection {
   // them for every tile, a third of its products' time with a scale per block of 32. Costs their size again
   // (SmolLM2's Q4_1 file: 30 MB beside 112). Inference-mode tensors keep no version, and get no copy.
   void refresh_tiles() const {
-    if (kind == FLOAT || !vnni_selected() || scales.is_inference() || (zeros.defined() && zeros.is_inference())) {
+    if (kind == FLOAT || kind == BLOCKS || !vnni_selected() || scales.is_inference() || (zeros.defined() && zeros.is_inference())) {
       matrix.tiled_scales = matrix.tiled_zeros = nullptr;
       return;
     }
@@ -143,6 +162,11 @@ class ProjectionGroup {
       if (ms[i].kind == Projection::FLOAT) {
         seg.fp32 = ms[i++];
         seg.width = seg.fp32.N;
+      } else if (ms[i].kind == Projection::BLOCKS) {  // any block types: x is quantized once per group it needs
+        std::vector<BlockMatrix> bs;
+        for (; i < ms.size() && ms[i].kind == Projection::BLOCKS; ++i) bs.push_back(ms[i].b), seg.width += ms[i].N;
+        seg.blocks = std::make_shared<BlockProduct>();
+        seg.blocks->prepare(x, M, bs[0].K, bs);
       } else {
         std::vector<QuantizedMatrix> qs;
         const int kind = ms[i].kind;
@@ -165,6 +189,8 @@ class ProjectionGroup {
       if (a >= e) continue;
       if (seg.product)
         seg.product->columns(a, e, y + seg.offset, ldy);
+      else if (seg.blocks)
+        seg.blocks->columns(a, e, y + seg.offset, ldy);
       else
         float_columns(x_, M_, seg.fp32.w, seg.fp32.K, a, e, y + seg.offset, ldy);
     }
@@ -179,8 +205,9 @@ class ProjectionGroup {
  private:
   struct Segment {
     int64_t offset = 0, width = 0;
-    std::shared_ptr<Product> product;  // quantized matrices, or
-    Matrix fp32;                       // one fp32 matrix
+    std::shared_ptr<Product> product;     // quantized matrices, or
+    std::shared_ptr<BlockProduct> blocks;  // GGUF block matrices, or
+    Matrix fp32;                          // one fp32 matrix
   };
   std::vector<Segment> segments_;
   const float* x_ = nullptr;

@@ -9,8 +9,14 @@ so it has no state of its own and follows the head's device and dtype.
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from torch import Tensor, nn
 
+from llmkit.quant import native
+from llmkit.quant.block_linear import BlockLinear, HeldBlocks
+from llmkit.quant.blocks import BlockType, block_type
 from llmkit.quant.formats import dequantize_int4, dequantize_int8
 from llmkit.quant.linear import Int4Linear, QuantizedLinear
 
@@ -40,7 +46,9 @@ class QuantizedEmbedding(nn.Module):
     def forward(self, ids: Tensor) -> Tensor:
         """ids (...) int -> rows (..., dim), dequantized from the head's codes."""
         head, flat = self.source, ids.reshape(-1)
-        if isinstance(head, Int4Linear):
+        if isinstance(head, BlockLinear):
+            rows = head.rows(flat, head.compute_dtype)
+        elif isinstance(head, Int4Linear):
             rows = dequantize_int4(head.qweight[flat], head.scales[flat], head.zeros[flat], head.compute_dtype)
         else:
             rows = dequantize_int8(head.qweight[flat], head.scales[flat], head.compute_dtype)
@@ -48,3 +56,59 @@ class QuantizedEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, rows read from the quantized head"
+
+
+class BlockEmbedding(HeldBlocks):
+    """An embedding table (num_embeddings, embedding_dim) held as rows of GGUF blocks (`blocks`, uint8): each token's
+    row is dequantized when it is looked up, so the table costs its file's bytes, not an fp32 copy (604 MB of
+    Llama-3.2-3B's shape)."""
+
+    blocks: Tensor
+    dtype_probe: Tensor
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        block: BlockType | str,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padding_idx = None
+        self.block = block if isinstance(block, BlockType) else block_type(block)
+        row = self.block.row_bytes(embedding_dim)
+        self.register_buffer("blocks", torch.zeros(num_embeddings, row, dtype=torch.uint8, device=device))
+        # follows the model's casts: the dtype rows come out in
+        self.register_buffer("dtype_probe", torch.empty(0, device=device, dtype=dtype), persistent=False)
+        self.register_load_state_dict_post_hook(lambda module, _: module.prepare())
+
+    @property
+    def k(self) -> int:
+        return self.embedding_dim
+
+    def prepare(self) -> None:
+        """Group the blocks where llmkit's C++ dequantization reads them (after loading or moving)."""
+        self.set_grouped(self.blocks.device.type == "cpu" and native.available())
+
+    def _apply(self, fn: Any, recurse: bool = True) -> BlockEmbedding:
+        super()._apply(fn, recurse)
+        self.prepare()
+        return self
+
+    @property
+    def placement(self) -> Tensor:
+        return self.dtype_probe
+
+    @property
+    def weight(self) -> Tensor:
+        """The whole table, dequantized (for code that reads an embedding's weight)."""
+        return self.rows(torch.arange(self.num_embeddings, device=self.blocks.device), self.dtype_probe.dtype)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        """ids (...) int -> rows (..., dim)."""
+        return self.rows(ids.reshape(-1), self.dtype_probe.dtype).view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.block.name} rows dequantized when looked up"

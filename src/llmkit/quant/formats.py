@@ -6,24 +6,11 @@ int4, asymmetric:  w[n, k] ~= q[n, k] * scale[n, g(k)] + zero[n, g(k)]    q in [
 g(k) = k // group_size is the group of column k; group_size None means one group per output row (per-channel).
 int4 codes are stored two to a byte, (N, K // 2) uint8: column 2j in the low nibble, 2j + 1 in the high one.
 
-llama.cpp's blocks of 32 weights are exactly these formats with group_size 32 (`from_gguf_blocks`):
-    Q8_0  (fp16 d, 32 x int8 q):              w = d * q
-    Q5_0  (fp16 d, 32 high bits, 16 bytes):   w = d * (q - 16)        -> int8 code q - 16, scale d
-    Q4_0  (fp16 d, 16 bytes of nibbles):      w = d * (q - 8)         -> scale d, zero -8 d
-    Q4_1  (fp16 d, fp16 m, 16 bytes):         w = d * q + m           -> scale d, zero m
-with a block's 32 codes stored as 16 bytes holding q[j] in the low and q[j + 16] in the high nibble of byte j; and
-so is the K-quant most files use for most tensors (Q4_K_M, Q4_K_S):
-    Q4_K  (super-blocks of 256: fp16 d, fp16 dmin, 8 six-bit scales sc and mins m, 128 bytes of nibbles):
-          w = d sc_i * q - dmin m_i in sub-block i of 32     -> scale d sc_i, zero -dmin m_i
-whose bytes hold sub-blocks 2c and 2c + 1 as the low and high nibbles of the same 32 bytes. Other block types
-(Q6_K, Q5_K, Q5_1, Q3_K, Q2_K, the IQ types) have no exact llmkit format: `requantized_int8` rounds their
-dequantized weights to int8 in groups of 32, an error of at most 1/254 of the group's largest weight (Q6_K, the
-finest of them, has steps of 1/32 of its 16-weight sub-block's largest).
+llama.cpp's own block formats (a GGUF file's Q4_0 ... Q6_K) are held as stored instead: llmkit.quant.blocks.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -94,63 +81,6 @@ def unpack_int4(packed: Tensor) -> Tensor:
     return torch.stack((packed & 15, packed >> 4), dim=-1).reshape(*packed.shape[:-1], -1)
 
 
-# ---- llama.cpp's blocks
+# ---- GGUF's float tensor types (llmkit.quant.blocks holds the quantized ones as stored)
 
-GGUF_KINDS = {"Q8_0": "int8", "Q5_0": "int8", "Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4"}
 GGUF_FLOAT = {"F32", "F16", "BF16", "F64"}  # unquantized: kept in the model's dtype
-QK_K = 256  # weights per K-quant super-block
-
-
-def from_gguf_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> dict[str, Tensor]:
-    """The raw bytes of a GGUF tensor of a type in GGUF_KINDS with logical shape (N, K) -> our tensors, exactly:
-    {"qweight", "scales"} for int8, {"qweight", "scales", "zeros"} for int4, group size 32."""
-    if kind not in GGUF_KINDS:
-        raise InputError(f"GGUF type {kind} has no exact llmkit format")
-    N, K = shape
-    per = QK_K if kind.endswith("_K") else GGUF_BLOCK
-    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(N, K // per, -1)  # (N, blocks a row, bytes a block)
-
-    def f16(start: int) -> Tensor:  # a half-precision field of every block -> (N, blocks a row) float32
-        return torch.from_numpy(blocks[..., start : start + 2].copy().view(np.float16)[..., 0].astype(np.float32))
-
-    def nibbles(b: np.ndarray) -> Tensor:  # (..., 16 j) bytes -> (..., 32) codes: q[j] low, q[j + 16] high nibble
-        t = torch.from_numpy(b.copy())
-        return torch.cat((t & 15, t >> 4), dim=-1)
-
-    d = f16(0)
-    if kind == "Q8_0":
-        q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).reshape(N, K)
-        return {"qweight": q, "scales": d}
-    if kind == "Q5_0":  # the fifth bit of q[j] is bit j of a little-endian 32-bit word
-        high = torch.from_numpy(blocks[..., 2:6].copy().view("<u4").astype(np.int64))  # (N, G, 1)
-        bits = (high >> torch.arange(32)) & 1  # (N, G, 32)
-        q = nibbles(blocks[..., 6:]).to(torch.int64) | (bits << 4)
-        return {"qweight": (q - 16).to(torch.int8).reshape(N, K), "scales": d}
-    if kind == "Q4_K":
-        sc, mins = _k_scales(blocks[..., 4:16])  # (N, S, 8) each
-        scales = (d[..., None] * sc).reshape(N, K // GGUF_BLOCK)
-        zeros = -(f16(2)[..., None] * mins).reshape(N, K // GGUF_BLOCK)
-        q = torch.from_numpy(blocks[..., 16:].copy()).reshape(N, K // QK_K, 4, 1, 32)  # 4 chunks of 32 bytes
-        codes = torch.cat((q & 15, q >> 4), dim=3)  # (N, S, 4, 2, 32): sub-blocks 2c (low), 2c + 1 (high)
-        return {"qweight": pack_int4(codes.reshape(N, K)), "scales": scales, "zeros": zeros}
-    codes = nibbles(blocks[..., -16:])  # (N, G, 32)
-    zero = -8 * d if kind == "Q4_0" else f16(2)
-    return {"qweight": pack_int4(codes.reshape(N, K)), "scales": d, "zeros": zero}
-
-
-def _k_scales(packed: np.ndarray) -> tuple[Tensor, Tensor]:
-    """A K-quant super-block's 12 bytes -> its 8 six-bit scales and 8 six-bit mins, float32 (..., 8) each. Bytes
-    0-3 hold scales 0-3 in their low six bits, bytes 4-7 mins 0-3; bytes 8-11 hold the low four bits of scales 4-7
-    (low nibble) and mins 4-7 (high nibble), whose top two bits are the top bits of bytes 0-3 and 4-7."""
-    b = torch.from_numpy(packed.copy()).to(torch.int32)
-    lo_s, lo_m, rest = b[..., 0:4], b[..., 4:8], b[..., 8:12]
-    sc = torch.cat((lo_s & 63, (rest & 15) | ((lo_s >> 6) << 4)), dim=-1)
-    mins = torch.cat((lo_m & 63, (rest >> 4) | ((lo_m >> 6) << 4)), dim=-1)
-    return sc.float(), mins.float()
-
-
-def requantized_int8(weight: Tensor) -> dict[str, Tensor]:
-    """A GGUF tensor of a block type without an exact llmkit format, dequantized to weight (N, K) -> int8 in
-    groups of 32: {"qweight", "scales"} (see the module docstring for the error)."""
-    q, scales = quantize_int8(weight, GGUF_BLOCK)
-    return {"qweight": q, "scales": scales}

@@ -42,7 +42,7 @@ class QuantizedLinear(FP32Buffers, abc.ABC):
 
     bits: ClassVar[int]
     default_group_size: ClassVar[int | None]
-    fp32_buffers = ("scales", "zeros")
+    fp32_buffers: tuple[str, ...] = ("scales", "zeros")
     qweight: Tensor
     scales: Tensor
     zeros: Tensor | None

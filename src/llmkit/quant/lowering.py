@@ -24,6 +24,7 @@ from llmkit.layers.moe import GroupedExperts, MoE, Router
 from llmkit.layers.norm import LayerNorm, RMSNorm
 from llmkit.layers.residual import PreNorm
 from llmkit.models import DecoderLM
+from llmkit.quant.block_linear import BlockLinear
 from llmkit.quant.experts import QuantizedExperts
 from llmkit.quant.linear import Int4Linear, Int8Linear
 
@@ -86,7 +87,7 @@ def lowers(module: nn.Module) -> bool:
     return all(entry.names[name](getattr(module, name)) for name in names) and entry.holds(module)
 
 
-_LINEAR = lowered(nn.Linear, Int4Linear, Int8Linear)  # _projection reads it: fp32, or codes for the AVX2 kernel
+_LINEAR = lowered(nn.Linear, Int4Linear, Int8Linear, BlockLinear)  # _projection reads it: fp32, codes or blocks
 _ACTIVATION = one_of(*ACTIVATION_CODES)
 _MOE_CONFIG = fields(
     {
@@ -237,4 +238,19 @@ LOWERED: dict[type[nn.Module], Lowering] = {
     nn.Linear: Lowering({"in_features": anything, "out_features": anything, "weight": anything, "bias": anything}),
     Int4Linear: Lowering(_QUANTIZED),
     Int8Linear: Lowering(_QUANTIZED | {"zeros": absent}),
+    BlockLinear: Lowering(
+        {
+            "in_features": anything,
+            "out_features": anything,
+            "group_size": anything,
+            "n_groups": anything,
+            "kernel": anything,
+            "resolved": anything,  # _projection takes a layer only when it resolved to llmkit's CPU kernels
+            "block": anything,  # every type the C++ products take
+            "blocks": anything,
+            "grouped": anything,  # a layer resolved to the C++ kernels holds its 32-weight blocks grouped
+            "bias": anything,
+            "dtype_probe": anything,
+        }
+    ),
 }

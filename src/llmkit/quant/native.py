@@ -31,8 +31,13 @@ import torch
 from llmkit.errors import InputError
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / f for f in ("cpu_kernel.cpp", "cpu_vnni.cpp", "cpu_decode.cpp", "cpu_moe.cpp", "cpu_attention.cpp")]
-HEADERS = [HERE / "cpu_kernel.h", HERE / "cpu_step.h"]
+SOURCES = [
+    HERE / f
+    for f in ("cpu_kernel.cpp", "cpu_vnni.cpp", "cpu_blocks.cpp", "cpu_decode.cpp", "cpu_moe.cpp", "cpu_attention.cpp")
+]
+HEADERS = [
+    HERE / f for f in ("cpu_kernel.h", "cpu_step.h", "cpu_blocks.h", "cpu_blocks_kernels.inc", "cpu_blocks_wide.inc")
+]
 
 
 def build_name() -> str:
@@ -43,13 +48,13 @@ def build_name() -> str:
 
 
 def cpu_has_avx2() -> bool:
-    """AVX2 and FMA, read from /proc/cpuinfo (Linux x86); False elsewhere."""
+    """AVX2, FMA and F16C (every CPU with AVX2 has it), read from /proc/cpuinfo (Linux x86); False elsewhere."""
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         return False
     words = set(flags.split())
-    return {"avx2", "fma"} <= words
+    return {"avx2", "fma", "f16c"} <= words
 
 
 @functools.cache
@@ -65,7 +70,7 @@ def module() -> Any | None:
             ext = load(
                 name=build_name(),
                 sources=[str(s) for s in SOURCES],
-                extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+                extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 verbose=False,
             )
@@ -300,3 +305,21 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) ->
     if torch.compiler.is_compiling():
         return _int8_op(x, qweight, scales)
     return module().int8_linear(x.contiguous(), qweight, scales, integer_rows() + 1, prefill_bf16())  # type: ignore[union-attr]
+
+
+@torch.library.custom_op("llmkit::block_linear", mutates_args=())
+def _block_op(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
+    return module().block_linear(x.contiguous(), blocks, kind, integer_rows() + 1, prefill_bf16())  # type: ignore[union-attr]
+
+
+@_block_op.register_fake
+def _(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], blocks.shape[0])
+
+
+def block_linear(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
+    """x (M, K) fp32 @ W^T for W held as GGUF blocks of ggml type `kind` (llmkit.quant.blocks) -> (M, N)
+    (dequantized in panels from integer_rows() + 1 rows on)."""
+    if torch.compiler.is_compiling():
+        return _block_op(x, blocks, kind)
+    return module().block_linear(x.contiguous(), blocks, kind, integer_rows() + 1, prefill_bf16())  # type: ignore[union-attr]

@@ -41,6 +41,7 @@ from llmkit.layers.norm import LayerNorm, RMSNorm
 from llmkit.layers.softcap import soft_cap
 from llmkit.models import DecoderLM, Step
 from llmkit.quant import native
+from llmkit.quant.block_linear import BlockLinear
 from llmkit.quant.experts import QuantizedExperts
 from llmkit.quant.linear import Int4Linear, Int8Linear, QuantizedLinear
 from llmkit.quant.lowering import ACTIVATION_CODES, lowers
@@ -62,6 +63,8 @@ def _projection(ext: Any, layer: nn.Module) -> Any | None:
         return ext.Projection(1, layer.qweight, layer.scales, layer.zeros, bias)
     if isinstance(layer, Int8Linear) and layer.resolved == "avx2":
         return ext.Projection(2, layer.qweight, layer.scales, None, bias)
+    if isinstance(layer, BlockLinear) and layer.resolved == "avx2":
+        return ext.Projection(layer.blocks, layer.block.ggml, layer.in_features, bias)
     return None
 
 

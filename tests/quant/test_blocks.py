@@ -1,0 +1,174 @@
+"""GGUF block types held as stored (llmkit.quant.blocks, BlockLinear, cpu_blocks.cpp) against the `gguf` package:
+
+- the PyTorch dequantization of every type equals the package's reference dequantization bit for bit, in the file's
+  layout and in llmkit's grouped one (which round-trips);
+- every C++ kernel (AVX2, and AVX512-VNNI where the CPU has it) computes, at 1, 2, 7 and 16 rows, the product of
+  the reference-dequantized weights with x rounded to int8 per group (32 inputs, 256 for the K-quants) within the
+  fp32 summation's bound, and gives every row the bits it gets alone;
+- quantizing to the 32-weight types gives the package's own bytes;
+- a BlockLinear layer saves, loads, casts and multiplies like nn.Linear.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf_files import random_blocks
+
+from llmkit.errors import InputError
+from llmkit.quant import native
+from llmkit.quant.block_linear import BlockLinear
+from llmkit.quant.blocks import TYPES, dequantize, group_blocks, quantize_blocks, ungroup_blocks
+
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+ALL = sorted(TYPES)
+needs_native = pytest.mark.skipif(not native.available(), reason="llmkit's C++ kernels do not run here")
+
+
+def _raw(kind: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    return torch.from_numpy(random_blocks(kind, rows, cols, seed))
+
+
+def _reference(kind: str, raw: torch.Tensor, cols: int) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(raw.numpy(), Q[kind]).copy()).reshape(-1, cols)
+
+
+def _width(kind: str) -> int:
+    """A row width with a tail: 2 groups of 8 blocks and 2 blocks more, or 3 super-blocks."""
+    return 576 if TYPES[kind].weights == 32 else 768
+
+
+@pytest.mark.parametrize("kind", ALL)
+def test_dequantization_equals_the_gguf_package(kind):
+    cols = _width(kind)
+    raw = _raw(kind, 5, cols)
+    held = group_blocks(raw, kind)
+    assert torch.equal(ungroup_blocks(held, kind), raw)
+    assert (held.data_ptr() == raw.data_ptr()) == (TYPES[kind].head == 0)  # K-quants are held as stored
+    want = _reference(kind, raw, cols)
+    assert torch.equal(dequantize(raw, kind, cols, grouped=False), want)
+    assert torch.equal(dequantize(held, kind, cols), want)
+
+
+def _rounded(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x rounded as the kernels round it: int8 codes round(x / d) per `group` inputs, d = max |x| / 127."""
+    g = x.reshape(x.shape[0], -1, group)
+    d = g.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(g * inv).clamp(-127, 127) * d).reshape(x.shape)
+
+
+def _kernels() -> list[str]:
+    ext = native.module()
+    return ["avx2"] + (["auto"] if ext is not None and ext.cpu_has_avx512_vnni() else [])
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ALL)
+@pytest.mark.parametrize("rows", [1, 2, 7, 16])
+def test_kernels_multiply_the_blocks_exactly_and_row_by_row(kind, rows):
+    cols, t = _width(kind), TYPES[kind]
+    raw = _raw(kind, 37, cols, seed=rows)
+    held = group_blocks(raw, kind)
+    w = _reference(kind, raw, cols).double()
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+    xr = _rounded(x, 256 if t.weights == 256 else 32).double()
+    want = xr @ w.T
+    bound = cols / 8 * 2.0**-24 * (xr.abs() @ w.abs().T)  # fp32 sums of at most cols / 8 terms, each within u
+    ext = native.module()
+    for kernel in _kernels():
+        with native.integer_kernel_set(kernel):
+            y = ext.block_linear(x, held, t.ggml, 1000)
+            assert ((y.double() - want).abs() <= bound + 1e-30).all(), (kernel, (y.double() - want).abs().max())
+            for m in range(rows):
+                alone = ext.block_linear(x[m : m + 1].contiguous(), held, t.ggml, 1000)
+                assert torch.equal(alone[0], y[m]), (kernel, m)
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0", "Q4_0"])
+def test_many_rows_multiply_the_dequantized_panels(kind):
+    cols, t = _width(kind), TYPES[kind]
+    raw = _raw(kind, 40, cols)
+    w = _reference(kind, raw, cols)
+    x = torch.randn(64, cols)
+    ext = native.module()
+    fp32 = ext.block_linear(x, group_blocks(raw, kind), t.ggml, 32, False)
+    torch.testing.assert_close(fp32, x @ w.T, rtol=1e-5, atol=1e-5 * float((x @ w.T).abs().max()))
+    bf16 = ext.block_linear(x, group_blocks(raw, kind), t.ggml, 32, True)
+    want = (x.bfloat16() @ w.bfloat16().T).float()
+    torch.testing.assert_close(bf16, want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_quantizing_gives_the_gguf_package_s_bytes(kind):
+    w = np.random.default_rng(1).normal(0, 0.02, (9, 576)).astype(np.float32)
+    w[0, :32] = 0  # an all-zero block
+    w[1, 32:64] = 0.01  # a block of equal values
+    ours = quantize_blocks(torch.from_numpy(w), kind)
+    assert np.array_equal(ours.numpy(), gguf.quants.quantize(w, Q[kind]))
+
+
+def test_quantizing_to_a_k_quant_is_a_clear_error_for_now():
+    with pytest.raises(InputError, match="does not quantize to Q4_K yet"):
+        quantize_blocks(torch.randn(4, 256), "Q4_K")
+
+
+def test_a_width_that_is_not_whole_blocks_is_refused():
+    with pytest.raises(InputError, match="blocks of 256"):
+        BlockLinear(300, 4, block="Q4_K")
+    with pytest.raises(InputError, match="unknown block type"):
+        BlockLinear(256, 4, block="Q7_K")
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q8_0"])
+def test_a_block_layer_saves_loads_and_multiplies_like_a_linear_one(kind):
+    cols = _width(kind)
+    layer = BlockLinear(cols, 6, bias=True, block=kind)
+    layer.blocks.copy_(group_blocks(_raw(kind, 6, cols), kind))
+    layer.bias.data.normal_()
+    copy = BlockLinear(cols, 6, bias=True, block=kind)
+    copy.load_state_dict(layer.state_dict())
+    assert set(layer.state_dict()) == {"blocks", "bias"}
+    x = torch.randn(3, cols)
+    w = dequantize(layer.blocks, kind, cols)
+    want = F.linear(x, w, layer.bias).detach()
+    if copy.resolved == "avx2":  # the C++ kernels round x to int8 per group
+        rounded = F.linear(_rounded(x, 256 if TYPES[kind].weights == 256 else 32), w, layer.bias).detach()
+        torch.testing.assert_close(copy(x), rounded, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    exact = BlockLinear(cols, 6, bias=True, block=kind, kernel="dequant")
+    exact.load_state_dict(layer.state_dict())
+    assert torch.equal(exact(x), want)
+    assert exact.to(torch.bfloat16)(x.bfloat16()).dtype == torch.bfloat16
+    x.requires_grad_(True)  # QLoRA: a gradient flows through the frozen blocks
+    copy(x).sum().backward()
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad, w.sum(0).expand_as(x))
+    assert copy.blocks.grad is None
+
+
+@pytest.mark.parametrize("method", ["Q8_0", "Q4_0"])
+def test_a_model_quantized_to_a_block_type_saves_and_loads_with_the_same_logits(tmp_path, method):
+    """quantize(model, "Q8_0") swaps the linear layers for BlockLinear ones (llama.cpp's rules); an llmkit checkpoint
+    keeps their blocks in the file's layout and loads back into the same model, grouped again where the kernels run."""
+    from llmkit import build_model, get_preset
+    from llmkit.interop.checkpoint import load_llmkit, save_llmkit
+    from llmkit.quant import describe, quantize
+
+    torch.manual_seed(0)
+    model = quantize(build_model(get_preset("llama2-7b-tiny")).eval(), method, include_head=True)
+    assert all(isinstance(m, BlockLinear) for n, m in model.named_modules() if n.endswith(("wq", "w2", "head")))
+    assert f"{method}:" in describe(model)
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 9))
+    with torch.no_grad():
+        want = model(tokens)
+    path = save_llmkit(model, tmp_path / "ckpt")
+    loaded = load_llmkit(path).model.eval()
+    layer = loaded.blocks[0].attn.wq
+    assert torch.equal(layer.state_dict()["blocks"], model.blocks[0].attn.wq.state_dict()["blocks"])
+    assert layer.grouped == (layer.resolved == "avx2")
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens), want)
