@@ -67,7 +67,7 @@ def test_the_fp32_head_gives_every_row_the_same_bits():
         assert torch.equal(ext.float_linear(x[:m].contiguous(), w), alone[:m]), m
 
 
-@pytest.mark.parametrize("method", ["int4", "int8"])
+@pytest.mark.parametrize("method", ["int4", "int8", "Q4_0"])
 def test_speculative_greedy_output_equals_plain_greedy_output(method):
     """The verifying step computes k + 1 tokens where plain decoding computes one: with row-invariant products both
     see the same logits, so speculation returns exactly the plain greedy tokens. The draft is the unquantized model
@@ -88,7 +88,7 @@ def test_speculative_greedy_output_equals_plain_greedy_output(method):
         assert 0 < fast.accepted < fast.drafted  # the draft is neither always right nor always wrong
 
 
-@pytest.mark.parametrize("method", ["int4", "int8"])
+@pytest.mark.parametrize("method", ["int4", "int8", "Q8_0"])
 def test_mtp_self_speculation_equals_plain_greedy_on_quantized_weights(method):
     torch.manual_seed(0)
     cfg = dataclasses.replace(get_preset("llama2-7b-tiny"), mtp_depth=1)
@@ -119,7 +119,7 @@ def engine_outputs(model, prompts, late, config, max_tokens=12):
     return [tokens[i] for i in range(len(prompts))], [logprobs[i] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("method", ["int4", None])
+@pytest.mark.parametrize("method", ["int4", "Q4_0", None])
 def test_the_engines_batch_invariant_mode_gives_each_request_generates_tokens(method):
     """16 greedy requests with prompts of 1 to 150 tokens (chunked over steps of 48 tokens, some crossing the
     products' switch at 96 rows), 4 of them admitted later: each gets exactly what a batch-invariant `generate`

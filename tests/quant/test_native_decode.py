@@ -93,7 +93,7 @@ def test_fp32_blocks_equal_pytorch(name):
         torch.testing.assert_close(lb.v, la.v, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "Q8_0", "Q4_0"])
 @pytest.mark.parametrize("name", ["llama", "gpt2", "qwen-biases", "qwen3-qk-norm"])
 def test_quantized_blocks_equal_pytorch(name, method):
     """Both paths run the same integer kernels; they differ only where float rounding in the norms moves an
