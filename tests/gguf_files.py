@@ -38,12 +38,14 @@ def write_gguf(
     arch: str = "llama",
     head_dim: int | None = None,
     untied: bool = False,
+    width: int = 256,
+    layers: int = 2,
 ) -> None:
     """A 2-block GGUF file of architecture `arch` (width 256, 4 query and 2 kv heads, vocab 64, tied embedding) whose
     tensors named in `kinds` (a GGUF name's suffix -> block type, e.g. "attn_q" -> "Q4_K") hold random blocks; the
     rest are F32. qwen2 adds q / k / v biases, qwen3 QK-norm gains; head_dim (qwen3) sets attention.key_length;
-    untied adds an output head of its own."""
-    C, F, V, L, H, KH = 256, 512, 64, 2, 4, 2
+    untied adds an output head of its own; width (and twice it, the feed-forward's) and layers scale it up."""
+    C, F, V, L, H, KH = width, 2 * width, 64, layers, 4, 2
     D = head_dim or C // H
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(64)

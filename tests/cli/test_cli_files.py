@@ -213,3 +213,15 @@ def test_average_replaces_its_own_average_but_not_another_checkpoint(tmp_path, c
     assert main(["average", str(run), "--last", "2", "--out", str(other)]) == 2
     assert "give --overwrite" in one_line_error(capsys.readouterr().err)
     assert main(["average", str(run), "--last", "2", "--out", str(other), "--overwrite"]) == 0
+
+
+def test_quantize_to_a_gguf_block_type_writes_a_checkpoint_of_blocks(ck, tmp_path, capsys):
+    from llmkit.quant.block_linear import BlockLinear
+
+    out = tmp_path / "q4"
+    assert main(["quantize", str(ck), str(out), "--to", "q4_0", "--include-head"]) == 0
+    assert "Q4_0:" in capsys.readouterr().out
+    model = load_model(out).model
+    assert isinstance(model.blocks[0].ffn.w2, BlockLinear) and model.head.block.name == "Q4_0"
+    assert main(["quantize", str(ck), str(tmp_path / "q8"), "--to", "q8_0", "--group-size", "64"]) == 2
+    assert "--group-size is for int8 and int4" in one_line_error(capsys.readouterr().err)

@@ -225,18 +225,19 @@ def quantize(
     checkpoint: str,
     out: str,
     *,
-    to: Literal["int8", "int4"],
+    to: Literal["int8", "int4", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"],
     group_size: int | None = None,
     include_head: bool = False,
     overwrite: bool = False,
     no_verify: bool = False,
 ) -> int:
-    """Quantize a checkpoint's weights to int8 or int4 and write an llmkit checkpoint that every command loads.
+    """Quantize a checkpoint's weights and write an llmkit checkpoint that every command loads.
 
     checkpoint: a Hugging Face directory, a .gguf file (dequantized first), an llmkit checkpoint or a run folder.
     out: the directory to write (built beside it and renamed into place when complete).
-    to: int8 (one scale per output row, or per group with --group-size) or int4 (groups, default 32).
-    group_size: inputs per scale: 32, 64, 128 or 256 (must divide every layer's input width).
+    to: int8 (one scale per output row, or per group with --group-size), int4 (groups, default 32), or one of
+        llama.cpp's block types (q8_0, q4_0, ...: llama.cpp's quantization rules, the same bytes its tools write).
+    group_size: inputs per scale for int8 / int4: 32, 64, 128 or 256 (must divide every layer's input width).
     include_head: quantize the output head too (a tied head gets a quantized copy of the embedding).
     overwrite: replace an existing checkpoint at OUT (never the input itself).
     no_verify: load an llmkit checkpoint without checking it against its manifest.
@@ -256,7 +257,10 @@ def quantize(
     if isinstance(loaded.model, RNNSeq2Seq):
         raise LLMKitError("the RNN encoder-decoder has no linear layers to quantize")
     before = describe(loaded.model)
-    quantize_model(loaded.model, to, group_size, include_head)
+    method = to.upper() if to.startswith("q") else to
+    if method != to and group_size is not None:
+        raise LLMKitError(f"--group-size is for int8 and int4; {to} has blocks of its own")
+    quantize_model(loaded.model, method, group_size, include_head)
     source_dir = Path(source) if Path(source).is_dir() else None
     with building(output) as tmp:
         save_llmkit(

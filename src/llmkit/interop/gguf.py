@@ -19,9 +19,7 @@ the width (`attention.key_length`).
 
 from __future__ import annotations
 
-import mmap
 import os
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +28,7 @@ from torch import Tensor
 
 from llmkit.config import AttentionConfig, FFNConfig, ModelConfig, NormConfig, PositionConfig, RopeScaling
 from llmkit.errors import ConfigError
+from llmkit.interop.gguf_file import GGUFFile
 from llmkit.interop.keymap import IDENTITY, Concrete, RopeToHalf, Rule, check_against, expand
 from llmkit.interop.loaded import Loaded
 from llmkit.interop.safetensors_io import CheckpointError, read_part
@@ -40,82 +39,11 @@ from llmkit.tokenizer import Tokenizer
 SUPPORTED = ("llama", "qwen2", "qwen3")
 
 
-def open_gguf(path: Path) -> Any:
-    """A GGUFReader over `path`; CheckpointError when it is missing or unreadable."""
-    from gguf import GGUFReader
-
+def open_gguf(path: Path) -> GGUFFile:
+    """A GGUF file's header, checked (gguf_file.py); CheckpointError when it is missing, truncated or damaged."""
     if not path.is_file():
         raise CheckpointError(f"{path} does not exist")
-    check_gguf_layout(path)
-    try:
-        return GGUFReader(str(path))
-    except Exception as e:
-        raise CheckpointError(f"{path} is not a readable GGUF file: {e}") from None
-
-
-# GGUF value types (the spec's gguf_type) -> bytes of one value; 8 is a string, 9 an array
-_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_GGUF_MAX_DIMS = 8
-
-
-def check_gguf_layout(path: Path) -> None:
-    """Walk a GGUF file's header (metadata and tensor records) checking every count and length against the bytes
-    that are there, before the gguf library reads it: that library trusts them, and a damaged length (an array
-    claiming 2^40 entries) has it building views for minutes. A CheckpointError says where the file stops making
-    sense."""
-    if path.stat().st_size < 24:
-        raise CheckpointError(f"{path} is truncated: {path.stat().st_size} bytes, too short for a GGUF header")
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        size, at = len(buf), 0
-
-        def take(fmt: str) -> int:
-            nonlocal at
-            n = struct.calcsize(fmt)
-            if at + n > size:
-                raise CheckpointError(f"{path} is truncated or damaged: its header runs past the end at byte {at}")
-            (value,) = struct.unpack_from(fmt, buf, at)
-            at += n
-            return int(value)
-
-        def skip(n: int, what: str) -> None:
-            nonlocal at
-            if n < 0 or at + n > size:
-                raise CheckpointError(f"{path} is damaged: {what} of {n} bytes at byte {at} runs past the end")
-            at += n
-
-        def value(kind: int, depth: int = 0) -> None:
-            if kind in _GGUF_SIZES:
-                skip(_GGUF_SIZES[kind], "a value")
-            elif kind == 8:
-                skip(take("<Q"), "a string")
-            elif kind == 9 and depth == 0:
-                inner, count = take("<I"), take("<Q")
-                if inner in _GGUF_SIZES:
-                    skip(count * _GGUF_SIZES[inner], "an array")
-                elif inner in (8, 9) and count <= size - at:  # each entry takes at least 8 bytes
-                    for _ in range(count):
-                        value(inner, depth + 1)
-                else:
-                    raise CheckpointError(f"{path} is damaged: an array of type {inner} and {count} entries")
-            else:
-                raise CheckpointError(f"{path} is damaged: unknown metadata type {kind} at byte {at}")
-
-        if take("<I") != 0x46554747:  # b"GGUF"
-            raise CheckpointError(f"{path} is not a GGUF file (no GGUF magic)")
-        if take("<I") not in (2, 3):
-            raise CheckpointError(f"{path}: only GGUF versions 2 and 3 are read")
-        n_tensors, n_kv = take("<Q"), take("<Q")
-        if n_tensors > size or n_kv > size:
-            raise CheckpointError(f"{path} is damaged: it claims {n_tensors} tensors and {n_kv} metadata entries")
-        for _ in range(n_kv):
-            skip(take("<Q"), "a key")
-            value(take("<I"))
-        for _ in range(n_tensors):
-            skip(take("<Q"), "a tensor name")
-            dims = take("<I")
-            if dims > _GGUF_MAX_DIMS:
-                raise CheckpointError(f"{path} is damaged: a tensor with {dims} dimensions")
-            skip(8 * dims + 4 + 8, "a tensor record")
+    return GGUFFile(path)
 
 
 def gguf_tokenizer(meta: dict[str, Any]) -> Tokenizer | None:
@@ -128,15 +56,9 @@ def load_gguf_tokenizer(path: str | os.PathLike[str]) -> Tokenizer | None:
     return gguf_tokenizer(read_metadata(open_gguf(Path(path))))
 
 
-def read_metadata(reader: Any) -> dict[str, Any]:
+def read_metadata(reader: GGUFFile) -> dict[str, Any]:
     """Every key-value field of a GGUF file as plain Python values."""
-    meta = {}
-    for key, f in reader.fields.items():
-        try:
-            meta[key] = f.contents()
-        except Exception:
-            continue
-    return meta
+    return dict(reader.fields)
 
 
 def config_from_gguf(meta: dict[str, Any], names: set[str]) -> ModelConfig:
@@ -252,8 +174,8 @@ def load_gguf(
 
     quantized: hold every quantized tensor as its blocks (llmkit.quant.blocks: Q4_0 ... Q6_K, IQ4_NL, IQ4_XS,
     multiplied as stored; K-quants are views of the file's memory map), and F16 / F32 tensors as floats; a type
-    llmkit has no kernel for is dequantized (`Loaded.notes` says which). A tensor-parallel rank's part (`split`)
-    keeps Q4_0 / Q4_1 / Q4_K / Q5_0 / Q8_0 as int4 / int8 and rounds the other types to int8 in groups of 32;
+    llmkit has no kernel for is dequantized (`Loaded.notes` says which); a tensor-parallel rank's part (`split`)
+    reads its rows and whole blocks of its columns;
     False: dequantize every tensor to `dtype` (default fp32);
     None: keep them when no dtype is asked for and the device has a fast kernel for them (llmkit.quant.kernels),
     else dequantize."""
