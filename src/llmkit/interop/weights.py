@@ -98,9 +98,12 @@ def _fill(
             setattr(t, SOURCE, key)
     model.load_state_dict(state, strict=True, assign=True)
     materialize_buffers(model, device)
-    for name, t in model.state_dict(keep_vars=True).items():
-        if parts[name][1] is not None:  # a part keeps saying which part it is (the assigned tensors are new)
-            setattr(t, SOURCE, parts[name])
+    # a part keeps saying which part it is (the assigned parameters are new objects); not through state_dict(),
+    # which would move every grouped block layer's blocks back to the file's layout (a copy) to report them
+    held = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    for name, key in parts.items():
+        if key[1] is not None and name in held:
+            setattr(held[name], SOURCE, key)
 
 
 def build_with_weights(
