@@ -1,5 +1,6 @@
-"""Weight-only quantization applied from outside the model: int8 (per output row or per group) and int4 (groups of
-32-256, scale and zero each), GGUF's Q8_0 / Q4_0 / Q4_1 blocks taken over exactly. See apply.py."""
+"""Weight-only quantization applied from outside the model: int8 (per output row or per group), int4 (groups of
+32-256, scale and zero each), and llama.cpp's block types held as GGUF files store them (blocks.py, BlockLinear).
+See apply.py."""
 
 from llmkit.quant.apply import (
     METHODS,

@@ -21,7 +21,7 @@ from llmkit.errors import InputError
 from llmkit.layers.attention.gqa import GroupedQueryAttention
 from llmkit.layers.moe import GroupedExperts
 from llmkit.quant import native
-from llmkit.quant.block_linear import BlockLinear, block_layer
+from llmkit.quant.block_linear import BlockLinear
 from llmkit.quant.blocks import TYPES
 from llmkit.quant.embedding import BlockEmbedding, QuantizedEmbedding
 from llmkit.quant.experts import QuantizedExperts
@@ -165,11 +165,15 @@ def _quantized(module: nn.Module, spec: QuantSpec, name: str, kernel: Kernel) ->
     return _layer_class(method).from_linear(module, group, kernel)
 
 
-def _layer_class(method: str) -> Any:
-    """The class (or, for a GGUF block type, a constructor with the same signature) of a layer of `method`."""
-    if method in TYPES:
-        return block_layer(method)
+def _layer_class(method: str) -> type[QuantizedLinear]:
     return Int8Linear if method == "int8" else Int4Linear
+
+
+def _shell(method: str, inputs: int, outputs: int, bias: bool, group: int | None, device: Any) -> QuantizedLinear:
+    """An empty quantized layer of `method` (int8, int4, or a GGUF block type, whose blocks set their own groups)."""
+    if method in TYPES:
+        return BlockLinear(inputs, outputs, bias, method, device=device)
+    return _layer_class(method)(inputs, outputs, bias, group, device=device)
 
 
 def apply_spec(model: nn.Module, spec: QuantSpec, device: torch.device | str | None = "meta") -> nn.Module:
@@ -183,12 +187,12 @@ def apply_spec(model: nn.Module, spec: QuantSpec, device: torch.device | str | N
         else:
             assert isinstance(module, nn.Linear)
             bias = module.bias is not None
-            shell = _layer_class(method)(module.in_features, module.out_features, bias, group, device=device)
+            shell = _shell(method, module.in_features, module.out_features, bias, group, device)
         _set(model, name, shell)
     if spec.include_head and getattr(model, "head", "absent") is None:
         vocab, dim = _embedding(model).shape
         method, group = spec.for_layer("head")
-        head = _layer_class(method)(dim, vocab, False, group, device=device)
+        head = _shell(method, dim, vocab, False, group, device)
         model.head = head
         if spec.embedding_from_head:
             _set(model, "embed", QuantizedEmbedding(head))

@@ -61,8 +61,8 @@ class HeldBlocks(torch.nn.Module):
 
     @property
     def k(self) -> int:
-        """Weights a row."""
-        raise NotImplementedError
+        """Weights a row (from the blocks' shape: whole blocks of `block`)."""
+        return self.blocks.shape[-1] // self.block.bytes * self.block.weights
 
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -104,10 +104,6 @@ class BlockLinear(HeldBlocks, QuantizedLinear):
         self.register_buffer("blocks", torch.zeros(out_features, row, dtype=torch.uint8, device=device))
         if self.blocks.device.type != "meta":
             self.prepare()
-
-    @property
-    def k(self) -> int:
-        return self.in_features
 
     @property
     def method(self) -> str:
@@ -160,22 +156,3 @@ class BlockLinear(HeldBlocks, QuantizedLinear):
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"{self.block.name} ({self.block.bits:.4g} bits a weight), kernel={self.kernel}"
         )
-
-
-def block_layer(block: str) -> Any:
-    """A constructor with QuantizedLinear's (in, out, bias, group_size, ...) signature for layers of `block`, for
-    the code that rebuilds a quantized structure from a spec (apply.py)."""
-    t = block_type(block)
-
-    def make(
-        in_features: int,
-        out_features: int,
-        bias: bool = False,
-        group_size: int | None = None,
-        kernel: Kernel = "auto",
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> BlockLinear:
-        return BlockLinear(in_features, out_features, bias, t, kernel, device, dtype)
-
-    return make

@@ -69,7 +69,9 @@ int64_t activation_group(int kind) { return kind >= Q2_K && kind <= Q6_K || kind
 void quantize_block_rows(const float* x, int64_t M, int64_t K, int64_t group, BlockRows& out) {
   LLMKIT_CHECK(K % group == 0 && group % 32 == 0, "x's width ", K, " is not a multiple of ", group);
   out.M = M, out.K = K, out.group = group;
-  out.q.resize(M * K), out.d.resize(M * (K / group)), out.sums.resize(M * (K / 16)), out.flip.resize(M * (K / 4));
+  out.q.resize(M * K), out.d.resize(M * (K / group)), out.sums.resize(M * (K / 16));
+  const bool vnni = vnni_selected();  // flip and alt are the VNNI kernels' alone
+  out.flip.resize(vnni ? M * (K / 4) : 0);
   const __m256 sign = _mm256_set1_ps(-0.f);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < K / group; ++g) {
@@ -95,10 +97,11 @@ void quantize_block_rows(const float* x, int64_t M, int64_t K, int64_t group, Bl
     for (int64_t j = 0; j < K / 4; ++j) {
       const int8_t* q = out.q.data() + m * K + 4 * j;
       const int four = q[0] + q[1] + q[2] + q[3];
-      out.flip[m * (K / 4) + j] = -128 * four;
+      if (vnni) out.flip[m * (K / 4) + j] = -128 * four;
       if (j % 4 == 0) out.sums[m * (K / 16) + j / 4] = 0;
       out.sums[m * (K / 16) + j / 4] = static_cast<int16_t>(out.sums[m * (K / 16) + j / 4] + four);  // |sum| <= 2032
     }
+  if (!vnni) return;
   // the wide kernels' order (BlockRows::alt)
   out.alt.resize(M * K);
   const int64_t span = group == 32 ? 128 : 256, piece = group == 32 ? 16 : 32;

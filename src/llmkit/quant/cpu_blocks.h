@@ -42,9 +42,9 @@ struct BlockRows {
   std::vector<int8_t> q;          // (M, K)
   std::vector<float> d;           // (M, K / group)
   std::vector<int16_t> sums;      // (M, K / 16)
-  std::vector<int32_t> flip;      // (M, K / 4)
-  std::vector<int8_t> alt;        // (M, K)
-  std::vector<int32_t> alt_flip;  // (M, K / 8), groups of 32
+  std::vector<int32_t> flip;      // (M, K / 4), where the VNNI kernels run
+  std::vector<int8_t> alt;        // (M, K), where the VNNI kernels run
+  std::vector<int32_t> alt_flip;  // (M, K / 8), groups of 32, where the VNNI kernels run
 };
 
 void quantize_block_rows(const float* x, int64_t M, int64_t K, int64_t group, BlockRows& out);

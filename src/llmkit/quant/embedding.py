@@ -84,10 +84,6 @@ class BlockEmbedding(HeldBlocks):
         self.register_buffer("dtype_probe", torch.empty(0, device=device, dtype=dtype), persistent=False)
         self.register_load_state_dict_post_hook(lambda module, _: module.prepare())
 
-    @property
-    def k(self) -> int:
-        return self.embedding_dim
-
     def prepare(self) -> None:
         """Group the blocks where llmkit's C++ dequantization reads them (after loading or moving)."""
         self.set_grouped(self.blocks.device.type == "cpu" and native.available())
