@@ -208,3 +208,55 @@ def test_gpu_evaluation_equals_the_cpu():
     d_gpu = divergence(gpu, gpu, tok, text, window=24, stride=12)
     assert float(d_gpu.kl.max()) == 0.0
     assert d_gpu.model.nll == pytest.approx(d_cpu.model.nll, rel=1e-4)
+
+
+def test_gpu_gguf_blocks_dequantize_to_the_cpu_s_weights():
+    """Every GGUF block type on the GPU (no C++ kernels there: PyTorch dequantizes the blocks as stored) gives the
+    CPU's weights bit for bit, and the layer multiplies by them in fp32 and bf16."""
+    from gguf_files import random_blocks
+
+    from llmkit.quant.block_linear import BlockLinear
+    from llmkit.quant.blocks import TYPES, dequantize
+
+    for kind, block in sorted(TYPES.items()):
+        cols = 576 if block.weights == 32 else 768
+        raw = torch.from_numpy(random_blocks(kind, 6, cols, seed=1))
+        layer = BlockLinear(cols, 6, bias=True, block=kind, kernel="dequant")
+        layer.blocks.copy_(raw)
+        layer.grouped = False
+        layer.bias.data.normal_()
+        want = dequantize(raw, kind, cols, grouped=False)
+        gpu = __import__("copy").deepcopy(layer).to("cuda")
+        assert gpu.resolved == "dequant", kind
+        assert torch.equal(gpu.dequantize().cpu(), want), kind
+        x = torch.randn(3, cols)
+        with torch.no_grad():
+            exact = torch.nn.functional.linear(x.double(), want.double(), layer.bias.double()).float()
+            torch.testing.assert_close(gpu(x.cuda()).cpu(), exact, rtol=1e-4, atol=1e-4 * float(exact.abs().max()))
+            half = gpu.to(torch.bfloat16)(x.cuda().bfloat16()).float().cpu()
+        assert (half - exact).abs().max() < 0.02 * exact.abs().max(), kind
+
+
+def test_gpu_gguf_file_decodes_the_cpu_s_tokens(tmp_path):
+    """A GGUF file of K-quants and 32-weight blocks, loaded onto the GPU with its blocks kept as stored, gives the
+    logits and greedy tokens the same file gives on the CPU with the exact (dequantizing) kernel."""
+    from gguf_files import write_gguf
+
+    from llmkit.interop.load import load_model
+    from llmkit.quant import QuantizedLinear
+
+    path = tmp_path / "mixed.gguf"
+    kinds = {"ffn_gate": "Q4_K", "ffn_up": "Q8_0", "ffn_down": "Q6_K", "attn_q": "Q5_0", "attn_v": "IQ4_NL"}
+    write_gguf(path, kinds, untied=True)
+    cpu = load_model(path).model.eval()
+    for m in cpu.modules():
+        if isinstance(m, QuantizedLinear):
+            m.kernel = "dequant"  # type: ignore[assignment]
+            m.prepare()
+    gpu = load_model(path, device="cuda").model.eval()
+    assert sum(isinstance(m, QuantizedLinear) for m in gpu.modules()) == 2 * len(kinds)
+    tokens = torch.tensor([[5, 17, 33, 2, 41, 9]])
+    with torch.no_grad():
+        torch.testing.assert_close(gpu(tokens.cuda()).cpu(), cpu(tokens), rtol=1e-4, atol=1e-4)
+    out = generate(gpu, tokens.cuda(), max_new_tokens=8).tokens.cpu()
+    assert torch.equal(out, generate(cpu, tokens, max_new_tokens=8).tokens)

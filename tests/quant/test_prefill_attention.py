@@ -170,6 +170,30 @@ def test_attend_gives_a_layers_kernel_the_prompts_it_takes(monkeypatch):
     assert torch.equal(batch[1], native.causal_attention(*(t[1] for t in rows), 0, 0.125))
 
 
+def test_tensors_off_the_cpu_are_not_given_to_the_kernel(monkeypatch):
+    """A model quantized on the CPU and moved to a GPU keeps its layers' prefill kernel: its queries there (meta
+    tensors stand in for CUDA ones) must go to torch's attention, not to C++ that reads their pointers (on an H100
+    machine with AVX512-BF16, bf16 QLoRA on the GPU crashed the process). The extension refuses them too."""
+    monkeypatch.setattr(native, "cpu_has_avx512_bf16", lambda: True)
+    monkeypatch.setattr(native, "module", lambda: object())  # built, as far as the gate can tell
+    q, v = (torch.empty(4, 32, 64, dtype=torch.bfloat16, device="meta") for _ in range(2))
+    assert not native.attention_applies(q, v)
+    assert native.attention_applies(torch.empty_like(q, device="cpu"), torch.empty_like(v, device="cpu"))
+
+
+@needs_kernel
+def test_the_extension_refuses_tensors_off_the_cpu():
+    ext = native.module()
+    q = torch.empty(4, 32, 64, device="meta")
+    with pytest.raises(RuntimeError, match="is on meta: llmkit's C\\+\\+ kernels take CPU tensors"):
+        ext.causal_attention(q, q, q, 0, 0.125)
+    w = torch.zeros(8, 64, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="x is on meta"):
+        ext.int8_linear(q[0], w, torch.ones(8, 1), 1, False)
+    with pytest.raises(RuntimeError, match="qweight is on meta"):
+        ext.int8_linear(torch.zeros(1, 64), w.to("meta"), torch.ones(8, 1), 1, False)
+
+
 def _quantized_model() -> llmkit.DecoderLM:
     torch.manual_seed(0)
     cfg = dataclasses.replace(llmkit.get_preset("llama2-7b-tiny"), n_layers=2)

@@ -299,6 +299,9 @@ void causal_attention_typed(const torch::Tensor& q, const torch::Tensor& k, cons
 // laid out (T, H, D) in memory (so that the caller's transpose back to (T, H D) is free)
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t offset,
                                double scale) {
+  check_cpu(q, "causal_attention: q");
+  check_cpu(k, "causal_attention: k");
+  check_cpu(v, "causal_attention: v");
   LLMKIT_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "causal_attention: q, k, v must be 3-D (heads, n, D)");
   LLMKIT_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
                "causal_attention: q, k and v must share a dtype");

@@ -192,6 +192,7 @@ torch::Tensor dequantized_product(const torch::Tensor& x, const BlockMatrix& w, 
 }
 
 torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, int64_t kind, int64_t many_rows, bool bf16) {
+  check_cpu(x, "x");
   LLMKIT_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be (M, K) fp32");
   const BlockMatrix w = block_matrix(blocks, static_cast<int>(kind), x.size(1));
   if (x.size(0) >= many_rows) return dequantized_product(x, w, bf16);

@@ -307,6 +307,8 @@ void columns(const Pass& p, int64_t M, int64_t n0, int64_t n1, float* Y, int64_t
 }
 
 void check_matrix(const torch::Tensor& qweight, const torch::Tensor& scales, int64_t K, c10::ScalarType type) {
+  check_cpu(qweight, "qweight");
+  check_cpu(scales, "scales");
   LLMKIT_CHECK(qweight.scalar_type() == type && qweight.is_contiguous() && qweight.dim() == 2, "bad qweight");
   LLMKIT_CHECK(K % BLOCK == 0, "the input width must be a multiple of 32");
   LLMKIT_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 2 &&
@@ -322,6 +324,7 @@ void check_matrix(const torch::Tensor& qweight, const torch::Tensor& scales, int
 QuantizedMatrix int4_matrix(const torch::Tensor& qweight, const torch::Tensor& scales, const torch::Tensor& zeros) {
   const int64_t K = qweight.size(1) * 2;
   check_matrix(qweight, scales, K, torch::kUInt8);
+  llmkit::check_cpu(zeros, "zeros");
   LLMKIT_CHECK(zeros.sizes() == scales.sizes() && zeros.is_contiguous() && zeros.scalar_type() == torch::kFloat32,
               "zeros must match scales");
   return {qweight.data_ptr<uint8_t>(), scales.data_ptr<float>(), zeros.data_ptr<float>(), qweight.size(0), K,
@@ -547,6 +550,7 @@ torch::Tensor dequantized_product(const torch::Tensor& x, const llmkit::Quantize
 
 // From `many_rows` rows of x on, W is dequantized (in bf16 where `bf16`) and multiplied by torch's product.
 torch::Tensor run(const torch::Tensor& x, const llmkit::QuantizedMatrix& w, int64_t many_rows, bool bf16) {
+  llmkit::check_cpu(x, "x");
   LLMKIT_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be (M, K) fp32");
   LLMKIT_CHECK(x.size(1) == w.K, "x has ", x.size(1), " columns, the weights ", w.K);
   if (x.size(0) >= many_rows) return dequantized_product(x, w, bf16);
@@ -573,6 +577,9 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
 // as for one here (and 15 ms for SmolLM2's 49,152 x 576 head at one row, a third of the bandwidth), where a step
 // verifying speculative drafts needs the head for each of its few tokens.
 torch::Tensor float_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias) {
+  llmkit::check_cpu(x, "x");
+  llmkit::check_cpu(w, "w");
+  if (bias) llmkit::check_cpu(*bias, "bias");
   LLMKIT_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be (M, K) fp32");
   LLMKIT_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.size(1) == x.size(1),
               "w must be (N, K) fp32, contiguous, with x's K columns");

