@@ -225,3 +225,10 @@ def test_quantize_to_a_gguf_block_type_writes_a_checkpoint_of_blocks(ck, tmp_pat
     assert isinstance(model.blocks[0].ffn.w2, BlockLinear) and model.head.block.name == "Q4_0"
     assert main(["quantize", str(ck), str(tmp_path / "q8"), "--to", "q8_0", "--group-size", "64"]) == 2
     assert "--group-size is for int8 and int4" in one_line_error(capsys.readouterr().err)
+    # llama.cpp's Q4_K_M mixture; this model's rows (64 wide) are not whole 256-weight super-blocks, so each type
+    # falls back as llama.cpp's does: Q4_K to Q5_0, Q6_K to Q8_0
+    assert main(["quantize", str(ck), str(tmp_path / "q4km"), "--to", "q4_k_m"]) == 0
+    mixed = load_model(tmp_path / "q4km").model
+    assert mixed.blocks[0].attn.wq.block.name == "Q5_0"
+    assert mixed.blocks[-1].ffn.w2.block.name == "Q8_0"  # the last layer gets more bits
+    assert mixed.head.block.name == "Q8_0"

@@ -225,7 +225,22 @@ def quantize(
     checkpoint: str,
     out: str,
     *,
-    to: Literal["int8", "int4", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"],
+    to: Literal[
+        "int8",
+        "int4",
+        "q4_k_m",
+        "q4_k_s",
+        "q5_k_m",
+        "q5_k_s",
+        "q8_0",
+        "q6_k",
+        "q5_k",
+        "q4_k",
+        "q4_0",
+        "q4_1",
+        "q5_0",
+        "q5_1",
+    ],
     group_size: int | None = None,
     include_head: bool = False,
     overwrite: bool = False,
@@ -236,9 +251,12 @@ def quantize(
     checkpoint: a Hugging Face directory, a .gguf file (dequantized first), an llmkit checkpoint or a run folder.
     out: the directory to write (built beside it and renamed into place when complete).
     to: int8 (one scale per output row, or per group with --group-size), int4 (groups, default 32), or one of
-        llama.cpp's block types (q8_0, q4_0, ...: llama.cpp's quantization rules, the same bytes its tools write).
+        llama.cpp's block types (q8_0, q6_k, q4_k, q4_0, ...: llama.cpp's quantization rules, the bytes its
+        llama-quantize writes), or one of its mixtures (q4_k_m, q4_k_s, q5_k_m, q5_k_s: each layer, the output head
+        and the embedding table in the block type llama.cpp gives them).
     group_size: inputs per scale for int8 / int4: 32, 64, 128 or 256 (must divide every layer's input width).
-    include_head: quantize the output head too (a tied head gets a quantized copy of the embedding).
+    include_head: quantize the output head too (a tied head gets a quantized copy of the embedding); a mixture
+        always does.
     overwrite: replace an existing checkpoint at OUT (never the input itself).
     no_verify: load an llmkit checkpoint without checking it against its manifest.
     """

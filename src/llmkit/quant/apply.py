@@ -27,6 +27,7 @@ from llmkit.quant.embedding import BlockEmbedding, QuantizedEmbedding
 from llmkit.quant.experts import QuantizedExperts
 from llmkit.quant.kernels import Kernel
 from llmkit.quant.linear import Int4Linear, Int8Linear, QuantizedLinear
+from llmkit.quant.mixtures import MIXTURES, mixture_spec
 
 Method = str  # "int8", "int4", or a GGUF block type (llmkit.quant.blocks.TYPES: "Q4_K", "Q8_0", ...)
 METHODS: tuple[str, ...] = ("int8", "int4", *TYPES)
@@ -120,19 +121,30 @@ def quantize(
     kernel: Kernel = "auto",
 ) -> nn.Module:
     """Replace `model`'s linear layers (and MoE experts; and the head with include_head) by quantized ones, in
-    place; returns the model. int8 defaults to one scale per output row, int4 to groups of 32."""
+    place; returns the model. int8 defaults to one scale per output row, int4 to groups of 32. `method` may also
+    name one of llama.cpp's mixtures ("Q4_K_M", ...: llmkit.quant.mixtures), which sets each layer's block type,
+    the head's and the embedding table's."""
     if quantized_spec(model) is not None or any(isinstance(m, QuantizedLinear) for m in model.modules()):
         raise InputError("the model is already quantized (quantize a float model, or load the float checkpoint)")
     if method == "int4" and group_size is None:
         group_size = 32
-    spec = QuantSpec(method, group_size, include_head)
+    if method.upper() in MIXTURES:  # llama.cpp's per-tensor mixture: the head and the embedding table included
+        if group_size is not None:
+            raise InputError(f"{method} gives each layer a block type of its own: no group size")
+        spec = mixture_spec(model, method)
+    else:
+        spec = QuantSpec(method, group_size, include_head)
     for name, module in _targets(model, spec):
         _set(model, name, _quantized(module, spec, name, kernel))
-    if include_head and getattr(model, "head", "absent") is None:  # tied: a quantized copy of the embedding
+    if spec.include_head and getattr(model, "head", "absent") is None:  # tied: a quantized copy of the embedding
         table = _embedding(model)
         head = nn.Linear(table.shape[1], table.shape[0], bias=False, device=table.device)
         head.weight.data = table.detach()
         _set(model, "head", _quantized(head, spec, "head", kernel))
+    if spec.embedding_from_head:  # the table is the head's codes (as a GGUF file holds a tied table)
+        _set(model, "embed", QuantizedEmbedding(model.get_submodule("head")))  # type: ignore[arg-type]
+    elif spec.embedding is not None:
+        _set(model, "embed", BlockEmbedding.from_float(_embedding(model), spec.embedding))
     _give_prefill_kernel(model)
     model.quantization = spec  # type: ignore[assignment]  # a plain attribute: the record of what was done
     return model

@@ -601,6 +601,7 @@ void bind_decode(pybind11::module& m);  // cpu_decode.cpp
 namespace llmkit {
 void bind_attention(pybind11::module& m);  // cpu_attention.cpp
 void bind_blocks(pybind11::module& m);     // cpu_blocks.cpp
+void bind_kquants(pybind11::module& m);    // cpu_kquants.cpp
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -618,4 +619,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_decode(m);
   llmkit::bind_attention(m);
   llmkit::bind_blocks(m);
+  llmkit::bind_kquants(m);
 }

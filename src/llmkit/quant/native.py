@@ -33,7 +33,15 @@ from llmkit.errors import InputError
 HERE = Path(__file__).parent
 SOURCES = [
     HERE / f
-    for f in ("cpu_kernel.cpp", "cpu_vnni.cpp", "cpu_blocks.cpp", "cpu_decode.cpp", "cpu_moe.cpp", "cpu_attention.cpp")
+    for f in (
+        "cpu_kernel.cpp",
+        "cpu_vnni.cpp",
+        "cpu_blocks.cpp",
+        "cpu_kquants.cpp",
+        "cpu_decode.cpp",
+        "cpu_moe.cpp",
+        "cpu_attention.cpp",
+    )
 ]
 HEADERS = [
     HERE / f for f in ("cpu_kernel.h", "cpu_step.h", "cpu_blocks.h", "cpu_blocks_kernels.inc", "cpu_blocks_wide.inc")

@@ -1,0 +1,228 @@
+"""Quantizing float rows to llama.cpp's K-quants (Q4_K, Q5_K, Q6_K), by its reference rules (ggml-quants.c's
+quantize_row_q4_K_ref, _q5_K_ref, _q6_K_ref), which `llama-quantize` runs when it has no importance matrix.
+
+A super-block of 256 weights is cut into sub-blocks (32 weights for Q4_K and Q5_K, 16 for Q6_K). Each sub-block's
+scale (and min) is searched for first, in float32:
+
+- Q4_K / Q5_K (`_scale_and_min`, make_qkx2_quants): codes 0..nmax with w = scale q - min. Start from the sub-block's
+  range, then try 21 (Q4_K) or 16 (Q5_K) stretched grids; for each, the least-squares scale and min of those codes,
+  weighted by av + |x| (av the sub-block's root mean square); keep the one of least weighted squared error.
+- Q6_K (`_signed_scale`, make_qx_quants): codes -32..31 with w = scale q. Start from the largest magnitude, try 18
+  grids around it, keep the one whose least-squares fit (weights x^2) explains most.
+
+Then the super-block's sub-block scales are themselves quantized (6 bits against an fp16 d, and 6-bit mins against
+an fp16 dmin; or int8 against d for Q6_K), and every weight is coded again against its sub-block's rounded scale.
+
+Every sum runs in the order of the C loops (`_ordered_sum`) and every product and quotient is one float32
+operation, as in the reference compiled without fused multiply-adds. `llama-quantize` built with -march=native lets
+the compiler fuse some of them, and writes the same bytes for 99.8% (Q4_K), 99.97% (Q5_K) and 100% (Q6_K) of the
+blocks of a real-size file (tests/quant/test_kquants.py keeps 32 of each); the others differ where two candidate
+scales nearly tie.
+
+This module is the reference, and the path where llmkit's C++ extension does not run: cpu_kquants.cpp computes the
+same bytes (tested equal) 2-4x faster (13 / 7 / 5 us a super-block of Q4_K / Q5_K / Q6_K on 2 Zen 4 cores, against
+28 / - / 19 here), which blocks.quantize_blocks takes where it can.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+QK_K = 256
+EPS = 1e-15  # ggml's GROUP_MAX_EPS: a group whose largest magnitude is below it is all zeros
+CHUNK = 1 << 16  # super-blocks quantized at a time (their float32 work arrays stay a few MB)
+
+
+def _f32(v: float) -> Tensor:
+    """A float32 scalar, so that arithmetic on it rounds as C's float does (a Python float is a double)."""
+    return torch.tensor(v, dtype=torch.float32)
+
+
+def _ordered_sum(t: Tensor) -> Tensor:
+    """(n, B) -> (B,): t[0] + t[1] + ... + t[n-1] in that order, each addition rounded to float32 (C's `s += t[i]`;
+    torch.sum adds in another order, which changes the last bits and, near ties, the scales chosen)."""
+    s = t[0].clone()
+    for i in range(1, t.shape[0]):
+        s.add_(t[i])
+    return s
+
+
+def _nearest(v: Tensor) -> Tensor:
+    """ggml's nearest_int: round half to even (it adds 1.5 * 2^23), as torch.round does."""
+    return torch.round(v)
+
+
+def _fp16(v: Tensor) -> tuple[Tensor, Tensor]:
+    """v rounded to fp16 and back (the stored d), and the fp16 values."""
+    h = v.to(torch.float16)
+    return h.float(), h
+
+
+def _scale_and_min(
+    x: Tensor, w: Tensor, nmax: int, rmin: float, rdelta: float, nstep: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """make_qkx2_quants over sub-blocks x, w (n, B) (inputs first): -> scale (B,), min (B,) (positive: subtracted),
+    codes (n, B) in 0..nmax."""
+    lo = torch.clamp(x.amin(0), max=0.0)
+    hi = x.amax(0)
+    flat = hi == lo  # all weights equal (and not above zero): codes 0, the min their value
+    first_min = lo
+    width = torch.where(flat, torch.ones_like(hi), hi - lo)
+    sum_w = _ordered_sum(w)
+    sum_x = _ordered_sum(w * x)
+    iscale = _f32(nmax) / width
+    scale = _f32(1.0) / iscale
+    codes = torch.clamp(_nearest(iscale * (x - lo)), 0, nmax)
+    diff = scale * codes + lo - x
+    best = _ordered_sum(w * (diff * diff))
+    for step in range(nstep + 1):  # each grid spans max - min for the best min so far (the C code reuses `min`)
+        width = torch.where(flat, torch.ones_like(hi), hi - lo)
+        iscale = ((_f32(rmin) + _f32(rdelta) * _f32(step)) + _f32(nmax)) / width
+        trial = torch.clamp(_nearest(iscale * (x - lo)), 0, nmax)
+        wl = w * trial
+        sum_l, sum_l2, sum_xl = _ordered_sum(wl), _ordered_sum(wl * trial), _ordered_sum(wl * x)
+        det = sum_w * sum_l2 - sum_l * sum_l
+        ok = det > 0
+        safe = torch.where(ok, det, torch.ones_like(det))
+        this_scale = (sum_w * sum_xl - sum_x * sum_l) / safe
+        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / safe
+        clipped = this_min > 0
+        this_scale = torch.where(clipped, sum_xl / torch.where(sum_l2 > 0, sum_l2, torch.ones_like(sum_l2)), this_scale)
+        this_min = torch.where(clipped, torch.zeros_like(this_min), this_min)
+        diff = this_scale * trial + this_min - x
+        error = _ordered_sum(w * (diff * diff))
+        better = ok & (error < best) & ~flat
+        codes = torch.where(better, trial, codes)
+        best = torch.where(better, error, best)
+        scale = torch.where(better, this_scale, scale)
+        lo = torch.where(better, this_min, lo)
+    scale = torch.where(flat, torch.zeros_like(scale), scale)
+    codes = torch.where(flat, torch.zeros_like(codes), codes)
+    return scale, -torch.where(flat, first_min, lo), codes
+
+
+def _signed_scale(x: Tensor, nmax: int) -> tuple[Tensor, Tensor]:
+    """make_qx_quants with rmse_type 1 over sub-blocks x (n, B): -> scale (B,), codes (n, B) in 0..2 nmax - 1
+    (w = scale (code - nmax))."""
+    peak = torch.gather(x, 0, x.abs().argmax(0, keepdim=True))[0]  # the first of largest magnitude, its sign kept
+    zero = peak.abs() < EPS
+    peak = torch.where(zero, torch.ones_like(peak), peak)
+    w = x * x
+
+    def fit(iscale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        levels = torch.clamp(_nearest(iscale * x), -nmax, nmax - 1)
+        return levels, _ordered_sum(w * x * levels), _ordered_sum(w * levels * levels)
+
+    levels, sum_lx, sum_l2 = fit(_f32(-nmax) / peak)
+    scale = torch.where(sum_l2 != 0, sum_lx / torch.where(sum_l2 != 0, sum_l2, torch.ones_like(sum_l2)), 0.0)
+    best = scale * sum_lx
+    for step in (*range(-9, 0), *range(1, 10)):
+        trial, sum_lx, sum_l2 = fit(-(_f32(nmax) + _f32(0.1) * _f32(step)) / peak)
+        better = (sum_l2 > 0) & (sum_lx * sum_lx > best * sum_l2)
+        levels = torch.where(better, trial, levels)
+        scale = torch.where(better, sum_lx / torch.where(sum_l2 > 0, sum_l2, torch.ones_like(sum_l2)), scale)
+        best = torch.where(better, scale * sum_lx, best)
+    scale = torch.where(zero, torch.zeros_like(scale), scale)
+    levels = torch.where(zero, torch.full_like(levels, -nmax), levels)
+    return scale, levels + nmax
+
+
+def _halves(h: Tensor) -> Tensor:
+    """(B,) float16 -> (B, 2) uint8, little-endian."""
+    v = h.view(torch.int16).to(torch.int32)
+    return torch.stack((v & 255, (v >> 8) & 255), dim=-1).to(torch.uint8)
+
+
+def _pack_scales_k4(ls: Tensor, lm: Tensor) -> Tensor:
+    """Q4_K's / Q5_K's 12 bytes from 8 six-bit scales and mins (B, 8): bytes 0-3 scales 0-3, bytes 4-7 mins 0-3 (their
+    top 2 bits carry scales / mins 4-7's high bits), bytes 8-11 the low nibbles of scale and min 4-7."""
+    out = torch.zeros(ls.shape[0], 12, dtype=torch.int32)
+    out[:, 0:4] = ls[:, :4] | ((ls[:, 4:] >> 4) << 6)
+    out[:, 4:8] = lm[:, :4] | ((lm[:, 4:] >> 4) << 6)
+    out[:, 8:12] = (ls[:, 4:] & 15) | ((lm[:, 4:] & 15) << 4)
+    return out.to(torch.uint8)
+
+
+def _k4(x: Tensor, nmax: int, rmin: float, nstep: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The part Q4_K and Q5_K share, for super-blocks x (B, 256): -> fp16 d and dmin (B,), 12 scale bytes (B, 12),
+    codes (B, 256) in 0..nmax."""
+    B = x.shape[0]
+    sub = x.reshape(B * 8, 32).T.contiguous()  # (32, B 8): a sub-block per column
+    # sqrtf is correctly rounded; torch's float32 sqrt is not always (an ulp off): in float64, then rounded
+    av = torch.sqrt((_ordered_sum(sub * sub) / _f32(32.0)).double()).float()
+    weights = av + sub.abs()
+    scales, mins, codes = _scale_and_min(sub, weights, nmax, rmin, 0.1, nstep)
+    scales, mins = scales.reshape(B, 8), mins.reshape(B, 8)
+    # C's running maxima start at +0 and take only larger values: -0.0 (an all-zero sub-block's min) stays +0
+    max_scale = torch.where(scales.amax(1) > 0, scales.amax(1), 0.0)
+    max_min = torch.where(mins.amax(1) > 0, mins.amax(1), 0.0)
+    inv_scale = torch.where(max_scale > 0, _f32(63.0) / torch.where(max_scale > 0, max_scale, 1.0), 0.0)
+    inv_min = torch.where(max_min > 0, _f32(63.0) / torch.where(max_min > 0, max_min, 1.0), 0.0)
+    # C stores nearest_int's result in a uint8 before MIN(63, .): a negative one wraps
+    ls = torch.clamp(_nearest(inv_scale[:, None] * scales).to(torch.int32) & 255, max=63)
+    lm = torch.clamp(_nearest(inv_min[:, None] * mins).to(torch.int32) & 255, max=63)
+    d, d16 = _fp16(max_scale / _f32(63.0))
+    dmin, dmin16 = _fp16(max_min / _f32(63.0))
+    sub_d = d[:, None] * ls.float()  # (B, 8)
+    sub_m = dmin[:, None] * lm.float()
+    xs = x.reshape(B, 8, 32)
+    safe = torch.where(sub_d != 0, sub_d, 1.0)[..., None]
+    again = torch.clamp(_nearest((xs + sub_m[..., None]) / safe), 0, nmax)
+    codes = torch.where((sub_d != 0)[..., None], again, codes.T.reshape(B, 8, 32))
+    return d16, dmin16, _pack_scales_k4(ls, lm), codes.reshape(B, QK_K).to(torch.uint8)
+
+
+def _q4_k(x: Tensor) -> Tensor:
+    d, dmin, scales, q = _k4(x, 15, -1.0, 20)
+    q = q.reshape(-1, 4, 2, 32)  # 4 runs of 64 weights: the first 32 in the low nibbles, the next 32 in the high
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    return torch.cat((_halves(d), _halves(dmin), scales, qs), dim=1)
+
+
+def _q5_k(x: Tensor) -> Tensor:
+    d, dmin, scales, q = _k4(x, 31, -0.5, 15)
+    low = (q & 15).reshape(-1, 4, 2, 32)
+    qs = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(-1, 128)
+    fifth = (q >> 4).reshape(-1, 8, 32).to(torch.int32)  # the fifth bit of weight 32 u + l is bit u of qh[l]
+    qh = (fifth << torch.arange(8, dtype=torch.int32)[:, None]).sum(1).to(torch.uint8)
+    return torch.cat((_halves(d), _halves(dmin), scales, qh, qs), dim=1)
+
+
+def _q6_k(x: Tensor) -> Tensor:
+    B = x.shape[0]
+    sub = x.reshape(B * 16, 16).T.contiguous()  # (16, B 16)
+    scales, codes = _signed_scale(sub, 32)
+    scales = scales.reshape(B, 16)
+    peak = torch.gather(scales, 1, scales.abs().argmax(1, keepdim=True))[:, 0]
+    zero = peak.abs() < EPS
+    iscale = _f32(-128.0) / torch.where(zero, 1.0, peak)
+    d, d16 = _fp16(_f32(1.0) / iscale)
+    ls = torch.clamp(_nearest(iscale[:, None] * scales), max=127)  # (B, 16), in -128..127
+    sub_d = d[:, None] * ls
+    xs = x.reshape(B, 16, 16)
+    again = torch.clamp(_nearest(xs / torch.where(sub_d != 0, sub_d, 1.0)[..., None]), -32, 31) + 32
+    q = torch.where((sub_d != 0)[..., None], again, codes.T.reshape(B, 16, 16)).reshape(B, 2, 4, 32).to(torch.int32)
+    # weight 128 h + 32 p + l: low nibble in ql[h][p % 2][l] (p // 2 picks the nibble), 2 high bits at 2 p of qh[h][l]
+    ql = torch.stack(((q[:, :, 0] & 15) | ((q[:, :, 2] & 15) << 4), (q[:, :, 1] & 15) | ((q[:, :, 3] & 15) << 4)), 2)
+    qh = ((q >> 4) << (2 * torch.arange(4, dtype=torch.int32))[:, None]).sum(2)
+    out = torch.cat(
+        (
+            ql.reshape(B, 128).to(torch.uint8),
+            qh.reshape(B, 64).to(torch.uint8),
+            ls.to(torch.int8).view(torch.uint8),
+            _halves(d16),
+        ),
+        dim=1,
+    )
+    return torch.where(zero[:, None], torch.zeros_like(out), out)
+
+
+QUANTIZE = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+
+
+@torch.no_grad()
+def quantize_k(x: Tensor, name: str) -> Tensor:
+    """Super-blocks x (B, 256) float32 -> (B, bytes) uint8 blocks of K-quant `name`, CHUNK super-blocks at a time."""
+    fn = QUANTIZE[name]
+    return torch.cat([fn(part.contiguous()) for part in x.split(CHUNK)]) if x.shape[0] else x.new_empty(0, 0).byte()

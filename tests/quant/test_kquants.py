@@ -1,0 +1,124 @@
+"""Quantizing to llama.cpp's K-quants (llmkit.quant.kquants) and its mixtures (llmkit.quant.mixtures): the bytes
+llama.cpp's `llama-quantize` wrote, the error each type allows, and a model quantized to Q4_K_M as llama.cpp would."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from llmkit import build_model, get_preset
+from llmkit.errors import InputError
+from llmkit.quant import describe, kquants, native, quantize
+from llmkit.quant.block_linear import BlockLinear
+from llmkit.quant.blocks import TYPES, dequantize, quantize_blocks
+from llmkit.quant.embedding import BlockEmbedding, QuantizedEmbedding
+from llmkit.quant.mixtures import mixture_spec, more_bits
+
+K_QUANTS = ["Q4_K", "Q5_K", "Q6_K"]
+
+
+def test_the_bytes_are_llama_quantize_s():
+    """32 super-blocks of each type, as `llama-quantize` (llama.cpp 0c1e570, built with -march=native, no importance
+    matrix) wrote them from a bf16 file of random weights of Qwen2.5-1.5B's shape: the first 32 of blk.0.attn_k (Q4_K),
+    blk.1.attn_k (Q5_K) and blk.0.ffn_down (Q6_K). Over whole tensors of that file, 99.8% (Q4_K), 99.97% (Q5_K) and
+    100% (Q6_K) of the blocks are byte-equal: that build lets the compiler fuse multiply-adds (GCC's default
+    fp-contract), which llama.cpp's C leaves to it, so a near tie between two candidate scales can go the other way."""
+    data = np.load(Path(__file__).with_name("llama_quantize_blocks.npz"))
+    for kind in K_QUANTS:
+        x = torch.from_numpy(data[kind + "_bf16"].astype(np.int32) << 16).view(torch.float32)
+        assert np.array_equal(quantize_blocks(x, kind).numpy(), data[kind]), kind
+
+
+@pytest.mark.parametrize("kind", K_QUANTS)
+def test_the_error_is_the_type_s_and_edge_blocks_are_exact(kind):
+    torch.manual_seed(0)
+    w = torch.randn(16, 512) * 0.02
+    w[0, :256] = 0  # an all-zero super-block
+    w[1, :32] = 0.01  # a sub-block of equal values
+    w[2, 256:] = -0.03  # a super-block of one negative value
+    blocks = quantize_blocks(w, kind)
+    assert blocks.shape == (16, 2 * TYPES[kind].bytes) and blocks.dtype == torch.uint8
+    back = dequantize(blocks, kind, 512, grouped=False)
+    assert torch.equal(back[0, :256], torch.zeros(256))
+    err = (back[3:] - w[3:]).pow(2).mean().sqrt() / w[3:].pow(2).mean().sqrt()
+    assert err < {"Q4_K": 0.11, "Q5_K": 0.055, "Q6_K": 0.03}[kind]  # about 2^-bits of the spread, as llama.cpp's
+    torch.testing.assert_close(back[2, 256:], w[2, 256:], rtol=2e-3, atol=0)
+    assert torch.equal(quantize_blocks(w[3:5], kind), blocks[3:5])  # a row's blocks do not depend on the others
+
+
+def _model(tied: bool, width: int = 256, layers: int = 8) -> torch.nn.Module:
+    cfg = get_preset("llama2-7b-tiny")
+    cfg = dataclasses.replace(
+        cfg, d_model=width, n_layers=layers, tie_embeddings=tied, ffn=dataclasses.replace(cfg.ffn, hidden_dim=2 * width)
+    )
+    torch.manual_seed(0)
+    return build_model(cfg).eval()
+
+
+def test_q4_k_m_gives_attn_v_and_ffn_down_more_bits_as_llama_cpp_does():
+    model = _model(tied=False)
+    spec = mixture_spec(model, "q4_k_m")
+    more = [i for i in range(8) if more_bits(i, 8)]
+    assert more == [0, 3, 6, 7]  # the first and last eighth, and every third layer between
+    for i in range(8):
+        assert spec.for_layer(f"blocks.{i}.attn.wv")[0] == ("Q6_K" if i in more else "Q4_K")
+        assert spec.for_layer(f"blocks.{i}.ffn.w2")[0] == ("Q6_K" if i in more else "Q4_K")
+        assert spec.for_layer(f"blocks.{i}.attn.wq")[0] == "Q4_K"
+        assert spec.for_layer(f"blocks.{i}.ffn.w1")[0] == "Q4_K"
+    assert spec.for_layer("head")[0] == "Q6_K" and spec.embedding == "Q4_K"
+    s = mixture_spec(model, "Q4_K_S")
+    assert [s.for_layer(f"blocks.{i}.attn.wv")[0] for i in range(8)] == ["Q5_K"] * 4 + ["Q4_K"] * 4
+    assert [s.for_layer(f"blocks.{i}.ffn.w2")[0] for i in range(8)] == ["Q5_K"] + ["Q4_K"] * 7
+    assert mixture_spec(model, "Q5_K_M").for_layer("blocks.3.ffn.w2")[0] == "Q6_K"
+    narrow = mixture_spec(_model(tied=False, width=64, layers=2), "Q4_K_M")  # rows not whole super-blocks
+    assert narrow.for_layer("blocks.0.attn.wq")[0] == "Q5_0" and narrow.for_layer("head")[0] == "Q8_0"
+    assert narrow.for_layer("blocks.1.attn.wv")[0] == "Q8_0" and narrow.embedding == "Q5_0"
+    with pytest.raises(InputError, match="unknown mixture 'Q3_K_M'"):
+        mixture_spec(model, "Q3_K_M")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_model_quantized_to_q4_k_m_runs_saves_and_loads(tmp_path, tied):
+    from llmkit.interop.checkpoint import load_llmkit, save_llmkit
+
+    model = _model(tied)
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        exact = model(tokens)
+    quantize(model, "Q4_K_M")
+    assert isinstance(model.head, BlockLinear) and model.head.block.name == "Q6_K"
+    assert isinstance(model.embed, QuantizedEmbedding if tied else BlockEmbedding)
+    assert model.blocks[3].ffn.w2.block.name == "Q6_K" and model.blocks[4].ffn.w2.block.name == "Q4_K"
+    assert "Q4_K" in describe(model) and "Q6_K" in describe(model)
+    with torch.no_grad():
+        got = model(tokens)
+    plain = quantize(_model(tied), "Q4_0", include_head=True)  # what the mixture's extra bits buy
+    with torch.no_grad():
+        q4_0 = plain(tokens)
+    assert (got - exact).norm() < 0.85 * (q4_0 - exact).norm()  # 0.67-0.77 here (random weights, 8 layers)
+    loaded = load_llmkit(save_llmkit(model, tmp_path / "q")).model.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens), got)
+    with pytest.raises(InputError, match="no group size"):
+        quantize(_model(tied), "Q4_K_M", group_size=32)
+
+
+@pytest.mark.skipif(not native.available(), reason="llmkit's C++ extension does not run here")
+@pytest.mark.parametrize("kind", K_QUANTS)
+def test_the_cpp_quantizer_writes_the_reference_s_bytes(kind):
+    """cpu_kquants.cpp (what quantize_blocks runs where the extension builds) against kquants.py, bit for bit, on
+    weights of several spreads, with zero, constant, one-signed and outlier sub-blocks."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(96, 256, generator=g) * torch.logspace(-4, 1, 96)[:, None]
+    x[0] = 0
+    x[1, :32] = 0.5
+    x[2] = x[2].abs()
+    x[3] = -x[3].abs()
+    x[4, 17] = 40.0
+    x[5, :16] = 0
+    x[6] = torch.randint(-3, 4, (256,), generator=g).float()  # ties in the codes
+    assert torch.equal(native.module().quantize_k(x, TYPES[kind].ggml), kquants.quantize_k(x, kind))
