@@ -22,11 +22,9 @@ K_QUANTS = ["Q4_K", "Q5_K", "Q6_K"]
 
 
 def test_the_bytes_are_llama_quantize_s():
-    """32 super-blocks of each type, as `llama-quantize` (llama.cpp 0c1e570, built with -march=native, no importance
-    matrix) wrote them from a bf16 file of random weights of Qwen2.5-1.5B's shape: the first 32 of blk.0.attn_k (Q4_K),
-    blk.1.attn_k (Q5_K) and blk.0.ffn_down (Q6_K). Over whole tensors of that file, 99.8% (Q4_K), 99.97% (Q5_K) and
-    100% (Q6_K) of the blocks are byte-equal: that build lets the compiler fuse multiply-adds (GCC's default
-    fp-contract), which llama.cpp's C leaves to it, so a near tie between two candidate scales can go the other way."""
+    """32 super-blocks of each type, as `llama-quantize` (llama.cpp 0c1e570, no importance matrix) wrote them from a
+    bf16 file of random weights of Qwen2.5-1.5B's shape: the first 32 of blk.0.attn_k (Q4_K), blk.1.attn_k (Q5_K) and
+    blk.0.ffn_down (Q6_K). bench/quantize_bench.py compares every block of the whole files (all equal)."""
     data = np.load(Path(__file__).with_name("llama_quantize_blocks.npz"))
     for kind in K_QUANTS:
         x = torch.from_numpy(data[kind + "_bf16"].astype(np.int32) << 16).view(torch.float32)

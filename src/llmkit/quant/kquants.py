@@ -13,11 +13,11 @@ scale (and min) is searched for first, in float32:
 Then the super-block's sub-block scales are themselves quantized (6 bits against an fp16 d, and 6-bit mins against
 an fp16 dmin; or int8 against d for Q6_K), and every weight is coded again against its sub-block's rounded scale.
 
-Every sum runs in the order of the C loops (`_ordered_sum`) and every product and quotient is one float32
-operation, as in the reference compiled without fused multiply-adds. `llama-quantize` built with -march=native lets
-the compiler fuse some of them, and writes the same bytes for 99.8% (Q4_K), 99.97% (Q5_K) and 100% (Q6_K) of the
-blocks of a real-size file (tests/quant/test_kquants.py keeps 32 of each); the others differ where two candidate
-scales nearly tie.
+Every sum runs in the order of the C loops (`_ordered_sum`), every product and quotient is one float32 operation,
+and the square root is correctly rounded (torch's float32 sqrt is sometimes an ulp off: it is taken in float64),
+because near ties between candidate scales make the chosen one depend on the last bit. The bytes are
+`llama-quantize`'s: every block of every tensor of a Qwen2.5-1.5B-shaped file in Q4_K_M and Q5_K_M
+(bench/quantize_bench.py; tests/quant/test_kquants.py keeps 32 blocks of each type).
 
 This module is the reference, and the path where llmkit's C++ extension does not run: cpu_kquants.cpp computes the
 same bytes (tested equal) 2-4x faster (13 / 7 / 5 us a super-block of Q4_K / Q5_K / Q6_K on 2 Zen 4 cores, against
