@@ -158,8 +158,13 @@ class Tokenizer:
         vocab = {spell(t): i for i, t in enumerate(tokens)}
         merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
         backend = Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-        split = GGUF_SPLITS.get(str(meta.get("tokenizer.ggml.pre")))
-        if split is not None:
+        pre = str(meta.get("tokenizer.ggml.pre"))
+        split = GGUF_SPLITS.get(pre)
+        if pre == "smollm":  # digits one by one, then GPT-2's split (SmolLM's tokenizer.json says so)
+            backend.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+            )
+        elif split is not None:
             backend.pre_tokenizer = pre_tokenizers.Sequence(
                 [
                     pre_tokenizers.Split(Regex(split), behavior="isolated"),

@@ -7,6 +7,7 @@ generation.py.
     llmkit inspect --compare llama2-7b,mixtral-8x7b,deepseek-v3
     llmkit generate RUN_OR_CHECKPOINT --prompt TEXT [--temperature T] [--beams N | --draft MODEL | --mtp]
     llmkit quantize CHECKPOINT OUT --to int8|int4|q4_k_m|q8_0|... [--group-size N] [--include-head]
+    llmkit convert CHECKPOINT OUT.gguf --to gguf [--quant q4_k_m|q8_0|...]   a file llama.cpp loads
     llmkit prepare chat FILE.jsonl --tokenizer CHECKPOINT   conversations for chat fine-tuning
     llmkit merge RUN OUT                    fold a LoRA run's adapters into its base checkpoint
     llmkit graft-mtp CHECKPOINT OUT --data DIR   a drafting MTP module taught on the model's own text

@@ -156,8 +156,9 @@ def convert(
     source: str,
     target: str,
     *,
-    to: Literal["hf", "llmkit"] | None = None,
+    to: Literal["hf", "llmkit", "gguf"] | None = None,
     dtype: DType | None = None,
+    quant: str | None = None,
     model_type: str | None = None,
     overwrite: bool = False,
     no_verify: bool = False,
@@ -165,9 +166,14 @@ def convert(
     """Convert a checkpoint between Hugging Face, GGUF and llmkit formats.
 
     source: a Hugging Face directory, a .gguf file, or an llmkit checkpoint directory.
-    target: the directory to write (built beside it and renamed into place when complete).
-    to: output format (default: llmkit for Hugging Face and GGUF sources, hf for llmkit sources).
-    dtype: cast the floating-point weights (default: keep the source's; GGUF is dequantized to fp32).
+    target: the directory to write, or for --to gguf the .gguf file (built beside it and renamed into place when
+        complete).
+    to: output format (default: llmkit for Hugging Face and GGUF sources, hf for llmkit sources); gguf writes a file
+        llama.cpp loads (llama, qwen2 and qwen3 architectures), with the tokenizer and chat template.
+    dtype: cast the floating-point weights (default: keep the source's; GGUF is dequantized to fp32, except for
+        --to gguf, which keeps a GGUF source's blocks as they are).
+    quant: for --to gguf, quantize the float weights first: a mixture (q4_k_m, q4_k_s, q5_k_m, q5_k_s) or a block
+        type (q8_0, q6_k, q5_k, q4_k, q4_0, ...; the output head too), by llama.cpp's rules.
     model_type: the Hugging Face model_type to write (default: the source's, or the one the architecture matches).
     overwrite: replace an existing checkpoint at the target (never the source itself).
     no_verify: load an llmkit source without checking it against its manifest (a checkpoint saved before llmkit
@@ -180,6 +186,10 @@ def convert(
     from llmkit.models import RNNSeq2Seq
     from llmkit.outputs import building, claim
 
+    if to == "gguf":
+        return _convert_to_gguf(source, target, dtype, quant, overwrite, no_verify)
+    if quant is not None:
+        raise LLMKitError("--quant is for --to gguf (an llmkit checkpoint is quantized by llmkit quantize)")
     output = claim(target, "checkpoint", inputs=[source], overwrite=overwrite)
     loaded = load_model(source, dtype=torch_dtype(dtype), quantized=False, verify=not no_verify)
     _print_notes(loaded.notes)
@@ -219,6 +229,40 @@ def _print_notes(notes: list[str]) -> None:
     """What loading changed or could not check (a checkpoint loaded unverified, GGUF tensors dequantized)."""
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
+
+
+def _convert_to_gguf(
+    source: str, target: str, dtype: DType | None, quant: str | None, overwrite: bool, no_verify: bool
+) -> int:
+    """convert --to gguf: the model (quantized first with --quant) and its tokenizer as one GGUF file."""
+    from llmkit.interop.gguf_write import save_gguf
+    from llmkit.interop.load import load_model
+    from llmkit.outputs import building, claim
+    from llmkit.quant import describe
+    from llmkit.quant import quantize as quantize_model
+    from llmkit.quant.blocks import TYPES
+    from llmkit.quant.mixtures import MIXTURES
+
+    method = quant.upper() if quant is not None else None
+    if method is not None and method not in MIXTURES and method not in TYPES:
+        raise LLMKitError(f"--quant {quant}: not one of {', '.join(m.lower() for m in (*MIXTURES, *TYPES))}")
+    output = claim(target, "file", inputs=[source], overwrite=overwrite)
+    # a GGUF source keeps its blocks as stored unless it is quantized anew from its floats
+    loaded = load_model(source, dtype=torch_dtype(dtype), quantized=method is None, verify=not no_verify)
+    _print_notes(loaded.notes)
+    if method is not None:
+        quantize_model(loaded.model, method, include_head=True)
+    with building(output) as tmp:
+        notes = save_gguf(
+            loaded.model,
+            tmp,
+            tokenizer=loaded.tokenizer,
+            name=Path(target).name.split(".")[0],
+            mixture=method if method in MIXTURES else None,
+        )
+    _print_notes(notes)
+    print(f"{loaded.source} {source} -> gguf {target} ({describe(loaded.model)})")
+    return 0
 
 
 def quantize(
