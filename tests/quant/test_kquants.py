@@ -120,3 +120,30 @@ def test_the_cpp_quantizer_writes_the_reference_s_bytes(kind):
     x[5, :16] = 0
     x[6] = torch.randint(-3, 4, (256,), generator=g).float()  # ties in the codes
     assert torch.equal(native.module().quantize_k(x, TYPES[kind].ggml), kquants.quantize_k(x, kind))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_quantizing_while_loading_gives_what_quantizing_after_gives(tmp_path, tied):
+    """load_model(..., quantize=) quantizes each layer as it is read (the float model is never whole in memory):
+    the same blocks and logits as loading the floats and quantizing them, from an llmkit checkpoint and from a
+    Hugging Face directory."""
+    from llmkit.interop.checkpoint import save_llmkit
+    from llmkit.interop.hf import save_hf
+    from llmkit.interop.load import load_model
+
+    model = _model(tied)
+    save_llmkit(model, tmp_path / "ck")
+    save_hf(model, tmp_path / "hf", model_type="llama")
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    for method in ("Q4_K_M", "Q8_0"):
+        after = quantize(load_model(tmp_path / "ck").model.eval(), method, include_head=True)
+        for source in ("ck", "hf"):
+            during = load_model(tmp_path / source, quantize=method).model.eval()
+            assert during.quantization == after.quantization
+            mine, theirs = during.state_dict(), after.state_dict()
+            assert set(mine) == set(theirs)
+            assert all(torch.equal(mine[k], theirs[k]) for k in mine), (method, source)
+            with torch.no_grad():
+                assert torch.equal(during(tokens), after(tokens))
+    with pytest.raises(InputError, match="quantized already"):
+        load_model(save_llmkit(after, tmp_path / "q"), quantize="Q4_K_M")

@@ -239,7 +239,6 @@ def _convert_to_gguf(
     from llmkit.interop.load import load_model
     from llmkit.outputs import building, claim
     from llmkit.quant import describe
-    from llmkit.quant import quantize as quantize_model
     from llmkit.quant.blocks import TYPES
     from llmkit.quant.mixtures import MIXTURES
 
@@ -247,11 +246,11 @@ def _convert_to_gguf(
     if method is not None and method not in MIXTURES and method not in TYPES:
         raise LLMKitError(f"--quant {quant}: not one of {', '.join(m.lower() for m in (*MIXTURES, *TYPES))}")
     output = claim(target, "file", inputs=[source], overwrite=overwrite)
-    # a GGUF source keeps its blocks as stored unless it is quantized anew from its floats
-    loaded = load_model(source, dtype=torch_dtype(dtype), quantized=method is None, verify=not no_verify)
+    # a GGUF source keeps its blocks as stored unless it is quantized anew, layer by layer as its floats are read
+    loaded = load_model(
+        source, dtype=torch_dtype(dtype), quantized=method is None, verify=not no_verify, quantize=method
+    )
     _print_notes(loaded.notes)
-    if method is not None:
-        quantize_model(loaded.model, method, include_head=True)
     with building(output) as tmp:
         notes = save_gguf(
             loaded.model,
@@ -314,15 +313,19 @@ def quantize(
 
     source = resolve_checkpoint(checkpoint, averaged=False)
     output = claim(out, "checkpoint", inputs=[checkpoint, source], overwrite=overwrite)
-    loaded = load_model(source, quantized=False, verify=not no_verify)
-    _print_notes(loaded.notes)
-    if isinstance(loaded.model, RNNSeq2Seq):
-        raise LLMKitError("the RNN encoder-decoder has no linear layers to quantize")
-    before = describe(loaded.model)
     method = to.upper() if to.startswith("q") else to
     if method != to and group_size is not None:
         raise LLMKitError(f"--group-size is for int8 and int4; {to} has blocks of its own")
-    quantize_model(loaded.model, method, group_size, include_head)
+    if method != to:  # a GGUF type or mixture: each layer quantized as it is read (never the whole float model)
+        loaded = load_model(source, quantized=False, verify=not no_verify, quantize=method)
+        before = "float"
+    else:
+        loaded = load_model(source, quantized=False, verify=not no_verify)
+        if isinstance(loaded.model, RNNSeq2Seq):
+            raise LLMKitError("the RNN encoder-decoder has no linear layers to quantize")
+        before = describe(loaded.model)
+        quantize_model(loaded.model, method, group_size, include_head)
+    _print_notes(loaded.notes)
     source_dir = Path(source) if Path(source).is_dir() else None
     with building(output) as tmp:
         save_llmkit(

@@ -279,9 +279,11 @@ def load_llmkit(
     device: torch.device | str | None = None,
     verify: bool = True,
     split: Split | None = None,
+    quantize: str | None = None,
 ) -> Loaded:
     """An llmkit checkpoint, its config and files verified against their manifest first (unless not `verify`).
-    `split` cuts the model on the meta device before loading, and only the parts it keeps are read (weights.py)."""
+    `split` cuts the model on the meta device before loading, and only the parts it keeps are read (weights.py);
+    `quantize` (a GGUF block type or a mixture) quantizes a float checkpoint's layers as they are read."""
     d = Path(directory)
     meta = read_meta(d)
     if meta.get("adapter"):
@@ -299,10 +301,14 @@ def load_llmkit(
     tensors = open_tensors(d)
     model: DecoderLM | EncoderDecoder | RNNSeq2Seq
     if isinstance(cfg, RNNConfig):
+        if quantize is not None:
+            raise InputError(f"{d} holds a recurrent model, which has no layers llmkit quantizes to GGUF types")
         if split is not None:
             raise CheckpointError(f"{d} holds a recurrent model: only decoder-only models load split across ranks")
         model = _load_rnn(cfg, tensors, dtype, device, d)
     elif meta.get("quantization"):
+        if quantize is not None:
+            raise InputError(f"{d} is quantized already: quantize its float source instead")
         try:
             spec = QuantSpec.from_dict(meta["quantization"])
         except (InputError, TypeError) as e:
@@ -319,7 +325,7 @@ def load_llmkit(
         concrete = [Concrete((n,), (n,), IDENTITY) for n in expected_shapes(cfg)]
         model = build_with_weights(
             cfg, concrete, tensors.__getitem__, tensors.shapes, lambda n: False, dtype, device, str(d),
-            split=split, part=tensors.part,
+            split=split, part=tensors.part, quantize=quantize,
         )  # fmt: skip
     hf = meta.get("hf") or {}
     loaded = Loaded(

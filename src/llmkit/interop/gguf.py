@@ -168,6 +168,7 @@ def load_gguf(
     device: torch.device | str | None = None,
     quantized: bool | None = None,
     split: Split | None = None,
+    quantize: str | None = None,
 ) -> Loaded:
     """Load a llama-architecture GGUF file and its tokenizer. `split` cuts the model on the meta device first, and
     only the rows and blocks of columns of its parts are read from the file (interop/weights.py).
@@ -178,7 +179,8 @@ def load_gguf(
     reads its rows and whole blocks of its columns;
     False: dequantize every tensor to `dtype` (default fp32);
     None: keep them when no dtype is asked for and the device has a fast kernel for them (llmkit.quant.kernels),
-    else dequantize."""
+    else dequantize. `quantize` (a block type or a mixture) dequantizes every tensor and quantizes each layer anew
+    as it is read."""
     from gguf.quants import dequantize
 
     p = Path(path)
@@ -206,7 +208,9 @@ def load_gguf(
 
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if quantized is None:
-        quantized = dtype is None and fast_kernels(dev, torch.float32)
+        quantized = dtype is None and quantize is None and fast_kernels(dev, torch.float32)
+    if quantized and quantize is not None:
+        raise ConfigError("quantizing a GGUF file anew reads its weights dequantized: pass quantized=False")
     notes: list[str] = []
     if quantized:  # every block type held as stored
         check_against(concrete, expected_shapes(cfg), shapes, lambda n: False, str(p))
@@ -219,8 +223,9 @@ def load_gguf(
         model = build_quantized(cfg, spec, read, dtype or torch.float32, device, str(p), split=split, part=parts)
     else:
         model = build_with_weights(
-            cfg, concrete, get, shapes, lambda n: False, dtype or torch.float32, device, str(p), split=split, part=part
-        )
+            cfg, concrete, get, shapes, lambda n: False, dtype or torch.float32, device, str(p), split=split, part=part,
+            quantize=quantize,
+        )  # fmt: skip
     tokenizer = gguf_tokenizer(meta)
     generation = {}
     if tokenizer is not None:

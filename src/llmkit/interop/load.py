@@ -107,6 +107,7 @@ def load_model(
     quantized: bool | None = None,
     verify: bool = True,
     split: Split | None = None,
+    quantize: str | None = None,
 ) -> Loaded:
     """Load any supported checkpoint: a Hugging Face directory, a GGUF file, or an llmkit checkpoint (quantized
     ones too); LoRA adapters (an llmkit fine-tuning checkpoint, or a folder PEFT saved) come folded into their base
@@ -115,7 +116,12 @@ def load_model(
     after loading are a CheckpointError naming the tensor.
 
     `split` (llmkit.parallel.split_loader) cuts the model, built on the meta device, to one tensor-parallel rank's
-    part before any weight is read, and only those parts are read from the files (interop/weights.py)."""
+    part before any weight is read, and only those parts are read from the files (interop/weights.py).
+
+    `quantize` (a GGUF block type, "Q8_0", ..., or one of llama.cpp's mixtures, "Q4_K_M", ...) quantizes each layer
+    as it is read, so memory holds the quantized model and one float tensor at a time, never the float model (an
+    8B checkpoint is 32 GB in fp32); LoRA adapters are folded into their base first, which needs the whole
+    weights."""
     kind = detect_format(path)
     if split is not None and (
         (kind == "hf" and not (Path(path) / "config.json").is_file())
@@ -125,24 +131,31 @@ def load_model(
             f"{path} holds LoRA adapters, which cannot be read in slices: folding them into their base needs the "
             f"whole weights. Write the merged model first (`llmkit merge {path} MERGED`) and load that"
         )
+    whole = False  # adapters fold into their base's whole weights: quantized after loading
     if kind == "hf" and not (Path(path) / "config.json").is_file():  # PEFT's adapters
-        loaded = load_peft_folder(path, dtype=dtype, device=device, verify=verify)
+        loaded, whole = load_peft_folder(path, dtype=dtype, device=device, verify=verify), True
     elif kind == "llmkit":
         adapter = read_meta(path).get("adapter")
         if adapter:  # a LoRA fine-tuning checkpoint: its base with the adapters folded in
             loaded = load_with_adapters(
                 path, adapter["base"], dtype=dtype, device=device, tokenizer=Tokenizer.from_dir(path), verify=verify
             )
-            loaded.source = "llmkit"
+            loaded.source, whole = "llmkit", True
         else:
-            loaded = load_llmkit(path, dtype=dtype, device=device, verify=verify, split=split)
+            loaded = load_llmkit(path, dtype=dtype, device=device, verify=verify, split=split, quantize=quantize)
     elif kind == "gguf":
-        loaded = load_gguf(path, dtype=dtype, device=device, quantized=quantized, split=split)
+        if quantize is not None:
+            quantized = False
+        loaded = load_gguf(path, dtype=dtype, device=device, quantized=quantized, split=split, quantize=quantize)
     else:
-        ck = load_hf(path, dtype=dtype, device=device, split=split)
+        ck = load_hf(path, dtype=dtype, device=device, split=split, quantize=quantize)
         loaded = Loaded(
             ck.model, Tokenizer.from_dir(path), "hf", Path(path), ck.model_type, ck.hf_config, ck.generation_config
         )
+    if whole and quantize is not None:
+        from llmkit.quant import quantize as quantize_model
+
+        quantize_model(loaded.model, quantize, include_head=True)
     check_finite_weights(loaded.model, Path(path))
     return loaded
 

@@ -118,10 +118,13 @@ def build_with_weights(
     *,
     split: Split | None = None,
     part: PartReader | None = None,
+    quantize: str | None = None,
 ) -> DecoderLM | EncoderDecoder:
     """A model for `cfg` holding the source's weights. Raises MappingError naming missing, unexpected or misshapen
     source tensors before anything is read. `split` cuts the model (on the meta device) first, and then only the
-    parts it keeps are read: through `part` where the source reads slices, else whole one rule at a time."""
+    parts it keeps are read: through `part` where the source reads slices, else whole one rule at a time.
+    `quantize` (a GGUF block type or one of llama.cpp's mixtures: "Q4_K_M", "Q8_0", ...) quantizes each layer's
+    weight as it is read (`_quantizing`), so memory never holds the float model."""
     model = build_model(cfg, device="meta")
     ours = model.state_dict()
     produced = [n for c in concrete for n in c.ours]
@@ -143,8 +146,46 @@ def build_with_weights(
             t = t.to(torch.float32 if name in keep else target)
         return t.to(dev)
 
-    _fill(model, read, dev, where)
+    fill: Callable[[str, Index | None], Tensor] = read
+    if quantize is not None:
+        if split is not None:
+            raise LLMKitError("quantizing while loading reads whole layers: it does not take a tensor-parallel split")
+        fill = _quantizing(model, quantize, read)
+    _fill(model, fill, dev, where)
+    if quantize is not None:
+        model.to(target)  # the dtype the quantized layers compute in (blocks keep theirs)
     return model
+
+
+def _quantizing(
+    model: torch.nn.Module, method: str, read: Callable[[str, Index | None], Tensor]
+) -> Callable[[str, Index | None], Tensor]:
+    """Give the meta-device `model` the quantized structure of `method` (a GGUF block type for every linear layer
+    and the head, or a mixture's types: llmkit.quant.mixtures), and return a reader that fills each layer's blocks
+    by reading its float weight and quantizing it at once (a tied head's blocks from the embedding table)."""
+    from llmkit.quant import QuantSpec, apply_spec
+    from llmkit.quant.blocks import TYPES, quantize_blocks
+    from llmkit.quant.mixtures import MIXTURES, mixture_spec
+
+    name = method.upper()
+    if name in MIXTURES:
+        spec = mixture_spec(model, name)
+    elif name in TYPES:
+        spec = QuantSpec(name, include_head=True)
+    else:
+        raise LLMKitError(f"quantizing while loading takes a GGUF block type or a mixture, not {method!r}")
+    tied = getattr(model, "head", "absent") is None
+    apply_spec(model, spec)
+
+    def read_quantized(key: str, index: Index | None) -> Tensor:
+        layer, _, field = key.rpartition(".")
+        if field != "blocks":
+            return read(key, index)
+        source = "embed.weight" if layer == "head" and tied else f"{layer}.weight"
+        kind = spec.embedding if layer == "embed" and spec.embedding else spec.for_layer(layer)[0]
+        return quantize_blocks(read(source, None).float(), kind)
+
+    return read_quantized
 
 
 def build_quantized(

@@ -152,9 +152,11 @@ def load_hf(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     split: Split | None = None,
+    quantize: str | None = None,
 ) -> HFCheckpoint:
     """Load a Hugging Face checkpoint directory into llmkit. dtype None keeps the checkpoint's floating dtype.
-    `split` cuts the model on the meta device before loading, and only its parts are read (interop/weights.py)."""
+    `split` cuts the model on the meta device before loading, and only its parts are read (interop/weights.py);
+    `quantize` (a GGUF block type or a mixture) quantizes each layer as it is read."""
     d = Path(directory)
     if not d.is_dir():
         raise CheckpointError(f"{d} is not a directory")
@@ -165,7 +167,7 @@ def load_hf(
     concrete = expand(family.rules(cfg, tensors.shapes.keys()), cfg)
     model = build_with_weights(
         cfg, concrete, tensors.__getitem__, tensors.shapes, lambda n: family.ignored(n, cfg), dtype, device, str(d),
-        split=split, part=tensors.part,
+        split=split, part=tensors.part, quantize=quantize,
     )  # fmt: skip
     gen_path = d / "generation_config.json"
     generation = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
