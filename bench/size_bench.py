@@ -87,14 +87,14 @@ def hf_checkpoint(shape: str) -> Path:
         return torch.ones(size, dtype=torch.bfloat16)
 
     index: dict[str, str] = {}
-    shards: list[dict[str, torch.Tensor]] = [
-        {"model.embed_tokens.weight": normal(VOCAB, C), "lm_head.weight": normal(VOCAB, C),
-         "model.norm.weight": ones(C)}
-    ]  # fmt: skip
     per = max(1, L // 8)
-    for i0 in range(0, L, per):
+    starts = range(0, L, per)
+    for k in range(len(starts) + 1):  # each shard written as it is made: an 8B checkpoint is 16 GB
         shard: dict[str, torch.Tensor] = {}
-        for i in range(i0, min(L, i0 + per)):
+        if k == 0:
+            shard = {"model.embed_tokens.weight": normal(VOCAB, C), "lm_head.weight": normal(VOCAB, C),
+                     "model.norm.weight": ones(C)}  # fmt: skip
+        for i in range(starts[k - 1], min(L, starts[k - 1] + per)) if k else ():
             p = f"model.layers.{i}."
             shard |= {
                 p + "self_attn.q_proj.weight": normal(H * D, C), p + "self_attn.k_proj.weight": normal(KH * D, C),
@@ -103,9 +103,7 @@ def hf_checkpoint(shape: str) -> Path:
                 p + "mlp.down_proj.weight": normal(C, F), p + "input_layernorm.weight": ones(C),
                 p + "post_attention_layernorm.weight": ones(C),
             }  # fmt: skip
-        shards.append(shard)
-    for k, shard in enumerate(shards):
-        name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        name = f"model-{k + 1:05d}-of-{len(starts) + 1:05d}.safetensors"
         save_file(shard, str(out / name), metadata={"format": "pt"})
         index |= {key: name for key in shard}
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}, indent=1))

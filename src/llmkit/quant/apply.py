@@ -11,7 +11,6 @@ the head's codes, as a GGUF file's tied table loads). Routers and norms stay in 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -28,78 +27,7 @@ from llmkit.quant.experts import QuantizedExperts
 from llmkit.quant.kernels import Kernel
 from llmkit.quant.linear import Int4Linear, Int8Linear, QuantizedLinear
 from llmkit.quant.mixtures import MIXTURES, mixture_spec
-
-Method = str  # "int8", "int4", or a GGUF block type (llmkit.quant.blocks.TYPES: "Q4_K", "Q8_0", ...)
-METHODS: tuple[str, ...] = ("int8", "int4", *TYPES)
-GROUP_SIZES = (32, 64, 128, 256)  # the ones torch's int4 kernels take; other sizes run dequantized
-
-
-@dataclass(frozen=True)
-class QuantSpec:
-    """method: "int8", "int4" or a GGUF block type ("Q4_K", ...: llmkit.quant.blocks); group_size: inputs per
-    scale (None: one per output row, int8 only; block types have their own); include_head: the output head too;
-    layers: when given, exactly the layers quantized, each with its own [method, group size] (a GGUF file's: the
-    tensors it stores quantized, each in its block type), overriding method and group_size; embedding_from_head: a
-    tied model's embedding reads its rows from the quantized head's codes (QuantizedEmbedding) instead of keeping a
-    float table (set where the codes are the table exactly: a GGUF file's tied embedding); embedding: an untied
-    embedding table held in this block type (BlockEmbedding: rows dequantized when looked up)."""
-
-    method: Method
-    group_size: int | None = None
-    include_head: bool = False
-    layers: dict[str, list[Any]] | None = None
-    embedding_from_head: bool = False
-    embedding: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise InputError(f"quantization method {self.method!r} is not one of {', '.join(METHODS)}")
-        for name, (method, _) in (self.layers or {}).items():
-            if method not in METHODS:
-                raise InputError(f"layer {name}: quantization method {method!r} is not one of {', '.join(METHODS)}")
-        if self.embedding is not None and self.embedding not in TYPES:
-            raise InputError(
-                f"an embedding table is held in a GGUF block type ({', '.join(TYPES)}), not {self.embedding!r}"
-            )
-        if self.method == "int4" and self.group_size is None:
-            raise InputError("int4 needs a group size: one of " + ", ".join(map(str, GROUP_SIZES)))
-        if self.group_size is not None and (self.group_size < 2 or self.group_size % 2):
-            raise InputError(f"group_size={self.group_size} must be an even number of inputs (32, 64, 128 are usual)")
-        if self.embedding_from_head and not self.include_head:
-            raise InputError("embedding_from_head reads the quantized head's codes: it needs include_head")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> QuantSpec:
-        unknown = set(d) - {"method", "group_size", "include_head", "layers", "embedding_from_head", "embedding"}
-        if unknown:
-            raise InputError(f"unknown quantization fields {sorted(unknown)}")
-        return cls(**d)
-
-    def for_layer(self, name: str) -> tuple[Method, int | None]:
-        if self.layers and name in self.layers:
-            method, group = self.layers[name]
-            return method, group
-        return self.method, self.group_size
-
-
-def quantized_spec(model: nn.Module) -> QuantSpec | None:
-    """The spec a model was quantized with (None: not quantized)."""
-    spec = getattr(model, "quantization", None)
-    return spec if isinstance(spec, QuantSpec) else None
-
-
-def _targets(model: nn.Module, spec: QuantSpec) -> list[tuple[str, nn.Module]]:
-    """(qualified name, module) of every layer the spec quantizes, in the order of named_modules."""
-    out: list[tuple[str, nn.Module]] = []
-    for name, module in model.named_modules():
-        if (name == "head" and not spec.include_head) or (spec.layers is not None and name not in spec.layers):
-            continue
-        if isinstance(module, (nn.Linear, GroupedExperts)) and not isinstance(module, QuantizedExperts):
-            out.append((name, module))
-    return out
+from llmkit.quant.spec import Method, QuantSpec, embedding_table, quantized_spec, targets
 
 
 def _set(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -134,17 +62,17 @@ def quantize(
         spec = mixture_spec(model, method)
     else:
         spec = QuantSpec(method, group_size, include_head)
-    for name, module in _targets(model, spec):
+    for name, module in targets(model, spec):
         _set(model, name, _quantized(module, spec, name, kernel))
     if spec.include_head and getattr(model, "head", "absent") is None:  # tied: a quantized copy of the embedding
-        table = _embedding(model)
+        table = embedding_table(model)
         head = nn.Linear(table.shape[1], table.shape[0], bias=False, device=table.device)
         head.weight.data = table.detach()
         _set(model, "head", _quantized(head, spec, "head", kernel))
     if spec.embedding_from_head:  # the table is the head's codes (as a GGUF file holds a tied table)
         _set(model, "embed", QuantizedEmbedding(model.get_submodule("head")))  # type: ignore[arg-type]
     elif spec.embedding is not None:
-        _set(model, "embed", BlockEmbedding.from_float(_embedding(model), spec.embedding))
+        _set(model, "embed", BlockEmbedding.from_float(embedding_table(model), spec.embedding))
     _give_prefill_kernel(model)
     model.quantization = spec  # type: ignore[assignment]  # a plain attribute: the record of what was done
     return model
@@ -157,12 +85,6 @@ def _give_prefill_kernel(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, GroupedQueryAttention) and isinstance(module.wq, QuantizedLinear):
             module.prefill_kernel = native.prefill_attention
-
-
-def _embedding(model: nn.Module) -> torch.Tensor:
-    weight = model.get_submodule("embed").weight
-    assert isinstance(weight, torch.Tensor)
-    return weight
 
 
 def _quantized(module: nn.Module, spec: QuantSpec, name: str, kernel: Kernel) -> nn.Module:
@@ -191,7 +113,7 @@ def _shell(method: str, inputs: int, outputs: int, bias: bool, group: int | None
 def apply_spec(model: nn.Module, spec: QuantSpec, device: torch.device | str | None = "meta") -> nn.Module:
     """Give a freshly built (meta-device) model the quantized structure of `spec`, with empty weights, so that a
     quantized checkpoint's state dict loads into it."""
-    for name, module in _targets(model, spec):
+    for name, module in targets(model, spec):
         method, group = spec.for_layer(name)
         shell: nn.Module
         if isinstance(module, GroupedExperts):
@@ -202,7 +124,7 @@ def apply_spec(model: nn.Module, spec: QuantSpec, device: torch.device | str | N
             shell = _shell(method, module.in_features, module.out_features, bias, group, device)
         _set(model, name, shell)
     if spec.include_head and getattr(model, "head", "absent") is None:
-        vocab, dim = _embedding(model).shape
+        vocab, dim = embedding_table(model).shape
         method, group = spec.for_layer("head")
         head = _shell(method, dim, vocab, False, group, device)
         model.head = head
@@ -211,7 +133,7 @@ def apply_spec(model: nn.Module, spec: QuantSpec, device: torch.device | str | N
     elif spec.embedding_from_head:
         raise InputError("embedding_from_head needs a tied model (one without a head of its own)")
     if spec.embedding is not None:
-        vocab, dim = _embedding(model).shape
+        vocab, dim = embedding_table(model).shape
         _set(model, "embed", BlockEmbedding(vocab, dim, spec.embedding, device=device))
     _give_prefill_kernel(model)
     model.quantization = spec  # type: ignore[assignment]  # a plain attribute: the record of what was done

@@ -15,15 +15,12 @@ mixtures of experts, Falcon and 70B models are not, and such a model is quantize
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
 
 from torch import nn
 
 from llmkit.errors import InputError
 from llmkit.quant.blocks import QK_K
-
-if TYPE_CHECKING:
-    from llmkit.quant.apply import QuantSpec
+from llmkit.quant.spec import QuantSpec, embedding_table, targets
 
 # mixture -> the type of every tensor no rule below names
 BASE = {"Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K"}  # Q6_K: the plain type
@@ -59,8 +56,6 @@ def _fits(kind: str, inputs: int) -> str:
 def mixture_spec(model: nn.Module, mixture: str) -> QuantSpec:
     """The QuantSpec of `mixture` (one of MIXTURES, case-insensitive) for `model`: every linear layer in the blocks
     and the output head, each with its block type, and an untied embedding table in the base type."""
-    from llmkit.quant.apply import QuantSpec, _embedding, _targets  # apply.quantize calls this module
-
     name = mixture.upper()
     if name not in BASE:
         raise InputError(f"unknown mixture {mixture!r}; llmkit writes {', '.join(MIXTURES)}")
@@ -69,7 +64,7 @@ def mixture_spec(model: nn.Module, mixture: str) -> QuantSpec:
     tied = getattr(model, "head", "absent") is None
     probe = QuantSpec(base, include_head=True)
     n_layers = len(getattr(model, "blocks", ()))
-    for target, module in _targets(model, probe):
+    for target, module in targets(model, probe):
         if not isinstance(module, nn.Linear):
             raise InputError(f"{target}: {name} is written for dense models; quantize experts with int8 or int4")
         match = re.match(r"blocks\.(\d+)\.", target)
@@ -81,7 +76,7 @@ def mixture_spec(model: nn.Module, mixture: str) -> QuantSpec:
         elif match and target.endswith("ffn.w2"):
             kind = _ffn_down(name, int(match[1]), n_layers) or base
         layers[target] = [_fits(kind, module.in_features), None]
-    width = int(_embedding(model).shape[1])
+    width = int(embedding_table(model).shape[1])
     if tied:  # the table is the head's: llama.cpp quantizes a tied token_embd as the output
         layers["head"] = ["Q6_K" if width % QK_K == 0 else "Q8_0", None]
         return QuantSpec(base, None, True, layers, embedding_from_head=True)
