@@ -4,11 +4,12 @@
     .venv/bin/python bench/quantize_bench.py [--shape qwen2.5-1.5b] [--mixture Q4_K_M]
 
 The checkpoint is size_bench.py's random-weight one at a published shape (bf16 Hugging Face files); llama.cpp reads
-it as its converter's bf16 GGUF file (made once, not timed). Each side runs in a child process, timed with its peak
-resident memory: llmkit from the Hugging Face directory to an llmkit checkpoint, llama-quantize from the bf16 GGUF
-file to a GGUF file. Then both results are loaded by llmkit and compared tensor by tensor: the block type each
-tensor got (the mixture's rules), and the fraction of blocks that are byte-equal (llama.cpp's build fuses some
-multiply-adds, so a few K-quant blocks whose candidate scales nearly tie differ: docs/quantization.md).
+it as its converter's bf16 GGUF file (made once, not timed). Each side runs in a child process, timed, with its
+peak resident memory and its peak anonymous memory (RSS also counts the pages of the files a process maps, which the
+page cache holds and can drop): llmkit from the Hugging Face directory to an llmkit checkpoint (each layer quantized
+as it is read), llama-quantize from the bf16 GGUF file to a GGUF file. Then both results are loaded by llmkit and
+compared tensor by tensor: the block type each tensor got (the mixture's rules), and the fraction of blocks that are
+byte-equal (all of them, when llmkit computes what llama.cpp's reference code computes).
 """
 
 from __future__ import annotations
@@ -25,16 +26,32 @@ from common import ROOT, report
 from size_bench import LLAMA, OUT, SHAPES, THREADS, hf_checkpoint, llama_cpp_gguf
 
 
-def timed_child(cmd: list[str]) -> tuple[float, float]:
-    """Run `cmd`; its wall seconds and its own peak RSS in GiB (os.wait4's usage of that one process)."""
+def _anonymous_kib(pid: int) -> int:
+    """RssAnon of process `pid` (its own memory, not the pages of files it maps), in KiB; 0 once it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    return next((int(line.split()[1]) for line in status.splitlines() if line.startswith("RssAnon:")), 0)
+
+
+def timed_child(cmd: list[str]) -> tuple[float, float, float]:
+    """Run `cmd`: its wall seconds, its peak RSS in GiB (os.wait4's usage of that one process: mapped file pages
+    included), and its peak anonymous memory in GiB (sampled every 0.1 s from /proc)."""
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
-    _, status, usage = os.wait4(proc.pid, 0)
+    anonymous = 0
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        anonymous = max(anonymous, _anonymous_kib(proc.pid))
+        time.sleep(0.1)
     seconds = time.perf_counter() - start
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode:
         raise subprocess.CalledProcessError(proc.returncode, cmd)
-    return seconds, usage.ru_maxrss / 1024**2
+    return seconds, usage.ru_maxrss / 1024**2, anonymous / 1024**2
 
 
 def blocks_of(path: Path) -> dict[str, tuple[str, Any]]:
@@ -82,8 +99,8 @@ def main() -> None:
                   "--overwrite"]  # fmt: skip
     llama_cmd = [str(LLAMA / "build/bin/llama-quantize"), str(bf16), str(theirs), args.mixture, str(THREADS)]
     # each side once (the machine must be quiet: on 2 cores another process halves either figure)
-    llama_s, llama_rss = timed_child(llama_cmd)
-    llmkit_s, llmkit_rss = timed_child(llmkit_cmd)
+    llama_s, llama_rss, llama_anon = timed_child(llama_cmd)
+    llmkit_s, llmkit_rss, llmkit_anon = timed_child(llmkit_cmd)
     result = {
         "shape": args.shape,
         "mixture": args.mixture,
@@ -92,14 +109,17 @@ def main() -> None:
         "llama_cpp_seconds": llama_s,
         "llmkit_peak_rss_gib": llmkit_rss,
         "llama_cpp_peak_rss_gib": llama_rss,
+        "llmkit_peak_anonymous_gib": llmkit_anon,
+        "llama_cpp_peak_anonymous_gib": llama_anon,
         "llmkit_bytes": sum(f.stat().st_size for f in ours.glob("*.safetensors")),
         "llama_cpp_bytes": theirs.stat().st_size,
         **compare(ours, theirs),
     }
     os.unlink(theirs)
     lines = [
-        f"{args.shape} to {args.mixture}, {THREADS} threads: llmkit {llmkit_s:.1f} s (peak RSS {llmkit_rss:.2f} GiB), "
-        f"llama-quantize {llama_s:.1f} s ({llama_rss:.2f} GiB); weights {result['llmkit_bytes'] / 1e6:,.0f} MB "
+        f"{args.shape} to {args.mixture}, {THREADS} threads: llmkit {llmkit_s:.1f} s (peak RSS {llmkit_rss:.2f} GiB, "
+        f"anonymous {llmkit_anon:.2f}), llama-quantize {llama_s:.1f} s ({llama_rss:.2f}, {llama_anon:.2f} GiB); "
+        f"weights {result['llmkit_bytes'] / 1e6:,.0f} MB "
         f"against a {result['llama_cpp_bytes'] / 1e6:,.0f} MB file; same type for every tensor: "
         f"{result['same_types']}",
         f"{'tensor':<28} {'llmkit':>7} {'llama.cpp':>9} {'equal blocks':>12}",
