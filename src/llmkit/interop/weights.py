@@ -163,17 +163,15 @@ def _quantizing(
     """Give the meta-device `model` the quantized structure of `method` (a GGUF block type for every linear layer
     and the head, or a mixture's types: llmkit.quant.mixtures), and return a reader that fills each layer's blocks
     by reading its float weight and quantizing it at once (a tied head's blocks from the embedding table)."""
-    from llmkit.quant import QuantSpec, apply_spec
+    from llmkit.quant import apply_spec
+    from llmkit.quant.apply import spec_for
     from llmkit.quant.blocks import TYPES, quantize_blocks
-    from llmkit.quant.mixtures import MIXTURES, mixture_spec
+    from llmkit.quant.mixtures import MIXTURES
 
     name = method.upper()
-    if name in MIXTURES:
-        spec = mixture_spec(model, name)
-    elif name in TYPES:
-        spec = QuantSpec(name, include_head=True)
-    else:
+    if name not in TYPES and name not in MIXTURES:
         raise LLMKitError(f"quantizing while loading takes a GGUF block type or a mixture, not {method!r}")
+    spec = spec_for(model, name, include_head=True)
     tied = getattr(model, "head", "absent") is None
     apply_spec(model, spec)
 
@@ -183,7 +181,7 @@ def _quantizing(
             return read(key, index)
         source = "embed.weight" if layer == "head" and tied else f"{layer}.weight"
         kind = spec.embedding if layer == "embed" and spec.embedding else spec.for_layer(layer)[0]
-        return quantize_blocks(read(source, None).float(), kind)
+        return quantize_blocks(read(source, None), kind)
 
     return read_quantized
 

@@ -54,14 +54,7 @@ def quantize(
     the head's and the embedding table's."""
     if quantized_spec(model) is not None or any(isinstance(m, QuantizedLinear) for m in model.modules()):
         raise InputError("the model is already quantized (quantize a float model, or load the float checkpoint)")
-    if method == "int4" and group_size is None:
-        group_size = 32
-    if method.upper() in MIXTURES:  # llama.cpp's per-tensor mixture: the head and the embedding table included
-        if group_size is not None:
-            raise InputError(f"{method} gives each layer a block type of its own: no group size")
-        spec = mixture_spec(model, method)
-    else:
-        spec = QuantSpec(method, group_size, include_head)
+    spec = spec_for(model, method, group_size, include_head)
     for name, module in targets(model, spec):
         _set(model, name, _quantized(module, spec, name, kernel))
     if spec.include_head and getattr(model, "head", "absent") is None:  # tied: a quantized copy of the embedding
@@ -76,6 +69,19 @@ def quantize(
     _give_prefill_kernel(model)
     model.quantization = spec  # type: ignore[assignment]  # a plain attribute: the record of what was done
     return model
+
+
+def spec_for(model: nn.Module, method: str, group_size: int | None = None, include_head: bool = False) -> QuantSpec:
+    """The QuantSpec `quantize(model, method, ...)` applies: one of llama.cpp's mixtures ("Q4_K_M", ...: every
+    layer, the head and the embedding table in their types), or `method` for every linear layer (int4 in groups of
+    32 unless told)."""
+    if method.upper() in MIXTURES:
+        if group_size is not None:
+            raise InputError(f"{method} gives each layer a block type of its own: no group size")
+        return mixture_spec(model, method)
+    if method == "int4" and group_size is None:
+        group_size = 32
+    return QuantSpec(method, group_size, include_head)
 
 
 def _give_prefill_kernel(model: nn.Module) -> None:
