@@ -15,9 +15,10 @@ import torch
 from llmkit import build_model, get_preset
 from llmkit.errors import InputError
 from llmkit.generate import generate, speculative_generate
-from llmkit.generate.step import choose_step
+from llmkit.generate.step import NativeStep, choose_step
 from llmkit.interop.load import load_model
 from llmkit.quant import Int4Linear, Int8Linear, native, quantize
+from llmkit.quant.native_step import NativeDecoder
 from llmkit.serve.engine import Engine, EngineConfig
 from llmkit.serve.request import SamplingParams
 from llmkit.tokenizer import render_chat
@@ -65,6 +66,35 @@ def test_the_fp32_head_gives_every_row_the_same_bits():
     alone = torch.cat([ext.float_linear(x[i : i + 1].contiguous(), w) for i in range(len(x))])
     for m in (2, 5, 6, 7, 9):
         assert torch.equal(ext.float_linear(x[:m].contiguous(), w), alone[:m]), m
+
+
+@pytest.mark.parametrize("method", ["int4", "Q8_0", "Q4_0"])
+def test_the_decode_step_gives_the_same_bits_on_any_number_of_threads(method):
+    """The C++ step's threads claim runs of each product's columns as they go (a slower thread does less): however
+    the columns fall, every logit keeps its bits. Three threads split the tiny model's columns unevenly."""
+    torch.manual_seed(0)
+    model = quantize(build_model(get_preset("llama2-7b-tiny")).eval(), method, group_size=32, include_head=True)
+    nd = NativeDecoder.of(model)
+    assert nd is not None
+    prompt = torch.tensor([[5, 17, 99, 3, 44, 12, 7], [8, 8, 1, 200, 60, 2, 9]])
+
+    def logits(threads: int) -> list[torch.Tensor]:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            step, cache, out = NativeStep(model, nd), model.new_cache(2, 12), []
+            with torch.inference_mode():
+                tok = step(prompt, cache)[0][:, -1].argmax(-1, keepdim=True)
+                for _ in range(4):
+                    row = step(tok, cache)[0][:, -1]
+                    out.append(row)
+                    tok = row.argmax(-1, keepdim=True)
+            return out
+        finally:
+            torch.set_num_threads(before)
+
+    for one, three in zip(logits(1), logits(3), strict=True):
+        assert torch.equal(one, three)
 
 
 @pytest.mark.parametrize("method", ["int4", "int8", "Q4_0"])

@@ -10,6 +10,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <memory>
 #include <optional>
@@ -154,6 +155,7 @@ class ProjectionGroup {
  public:
   void prepare(const std::vector<Matrix>& ms, const float* x, int64_t M) {
     x_ = x, M_ = M;
+    next_.store(0, std::memory_order_relaxed);
     segments_.clear();
     int64_t offset = 0;
     for (size_t i = 0; i < ms.size();) {
@@ -196,10 +198,19 @@ class ProjectionGroup {
     }
   }
 
-  // this thread's share of the columns
+  // The team's columns: each thread claims a run of the columns left (a half of its share of them, in multiples of
+  // 16) until none are, so a thread slowed by the memory or by a neighbour on its core does less of the work
+  // instead of keeping the others waiting at the barrier. A column's bits do not depend on which thread computes it.
   void compute(const Team& team, float* y, int64_t ldy) const {
-    const auto [j0, j1] = team.share(width_);
-    compute(j0, j1, y, ldy);
+    if (team.size == 1) return compute(0, width_, y, ldy);
+    int64_t j0 = next_.load(std::memory_order_relaxed);
+    while (j0 < width_) {
+      const int64_t take = std::max<int64_t>(16, (width_ - j0) / (2 * team.size) / 16 * 16);
+      if (next_.compare_exchange_weak(j0, j0 + take, std::memory_order_relaxed)) {
+        compute(j0, std::min(width_, j0 + take), y, ldy);
+        j0 = next_.load(std::memory_order_relaxed);
+      }
+    }
   }
 
  private:
@@ -212,6 +223,11 @@ class ProjectionGroup {
   std::vector<Segment> segments_;
   const float* x_ = nullptr;
   int64_t M_ = 0, width_ = 0;
+  struct Counter : std::atomic<int64_t> {  // the next column to claim (a copy starts at 0: groups are copied only idle)
+    Counter() : std::atomic<int64_t>(0) {}
+    Counter(const Counter&) : std::atomic<int64_t>(0) {}
+  };
+  mutable Counter next_;
 };
 
 inline float dot(const float* a, const float* b, int64_t n) {
