@@ -116,7 +116,8 @@ def test_every_kernel_equals_the_dequantized_reference(cls, kernel, tol):
 def test_the_built_kernels_keep_their_weight_prefetches():
     """The decode kernels ask for weight rows ahead of use (cpu_kernel.cpp, prefetch_row). GCC 12 once deleted the
     int4 ones without a word (a function made only of prefetches looked free of effects), which cost ~1.3x at batch 1;
-    the disassembly must hold the int4 row's three streams and the int8 row's two."""
+    the disassembly must hold the int4 row's three streams and the int8 row's two, and the block kernels' requests into
+    L2 (prefetcht1: the 32-weight GGUF types)."""
     import shutil
     import subprocess
 
@@ -127,6 +128,7 @@ def test_the_built_kernels_keep_their_weight_prefetches():
     path = native.module().__file__
     listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", path], capture_output=True, text=True, check=True)
     assert listing.stdout.count("prefetcht0") >= 5
+    assert listing.stdout.count("prefetcht1") >= 1
 
 
 @pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
