@@ -91,6 +91,27 @@ def test_a_q4_k_m_model_is_written_as_its_blocks(tmp_path, tied):
         assert torch.equal(loaded(tokens), model(tokens))
 
 
+@pytest.mark.parametrize("mixture", ["IQ4_XS", "IQ4_NL"])
+def test_an_iq4_model_is_written_as_its_blocks_and_decodes_as_before(tmp_path, mixture):
+    """IQ4 mixtures: the file's types are llama.cpp's (embedding and weights IQ4, head Q6_K; two layers give no
+    eighth to ffn_down's Q5_K), llmkit reads back the same logits, and generation gives the same tokens."""
+    from llmkit.generate import generate
+
+    model = quantize(_model("llama"), mixture)
+    path = tmp_path / "q.gguf"
+    save_gguf(model, path, tokenizer=byte_tokenizer(), mixture=mixture)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert types["blk.1.attn_q.weight"] == mixture and types["token_embd.weight"] == mixture
+    assert types["output.weight"] == "Q6_K" and types["blk.0.ffn_down.weight"] == mixture
+    assert _fields(path)["general.file_type"] == int(gguf.LlamaFileType["MOSTLY_" + mixture])
+    loaded = load_model(path).model.eval()
+    tokens = torch.randint(0, 360, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens), model(tokens))
+    out = generate(loaded, [[5, 17, 99]], max_new_tokens=4)
+    assert out.new_tokens == generate(model, [[5, 17, 99]], max_new_tokens=4).new_tokens
+
+
 def test_what_gguf_cannot_hold_is_refused_by_name(tmp_path):
     cfg = get_preset("mixtral-8x7b-tiny")
     with pytest.raises(ConfigError, match="mixture-of-experts layers: llmkit writes GGUF files for the llama"):

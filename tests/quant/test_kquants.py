@@ -1,5 +1,6 @@
-"""Quantizing to llama.cpp's K-quants (llmkit.quant.kquants) and its mixtures (llmkit.quant.mixtures): the bytes
-llama.cpp's `llama-quantize` wrote, the error each type allows, and a model quantized to Q4_K_M as llama.cpp would."""
+"""Quantizing to llama.cpp's K-quants (llmkit.quant.kquants), IQ4_NL and IQ4_XS (llmkit.quant.iquants) and its
+mixtures (llmkit.quant.mixtures): the bytes llama.cpp's `llama-quantize` wrote, the error each type allows, and a
+model quantized to Q4_K_M as llama.cpp would."""
 
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ import torch
 
 from llmkit import build_model, get_preset
 from llmkit.errors import InputError
-from llmkit.quant import describe, kquants, native, quantize
+from llmkit.quant import describe, iquants, kquants, native, quantize
 from llmkit.quant.block_linear import BlockLinear
 from llmkit.quant.blocks import TYPES, dequantize, quantize_blocks
 from llmkit.quant.embedding import BlockEmbedding, QuantizedEmbedding
 from llmkit.quant.mixtures import mixture_spec, more_bits
 
 K_QUANTS = ["Q4_K", "Q5_K", "Q6_K"]
+IQ4 = ["IQ4_NL", "IQ4_XS"]
 
 
 def test_the_bytes_are_llama_quantize_s():
@@ -29,6 +31,51 @@ def test_the_bytes_are_llama_quantize_s():
     for kind in K_QUANTS:
         x = torch.from_numpy(data[kind + "_bf16"].astype(np.int32) << 16).view(torch.float32)
         assert np.array_equal(quantize_blocks(x, kind).numpy(), data[kind]), kind
+
+
+def test_the_iq4_bytes_are_llama_quantize_s():
+    """32 blocks of IQ4_NL and 32 super-blocks of IQ4_XS that `llama-quantize` (same build, no importance matrix: 7
+    tries a block) wrote from blk.4.attn_q of the same bf16 file, drawn at random from its first 64 rows. Checked
+    beside them when this was written: every block of the first 64 rows of blk.4.attn_q, blk.10.ffn_gate,
+    blk.20.attn_output and token_embd (12,288 blocks of IQ4_NL, 1,536 super-blocks of IQ4_XS) byte-equal."""
+    data = np.load(Path(__file__).with_name("llama_quantize_blocks.npz"))
+    for kind in IQ4:
+        x = torch.from_numpy(data[kind + "_bf16"].astype(np.int32) << 16).view(torch.float32)
+        assert np.array_equal(quantize_blocks(x, kind).numpy(), data[kind]), kind
+
+
+@pytest.mark.parametrize("kind", IQ4)
+def test_iq4_error_and_edge_blocks(kind):
+    torch.manual_seed(0)
+    w = torch.randn(16, 512) * 0.02
+    w[0, :256] = 0  # all zeros: every scale 0, every code the level nearest 0
+    w[1, :32] = 0.01  # a block of one value: the level -127 (the largest magnitude) times d (IQ4_XS: d's 6 bits)
+    blocks = quantize_blocks(w, kind)
+    assert blocks.shape == (16, 512 // TYPES[kind].weights * TYPES[kind].bytes) and blocks.dtype == torch.uint8
+    back = dequantize(blocks, kind, 512, grouped=False)
+    assert torch.equal(back[0, :256], torch.zeros(256))
+    torch.testing.assert_close(back[1, :32], w[1, :32], rtol=2e-3 if kind == "IQ4_NL" else 5e-2, atol=0)
+    err = (back[2:] - w[2:]).pow(2).mean().sqrt() / w[2:].pow(2).mean().sqrt()
+    q4_0 = dequantize(quantize_blocks(w[2:], "Q4_0"), "Q4_0", 512, grouped=False)
+    assert err < 0.95 * (q4_0 - w[2:]).pow(2).mean().sqrt() / w[2:].pow(2).mean().sqrt()  # the non-uniform levels win
+    assert torch.equal(quantize_blocks(w[3:5], kind), blocks[3:5])  # a row's blocks do not depend on the others
+
+
+def test_iq4_mixtures_are_llama_cpp_s():
+    """IQ4_NL / IQ4_XS without an importance matrix: the head Q6_K, attn_v Q5_K where 4 or more query heads share a
+    key/value head, ffn_down Q5_K in the first eighth of the layers; IQ4_XS falls back to IQ4_NL on rows that are not
+    whole super-blocks (checked against llama-quantize on the Qwen2.5-1.5B shape: all 198 tensors' types equal)."""
+    model = _model(tied=False, layers=16)  # llama2-7b-tiny: 4 heads over 4 key/value heads (no sharing)
+    spec = mixture_spec(model, "IQ4_XS")
+    assert spec.for_layer("head")[0] == "Q6_K" and spec.embedding == "IQ4_XS"
+    assert [spec.for_layer(f"blocks.{i}.ffn.w2")[0] for i in range(4)] == ["Q5_K", "Q5_K", "IQ4_XS", "IQ4_XS"]
+    assert {spec.for_layer(f"blocks.{i}.attn.wv")[0] for i in range(16)} == {"IQ4_XS"}
+    cfg = dataclasses.replace(model.cfg, attention=dataclasses.replace(model.cfg.attention, n_kv_heads=1))
+    shared = mixture_spec(build_model(cfg), "iq4_nl")
+    assert {shared.for_layer(f"blocks.{i}.attn.wv")[0] for i in range(16)} == {"Q5_K"}
+    assert shared.for_layer("blocks.5.attn.wq")[0] == "IQ4_NL"
+    narrow = mixture_spec(_model(tied=False, width=64, layers=2), "IQ4_XS")
+    assert narrow.for_layer("blocks.0.attn.wq")[0] == "IQ4_NL" and narrow.for_layer("head")[0] == "Q8_0"
 
 
 @pytest.mark.parametrize("kind", K_QUANTS)
@@ -120,6 +167,23 @@ def test_the_cpp_quantizer_writes_the_reference_s_bytes(kind):
     x[5, :16] = 0
     x[6] = torch.randint(-3, 4, (256,), generator=g).float()  # ties in the codes
     assert torch.equal(native.module().quantize_k(x, TYPES[kind].ggml), kquants.quantize_k(x, kind))
+
+
+@pytest.mark.skipif(not native.available(), reason="llmkit's C++ extension does not run here")
+@pytest.mark.parametrize("kind", IQ4)
+def test_the_cpp_iq4_quantizer_writes_the_reference_s_bytes(kind):
+    """cpu_kquants.cpp's IQ4_NL / IQ4_XS against iquants.py, bit for bit, on the same kinds of blocks."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(96, 256, generator=g) * torch.logspace(-4, 1, 96)[:, None]
+    x[0] = 0
+    x[1, :32] = 0.5
+    x[2] = x[2].abs()
+    x[3] = -x[3].abs()
+    x[4, 17] = 40.0
+    x[5, :16] = 0
+    x[6] = torch.randint(-3, 4, (256,), generator=g).float()  # ties between levels
+    units = x.reshape(-1, TYPES[kind].weights).contiguous()
+    assert torch.equal(native.module().quantize_iq4(units, TYPES[kind].ggml), iquants.quantize_iq4(units, kind))
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from llmkit.errors import InputError
-from llmkit.quant import kquants, native
+from llmkit.quant import iquants, kquants, native
 
 QK_K = kquants.QK_K
 # IQ4_NL's and IQ4_XS's 16 levels (ggml-common.h kvalues_iq4nl): a non-uniform grid fitted to weights' distribution
@@ -375,13 +375,14 @@ def _quant_q5_1(x: Tensor) -> Tensor:
 _QUANTIZE = {"Q8_0": _quant_q8_0, "Q4_0": _quant_q4_0, "Q4_1": _quant_q4_1, "Q5_0": _quant_q5_0, "Q5_1": _quant_q5_1}
 
 
-QUANTIZES = (*_QUANTIZE, *kquants.QUANTIZE)  # the types llmkit quantizes float weights to
+QUANTIZES = (*_QUANTIZE, *kquants.QUANTIZE, *iquants.QUANTIZE)  # the types llmkit quantizes float weights to
 
 
 def quantize_blocks(w: Tensor, kind: BlockType | str) -> Tensor:
     """Float rows (N, K) -> (N, row_bytes) uint8 blocks of `kind` in the GGUF file's layout, by llama.cpp's
     reference rules: for the 32-weight types the bytes the `gguf` package's quantize gives, for the K-quants
-    (kquants.py) those of ggml's quantize_row_*_ref."""
+    (kquants.py) those of ggml's quantize_row_*_ref, for IQ4_NL and IQ4_XS (iquants.py) those `llama-quantize`
+    writes without an importance matrix."""
     t = kind if isinstance(kind, BlockType) else block_type(kind)
     if t.name not in QUANTIZES:
         raise InputError(
@@ -391,6 +392,11 @@ def quantize_blocks(w: Tensor, kind: BlockType | str) -> Tensor:
     N, K = w.shape
     t.row_bytes(K)
     x = w.detach().float().cpu()
+    if t.name in iquants.QUANTIZE:  # llmkit's C++ (the same bytes) where it runs
+        ext = native.module()
+        units = x.reshape(-1, t.weights).contiguous()
+        out = ext.quantize_iq4(units, t.ggml) if ext is not None else iquants.quantize_iq4(units, t.name)
+        return out.reshape(N, -1).to(w.device)
     if t.name in kquants.QUANTIZE:  # llmkit's C++ (the same bytes, ~10x faster) where it runs
         ext = native.module()
         supers = x.reshape(-1, QK_K).contiguous()

@@ -4,9 +4,11 @@ Q5_K_S, ... (llama-quant.cpp's llama_tensor_get_type, for the types llmkit quant
 
 A mixture spends more bits where quantization hurts most. Under Q4_K_M, say, the weights are Q4_K, but the output
 head is Q6_K (and so is the embedding table, if the head is tied to it), and `attn_v` and `ffn_down` are Q6_K in the
-first eighth of the layers, the last eighth and every third layer between (`more_bits`). A layer whose input width
-is not a whole number of 256-weight super-blocks falls back to a 32-weight type of about the same size (Q4_K to
-Q5_0, Q5_K to Q5_1, Q6_K to Q8_0; the head to Q8_0), as llama.cpp's does.
+first eighth of the layers, the last eighth and every third layer between (`more_bits`). Under IQ4_NL and IQ4_XS
+(written without an importance matrix) the head is Q6_K, `attn_v` Q5_K where 4 or more query heads share a
+key/value head, and `ffn_down` Q5_K in the first eighth of the layers. A layer whose input width is not a whole
+number of 256-weight super-blocks falls back to a 32-weight type of about the same size (Q4_K to Q5_0, Q5_K to Q5_1,
+Q6_K to Q8_0, IQ4_XS to IQ4_NL; the head to Q8_0), as llama.cpp's does.
 
 Only the dense decoder's rules are written here (llama, qwen2/3, mistral, ...); llama.cpp's extra rules for
 mixtures of experts, Falcon and 70B models are not, and such a model is quantized by these plain ones.
@@ -23,8 +25,15 @@ from llmkit.quant.blocks import QK_K
 from llmkit.quant.spec import QuantSpec, embedding_table, targets
 
 # mixture -> the type of every tensor no rule below names
-BASE = {"Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K"}  # Q6_K: the plain type
-FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}  # rows not whole super-blocks
+BASE = {
+    "Q4_K_S": "Q4_K",
+    "Q4_K_M": "Q4_K",
+    "Q5_K_S": "Q5_K",
+    "Q5_K_M": "Q5_K",
+    "IQ4_NL": "IQ4_NL",
+    "IQ4_XS": "IQ4_XS",
+}  # fmt: skip  (Q6_K: the plain type)
+FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}  # rows not whole super-blocks
 MIXTURES = tuple(BASE)
 
 
@@ -33,7 +42,9 @@ def more_bits(layer: int, layers: int) -> bool:
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
-def _attn_v(mixture: str, layer: int, layers: int) -> str | None:
+def _attn_v(mixture: str, layer: int, layers: int, gqa: int) -> str | None:
+    if mixture in ("IQ4_NL", "IQ4_XS") and gqa >= 4:
+        return "Q5_K"
     if mixture in ("Q4_K_M", "Q5_K_M") and more_bits(layer, layers):
         return "Q6_K"
     if mixture == "Q4_K_S" and layer < 4:
@@ -44,7 +55,7 @@ def _attn_v(mixture: str, layer: int, layers: int) -> str | None:
 def _ffn_down(mixture: str, layer: int, layers: int) -> str | None:
     if mixture in ("Q4_K_M", "Q5_K_M") and more_bits(layer, layers):
         return "Q6_K"
-    if mixture == "Q4_K_S" and layer < layers // 8:
+    if mixture in ("Q4_K_S", "IQ4_NL", "IQ4_XS") and layer < layers // 8:  # (IQ4: without an importance matrix)
         return "Q5_K"
     return None
 
@@ -64,6 +75,8 @@ def mixture_spec(model: nn.Module, mixture: str) -> QuantSpec:
     tied = getattr(model, "head", "absent") is None
     probe = QuantSpec(base, include_head=True)
     n_layers = len(getattr(model, "blocks", ()))
+    cfg = getattr(model, "cfg", None)
+    gqa = cfg.attention.n_heads // cfg.n_kv_heads if cfg is not None and cfg.attention.kind == "gqa" else 1
     for target, module in targets(model, probe):
         if not isinstance(module, nn.Linear):
             raise InputError(f"{target}: {name} is written for dense models; quantize experts with int8 or int4")
@@ -72,7 +85,7 @@ def mixture_spec(model: nn.Module, mixture: str) -> QuantSpec:
         if target == "head":
             kind = "Q6_K" if module.in_features % QK_K == 0 else "Q8_0"
         elif match and target.endswith("attn.wv"):
-            kind = _attn_v(name, int(match[1]), n_layers) or base
+            kind = _attn_v(name, int(match[1]), n_layers, gqa) or base
         elif match and target.endswith("ffn.w2"):
             kind = _ffn_down(name, int(match[1]), n_layers) or base
         layers[target] = [_fits(kind, module.in_features), None]
