@@ -152,11 +152,9 @@ def test_a_model_quantized_to_q4_k_m_runs_saves_and_loads(tmp_path, tied):
         quantize(_model(tied), "Q4_K_M", group_size=32)
 
 
-@pytest.mark.skipif(not native.available(), reason="llmkit's C++ extension does not run here")
-@pytest.mark.parametrize("kind", K_QUANTS)
-def test_the_cpp_quantizer_writes_the_reference_s_bytes(kind):
-    """cpu_kquants.cpp (what quantize_blocks runs where the extension builds) against kquants.py, bit for bit, on
-    weights of several spreads, with zero, constant, one-signed and outlier sub-blocks."""
+def _awkward_rows() -> torch.Tensor:
+    """96 rows of 256 weights of spreads from 1e-4 to 10, with zero, constant, one-signed and outlier blocks, and a
+    row of small integers (ties in the codes and between levels)."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(96, 256, generator=g) * torch.logspace(-4, 1, 96)[:, None]
     x[0] = 0
@@ -165,7 +163,16 @@ def test_the_cpp_quantizer_writes_the_reference_s_bytes(kind):
     x[3] = -x[3].abs()
     x[4, 17] = 40.0
     x[5, :16] = 0
-    x[6] = torch.randint(-3, 4, (256,), generator=g).float()  # ties in the codes
+    x[6] = torch.randint(-3, 4, (256,), generator=g).float()
+    return x
+
+
+@pytest.mark.skipif(not native.available(), reason="llmkit's C++ extension does not run here")
+@pytest.mark.parametrize("kind", K_QUANTS)
+def test_the_cpp_quantizer_writes_the_reference_s_bytes(kind):
+    """cpu_kquants.cpp (what quantize_blocks runs where the extension builds) against kquants.py, bit for bit, on
+    weights of several spreads, with zero, constant, one-signed and outlier sub-blocks."""
+    x = _awkward_rows()
     assert torch.equal(native.module().quantize_k(x, TYPES[kind].ggml), kquants.quantize_k(x, kind))
 
 
@@ -173,15 +180,7 @@ def test_the_cpp_quantizer_writes_the_reference_s_bytes(kind):
 @pytest.mark.parametrize("kind", IQ4)
 def test_the_cpp_iq4_quantizer_writes_the_reference_s_bytes(kind):
     """cpu_kquants.cpp's IQ4_NL / IQ4_XS against iquants.py, bit for bit, on the same kinds of blocks."""
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(96, 256, generator=g) * torch.logspace(-4, 1, 96)[:, None]
-    x[0] = 0
-    x[1, :32] = 0.5
-    x[2] = x[2].abs()
-    x[3] = -x[3].abs()
-    x[4, 17] = 40.0
-    x[5, :16] = 0
-    x[6] = torch.randint(-3, 4, (256,), generator=g).float()  # ties between levels
+    x = _awkward_rows()
     units = x.reshape(-1, TYPES[kind].weights).contiguous()
     assert torch.equal(native.module().quantize_iq4(units, TYPES[kind].ggml), iquants.quantize_iq4(units, kind))
 
