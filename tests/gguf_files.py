@@ -23,6 +23,8 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     weight's size (any byte pattern is a valid block otherwise)."""
     block, size = gguf.GGML_QUANT_SIZES[Q[kind]]
     rng = np.random.default_rng(seed)
+    if kind in ("F16", "BF16"):  # unquantized: finite values of a weight's size (the package's rounding)
+        return gguf.quants.quantize(rng.normal(0, 0.02, (rows, cols)).astype(np.float32), Q[kind]).view(np.uint8)
     raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
     for at in FP16_FIELDS[kind]:
         at = at % size

@@ -3,9 +3,9 @@
 - the PyTorch dequantization of every type equals the package's reference dequantization bit for bit, in the file's
   layout and in llmkit's grouped one (which round-trips);
 - every C++ kernel (AVX2, and AVX512-VNNI where the CPU has it) computes, at 1, 2, 7 and 16 rows, the product of
-  the reference-dequantized weights with x rounded to int8 per group (32 inputs, 256 for the K-quants) within the
-  fp32 summation's bound, and gives every row the bits it gets alone;
-- quantizing to the 32-weight types gives the package's own bytes;
+  the reference-dequantized weights with x rounded to int8 per group (32 inputs, 256 for the K-quants; F16 and BF16
+  take x as it is) within the fp32 summation's bound, and gives every row the bits it gets alone;
+- quantizing to the 32-weight types (and rounding to F16 and BF16) gives the package's own bytes;
 - a BlockLinear layer saves, loads, casts and multiplies like nn.Linear.
 """
 
@@ -20,7 +20,7 @@ from gguf_files import random_blocks
 from llmkit.errors import InputError
 from llmkit.quant import native
 from llmkit.quant.block_linear import BlockLinear
-from llmkit.quant.blocks import TYPES, dequantize, group_blocks, quantize_blocks, ungroup_blocks
+from llmkit.quant.blocks import FLOAT_TYPES, TYPES, dequantize, group_blocks, quantize_blocks, ungroup_blocks
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -33,7 +33,8 @@ def _raw(kind: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
 
 
 def _reference(kind: str, raw: torch.Tensor, cols: int) -> torch.Tensor:
-    return torch.from_numpy(gguf.quants.dequantize(raw.numpy(), Q[kind]).copy()).reshape(-1, cols)
+    data = raw.numpy().view(np.float16) if kind == "F16" else raw.numpy()  # (the package takes F16 as values)
+    return torch.from_numpy(gguf.quants.dequantize(data, Q[kind]).astype(np.float32)).reshape(-1, cols)
 
 
 def _width(kind: str) -> int:
@@ -75,7 +76,7 @@ def test_kernels_multiply_the_blocks_exactly_and_row_by_row(kind, rows):
     held = group_blocks(raw, kind)
     w = _reference(kind, raw, cols).double()
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
-    xr = _rounded(x, 256 if t.weights == 256 else 32).double()
+    xr = (x if kind in FLOAT_TYPES else _rounded(x, 256 if t.weights == 256 else 32)).double()  # floats: x as is
     want = xr @ w.T
     bound = cols / 8 * 2.0**-24 * (xr.abs() @ w.abs().T)  # fp32 sums of at most cols / 8 terms, each within u
     ext = native.module()
@@ -89,7 +90,7 @@ def test_kernels_multiply_the_blocks_exactly_and_row_by_row(kind, rows):
 
 
 @needs_native
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "BF16", "F16"])
 def test_many_rows_multiply_the_dequantized_panels(kind):
     cols, t = _width(kind), TYPES[kind]
     raw = _raw(kind, 40, cols)
@@ -103,13 +104,14 @@ def test_many_rows_multiply_the_dequantized_panels(kind):
     torch.testing.assert_close(bf16, want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "F16", "BF16"])
 def test_quantizing_gives_the_gguf_package_s_bytes(kind):
     w = np.random.default_rng(1).normal(0, 0.02, (9, 576)).astype(np.float32)
     w[0, :32] = 0  # an all-zero block
     w[1, 32:64] = 0.01  # a block of equal values
+    w[2, :4] = [1 + 2.0**-8, 1 + 3 * 2.0**-8, 65504.0, 1e-8]  # halves to even (bf16), fp16's largest, a subnormal
     ours = quantize_blocks(torch.from_numpy(w), kind)
-    assert np.array_equal(ours.numpy(), gguf.quants.quantize(w, Q[kind]))
+    assert np.array_equal(ours.numpy(), gguf.quants.quantize(w, Q[kind]).view(np.uint8))
 
 
 def test_quantizing_to_a_type_without_a_quantizer_is_a_clear_error():

@@ -64,7 +64,7 @@ def load_decoder(
         from llmkit.parallel import split_loader
 
         cut = split_loader()
-    loaded = load_model(path, dtype=torch_dtype(dtype), device=device, verify=verify, split=cut)
+    loaded = load_model(path, dtype=torch_dtype(dtype), device=device, verify=verify, split=cut, own_width=True)
     if loaded.tokenizer is None:
         raise LLMKitError(f"{checkpoint} has no tokenizer to turn text into tokens")
     if not isinstance(loaded.model, DecoderLM):

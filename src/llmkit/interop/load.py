@@ -108,6 +108,7 @@ def load_model(
     verify: bool = True,
     split: Split | None = None,
     quantize: str | None = None,
+    own_width: bool = False,
 ) -> Loaded:
     """Load any supported checkpoint: a Hugging Face directory, a GGUF file, or an llmkit checkpoint (quantized
     ones too); LoRA adapters (an llmkit fine-tuning checkpoint, or a folder PEFT saved) come folded into their base
@@ -121,7 +122,12 @@ def load_model(
     `quantize` (a GGUF block type, "Q8_0", ..., or one of llama.cpp's mixtures, "Q4_K_M", ...) quantizes each layer
     as it is read, so memory holds the quantized model and one float tensor at a time, never the float model (an
     8B checkpoint is 32 GB in fp32); LoRA adapters are folded into their base first, which needs the whole
-    weights."""
+    weights.
+
+    `own_width` (for inference: the model's layers become block layers, which do not train): a Hugging Face
+    checkpoint stored in bf16 or fp16, loaded on the CPU with dtype None, keeps its linear layers, head and
+    embedding table at that width as views of the memory-mapped files (BF16 / F16 block layers multiplied by
+    llmkit's C++ kernels), with activations, norms and caches in fp32 (interop/weights.py: held_width)."""
     kind = detect_format(path)
     if split is not None and (
         (kind == "hf" and not (Path(path) / "config.json").is_file())
@@ -148,7 +154,7 @@ def load_model(
             quantized = False
         loaded = load_gguf(path, dtype=dtype, device=device, quantized=quantized, split=split, quantize=quantize)
     else:
-        ck = load_hf(path, dtype=dtype, device=device, split=split, quantize=quantize)
+        ck = load_hf(path, dtype=dtype, device=device, split=split, quantize=quantize, own_width=own_width)
         loaded = Loaded(
             ck.model, Tokenizer.from_dir(path), "hf", Path(path), ck.model_type, ck.hf_config, ck.generation_config
         )

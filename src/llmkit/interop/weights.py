@@ -21,7 +21,7 @@ from torch import Tensor
 
 from llmkit.config import ModelConfig
 from llmkit.errors import LLMKitError
-from llmkit.interop.keymap import Concrete, check_against
+from llmkit.interop.keymap import IDENTITY, Concrete, check_against
 from llmkit.interop.safetensors_io import CheckpointError
 from llmkit.layers.precision import fp32_state
 from llmkit.models import DecoderLM, EncoderDecoder, build_model
@@ -119,12 +119,16 @@ def build_with_weights(
     split: Split | None = None,
     part: PartReader | None = None,
     quantize: str | None = None,
+    own_width: bool = False,
+    view: Callable[[str], Tensor] | None = None,
 ) -> DecoderLM | EncoderDecoder:
     """A model for `cfg` holding the source's weights. Raises MappingError naming missing, unexpected or misshapen
     source tensors before anything is read. `split` cuts the model (on the meta device) first, and then only the
     parts it keeps are read: through `part` where the source reads slices, else whole one rule at a time.
     `quantize` (a GGUF block type or one of llama.cpp's mixtures: "Q4_K_M", "Q8_0", ...) quantizes each layer's
-    weight as it is read (`_quantizing`), so memory never holds the float model."""
+    weight as it is read (`_quantizing`), so memory never holds the float model. `own_width`: a bf16 or fp16
+    source loaded on the CPU without a dtype keeps its weights at that width where llmkit's kernels multiply them
+    (`held_width`): where the source gives `view`s of its tensors (a memory map), those are the layers' blocks."""
     model = build_model(cfg, device="meta")
     ours = model.state_dict()
     produced = [n for c in concrete for n in c.ours]
@@ -138,6 +142,10 @@ def build_with_weights(
         split(model)
     target = dtype or _checkpoint_dtype(concrete, get, part, source_shapes)
     dev = torch.device(device) if device is not None else torch.device("cpu")
+    if own_width and quantize is None and split is None and dtype is None and dev.type == "cpu":
+        width = held_width(model, target)
+        if width is not None:
+            quantize, target = width, torch.float32
     reader = RuleReader(concrete, get, part)
 
     def read(name: str, index: Index | None) -> Tensor:
@@ -150,19 +158,57 @@ def build_with_weights(
     if quantize is not None:
         if split is not None:
             raise LLMKitError("quantizing while loading reads whole layers: it does not take a tensor-parallel split")
-        fill = _quantizing(model, quantize, read)
+
+        from llmkit.quant.blocks import FLOAT_TYPES
+
+        def source(name: str, kind: str) -> Tensor:  # a weight to quantize to `kind`, as the source stores it
+            c, _ = reader.rule[name]
+            if view is not None and c.transform is IDENTITY and dev.type == "cpu":
+                stored = view(c.theirs[0])
+                if FLOAT_TYPES.get(kind) == stored.dtype:  # the block type's own width: held as mapped
+                    return stored
+            return reader(name, None, shapes[name]).to(dev)
+
+        fill = _quantizing(model, quantize, read, source)
     _fill(model, fill, dev, where)
     if quantize is not None:
         model.to(target)  # the dtype the quantized layers compute in (blocks keep theirs)
     return model
 
 
+def held_width(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
+    """The block type ("BF16", "F16") that holds the weights of `model`, whose checkpoint stores them in `dtype`, at
+    their own width, with activations in fp32: every linear layer, the head and the embedding table as the file's
+    bytes, multiplied by llmkit's C++ kernels (a decoding step reads 2 bytes a weight, not an fp32 copy's 4, and
+    not through PyTorch's bf16 path, which decodes at half the memory's rate). None where that does not apply: an
+    fp32 source, no C++ kernels on this machine, a mixture of experts (its stacks are not block layers), or a layer
+    whose inputs are not whole blocks of 32."""
+    from llmkit.layers.moe import GroupedExperts
+    from llmkit.quant import native
+    from llmkit.quant.blocks import FLOAT_TYPES
+
+    name = next((n for n, t in FLOAT_TYPES.items() if t == dtype), None)
+    if name is None or native.module() is None or not isinstance(model, DecoderLM):
+        return None
+    for module in model.modules():
+        if isinstance(module, GroupedExperts) or (
+            isinstance(module, torch.nn.Linear) and module.in_features % 32
+        ):
+            return None
+    return name
+
+
 def _quantizing(
-    model: torch.nn.Module, method: str, read: Callable[[str, Index | None], Tensor]
+    model: torch.nn.Module,
+    method: str,
+    read: Callable[[str, Index | None], Tensor],
+    source: Callable[[str, str], Tensor],
 ) -> Callable[[str, Index | None], Tensor]:
     """Give the meta-device `model` the quantized structure of `method` (a GGUF block type for every linear layer
     and the head, or a mixture's types: llmkit.quant.mixtures), and return a reader that fills each layer's blocks
-    by reading its float weight and quantizing it at once (a tied head's blocks from the embedding table)."""
+    by reading its float weight as the source stores it (`source(name, block type)`: not cast first) and
+    quantizing it at once (a tied head's blocks from the embedding table); everything else comes from `read`. A
+    weight stored in the block type's own width (a bf16 tensor held as BF16) is not copied."""
     from llmkit.quant import apply_spec
     from llmkit.quant.apply import spec_for
     from llmkit.quant.blocks import TYPES, quantize_blocks
@@ -179,9 +225,9 @@ def _quantizing(
         layer, _, field = key.rpartition(".")
         if field != "blocks":
             return read(key, index)
-        source = "embed.weight" if layer == "head" and tied else f"{layer}.weight"
+        weight = "embed.weight" if layer == "head" and tied else f"{layer}.weight"
         kind = spec.embedding if layer == "embed" and spec.embedding else spec.for_layer(layer)[0]
-        return quantize_blocks(read(source, None), kind)
+        return quantize_blocks(source(weight, kind), kind)
 
     return read_quantized
 

@@ -21,7 +21,7 @@ from llmkit.layers.attention.gqa import GroupedQueryAttention
 from llmkit.layers.moe import GroupedExperts
 from llmkit.quant import native
 from llmkit.quant.block_linear import BlockLinear
-from llmkit.quant.blocks import TYPES
+from llmkit.quant.blocks import FLOAT_TYPES, TYPES
 from llmkit.quant.embedding import BlockEmbedding, QuantizedEmbedding
 from llmkit.quant.experts import QuantizedExperts
 from llmkit.quant.kernels import Kernel
@@ -81,6 +81,9 @@ def spec_for(model: nn.Module, method: str, group_size: int | None = None, inclu
         return mixture_spec(model, method)
     if method == "int4" and group_size is None:
         group_size = 32
+    if method in FLOAT_TYPES and include_head:  # the embedding table at that width too (the head's, where tied)
+        tied = getattr(model, "head", "absent") is None
+        return QuantSpec(method, None, True, embedding_from_head=tied, embedding=None if tied else method)
     return QuantSpec(method, group_size, include_head)
 
 

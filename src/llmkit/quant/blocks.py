@@ -23,8 +23,11 @@ formulas those of its reference dequantization (ggml-quants.c), per weight in a 
     Q6_K   128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, fp16 d
                                                        w = d sc_s (q - 32)              (sub-blocks of 16)
     IQ4_XS fp16 d, 16 + 2 bits of 6-bit scales, 128 bytes   w = d (ls_s - 32) T[q]    (sub-blocks of 32)
+  unquantized, rows in "blocks" of 32 (no head):
+    F16    32 IEEE half floats
+    BF16   32 bfloat16s (an fp32's top 16 bits)
 
-Every type reads as w = A_s c + B_s over sub-blocks s of 16 weights, with small integer codes c (signed: the
+Every quantized type reads as w = A_s c + B_s over sub-blocks s of 16 weights, with small integer codes c (signed: the
 offset folded in; unsigned where a min is subtracted): the form the C++ kernels compute in (`cpu_blocks.cpp`).
 """
 
@@ -80,8 +83,13 @@ TYPES = {
         BlockType("Q6_K", 14, QK_K, 210),
         BlockType("IQ4_NL", 20, 32, 18, 2),
         BlockType("IQ4_XS", 23, QK_K, 136),
+        BlockType("F16", 1, 32, 64),
+        BlockType("BF16", 30, 32, 64),
     )
 }
+# Half-width floats, which GGUF files and Hugging Face checkpoints store unquantized: held at their own width and
+# multiplied as stored as the block types are (rows sized in "blocks" of 32 weights without a head).
+FLOAT_TYPES = {"F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def block_type(name: str) -> BlockType:
@@ -287,6 +295,8 @@ _DEQUANTIZE = {
     "Q5_K": _q5_k,
     "Q6_K": _q6_k,
     "IQ4_XS": _iq4_xs,
+    "F16": lambda b: b.view(torch.float16).float(),
+    "BF16": lambda b: b.view(torch.bfloat16).float(),
 }
 
 
@@ -375,7 +385,7 @@ def _quant_q5_1(x: Tensor) -> Tensor:
 _QUANTIZE = {"Q8_0": _quant_q8_0, "Q4_0": _quant_q4_0, "Q4_1": _quant_q4_1, "Q5_0": _quant_q5_0, "Q5_1": _quant_q5_1}
 
 
-QUANTIZES = (*_QUANTIZE, *kquants.QUANTIZE, *iquants.QUANTIZE)  # the types llmkit quantizes float weights to
+QUANTIZES = (*_QUANTIZE, *kquants.QUANTIZE, *iquants.QUANTIZE, *FLOAT_TYPES)  # the types llmkit writes weights in
 
 
 def quantize_blocks(w: Tensor, kind: BlockType | str) -> Tensor:
@@ -391,6 +401,8 @@ def quantize_blocks(w: Tensor, kind: BlockType | str) -> Tensor:
         )
     N, K = w.shape
     t.row_bytes(K)
+    if t.name in FLOAT_TYPES:  # rounded to the nearest half-width float
+        return w.detach().to(FLOAT_TYPES[t.name]).contiguous().view(torch.uint8)
     x = w.detach().float().cpu()
     if t.name in iquants.QUANTIZE:  # llmkit's C++ (the same bytes) where it runs
         ext = native.module()

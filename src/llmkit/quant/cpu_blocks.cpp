@@ -64,7 +64,10 @@ BlockMatrix block_matrix(const torch::Tensor& blocks, int kind, int64_t K) {
   return {blocks.data_ptr<uint8_t>(), kind, blocks.size(0), K, blocks.size(1)};
 }
 
-int64_t activation_group(int kind) { return kind >= Q2_K && kind <= Q6_K || kind == IQ4_XS ? 256 : 32; }
+int64_t activation_group(int kind) {
+  if (kind == F16 || kind == BF16) return 0;
+  return kind >= Q2_K && kind <= Q6_K || kind == IQ4_XS ? 256 : 32;
+}
 
 void quantize_block_rows(const float* x, int64_t M, int64_t K, int64_t group, BlockRows& out) {
   LLMKIT_CHECK(K % group == 0 && group % 32 == 0, "x's width ", K, " is not a multiple of ", group);
@@ -152,16 +155,26 @@ void BlockProduct::prepare(const float* x, int64_t M, int64_t K, const std::vect
   for (const BlockMatrix& w : ws) {
     LLMKIT_CHECK(w.K == K, "matrices in one product share K");
     starts_.push_back(starts_.back() + w.N);
-    (activation_group(w.kind) == 256 ? g256 : g32) = true;
+    const int64_t group = activation_group(w.kind);
+    g32 |= group == 32, g256 |= group == 256;
   }
   if (g32) quantize_block_rows(x, M, K, 32, x32_);
   if (g256) quantize_block_rows(x, M, K, 256, x256_);
+  xf_.M = M, xf_.K = K, xf_.group = 0, xf_.xf = x;
+}
+
+const BlockRows& BlockProduct::rows_for(int kind) const {
+  switch (activation_group(kind)) {
+    case 256: return x256_;
+    case 32: return x32_;
+    default: return xf_;
+  }
 }
 
 void BlockProduct::columns(int64_t j0, int64_t j1, float* y, int64_t ldy) const {
   for (size_t i = 0; i < ws_.size(); ++i) {  // the part of [j0, j1) that falls in matrix i
     const int64_t a = std::max(j0, starts_[i]) - starts_[i], e = std::min(j1, starts_[i + 1]) - starts_[i];
-    if (a < e) block_columns(ws_[i], activation_group(ws_[i].kind) == 256 ? x256_ : x32_, a, e, y + starts_[i], ldy);
+    if (a < e) block_columns(ws_[i], rows_for(ws_[i].kind), a, e, y + starts_[i], ldy);
   }
 }
 
@@ -170,6 +183,10 @@ namespace {
 constexpr int64_t PANEL = int64_t{1} << 22;  // weights per dequantized panel (as cpu_kernel.cpp's)
 
 torch::Tensor dequantized_product(const torch::Tensor& x, const BlockMatrix& w, bool bf16) {
+  if (w.kind == BF16 && bf16) {  // the weights are the panel
+    const auto weights = torch::from_blob(const_cast<uint8_t*>(w.data), {w.N, w.K}, x.options().dtype(torch::kBFloat16));
+    return at::mm(x.to(torch::kBFloat16), weights.t()).to(torch::kFloat32);
+  }
   const int64_t rows = std::max<int64_t>(16, PANEL / w.K);
   const auto dtype = bf16 ? torch::kBFloat16 : torch::kFloat32;
   auto panel = torch::empty({std::min(rows, w.N), w.K}, x.options().dtype(dtype));

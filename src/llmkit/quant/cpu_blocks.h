@@ -12,6 +12,7 @@ enum BlockKind : int {
   Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
   Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
   IQ4_NL = 20, IQ4_XS = 23,
+  F16 = 1, BF16 = 30,  // half-width floats, held as stored too (blocks of 32 without a head, for the layout's sake)
 };
 
 // weights and bytes of one block of `kind`; false for a kind llmkit does not hold
@@ -30,7 +31,8 @@ struct BlockMatrix {
 
 BlockMatrix block_matrix(const torch::Tensor& blocks, int kind, int64_t K);
 
-// Rows of x rounded to int8 in groups of `group` inputs (32 for the 32-weight types, 256 for the K-quants, whose
+// Rows of x as the products take them. For the float types (F16, BF16: group 0) x itself, unrounded (xf). Else x
+// rounded to int8 in groups of `group` inputs (32 for the 32-weight types, 256 for the K-quants, whose
 // sub-block scales then apply in integers, as llama.cpp's Q8_K does), with each group's scale d, each 16 inputs' sum
 // of codes (the terms of the types' mins and offsets), and -128 times each 4 codes' sum (VNNI's flipped codes).
 // The wide kernels (cpu_blocks_wide.inc) also read the codes reordered to the order their weights' nibbles unpack in
@@ -39,6 +41,7 @@ BlockMatrix block_matrix(const torch::Tensor& blocks, int kind, int64_t K);
 // 32, per 128 inputs, -128 times the sums of the 4 codes of alt's pieces i and i + 4 (a lane's two halves).
 struct BlockRows {
   int64_t M = 0, K = 0, group = 32;
+  const float* xf = nullptr;      // (M, K): group 0 (borrowed from the caller)
   std::vector<int8_t> q;          // (M, K)
   std::vector<float> d;           // (M, K / group)
   std::vector<int16_t> sums;      // (M, K / 16)
@@ -49,7 +52,8 @@ struct BlockRows {
 
 void quantize_block_rows(const float* x, int64_t M, int64_t K, int64_t group, BlockRows& out);
 
-// the activations' group for a block kind: 256 for the K-quants, 32 for the others
+// the activations' group for a block kind: 256 for the K-quants, 0 for the float types (x is not rounded), 32 for
+// the others
 int64_t activation_group(int kind);
 
 // y[m, n - n0 + ...]: output columns [n0, n1) of x @ W^T for every row of x, y (M, ldy) row-major (column n at
@@ -68,7 +72,9 @@ class BlockProduct {
   void columns(int64_t j0, int64_t j1, float* y, int64_t ldy) const;
 
  private:
-  BlockRows x32_, x256_;  // x in the groups the matrices' kinds take
+  const BlockRows& rows_for(int kind) const;
+
+  BlockRows x32_, x256_, xf_;  // x in the groups the matrices' kinds take
   std::vector<BlockMatrix> ws_;
   std::vector<int64_t> starts_{0};
 };

@@ -153,10 +153,13 @@ def load_hf(
     device: torch.device | str | None = None,
     split: Split | None = None,
     quantize: str | None = None,
+    own_width: bool = False,
 ) -> HFCheckpoint:
     """Load a Hugging Face checkpoint directory into llmkit. dtype None keeps the checkpoint's floating dtype.
     `split` cuts the model on the meta device before loading, and only its parts are read (interop/weights.py);
-    `quantize` (a GGUF block type or a mixture) quantizes each layer as it is read."""
+    `quantize` (a GGUF block type or a mixture) quantizes each layer as it is read. `own_width`: a bf16 or fp16
+    checkpoint loaded on the CPU with dtype None holds its weights as the files store them, mapped, and computes in
+    fp32 (weights.held_width)."""
     d = Path(directory)
     if not d.is_dir():
         raise CheckpointError(f"{d} is not a directory")
@@ -167,7 +170,7 @@ def load_hf(
     concrete = expand(family.rules(cfg, tensors.shapes.keys()), cfg)
     model = build_with_weights(
         cfg, concrete, tensors.__getitem__, tensors.shapes, lambda n: family.ignored(n, cfg), dtype, device, str(d),
-        split=split, part=tensors.part, quantize=quantize,
+        split=split, part=tensors.part, quantize=quantize, own_width=own_width, view=tensors.mapped,
     )  # fmt: skip
     gen_path = d / "generation_config.json"
     generation = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
