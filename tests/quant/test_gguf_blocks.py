@@ -55,3 +55,32 @@ def test_an_untied_quantized_table_is_held_as_blocks_and_a_type_without_a_kernel
     assert any("IQ2_XXS" in n and "dequantized" in n for n in q.notes)
     tokens = torch.randint(0, 64, (2, 10))
     assert torch.equal(_logits(q.model, tokens, "dequant"), _logits(f.model, tokens))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_f16_and_bf16_tensors_are_held_at_their_width_where_the_kernels_run(tmp_path, tied):
+    """A GGUF file's F16 and BF16 tensors (what `convert_hf_to_gguf.py --outtype bf16` writes) are held as stored,
+    views of the mapped file (as the K-quants are), with the dequantized file's logits; given a dtype, they load as
+    floats in it."""
+    from llmkit.quant import native
+
+    path = tmp_path / "halves.gguf"
+    kinds = {"attn_q": "F16", "attn_k": "BF16", "attn_v": "F16", "attn_output": "BF16"}
+    kinds |= {"ffn_gate": "BF16", "ffn_up": "BF16", "ffn_down": "BF16"}
+    write_gguf(path, kinds | {"token_embd": "BF16", "output": "F16"}, untied=not tied)
+    q, f = load_gguf(path), load_gguf(path, quantized=False)
+    if native.module() is None:
+        pytest.skip("llmkit's C++ kernels do not run here: F16 and BF16 tensors load as floats")
+    layer = q.model.blocks[0]
+    held = {n: m.block.name for n, m in layer.named_modules() if isinstance(m, BlockLinear)}
+    assert held == {
+        "attn.wq": "F16", "attn.wk": "BF16", "attn.wv": "F16", "attn.wo": "BF16",
+        "ffn.w1": "BF16", "ffn.w3": "BF16", "ffn.w2": "BF16",
+    }  # fmt: skip
+    assert q.model.head.block.name == ("BF16" if tied else "F16")
+    assert isinstance(q.model.embed, QuantizedEmbedding if tied else BlockEmbedding)
+    tokens = torch.randint(0, 64, (2, 10))
+    want = _logits(f.model, tokens)
+    torch.testing.assert_close(_logits(q.model, tokens), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    asked = load_gguf(path, dtype=torch.bfloat16).model
+    assert type(asked.blocks[0].attn.wq) is torch.nn.Linear and asked.blocks[0].attn.wq.weight.dtype == torch.bfloat16

@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -214,7 +215,10 @@ def load_gguf(
     notes: list[str] = []
     if quantized:  # every block type held as stored
         check_against(concrete, expected_shapes(cfg), shapes, lambda n: False, str(p))
-        spec, notes = _block_spec(concrete, tensors, cfg)
+        from llmkit.quant import native
+
+        halves = dev.type == "cpu" and dtype is None and native.module() is not None
+        spec, notes = _block_spec(concrete, tensors, cfg, halves)
 
         def read(expected: dict[str, tuple[int, ...]]) -> dict[str, Tensor]:
             return _block_state(concrete, tensors, shapes, spec, get, p)
@@ -242,17 +246,26 @@ def fast_kernels(device: torch.device, dtype: torch.dtype) -> bool:
     return choose(4, device, torch.bfloat16 if device.type == "cuda" else dtype, False, 4096) != "dequant"
 
 
-def _block_spec(concrete: list[Concrete], tensors: dict[str, Any], cfg: ModelConfig) -> tuple[Any, list[str]]:
+def _block_spec(
+    concrete: list[Concrete], tensors: dict[str, Any], cfg: ModelConfig, halves: bool
+) -> tuple[Any, list[str]]:
     """Which of our layers hold a GGUF tensor's blocks as stored (name -> [block type, None]): every type llmkit
-    multiplies (llmkit.quant.blocks.TYPES); float tensors stay float, and a type llmkit has no kernel for is
-    dequantized to floats (the notes say which). A tied head holds the embedding table's blocks, which the
-    embedding reads its rows from; an untied table stored quantized is held as blocks too (BlockEmbedding)."""
+    multiplies (llmkit.quant.blocks.TYPES), F16 and BF16 too where `halves` (llmkit's C++ kernels run) and a row is
+    whole blocks of 32; F32 tensors stay float, and a type llmkit has no kernel for is dequantized to floats (the
+    notes say which). A tied head holds the embedding table's blocks, which the embedding reads its rows from; an
+    untied table stored quantized is held as blocks too (BlockEmbedding)."""
     from torch import nn
 
     from llmkit.models import build_model
     from llmkit.quant import QuantSpec
-    from llmkit.quant.blocks import TYPES
+    from llmkit.quant.blocks import FLOAT_TYPES, TYPES
     from llmkit.quant.formats import GGUF_FLOAT
+
+    def holds(t: Any) -> bool:  # a tensor llmkit multiplies as the file stores it
+        kind = t.tensor_type.name
+        if kind in FLOAT_TYPES:
+            return halves and int(t.shape[0]) % TYPES[kind].weights == 0  # (shape: columns first)
+        return kind in TYPES
 
     linears = {n for n, m in build_model(cfg, device="meta").named_modules() if isinstance(m, nn.Linear)}
     layers: dict[str, list[Any]] = {}
@@ -260,14 +273,14 @@ def _block_spec(concrete: list[Concrete], tensors: dict[str, Any], cfg: ModelCon
     for c in concrete:
         name, theirs = c.ours[0], c.theirs[0]
         kind = tensors[theirs].tensor_type.name
-        if name.removesuffix(".weight") not in linears or kind in GGUF_FLOAT:
+        if name.removesuffix(".weight") not in linears:
             continue
-        if kind in TYPES:
+        if holds(tensors[theirs]):
             layers[name.removesuffix(".weight")] = [kind, None]
-        else:
+        elif kind not in GGUF_FLOAT:
             floats.setdefault(kind, []).append(theirs)
     embed_kind = tensors["token_embd.weight"].tensor_type.name
-    held = embed_kind in TYPES
+    held = holds(tensors["token_embd.weight"])
     if embed_kind not in TYPES and embed_kind not in GGUF_FLOAT:
         floats.setdefault(embed_kind, []).append("token_embd.weight")
     tied = cfg.tie_embeddings and held
@@ -321,7 +334,7 @@ def _block_state(
         kind = TYPES[t.tensor_type.name]
         rows, row_bytes = shapes[theirs][0], kind.row_bytes(shapes[theirs][1])
         if not kind.head and transform is IDENTITY:
-            return mapped(t.data.reshape(rows, row_bytes))
+            return mapped(t.data.view(np.uint8).reshape(rows, row_bytes))  # (F16's array holds values)
         return transform.to_ours([read_blocks(path, t, (rows, row_bytes), ((0, rows), (0, row_bytes)))])[0]
 
     state: dict[str, Tensor] = {}

@@ -191,9 +191,7 @@ def held_width(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
     if name is None or native.module() is None or not isinstance(model, DecoderLM):
         return None
     for module in model.modules():
-        if isinstance(module, GroupedExperts) or (
-            isinstance(module, torch.nn.Linear) and module.in_features % 32
-        ):
+        if isinstance(module, GroupedExperts) or (isinstance(module, torch.nn.Linear) and module.in_features % 32):
             return None
     return name
 
