@@ -39,7 +39,9 @@ namespace vnni {
 void block_columns(const BlockMatrix& w, const BlockRows& x, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   with_type(w.kind, [&](auto t) {
     using T = decltype(t);
-    if constexpr (WIDE<T>)
+    if constexpr (FLOATS<T>)
+      wide_float_columns<T>(w, x, n0, n1, y, ldy);
+    else if constexpr (WIDE<T>)
       wide_columns<T>(w, x, n0, n1, y, ldy);
     else
       columns<T>(w, x, n0, n1, y, ldy);
