@@ -114,9 +114,9 @@ def test_quantizing_gives_the_gguf_package_s_bytes(kind):
     assert np.array_equal(ours.numpy(), gguf.quants.quantize(w, Q[kind]).view(np.uint8))
 
 
-def test_quantizing_to_a_type_without_a_quantizer_is_a_clear_error():
-    with pytest.raises(InputError, match="does not quantize to Q3_K yet"):
-        quantize_blocks(torch.randn(4, 256), "Q3_K")
+def test_quantizing_to_an_unknown_type_is_a_clear_error():
+    with pytest.raises(InputError, match="unknown block type 'Q7_K'; llmkit holds Q4_0, "):
+        quantize_blocks(torch.randn(4, 256), "Q7_K")
 
 
 def test_a_width_that_is_not_whole_blocks_is_refused():

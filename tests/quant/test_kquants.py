@@ -19,14 +19,17 @@ from llmkit.quant.blocks import TYPES, dequantize, quantize_blocks
 from llmkit.quant.embedding import BlockEmbedding, QuantizedEmbedding
 from llmkit.quant.mixtures import mixture_spec, more_bits
 
-K_QUANTS = ["Q4_K", "Q5_K", "Q6_K"]
+K_QUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 IQ4 = ["IQ4_NL", "IQ4_XS"]
 
 
 def test_the_bytes_are_llama_quantize_s():
     """32 super-blocks of each type, as `llama-quantize` (llama.cpp 0c1e570, no importance matrix) wrote them from a
     bf16 file of random weights of Qwen2.5-1.5B's shape: the first 32 of blk.0.attn_k (Q4_K), blk.1.attn_k (Q5_K) and
-    blk.0.ffn_down (Q6_K). bench/quantize_bench.py compares every block of the whole files (all equal)."""
+    blk.0.ffn_down (Q6_K), and 32 drawn from the first 64 rows of blk.0.attn_q (Q2_K, of the Q2_K mixture) and
+    blk.0.attn_k (Q3_K, of Q3_K_S). bench/quantize_bench.py compares every block of the whole Q4_K_M and Q5_K_M files
+    (all equal); for Q2_K and Q3_K every block of the first 64 rows of 10 tensors was compared when this was written
+    (7,552 super-blocks, all equal)."""
     data = np.load(Path(__file__).with_name("llama_quantize_blocks.npz"))
     for kind in K_QUANTS:
         x = torch.from_numpy(data[kind + "_bf16"].astype(np.int32) << 16).view(torch.float32)
@@ -90,8 +93,10 @@ def test_the_error_is_the_type_s_and_edge_blocks_are_exact(kind):
     back = dequantize(blocks, kind, 512, grouped=False)
     assert torch.equal(back[0, :256], torch.zeros(256))
     err = (back[3:] - w[3:]).pow(2).mean().sqrt() / w[3:].pow(2).mean().sqrt()
-    assert err < {"Q4_K": 0.11, "Q5_K": 0.055, "Q6_K": 0.03}[kind]  # about 2^-bits of the spread, as llama.cpp's
-    torch.testing.assert_close(back[2, 256:], w[2, 256:], rtol=2e-3, atol=0)
+    bound = {"Q2_K": 0.5, "Q3_K": 0.25, "Q4_K": 0.11, "Q5_K": 0.055, "Q6_K": 0.03}[kind]
+    assert err < bound  # about 2^-bits of the spread, as llama.cpp's
+    if kind not in ("Q2_K", "Q3_K"):  # (their 4- and 6-bit scales against one d do not hit every value exactly)
+        torch.testing.assert_close(back[2, 256:], w[2, 256:], rtol=2e-3, atol=0)
     assert torch.equal(quantize_blocks(w[3:5], kind), blocks[3:5])  # a row's blocks do not depend on the others
 
 
@@ -122,8 +127,38 @@ def test_q4_k_m_gives_attn_v_and_ffn_down_more_bits_as_llama_cpp_does():
     narrow = mixture_spec(_model(tied=False, width=64, layers=2), "Q4_K_M")  # rows not whole super-blocks
     assert narrow.for_layer("blocks.0.attn.wq")[0] == "Q5_0" and narrow.for_layer("head")[0] == "Q8_0"
     assert narrow.for_layer("blocks.1.attn.wv")[0] == "Q8_0" and narrow.embedding == "Q5_0"
-    with pytest.raises(InputError, match="unknown mixture 'Q3_K_M'"):
-        mixture_spec(model, "Q3_K_M")
+    with pytest.raises(InputError, match="unknown mixture 'Q1_K_M'"):
+        mixture_spec(model, "Q1_K_M")
+
+
+def test_the_2_and_3_bit_mixtures_are_llama_cpp_s():
+    """llama_tensor_get_type for Q2_K and Q3_K_S / M / L on a dense decoder: the head Q6_K; attn_v, ffn_down and
+    attn_output raised (Q2_K: Q4_K where 4+ query heads share a key/value head, else Q3_K; Q3_K; Q3_K. Q3_K_M: Q5_K in
+    the first two layers then Q4_K; Q5_K in the first sixteenth then Q4_K; Q4_K. Q3_K_L: Q5_K for all three); the
+    embedding table in the base type; Q4_0 on rows that are not whole super-blocks."""
+    model = _model(tied=False, layers=32)  # 4 query heads over 4 key/value heads
+    q2 = mixture_spec(model, "Q2_K")
+    assert q2.for_layer("head")[0] == "Q6_K" and q2.embedding == "Q2_K"
+    assert {q2.for_layer(f"blocks.{i}.attn.wv")[0] for i in range(32)} == {"Q3_K"}
+    assert {q2.for_layer(f"blocks.{i}.ffn.w2")[0] for i in range(32)} == {"Q3_K"}
+    assert q2.for_layer("blocks.7.attn.wo")[0] == "Q3_K" and q2.for_layer("blocks.7.ffn.w1")[0] == "Q2_K"
+    cfg = dataclasses.replace(model.cfg, attention=dataclasses.replace(model.cfg.attention, n_kv_heads=1))
+    assert mixture_spec(build_model(cfg), "q2_k").for_layer("blocks.9.attn.wv")[0] == "Q4_K"
+    m = mixture_spec(model, "Q3_K_M")
+    assert [m.for_layer(f"blocks.{i}.attn.wv")[0] for i in range(4)] == ["Q5_K", "Q5_K", "Q4_K", "Q4_K"]
+    assert [m.for_layer(f"blocks.{i}.ffn.w2")[0] for i in range(4)] == ["Q5_K", "Q5_K", "Q4_K", "Q4_K"]
+    assert m.for_layer("blocks.30.attn.wo")[0] == "Q4_K" and m.for_layer("blocks.30.attn.wq")[0] == "Q3_K"
+    big = mixture_spec(model, "Q3_K_L")
+    assert {big.for_layer(f"blocks.{i}.{n}")[0] for i in range(32) for n in ("attn.wv", "ffn.w2", "attn.wo")} == {
+        "Q5_K"
+    }
+    small = mixture_spec(model, "Q3_K_S")
+    assert {small.for_layer(f"blocks.{i}.{n}")[0] for i in range(32) for n in ("attn.wv", "ffn.w2", "attn.wq")} == {
+        "Q3_K"
+    }
+    assert small.for_layer("head")[0] == "Q6_K" and small.embedding == "Q3_K"
+    narrow = mixture_spec(_model(tied=False, width=64, layers=2), "Q3_K_S")
+    assert narrow.for_layer("blocks.0.attn.wq")[0] == "Q4_0" and narrow.embedding == "Q4_0"
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -168,7 +203,7 @@ def _awkward_rows() -> torch.Tensor:
 
 
 @pytest.mark.skipif(not native.available(), reason="llmkit's C++ extension does not run here")
-@pytest.mark.parametrize("kind", K_QUANTS)
+@pytest.mark.parametrize("kind", kquants.NATIVE)
 def test_the_cpp_quantizer_writes_the_reference_s_bytes(kind):
     """cpu_kquants.cpp (what quantize_blocks runs where the extension builds) against kquants.py, bit for bit, on
     weights of several spreads, with zero, constant, one-signed and outlier sub-blocks."""

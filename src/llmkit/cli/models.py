@@ -172,8 +172,9 @@ def convert(
         llama.cpp loads (llama, qwen2 and qwen3 architectures), with the tokenizer and chat template.
     dtype: cast the floating-point weights (default: keep the source's; GGUF is dequantized to fp32, except for
         --to gguf, which keeps a GGUF source's blocks as they are).
-    quant: for --to gguf, quantize the float weights first: a mixture (q4_k_m, q4_k_s, q5_k_m, q5_k_s, iq4_xs,
-        iq4_nl) or a block type (q8_0, q6_k, q5_k, q4_k, q4_0, ...; the output head too), by llama.cpp's rules.
+    quant: for --to gguf, quantize the float weights first: a mixture (q4_k_m, q4_k_s, q5_k_m, q5_k_s, q3_k_m,
+        q3_k_s, q3_k_l, q2_k, iq4_xs, iq4_nl) or a block type (q8_0, q6_k, q5_k, q4_k, q4_0, ...; the output head
+        too), by llama.cpp's rules.
     model_type: the Hugging Face model_type to write (default: the source's, or the one the architecture matches).
     overwrite: replace an existing checkpoint at the target (never the source itself).
     no_verify: load an llmkit source without checking it against its manifest (a checkpoint saved before llmkit
@@ -275,16 +276,23 @@ def quantize(
         "q4_k_s",
         "q5_k_m",
         "q5_k_s",
+        "q3_k_m",
+        "q3_k_s",
+        "q3_k_l",
+        "q2_k",
         "iq4_xs",
         "iq4_nl",
         "q8_0",
         "q6_k",
         "q5_k",
         "q4_k",
+        "q3_k",
         "q4_0",
         "q4_1",
         "q5_0",
         "q5_1",
+        "bf16",
+        "f16",
     ],
     group_size: int | None = None,
     include_head: bool = False,
@@ -297,7 +305,8 @@ def quantize(
     out: the directory to write (built beside it and renamed into place when complete).
     to: int8 (one scale per output row, or per group with --group-size), int4 (groups, default 32), or one of
         llama.cpp's block types (q8_0, q6_k, q4_k, q4_0, ...: llama.cpp's quantization rules, the bytes its
-        llama-quantize writes), or one of its mixtures (q4_k_m, q4_k_s, q5_k_m, q5_k_s, iq4_xs, iq4_nl: each layer,
+        llama-quantize writes; bf16 / f16: the weights rounded to that width and held by llmkit's kernels), or one
+        of its mixtures (q4_k_m, q4_k_s, q5_k_m, q5_k_s, q3_k_m, q3_k_s, q3_k_l, q2_k, iq4_xs, iq4_nl: each layer,
         the output head and the embedding table in the block type llama.cpp gives them).
     group_size: inputs per scale for int8 / int4: 32, 64, 128 or 256 (must divide every layer's input width).
     include_head: quantize the output head too (a tied head gets a quantized copy of the embedding); a mixture

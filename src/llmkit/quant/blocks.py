@@ -385,20 +385,12 @@ def _quant_q5_1(x: Tensor) -> Tensor:
 _QUANTIZE = {"Q8_0": _quant_q8_0, "Q4_0": _quant_q4_0, "Q4_1": _quant_q4_1, "Q5_0": _quant_q5_0, "Q5_1": _quant_q5_1}
 
 
-QUANTIZES = (*_QUANTIZE, *kquants.QUANTIZE, *iquants.QUANTIZE, *FLOAT_TYPES)  # the types llmkit writes weights in
-
-
 def quantize_blocks(w: Tensor, kind: BlockType | str) -> Tensor:
     """Float rows (N, K) -> (N, row_bytes) uint8 blocks of `kind` in the GGUF file's layout, by llama.cpp's
     reference rules: for the 32-weight types the bytes the `gguf` package's quantize gives, for the K-quants
     (kquants.py) those of ggml's quantize_row_*_ref, for IQ4_NL and IQ4_XS (iquants.py) those `llama-quantize`
-    writes without an importance matrix."""
+    writes without an importance matrix; F16 and BF16 round to the nearest (half to even)."""
     t = kind if isinstance(kind, BlockType) else block_type(kind)
-    if t.name not in QUANTIZES:
-        raise InputError(
-            f"llmkit does not quantize to {t.name} yet (it quantizes to {', '.join(QUANTIZES)}); "
-            f"a GGUF file holding {t.name} loads as stored"
-        )
     N, K = w.shape
     t.row_bytes(K)
     if t.name in FLOAT_TYPES:  # rounded to the nearest half-width float
@@ -410,7 +402,7 @@ def quantize_blocks(w: Tensor, kind: BlockType | str) -> Tensor:
         out = ext.quantize_iq4(units, t.ggml) if ext is not None else iquants.quantize_iq4(units, t.name)
         return out.reshape(N, -1).to(w.device)
     if t.name in kquants.QUANTIZE:  # llmkit's C++ (the same bytes, ~10x faster) where it runs
-        ext = native.module()
+        ext = native.module() if t.name in kquants.NATIVE else None
         supers = x.reshape(-1, QK_K).contiguous()
         out = ext.quantize_k(supers, t.ggml) if ext is not None else kquants.quantize_k(supers, t.name)
         return out.reshape(N, -1).to(w.device)

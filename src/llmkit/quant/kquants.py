@@ -59,11 +59,16 @@ def _fp16(v: Tensor) -> tuple[Tensor, Tensor]:
     return h.float(), h
 
 
+def _error(w: Tensor, diff: Tensor, mad: bool) -> Tensor:
+    """make_qkx2_quants' weighted error: sum w |diff| (use_mad, Q2_K's) or sum w diff^2, in the C loop's order."""
+    return _ordered_sum(w * (diff.abs() if mad else diff * diff))
+
+
 def _scale_and_min(
-    x: Tensor, w: Tensor, nmax: int, rmin: float, rdelta: float, nstep: int
+    x: Tensor, w: Tensor, nmax: int, rmin: float, rdelta: float, nstep: int, mad: bool = False
 ) -> tuple[Tensor, Tensor, Tensor]:
     """make_qkx2_quants over sub-blocks x, w (n, B) (inputs first): -> scale (B,), min (B,) (positive: subtracted),
-    codes (n, B) in 0..nmax."""
+    codes (n, B) in 0..nmax. `mad`: the error weighs absolute differences, not squared ones."""
     lo = torch.clamp(x.amin(0), max=0.0)
     hi = x.amax(0)
     flat = hi == lo  # all weights equal (and not above zero): codes 0, the min their value
@@ -74,8 +79,7 @@ def _scale_and_min(
     iscale = _f32(nmax) / width
     scale = _f32(1.0) / iscale
     codes = torch.clamp(_nearest(iscale * (x - lo)), 0, nmax)
-    diff = scale * codes + lo - x
-    best = _ordered_sum(w * (diff * diff))
+    best = _error(w, scale * codes + lo - x, mad)
     for step in range(nstep + 1):  # each grid spans max - min for the best min so far (the C code reuses `min`)
         width = torch.where(flat, torch.ones_like(hi), hi - lo)
         iscale = ((_f32(rmin) + _f32(rdelta) * _f32(step)) + _f32(nmax)) / width
@@ -90,8 +94,7 @@ def _scale_and_min(
         clipped = this_min > 0
         this_scale = torch.where(clipped, sum_xl / torch.where(sum_l2 > 0, sum_l2, torch.ones_like(sum_l2)), this_scale)
         this_min = torch.where(clipped, torch.zeros_like(this_min), this_min)
-        diff = this_scale * trial + this_min - x
-        error = _ordered_sum(w * (diff * diff))
+        error = _error(w, this_scale * trial + this_min - x, mad)
         better = ok & (error < best) & ~flat
         codes = torch.where(better, trial, codes)
         best = torch.where(better, error, best)
@@ -126,6 +129,84 @@ def _signed_scale(x: Tensor, nmax: int) -> tuple[Tensor, Tensor]:
     scale = torch.where(zero, torch.zeros_like(scale), scale)
     levels = torch.where(zero, torch.full_like(levels, -nmax), levels)
     return scale, levels + nmax
+
+
+def _q3_search(x: Tensor) -> tuple[Tensor, Tensor]:
+    """make_q3_quants(16, 4, ., rmse) over sub-blocks x (16, B): -> scale (B,), codes (16, B) in 0..7 (w = scale
+    (code - 4); all 0 for an all-zero sub-block). From the largest magnitude's grid, up to 5 passes move one code at
+    a time to the level its least-squares fit (weights x^2) asks for, kept where the fit then explains more."""
+    nmax = 4
+    peak = torch.gather(x, 0, x.abs().argmax(0, keepdim=True))[0]
+    zero = peak.abs() < EPS
+    iscale = _f32(-nmax) / torch.where(zero, 1.0, peak)
+    levels = torch.clamp(_nearest(iscale * x), -nmax, nmax - 1)
+    w = x * x
+    sum_lx, sum_l2 = _ordered_sum(w * x * levels), _ordered_sum(w * levels * levels)
+    for _ in range(5):  # (C stops after a pass that changes nothing: the passes after it change nothing either)
+        for i in range(x.shape[0]):
+            wi, xi, li = w[i], x[i], levels[i]
+            slx = sum_lx - wi * xi * li
+            sl2 = sum_l2 - wi * li * li
+            fits = slx > 0
+            new = torch.clamp(_nearest(xi * sl2 / torch.where(fits, slx, 1.0)), -nmax, nmax - 1)
+            slx, sl2 = slx + wi * xi * new, sl2 + wi * new * new
+            take = fits & (new != li) & (sl2 > 0) & (slx * slx * sum_l2 > sum_lx * sum_lx * sl2)
+            levels[i] = torch.where(take, new, li)
+            sum_lx, sum_l2 = torch.where(take, slx, sum_lx), torch.where(take, sl2, sum_l2)
+    scale = torch.where(sum_l2 > 0, sum_lx / torch.where(sum_l2 > 0, sum_l2, 1.0), 0.0)
+    return torch.where(zero, 0.0, scale), torch.where(zero, 0.0, levels + nmax)
+
+
+def _pack_2bit(q: Tensor) -> Tensor:
+    """(B, 256) 2-bit codes -> (B, 64) bytes: per half of 128, byte l holds codes l, l + 32, l + 64, l + 96."""
+    q = q.reshape(-1, 2, 4, 32).to(torch.int32)
+    return (q << (2 * torch.arange(4, dtype=torch.int32))[:, None]).sum(2).reshape(-1, 64).to(torch.uint8)
+
+
+def _q2_k(x: Tensor) -> Tensor:
+    B = x.shape[0]
+    sub = x.reshape(B * 16, 16).T.contiguous()  # (16, B 16)
+    scales, mins, codes = _scale_and_min(sub, sub.abs(), 3, -0.5, 0.1, 15, mad=True)
+    scales, mins = scales.reshape(B, 16), mins.reshape(B, 16)
+    max_scale = torch.where(scales.amax(1) > 0, scales.amax(1), 0.0)
+    max_min = torch.where(mins.amax(1) > 0, mins.amax(1), 0.0)
+    inv_scale = torch.where(max_scale > 0, _f32(15.0) / torch.where(max_scale > 0, max_scale, 1.0), 0.0)
+    inv_min = torch.where(max_min > 0, _f32(15.0) / torch.where(max_min > 0, max_min, 1.0), 0.0)
+    # a byte per sub-block: its 4-bit scale, the 4-bit min above it (C's int -> uint8 stores wrap)
+    ls = _nearest(inv_scale[:, None] * scales).to(torch.int32)
+    lm = _nearest(inv_min[:, None] * mins).to(torch.int32)
+    packed = (ls | (lm << 4)) & 255
+    d, d16 = _fp16(max_scale / _f32(15.0))
+    dmin, dmin16 = _fp16(max_min / _f32(15.0))
+    sub_d, sub_m = d[:, None] * (packed & 15).float(), dmin[:, None] * (packed >> 4).float()
+    xs = x.reshape(B, 16, 16)
+    again = torch.clamp(_nearest((xs + sub_m[..., None]) / torch.where(sub_d != 0, sub_d, 1.0)[..., None]), 0, 3)
+    q = torch.where((sub_d != 0)[..., None], again, codes.T.reshape(B, 16, 16)).reshape(B, QK_K)
+    return torch.cat((packed.to(torch.uint8), _pack_2bit(q), _halves(d16), _halves(dmin16)), dim=1)
+
+
+def _q3_k(x: Tensor) -> Tensor:
+    B = x.shape[0]
+    sub = x.reshape(B * 16, 16).T.contiguous()  # (16, B 16)
+    scales, codes = _q3_search(sub)
+    scales = scales.reshape(B, 16)
+    peak = torch.gather(scales, 1, scales.abs().argmax(1, keepdim=True))[:, 0]  # the first largest, sign kept
+    some = peak != 0
+    iscale = _f32(-32.0) / torch.where(some, peak, 1.0)
+    l = torch.clamp(_nearest(iscale[:, None] * scales), -32, 31).to(torch.int32) + 32  # (B, 16) in 0..63
+    l = torch.where(some[:, None], l, 0)
+    packed = torch.zeros(B, 12, dtype=torch.int32)  # low nibbles of scales 0-7, then 8-15 above them; top 2 bits
+    packed[:, :8] = (l[:, :8] & 15) | ((l[:, 8:] & 15) << 4)
+    top = l >> 4
+    packed[:, 8:] = top[:, 0:4] | (top[:, 4:8] << 2) | (top[:, 8:12] << 4) | (top[:, 12:16] << 6)
+    d, d16 = _fp16(torch.where(some, _f32(1.0) / iscale, 0.0))
+    sub_d = d[:, None] * (l - 32).float()  # (the stored scales: all 0 bytes read back as -32, times d = 0)
+    xs = x.reshape(B, 16, 16)
+    again = torch.clamp(_nearest(xs / torch.where(sub_d != 0, sub_d, 1.0)[..., None]), -4, 3) + 4
+    q = torch.where((sub_d != 0)[..., None], again, codes.T.reshape(B, 16, 16)).reshape(B, QK_K).to(torch.int32)
+    high = (q > 3).to(torch.int32)  # the high bit of weight j: bit j // 32 of hmask[j % 32]
+    hmask = (high.reshape(B, 8, 32) << torch.arange(8, dtype=torch.int32)[:, None]).sum(1).to(torch.uint8)
+    return torch.cat((hmask, _pack_2bit(q - 4 * high), packed.to(torch.uint8), _halves(d16)), dim=1)
 
 
 def _halves(h: Tensor) -> Tensor:
@@ -218,7 +299,8 @@ def _q6_k(x: Tensor) -> Tensor:
     return torch.where(zero[:, None], torch.zeros_like(out), out)
 
 
-QUANTIZE = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+QUANTIZE = {"Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+NATIVE = ("Q4_K", "Q5_K", "Q6_K")  # the ones cpu_kquants.cpp computes too
 
 
 @torch.no_grad()
