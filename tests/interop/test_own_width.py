@@ -74,7 +74,12 @@ def test_a_half_width_checkpoint_is_held_as_stored_and_computes_what_fp32_does(t
 
     assert NativeDecoder.of(held) is not None  # decoding runs in the C++ step
     a, b = (generate(m, tokens[:, :4], max_new_tokens=8).new_tokens for m in (held, fp32))
-    assert a == b
+    assert a == b  # the same numbers up to the sums' order: the same greedy tokens
+    from llmkit.generate.step import DecodeStep
+
+    # the C++ step and the PyTorch modules over the same block layers: the same tokens
+    fast, eager = (generate(held, tokens[:, :4], max_new_tokens=8, step=s).new_tokens for s in (None, DecodeStep(held)))
+    assert fast == eager
 
 
 @needs_native

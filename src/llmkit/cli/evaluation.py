@@ -83,7 +83,8 @@ def eval_(
     output: write the results, settings and versions to this JSON file.
     overwrite: replace an existing --output file.
     seed: seeds the harness's few-shot sampling and any sampled generation.
-    dtype: load the weights in this precision.
+    dtype: load the weights in this precision (default: the checkpoint's; a bf16 / fp16 checkpoint on the CPU
+        keeps its weights at that width, read by llmkit's kernels, with fp32 activations).
     device: cpu, cuda, cuda:1, ... (default: the CPU); a reference goes to the same device.
     no_verify: load an llmkit checkpoint without checking its files against the checksums saved with them.
     """

@@ -211,7 +211,8 @@ def generate(
     compile: decode through torch.compile (a one-time compilation, then faster steps).
     batch_invariant: every token, the prompt's too, through the C++ decode step, so that the output equals `llmkit
       serve --batch-invariant`'s whatever else it serves (the prompt is computed more slowly).
-    dtype: load the weights in this precision (bf16 halves the memory read per token).
+    dtype: load the weights in this precision (default: the checkpoint's; a bf16 / fp16 checkpoint on the CPU
+        keeps its weights at that width, read by llmkit's kernels, with fp32 activations).
     device: cpu, cuda, cuda:1, ... (default: the CPU); a draft model goes to the same device.
     no_verify: load an llmkit checkpoint without checking its files against the checksums saved with them.
     tp: split the model across this many processes (tensor parallelism), started by torchrun --nproc_per_node TP;
@@ -392,7 +393,8 @@ def chat(
     temperature: 0 for greedy decoding.
     top_p: sample among the most likely tokens whose probabilities add up to p.
     seed: makes the answers repeatable (answer i is seeded seed + i).
-    dtype: load the weights in this precision.
+    dtype: load the weights in this precision (default: the checkpoint's; a bf16 / fp16 checkpoint on the CPU
+        keeps its weights at that width, read by llmkit's kernels, with fp32 activations).
     device: cpu, cuda, cuda:1, ... (default: the CPU).
     no_verify: load an llmkit checkpoint without checking its files against the checksums saved with them.
     """

@@ -75,7 +75,8 @@ def serve(
     header_timeout: seconds a client has to send its request line and headers (slower: the connection is closed).
     shutdown_timeout: on SIGTERM or Ctrl-C, seconds the requests in flight get to finish before they are ended
       (streams get an error event and [DONE]); a second signal ends them at once.
-    dtype: load the weights in this precision.
+    dtype: load the weights in this precision (default: the checkpoint's; a bf16 / fp16 checkpoint on the CPU
+        keeps its weights at that width, read by llmkit's kernels, with fp32 activations).
     device: cpu, cuda, cuda:1, ... (default: where the checkpoint loads).
     no_verify: load an llmkit checkpoint without checking its files against the checksums saved with them.
     tensor_parallel: split the model across this many processes, started by torchrun --nproc_per_node N: each

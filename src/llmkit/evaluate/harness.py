@@ -192,14 +192,15 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"} | {n: n for 
 
 def load_for_evaluation(checkpoint: str, dtype: str | None, device: str | None) -> tuple[DecoderLM, Tokenizer]:
     """A decoder-only model and its tokenizer from any checkpoint llmkit loads (a run gives its latest checkpoint);
-    dtype: fp32, bf16, fp16 (or torch's names), None for the checkpoint's own."""
+    dtype: fp32, bf16, fp16 (or torch's names), None for the checkpoint's own (bf16 / fp16 weights on the CPU held at
+        their width with fp32 activations: load_model's own_width)."""
     from llmkit.interop.load import load_model
     from llmkit.runs import resolve_checkpoint
 
     if dtype is not None and dtype not in DTYPES:
         raise InputError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     precision = getattr(torch, DTYPES[dtype]) if dtype is not None else None
-    loaded = load_model(resolve_checkpoint(checkpoint, averaged=False), dtype=precision, device=device)
+    loaded = load_model(resolve_checkpoint(checkpoint, averaged=False), dtype=precision, device=device, own_width=True)
     if loaded.tokenizer is None or not isinstance(loaded.model, DecoderLM):
         raise InputError(f"{checkpoint}: evaluation needs a decoder-only model with a tokenizer")
     return loaded.model.eval(), loaded.tokenizer

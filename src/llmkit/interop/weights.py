@@ -163,9 +163,9 @@ def build_with_weights(
 
         def source(name: str, kind: str) -> Tensor:  # a weight to quantize to `kind`, as the source stores it
             c, _ = reader.rule[name]
-            if view is not None and c.transform is IDENTITY and dev.type == "cpu":
+            if view is not None and kind in FLOAT_TYPES and c.transform is IDENTITY and dev.type == "cpu":
                 stored = view(c.theirs[0])
-                if FLOAT_TYPES.get(kind) == stored.dtype:  # the block type's own width: held as mapped
+                if stored.dtype == FLOAT_TYPES[kind]:  # the block type's own width: held as mapped
                     return stored
             return reader(name, None, shapes[name]).to(dev)
 
