@@ -203,7 +203,7 @@ def _awkward_rows() -> torch.Tensor:
 
 
 @pytest.mark.skipif(not native.available(), reason="llmkit's C++ extension does not run here")
-@pytest.mark.parametrize("kind", kquants.NATIVE)
+@pytest.mark.parametrize("kind", K_QUANTS)
 def test_the_cpp_quantizer_writes_the_reference_s_bytes(kind):
     """cpu_kquants.cpp (what quantize_blocks runs where the extension builds) against kquants.py, bit for bit, on
     weights of several spreads, with zero, constant, one-signed and outlier sub-blocks."""

@@ -402,7 +402,7 @@ def quantize_blocks(w: Tensor, kind: BlockType | str) -> Tensor:
         out = ext.quantize_iq4(units, t.ggml) if ext is not None else iquants.quantize_iq4(units, t.name)
         return out.reshape(N, -1).to(w.device)
     if t.name in kquants.QUANTIZE:  # llmkit's C++ (the same bytes, ~10x faster) where it runs
-        ext = native.module() if t.name in kquants.NATIVE else None
+        ext = native.module()
         supers = x.reshape(-1, QK_K).contiguous()
         out = ext.quantize_k(supers, t.ggml) if ext is not None else kquants.quantize_k(supers, t.name)
         return out.reshape(N, -1).to(w.device)

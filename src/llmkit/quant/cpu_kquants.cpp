@@ -1,4 +1,4 @@
-// Quantizing float rows to llama.cpp's K-quants (Q4_K, Q5_K, Q6_K) and to IQ4_NL / IQ4_XS: kquants.py's and
+// Quantizing float rows to llama.cpp's K-quants (Q2_K ... Q6_K) and to IQ4_NL / IQ4_XS: kquants.py's and
 // iquants.py's rules, step for step, in C++.
 //
 // kquants.py is the reference and says what each step does; this file computes the same bytes (tested equal) 2-4x
@@ -35,9 +35,10 @@ inline void put_half(uint8_t* at, uint16_t bits) {
   at[1] = bits >> 8;
 }
 
-// make_qkx2_quants: codes 0..nmax of w = scale q - min for n weights x with weights w; returns scale, sets min
+// make_qkx2_quants: codes 0..nmax of w = scale q - min for n weights x with weights w; returns scale, sets min.
+// `mad`: the error weighs absolute differences (Q2_K's), not squared ones.
 LLMKIT_EXACT float scale_and_min(const float* x, const float* w, int n, int nmax, float rmin, float rdelta, int nstep,
-                                 uint8_t* L, float* the_min) {
+                                 uint8_t* L, float* the_min, bool mad = false) {
   float lo = x[0], hi = x[0], sum_w = w[0], sum_x = w[0] * x[0];
   for (int i = 1; i < n; ++i) {
     lo = std::min(lo, x[i]);
@@ -58,7 +59,7 @@ LLMKIT_EXACT float scale_and_min(const float* x, const float* w, int n, int nmax
     const float l = std::clamp(nearest(iscale * (x[i] - lo)), 0.f, static_cast<float>(nmax));
     L[i] = static_cast<uint8_t>(l);
     const float diff = scale * l + lo - x[i];
-    best += w[i] * (diff * diff);
+    best += w[i] * (mad ? std::fabs(diff) : diff * diff);
   }
   uint8_t trial[32];
   for (int step = 0; step <= nstep; ++step) {
@@ -83,7 +84,7 @@ LLMKIT_EXACT float scale_and_min(const float* x, const float* w, int n, int nmax
       float error = 0;
       for (int i = 0; i < n; ++i) {
         const float diff = this_scale * static_cast<float>(trial[i]) + this_min - x[i];
-        error += w[i] * (diff * diff);
+        error += w[i] * (mad ? std::fabs(diff) : diff * diff);
       }
       if (error < best) {
         std::memcpy(L, trial, n);
@@ -140,6 +141,124 @@ LLMKIT_EXACT float signed_scale(const float* x, int n, int nmax, uint8_t* L) {
   }
   for (int i = 0; i < n; ++i) L[i] = static_cast<uint8_t>(levels[i] + nmax);
   return scale;
+}
+
+// 256 two-bit codes packed: per half of 128, byte l holds codes l, l + 32, l + 64, l + 96 (kquants._pack_2bit)
+void pack_2bit(const uint8_t* L, uint8_t* qs) {
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* q = L + 128 * h;
+    for (int l = 0; l < 32; ++l) qs[32 * h + l] = q[l] | (q[l + 32] << 2) | (q[l + 64] << 4) | (q[l + 96] << 6);
+  }
+}
+
+// Q2_K (kquants._q2_k): 16 sub-blocks of 16, each one's scale and min by make_qkx2_quants (weights |x|, absolute
+// errors), both coded in 4 bits against fp16 d and dmin
+LLMKIT_EXACT void q2_k(const float* x, uint8_t* out) {
+  uint8_t L[QK];
+  float scales[16], mins[16], weights[16];
+  for (int j = 0; j < 16; ++j) {
+    const float* s = x + 16 * j;
+    for (int l = 0; l < 16; ++l) weights[l] = std::fabs(s[l]);
+    scales[j] = scale_and_min(s, weights, 16, 3, -0.5f, 0.1f, 15, L + 16 * j, &mins[j], true);
+  }
+  float max_scale = 0, max_min = 0;
+  for (int j = 0; j < 16; ++j) {
+    if (scales[j] > max_scale) max_scale = scales[j];
+    if (mins[j] > max_min) max_min = mins[j];
+  }
+  uint8_t* sc = out;
+  const float inv_scale = max_scale > 0 ? 15.f / max_scale : 0.f;
+  const float inv_min = max_min > 0 ? 15.f / max_min : 0.f;
+  for (int j = 0; j < 16; ++j) {  // as C stores nearest_int's int in a uint8: a negative one wraps
+    sc[j] = static_cast<uint8_t>(static_cast<int>(nearest(inv_scale * scales[j])));
+    sc[j] |= static_cast<uint8_t>(static_cast<int>(nearest(inv_min * mins[j])) << 4);
+  }
+  const uint16_t d16 = half_bits(max_scale / 15.f), dmin16 = half_bits(max_min / 15.f);
+  put_half(out + 80, d16);
+  put_half(out + 82, dmin16);
+  const float d = half_value(d16), dmin = half_value(dmin16);
+  for (int j = 0; j < 16; ++j) {
+    const float sub_d = d * static_cast<float>(sc[j] & 15);
+    if (sub_d == 0) continue;
+    const float sub_m = dmin * static_cast<float>(sc[j] >> 4);
+    for (int l = 0; l < 16; ++l) {
+      L[16 * j + l] = static_cast<uint8_t>(std::clamp(nearest((x[16 * j + l] + sub_m) / sub_d), 0.f, 3.f));
+    }
+  }
+  pack_2bit(L, out + 16);
+}
+
+// make_q3_quants(16, 4, ., rmse) (kquants._q3_search): codes 0..7 of w = scale (q - 4), all 0 for a zero sub-block
+LLMKIT_EXACT float q3_search(const float* x, uint8_t* codes) {
+  float amax = 0, peak = 0;
+  for (int i = 0; i < 16; ++i) {
+    if (std::fabs(x[i]) > amax) amax = std::fabs(x[i]), peak = x[i];
+  }
+  if (amax < EPS) {
+    std::memset(codes, 0, 16);
+    return 0.f;
+  }
+  const float iscale = -4.f / peak;
+  float L[16], sum_lx = 0, sum_l2 = 0;
+  for (int i = 0; i < 16; ++i) {
+    L[i] = std::clamp(nearest(iscale * x[i]), -4.f, 3.f);
+    const float w = x[i] * x[i];
+    sum_lx += w * x[i] * L[i];
+    sum_l2 += w * L[i] * L[i];
+  }
+  for (int pass = 0; pass < 5; ++pass) {
+    int changed = 0;
+    for (int i = 0; i < 16; ++i) {
+      const float w = x[i] * x[i];
+      float slx = sum_lx - w * x[i] * L[i];
+      if (slx <= 0) continue;
+      float sl2 = sum_l2 - w * L[i] * L[i];
+      const float level = std::clamp(nearest(x[i] * sl2 / slx), -4.f, 3.f);
+      if (level == L[i]) continue;
+      slx += w * x[i] * level;
+      sl2 += w * level * level;
+      if (sl2 > 0 && slx * slx * sum_l2 > sum_lx * sum_lx * sl2) L[i] = level, sum_lx = slx, sum_l2 = sl2, ++changed;
+    }
+    if (!changed) break;
+  }
+  for (int i = 0; i < 16; ++i) codes[i] = static_cast<uint8_t>(L[i] + 4.f);
+  return sum_l2 > 0 ? sum_lx / sum_l2 : 0.f;
+}
+
+// Q3_K (kquants._q3_k): 16 sub-blocks of 16, signed 6-bit scales against one fp16 d, 3-bit codes (a high bit apart)
+LLMKIT_EXACT void q3_k(const float* x, uint8_t* out) {
+  uint8_t L[QK];
+  float scales[16], amax = 0, peak = 0;
+  for (int j = 0; j < 16; ++j) {
+    scales[j] = q3_search(x + 16 * j, L + 16 * j);
+    if (std::fabs(scales[j]) > amax) amax = std::fabs(scales[j]), peak = scales[j];
+  }
+  std::memset(out, 0, 110);
+  uint8_t *hmask = out, *sc = out + 96;
+  uint16_t d16 = half_bits(0.f);
+  if (peak != 0) {
+    const float iscale = -32.f / peak;
+    for (int j = 0; j < 16; ++j) {
+      const int l = static_cast<int>(std::clamp(nearest(iscale * scales[j]), -32.f, 31.f)) + 32;
+      sc[j % 8] |= (l & 15) << (j < 8 ? 0 : 4);
+      sc[8 + j % 4] |= (l >> 4) << (2 * (j / 4));
+    }
+    d16 = half_bits(1.f / iscale);
+  }
+  put_half(out + 108, d16);
+  const float d = half_value(d16);
+  for (int j = 0; j < 16; ++j) {
+    const int low = j < 8 ? sc[j] & 15 : sc[j - 8] >> 4, high = (sc[8 + j % 4] >> (2 * (j / 4))) & 3;
+    const float sub_d = d * static_cast<float>((low | (high << 4)) - 32);
+    if (sub_d == 0) continue;
+    for (int l = 0; l < 16; ++l) {
+      L[16 * j + l] = static_cast<uint8_t>(std::clamp(nearest(x[16 * j + l] / sub_d), -4.f, 3.f) + 4.f);
+    }
+  }
+  for (int j = 0; j < QK; ++j) {  // the high bit of weight j: bit j / 32 of hmask[j % 32]
+    if (L[j] > 3) hmask[j % 32] |= 1 << (j / 32), L[j] -= 4;
+  }
+  pack_2bit(L, out + 32);
 }
 
 // Q4_K and Q5_K (nmax 15 or 31): d, dmin, the 12 scale bytes and the codes L (256) of one super-block
@@ -339,7 +458,7 @@ torch::Tensor quantize_iq4(const torch::Tensor& x, int64_t kind) {
   return out;
 }
 
-// x (B, 256) fp32 -> (B, bytes) uint8 blocks of ggml type `kind` (12 Q4_K, 13 Q5_K, 14 Q6_K)
+// x (B, 256) fp32 -> (B, bytes) uint8 blocks of ggml type `kind` (10 Q2_K, 11 Q3_K, 12 Q4_K, 13 Q5_K, 14 Q6_K)
 torch::Tensor quantize_k(const torch::Tensor& x, int64_t kind) {
   check_cpu(x, "x");
   LLMKIT_CHECK(x.dim() == 2 && x.size(1) == QK && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
@@ -347,10 +466,12 @@ torch::Tensor quantize_k(const torch::Tensor& x, int64_t kind) {
   void (*fn)(const float*, uint8_t*) = nullptr;
   int64_t bytes = 0;
   switch (kind) {
+    case 10: fn = q2_k, bytes = 84; break;
+    case 11: fn = q3_k, bytes = 110; break;
     case 12: fn = q4_k, bytes = 144; break;
     case 13: fn = q5_k, bytes = 176; break;
     case 14: fn = q6_k, bytes = 210; break;
-    default: check_failed("quantize_k: ggml type ", kind, " is not Q4_K, Q5_K or Q6_K");
+    default: check_failed("quantize_k: ggml type ", kind, " is not Q2_K, Q3_K, Q4_K, Q5_K or Q6_K");
   }
   auto out = torch::empty({x.size(0), bytes}, x.options().dtype(torch::kUInt8));
   const float* X = x.data_ptr<float>();

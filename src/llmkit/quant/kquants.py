@@ -1,27 +1,31 @@
-"""Quantizing float rows to llama.cpp's K-quants (Q4_K, Q5_K, Q6_K), by its reference rules (ggml-quants.c's
-quantize_row_q4_K_ref, _q5_K_ref, _q6_K_ref), which `llama-quantize` runs when it has no importance matrix.
+"""Quantizing float rows to llama.cpp's K-quants (Q2_K ... Q6_K), by its reference rules (ggml-quants.c's
+quantize_row_q2_K_ref ... _q6_K_ref), which `llama-quantize` runs when it has no importance matrix.
 
-A super-block of 256 weights is cut into sub-blocks (32 weights for Q4_K and Q5_K, 16 for Q6_K). Each sub-block's
-scale (and min) is searched for first, in float32:
+A super-block of 256 weights is cut into sub-blocks (32 weights for Q4_K and Q5_K, 16 for Q2_K, Q3_K and Q6_K). Each
+sub-block's scale (and min) is searched for first, in float32:
 
-- Q4_K / Q5_K (`_scale_and_min`, make_qkx2_quants): codes 0..nmax with w = scale q - min. Start from the sub-block's
-  range, then try 21 (Q4_K) or 16 (Q5_K) stretched grids; for each, the least-squares scale and min of those codes,
-  weighted by av + |x| (av the sub-block's root mean square); keep the one of least weighted squared error.
+- Q4_K / Q5_K / Q2_K (`_scale_and_min`, make_qkx2_quants): codes 0..nmax with w = scale q - min. Start from the
+  sub-block's range, then try 21 (Q4_K) or 16 (Q5_K, Q2_K) stretched grids; for each, the least-squares scale and
+  min of those codes, weighted by av + |x| (av the sub-block's root mean square; Q2_K: |x|); keep the one of least
+  weighted error (squared; Q2_K: absolute).
 - Q6_K (`_signed_scale`, make_qx_quants): codes -32..31 with w = scale q. Start from the largest magnitude, try 18
   grids around it, keep the one whose least-squares fit (weights x^2) explains most.
+- Q3_K (`_q3_search`, make_q3_quants): codes -4..3 from the largest magnitude's grid, then up to 5 passes that move
+  one code at a time to the level its least-squares fit (weights x^2) asks for, where the fit then explains more.
 
 Then the super-block's sub-block scales are themselves quantized (6 bits against an fp16 d, and 6-bit mins against
-an fp16 dmin; or int8 against d for Q6_K), and every weight is coded again against its sub-block's rounded scale.
+an fp16 dmin; 4-bit scales and mins for Q2_K; signed 6-bit scales for Q3_K; int8 against d for Q6_K), and every
+weight is coded again against its sub-block's rounded scale.
 
 Every sum runs in the order of the C loops (`_ordered_sum`), every product and quotient is one float32 operation,
 and the square root is correctly rounded (torch's float32 sqrt is sometimes an ulp off: it is taken in float64),
 because near ties between candidate scales make the chosen one depend on the last bit. The bytes are
-`llama-quantize`'s: every block of every tensor of a Qwen2.5-1.5B-shaped file in Q4_K_M and Q5_K_M
+`llama-quantize`'s: every block of every tensor of a Qwen2.5-1.5B-shaped file in Q4_K_M, Q5_K_M and Q2_K
 (bench/quantize_bench.py; tests/quant/test_kquants.py keeps 32 blocks of each type).
 
 This module is the reference, and the path where llmkit's C++ extension does not run: cpu_kquants.cpp computes the
-same bytes (tested equal) 2-4x faster (13 / 7 / 5 us a super-block of Q4_K / Q5_K / Q6_K on 2 Zen 4 cores, against
-28 / - / 19 here), which blocks.quantize_blocks takes where it can.
+same bytes (tested equal) several times faster (on 2 Zen 4 cores, 7.6 / 1.4 / 8.8 us a super-block of Q2_K / Q3_K /
+Q4_K against 30 / 13 / 33 here), which blocks.quantize_blocks takes where it can.
 """
 
 from __future__ import annotations
@@ -300,7 +304,6 @@ def _q6_k(x: Tensor) -> Tensor:
 
 
 QUANTIZE = {"Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
-NATIVE = ("Q4_K", "Q5_K", "Q6_K")  # the ones cpu_kquants.cpp computes too
 
 
 @torch.no_grad()
