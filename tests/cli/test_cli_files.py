@@ -232,3 +232,9 @@ def test_quantize_to_a_gguf_block_type_writes_a_checkpoint_of_blocks(ck, tmp_pat
     assert mixed.blocks[0].attn.wq.block.name == "Q5_0"
     assert mixed.blocks[-1].ffn.w2.block.name == "Q8_0"  # the last layer gets more bits
     assert mixed.head.block.name == "Q8_0"
+    # bf16 / f16: the weights at that width, held as block layers (the flag was passed through lowercase once)
+    assert main(["quantize", str(ck), str(tmp_path / "bf16"), "--to", "bf16", "--include-head"]) == 0
+    halves = load_model(tmp_path / "bf16").model
+    assert halves.blocks[0].attn.wq.block.name == "BF16" and halves.head.block.name == "BF16"
+    assert main(["quantize", str(ck), str(tmp_path / "q3"), "--to", "q3_k_m"]) == 0
+    assert load_model(tmp_path / "q3").model.blocks[0].attn.wq.block.name == "Q4_0"  # Q3_K's fallback at 64 wide

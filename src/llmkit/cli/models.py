@@ -324,7 +324,7 @@ def quantize(
 
     source = resolve_checkpoint(checkpoint, averaged=False)
     output = claim(out, "checkpoint", inputs=[checkpoint, source], overwrite=overwrite)
-    method = to.upper() if to.startswith("q") else to
+    method = to if to in ("int8", "int4") else to.upper()  # a GGUF type or mixture, as llmkit names them
     if method != to and group_size is not None:
         raise LLMKitError(f"--group-size is for int8 and int4; {to} has blocks of its own")
     if method != to:  # a GGUF type or mixture: each layer quantized as it is read (never the whole float model)
