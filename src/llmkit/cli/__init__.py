@@ -6,8 +6,9 @@ generation.py.
     llmkit inspect PRESET_OR_CONFIG [--json] [--seq-len N] [--dtype fp32|bf16|fp16]
     llmkit inspect --compare llama2-7b,mixtral-8x7b,deepseek-v3
     llmkit generate RUN_OR_CHECKPOINT --prompt TEXT [--temperature T] [--beams N | --draft MODEL | --mtp]
-    llmkit quantize CHECKPOINT OUT --to int8|int4|q4_k_m|q8_0|... [--group-size N] [--include-head]
+    llmkit quantize CHECKPOINT OUT --to int8|int4|q4_k_m|q8_0|... [--group-size N] [--include-head] [--imatrix TEXT]
     llmkit convert CHECKPOINT OUT.gguf --to gguf [--quant q4_k_m|q8_0|...]   a file llama.cpp loads
+    llmkit imatrix CHECKPOINT TEXT OUT.gguf   an importance matrix (for quantize / convert --imatrix FILE)
     llmkit prepare chat FILE.jsonl --tokenizer CHECKPOINT   conversations for chat fine-tuning
     llmkit merge RUN OUT                    fold a LoRA run's adapters into its base checkpoint
     llmkit graft-mtp CHECKPOINT OUT --data DIR   a drafting MTP module taught on the model's own text
@@ -24,7 +25,7 @@ from llmkit.cli.app import Command, run
 from llmkit.cli.data import prepare
 from llmkit.cli.evaluation import eval_
 from llmkit.cli.generation import chat, generate
-from llmkit.cli.models import compare, convert, inspect, presets, quantize
+from llmkit.cli.models import compare, convert, imatrix, inspect, presets, quantize
 from llmkit.cli.serving import serve
 from llmkit.cli.training import average, distill_draft, graft_mtp, merge, train
 from llmkit.cli.translation import translate
@@ -34,6 +35,7 @@ COMMANDS: tuple[Command, ...] = (
     inspect,
     convert,
     quantize,
+    imatrix,
     compare,
     prepare,
     train,

@@ -10,8 +10,12 @@ from typing import TYPE_CHECKING, Any, Literal
 from llmkit.cli.common import DType, torch_dtype
 from llmkit.errors import LLMKitError
 
+IMATRIX_CHUNKS = 32  # chunks of calibration text an importance matrix is computed from, by default
+IMATRIX_CONTEXT = 512  # tokens a chunk
+
 if TYPE_CHECKING:
     from llmkit.config import ModelConfig
+    from llmkit.quant.imatrix import ImportanceMatrix
 
 
 def presets(*, json_: bool = False) -> int:
@@ -160,6 +164,8 @@ def convert(
     dtype: DType | None = None,
     quant: str | None = None,
     model_type: str | None = None,
+    imatrix: str | None = None,
+    imatrix_chunks: int = IMATRIX_CHUNKS,
     overwrite: bool = False,
     no_verify: bool = False,
 ) -> int:
@@ -176,6 +182,8 @@ def convert(
         q3_k_s, q3_k_l, q2_k, iq4_xs, iq4_nl) or a block type (q8_0, q6_k, q5_k, q4_k, q4_0, ...; the output head
         too), by llama.cpp's rules.
     model_type: the Hugging Face model_type to write (default: the source's, or the one the architecture matches).
+    imatrix: with --quant, an importance matrix (a file, or calibration text to compute one from; see quantize).
+    imatrix_chunks: with calibration text, the most chunks of 512 tokens it is cut into.
     overwrite: replace an existing checkpoint at the target (never the source itself).
     no_verify: load an llmkit source without checking it against its manifest (a checkpoint saved before llmkit
         wrote one: the copy written is verified from then on).
@@ -187,8 +195,13 @@ def convert(
     from llmkit.models import RNNSeq2Seq
     from llmkit.outputs import building, claim
 
+    if imatrix is not None and quant is None:
+        raise LLMKitError("--imatrix weighs the quantization of --quant: give --quant too")
     if to == "gguf":
-        return _convert_to_gguf(source, target, dtype, quant, overwrite, no_verify)
+        importance = None
+        if imatrix is not None:
+            importance = _importance(source, imatrix, imatrix_chunks, no_verify, method=quant)
+        return _convert_to_gguf(source, target, dtype, quant, overwrite, no_verify, importance)
     if quant is not None:
         raise LLMKitError("--quant is for --to gguf (an llmkit checkpoint is quantized by llmkit quantize)")
     output = claim(target, "checkpoint", inputs=[source], overwrite=overwrite)
@@ -233,7 +246,13 @@ def _print_notes(notes: list[str]) -> None:
 
 
 def _convert_to_gguf(
-    source: str, target: str, dtype: DType | None, quant: str | None, overwrite: bool, no_verify: bool
+    source: str,
+    target: str,
+    dtype: DType | None,
+    quant: str | None,
+    overwrite: bool,
+    no_verify: bool,
+    importance: ImportanceMatrix | None = None,
 ) -> int:
     """convert --to gguf: the model (quantized first with --quant) and its tokenizer as one GGUF file."""
     from llmkit.interop.gguf_write import save_gguf
@@ -249,7 +268,12 @@ def _convert_to_gguf(
     output = claim(target, "file", inputs=[source], overwrite=overwrite)
     # a GGUF source keeps its blocks as stored unless it is quantized anew, layer by layer as its floats are read
     loaded = load_model(
-        source, dtype=torch_dtype(dtype), quantized=method is None, verify=not no_verify, quantize=method
+        source,
+        dtype=torch_dtype(dtype),
+        quantized=method is None,
+        verify=not no_verify,
+        quantize=method,
+        importance=importance,
     )
     _print_notes(loaded.notes)
     with building(output) as tmp:
@@ -296,6 +320,8 @@ def quantize(
     ],
     group_size: int | None = None,
     include_head: bool = False,
+    imatrix: str | None = None,
+    imatrix_chunks: int = IMATRIX_CHUNKS,
     overwrite: bool = False,
     no_verify: bool = False,
 ) -> int:
@@ -311,6 +337,11 @@ def quantize(
     group_size: inputs per scale for int8 / int4: 32, 64, 128 or 256 (must divide every layer's input width).
     include_head: quantize the output head too (a tied head gets a quantized copy of the embedding); a mixture
         always does.
+    imatrix: weigh each layer's quantization by how large its inputs are on real text, as llama-quantize --imatrix
+        does: an importance-matrix file (llmkit imatrix's or llama-imatrix's), or calibration text ('shakespeare', a
+        text file or folder, .jsonl) to compute one from first (the float model run over it). For the block types and
+        mixtures; Q8_0 ignores it, Q2_K and Q3_K refuse it.
+    imatrix_chunks: with calibration text, the most chunks of 512 tokens it is cut into.
     overwrite: replace an existing checkpoint at OUT (never the input itself).
     no_verify: load an llmkit checkpoint without checking it against its manifest.
     """
@@ -327,8 +358,13 @@ def quantize(
     method = to if to in ("int8", "int4") else to.upper()  # a GGUF type or mixture, as llmkit names them
     if method != to and group_size is not None:
         raise LLMKitError(f"--group-size is for int8 and int4; {to} has blocks of its own")
+    if imatrix is not None and method == to:
+        raise LLMKitError(f"--imatrix weighs llama.cpp's block types and mixtures, not {to}")
+    importance = None
+    if imatrix is not None:
+        importance = _importance(source, imatrix, imatrix_chunks, no_verify, method=method)
     if method != to:  # a GGUF type or mixture: each layer quantized as it is read (never the whole float model)
-        loaded = load_model(source, quantized=False, verify=not no_verify, quantize=method)
+        loaded = load_model(source, quantized=False, verify=not no_verify, quantize=method, importance=importance)
         before = "float"
     else:
         loaded = load_model(source, quantized=False, verify=not no_verify)
@@ -351,6 +387,89 @@ def quantize(
         )
     print(f"{checkpoint} ({before}) -> {out} ({describe(loaded.model)})")
     return 0
+
+
+def imatrix(
+    checkpoint: str,
+    text: str,
+    out: str,
+    *,
+    chunks: int = IMATRIX_CHUNKS,
+    context: int = IMATRIX_CONTEXT,
+    overwrite: bool = False,
+    no_verify: bool = False,
+) -> int:
+    """Compute an importance matrix: how large each input of each linear layer is on calibration text (the mean
+    square over its tokens), written in llama.cpp's imatrix format, for `llmkit quantize --imatrix FILE` and
+    `llama-quantize --imatrix FILE` alike.
+
+    checkpoint: a Hugging Face directory, a .gguf file (dequantized), an llmkit checkpoint or a run folder.
+    text: 'shakespeare', a text file or folder, or a .jsonl file (its "text" fields).
+    out: the .gguf file to write (built beside it and renamed into place when complete).
+    chunks: the most chunks of --context tokens the text is cut into (each run as one sequence).
+    context: tokens a chunk (a BOS first where the tokenizer adds one).
+    overwrite: replace an existing file at OUT.
+    no_verify: load an llmkit checkpoint without checking it against its manifest.
+    """
+    from llmkit.outputs import building, claim
+    from llmkit.runs import resolve_checkpoint
+
+    source = resolve_checkpoint(checkpoint, averaged=False)
+    output = claim(out, "file", inputs=[checkpoint, source], overwrite=overwrite)
+    matrix = _importance(source, text, chunks, no_verify, context)
+    with building(output) as tmp:
+        matrix.save(tmp)
+    print(f"{checkpoint} on {text}: {len(matrix.sums)} layers, {matrix.chunks} chunks of {context} tokens -> {out}")
+    return 0
+
+
+def _check_weighs(method: str) -> None:
+    """Refuse, before any work, a quantization whose main type has no rules with an importance matrix here."""
+    from llmkit.quant.mixtures import BASE
+    from llmkit.quant.weighted import UNWEIGHTED, WEIGHTED
+
+    kind = BASE.get(method.upper(), method.upper())
+    if kind not in WEIGHTED and kind not in UNWEIGHTED:
+        raise LLMKitError(
+            f"{method} is not quantized with an importance matrix in llmkit (its {kind} layers are not): quantize "
+            "it without --imatrix"
+        )
+
+
+def _importance(
+    source: str | Path,
+    path: str,
+    chunks: int,
+    no_verify: bool,
+    context: int = IMATRIX_CONTEXT,
+    method: str | None = None,
+) -> ImportanceMatrix:
+    """An importance matrix from `path`: read, where it is an imatrix file, else computed by running the float model
+    of `source` over the calibration text `path` names (at most `chunks` chunks of `context` tokens)."""
+    import gc
+
+    from llmkit.data.corpus import load_corpus
+    from llmkit.interop.load import load_model
+    from llmkit.quant.imatrix import collect, is_imatrix_file, load_imatrix, text_chunks
+
+    if method is not None:
+        _check_weighs(method)
+    if is_imatrix_file(path):
+        return load_imatrix(path)
+    if chunks < 1:
+        raise LLMKitError(f"--imatrix-chunks must be at least 1, not {chunks}")
+    text = "\n\n".join(d.text for d in load_corpus(path))
+    loaded = load_model(source, quantized=False, verify=not no_verify)
+    if loaded.tokenizer is None:
+        raise LLMKitError(f"{source} has no tokenizer to cut the calibration text with")
+    tok = loaded.tokenizer
+    ids = tok.encode(text, add_bos=False)
+    pieces = text_chunks(ids, context, tok.bos_id if tok.add_bos else None, chunks)
+    print(f"importance matrix: {len(pieces)} chunks of {context} tokens of {path}", file=sys.stderr)
+    matrix = collect(loaded.model, pieces, dataset=str(path), context=context)
+    del loaded
+    gc.collect()
+    return matrix
 
 
 def compare(path: str, *, json_: bool = False, prompt: str | None = None) -> int:

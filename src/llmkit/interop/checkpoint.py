@@ -42,7 +42,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -57,6 +57,9 @@ from llmkit.interop.weights import Split, build_quantized, build_with_weights, e
 from llmkit.layers.precision import cast_state, fp32_state
 from llmkit.models import DecoderLM, EncoderDecoder, RNNConfig, RNNSeq2Seq, build_rnn
 from llmkit.parts import Index
+
+if TYPE_CHECKING:
+    from llmkit.quant.imatrix import ImportanceMatrix
 from llmkit.quant import QuantSpec, quantized_spec
 from llmkit.tokenizer import Tokenizer
 
@@ -281,6 +284,7 @@ def load_llmkit(
     verify: bool = True,
     split: Split | None = None,
     quantize: str | None = None,
+    importance: ImportanceMatrix | None = None,
 ) -> Loaded:
     """An llmkit checkpoint, its config and files verified against their manifest first (unless not `verify`).
     `split` cuts the model on the meta device before loading, and only the parts it keeps are read (weights.py);
@@ -326,7 +330,7 @@ def load_llmkit(
         concrete = [Concrete((n,), (n,), IDENTITY) for n in expected_shapes(cfg)]
         model = build_with_weights(
             cfg, concrete, tensors.__getitem__, tensors.shapes, lambda n: False, dtype, device, str(d),
-            split=split, part=tensors.part, quantize=quantize,
+            split=split, part=tensors.part, quantize=quantize, importance=importance,
         )  # fmt: skip
     hf = meta.get("hf") or {}
     loaded = Loaded(

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -36,6 +36,9 @@ from llmkit.interop.safetensors_io import CheckpointError, read_part
 from llmkit.interop.weights import RuleReader, Split, build_quantized, build_with_weights, expected_shapes
 from llmkit.parts import Index
 from llmkit.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from llmkit.quant.imatrix import ImportanceMatrix
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
 
@@ -170,6 +173,7 @@ def load_gguf(
     quantized: bool | None = None,
     split: Split | None = None,
     quantize: str | None = None,
+    importance: ImportanceMatrix | None = None,
 ) -> Loaded:
     """Load a llama-architecture GGUF file and its tokenizer. `split` cuts the model on the meta device first, and
     only the rows and blocks of columns of its parts are read from the file (interop/weights.py).
@@ -228,7 +232,7 @@ def load_gguf(
     else:
         model = build_with_weights(
             cfg, concrete, get, shapes, lambda n: False, dtype or torch.float32, device, str(p), split=split, part=part,
-            quantize=quantize,
+            quantize=quantize, importance=importance,
         )  # fmt: skip
     tokenizer = gguf_tokenizer(meta)
     generation = {}

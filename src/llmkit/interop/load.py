@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,9 @@ from llmkit.interop.safetensors_io import CheckpointError
 from llmkit.interop.weights import Split
 from llmkit.models import DecoderLM
 from llmkit.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from llmkit.quant.imatrix import ImportanceMatrix
 
 
 def load_with_adapters(
@@ -109,6 +113,7 @@ def load_model(
     split: Split | None = None,
     quantize: str | None = None,
     own_width: bool = False,
+    importance: ImportanceMatrix | None = None,
 ) -> Loaded:
     """Load any supported checkpoint: a Hugging Face directory, a GGUF file, or an llmkit checkpoint (quantized
     ones too); LoRA adapters (an llmkit fine-tuning checkpoint, or a folder PEFT saved) come folded into their base
@@ -122,7 +127,7 @@ def load_model(
     `quantize` (a GGUF block type, "Q8_0", ..., or one of llama.cpp's mixtures, "Q4_K_M", ...) quantizes each layer
     as it is read, so memory holds the quantized model and one float tensor at a time, never the float model (an
     8B checkpoint is 32 GB in fp32); LoRA adapters are folded into their base first, which needs the whole
-    weights.
+    weights. `importance` (llmkit.quant.imatrix) weighs each layer's quantization by its inputs' importance.
 
     `own_width` (for inference: the model's layers become block layers, which do not train): a Hugging Face
     checkpoint stored in bf16 or fp16, loaded on the CPU with dtype None, keeps its linear layers, head and
@@ -148,20 +153,26 @@ def load_model(
             )
             loaded.source, whole = "llmkit", True
         else:
-            loaded = load_llmkit(path, dtype=dtype, device=device, verify=verify, split=split, quantize=quantize)
+            loaded = load_llmkit(
+                path, dtype=dtype, device=device, verify=verify, split=split, quantize=quantize, importance=importance
+            )
     elif kind == "gguf":
         if quantize is not None:
             quantized = False
-        loaded = load_gguf(path, dtype=dtype, device=device, quantized=quantized, split=split, quantize=quantize)
+        loaded = load_gguf(
+            path, dtype=dtype, device=device, quantized=quantized, split=split, quantize=quantize, importance=importance
+        )
     else:
-        ck = load_hf(path, dtype=dtype, device=device, split=split, quantize=quantize, own_width=own_width)
+        ck = load_hf(
+            path, dtype=dtype, device=device, split=split, quantize=quantize, own_width=own_width, importance=importance
+        )
         loaded = Loaded(
             ck.model, Tokenizer.from_dir(path), "hf", Path(path), ck.model_type, ck.hf_config, ck.generation_config
         )
     if whole and quantize is not None:
         from llmkit.quant import quantize as quantize_model
 
-        quantize_model(loaded.model, quantize, include_head=True)
+        quantize_model(loaded.model, quantize, include_head=True, importance=importance)
     check_finite_weights(loaded.model, Path(path))
     return loaded
 

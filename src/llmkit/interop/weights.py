@@ -29,6 +29,7 @@ from llmkit.parts import SOURCE, Index, mark_sources, narrowed, own, parts_of
 
 if TYPE_CHECKING:
     from llmkit.quant import QuantSpec
+    from llmkit.quant.imatrix import ImportanceMatrix
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -121,12 +122,14 @@ def build_with_weights(
     quantize: str | None = None,
     own_width: bool = False,
     view: Callable[[str], Tensor] | None = None,
+    importance: ImportanceMatrix | None = None,
 ) -> DecoderLM | EncoderDecoder:
     """A model for `cfg` holding the source's weights. Raises MappingError naming missing, unexpected or misshapen
     source tensors before anything is read. `split` cuts the model (on the meta device) first, and then only the
     parts it keeps are read: through `part` where the source reads slices, else whole one rule at a time.
     `quantize` (a GGUF block type or one of llama.cpp's mixtures: "Q4_K_M", "Q8_0", ...) quantizes each layer's
-    weight as it is read (`_quantizing`), so memory never holds the float model. `own_width`: a bf16 or fp16
+    weight as it is read (`_quantizing`), so memory never holds the float model, each weighted by `importance`
+    where given. `own_width`: a bf16 or fp16
     source loaded on the CPU without a dtype keeps its weights at that width where llmkit's kernels multiply them
     (`held_width`): where the source gives `view`s of its tensors (a memory map), those are the layers' blocks."""
     model = build_model(cfg, device="meta")
@@ -169,7 +172,7 @@ def build_with_weights(
                     return stored
             return reader(name, None, shapes[name]).to(dev)
 
-        fill = _quantizing(model, quantize, read, source)
+        fill = _quantizing(model, quantize, read, source, importance)
     _fill(model, fill, dev, where)
     if quantize is not None:
         model.to(target)  # the dtype the quantized layers compute in (blocks keep theirs)
@@ -201,12 +204,14 @@ def _quantizing(
     method: str,
     read: Callable[[str, Index | None], Tensor],
     source: Callable[[str, str], Tensor],
+    importance: ImportanceMatrix | None = None,
 ) -> Callable[[str, Index | None], Tensor]:
     """Give the meta-device `model` the quantized structure of `method` (a GGUF block type for every linear layer
     and the head, or a mixture's types: llmkit.quant.mixtures), and return a reader that fills each layer's blocks
     by reading its float weight as the source stores it (`source(name, block type)`: not cast first) and
     quantizing it at once (a tied head's blocks from the embedding table); everything else comes from `read`. A
-    weight stored in the block type's own width (a bf16 tensor held as BF16) is not copied."""
+    weight stored in the block type's own width (a bf16 tensor held as BF16) is not copied. `importance` weighs
+    each layer it has a row for (llmkit.quant.weighted)."""
     from llmkit.quant import apply_spec
     from llmkit.quant.apply import spec_for
     from llmkit.quant.blocks import TYPES, quantize_blocks
@@ -215,8 +220,9 @@ def _quantizing(
     name = method.upper()
     if name not in TYPES and name not in MIXTURES:
         raise LLMKitError(f"quantizing while loading takes a GGUF block type or a mixture, not {method!r}")
-    spec = spec_for(model, name, include_head=True)
+    spec = spec_for(model, name, include_head=True, importance=importance is not None)
     tied = getattr(model, "head", "absent") is None
+    rows = importance.for_model(model) if importance is not None else {}
     apply_spec(model, spec)
 
     def read_quantized(key: str, index: Index | None) -> Tensor:
@@ -225,7 +231,7 @@ def _quantizing(
             return read(key, index)
         weight = "embed.weight" if layer == "head" and tied else f"{layer}.weight"
         kind = spec.embedding if layer == "embed" and spec.embedding else spec.for_layer(layer)[0]
-        return quantize_blocks(source(weight, kind), kind)
+        return quantize_blocks(source(weight, kind), kind, rows.get(layer) if layer != "embed" else None)
 
     return read_quantized
 

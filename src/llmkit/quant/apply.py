@@ -24,6 +24,7 @@ from llmkit.quant.block_linear import BlockLinear
 from llmkit.quant.blocks import FLOAT_TYPES, TYPES
 from llmkit.quant.embedding import BlockEmbedding, QuantizedEmbedding
 from llmkit.quant.experts import QuantizedExperts
+from llmkit.quant.imatrix import ImportanceMatrix
 from llmkit.quant.kernels import Kernel
 from llmkit.quant.linear import Int4Linear, Int8Linear, QuantizedLinear
 from llmkit.quant.mixtures import MIXTURES, mixture_spec
@@ -47,16 +48,21 @@ def quantize(
     group_size: int | None = None,
     include_head: bool = False,
     kernel: Kernel = "auto",
+    importance: ImportanceMatrix | None = None,
 ) -> nn.Module:
     """Replace `model`'s linear layers (and MoE experts; and the head with include_head) by quantized ones, in
     place; returns the model. int8 defaults to one scale per output row, int4 to groups of 32. `method` may also
     name one of llama.cpp's mixtures ("Q4_K_M", ...: llmkit.quant.mixtures), which sets each layer's block type,
-    the head's and the embedding table's."""
+    the head's and the embedding table's. `importance` (imatrix.py) weighs each block-type layer it has a row for
+    by its inputs' importance (weighted.py)."""
     if quantized_spec(model) is not None or any(isinstance(m, QuantizedLinear) for m in model.modules()):
         raise InputError("the model is already quantized (quantize a float model, or load the float checkpoint)")
-    spec = spec_for(model, method, group_size, include_head)
+    spec = spec_for(model, method, group_size, include_head, importance=importance is not None)
+    rows = importance.for_model(model) if importance is not None else {}
+    if rows and spec.method in ("int8", "int4") and not spec.layers:
+        raise InputError(f"an importance matrix weighs llama.cpp's block types, not llmkit's {spec.method}")
     for name, module in targets(model, spec):
-        _set(model, name, _quantized(module, spec, name, kernel))
+        _set(model, name, _quantized(module, spec, name, kernel, rows.get(name)))
     if spec.include_head and getattr(model, "head", "absent") is None:  # tied: a quantized copy of the embedding
         table = embedding_table(model)
         head = nn.Linear(table.shape[1], table.shape[0], bias=False, device=table.device)
@@ -71,14 +77,16 @@ def quantize(
     return model
 
 
-def spec_for(model: nn.Module, method: str, group_size: int | None = None, include_head: bool = False) -> QuantSpec:
+def spec_for(
+    model: nn.Module, method: str, group_size: int | None = None, include_head: bool = False, importance: bool = False
+) -> QuantSpec:
     """The QuantSpec `quantize(model, method, ...)` applies: one of llama.cpp's mixtures ("Q4_K_M", ...: every
-    layer, the head and the embedding table in their types), or `method` for every linear layer (int4 in groups of
-    32 unless told)."""
+    layer, the head and the embedding table in their types; `importance`: the mixture as llama.cpp chooses it when
+    given an importance matrix), or `method` for every linear layer (int4 in groups of 32 unless told)."""
     if method.upper() in MIXTURES:
         if group_size is not None:
             raise InputError(f"{method} gives each layer a block type of its own: no group size")
-        return mixture_spec(model, method)
+        return mixture_spec(model, method, importance)
     if method == "int4" and group_size is None:
         group_size = 32
     if method in FLOAT_TYPES and include_head:  # the embedding table at that width too (the head's, where tied)
@@ -96,7 +104,9 @@ def _give_prefill_kernel(model: nn.Module) -> None:
             module.prefill_kernel = native.prefill_attention
 
 
-def _quantized(module: nn.Module, spec: QuantSpec, name: str, kernel: Kernel) -> nn.Module:
+def _quantized(
+    module: nn.Module, spec: QuantSpec, name: str, kernel: Kernel, importance: torch.Tensor | None = None
+) -> nn.Module:
     method, group = spec.for_layer(name)
     if isinstance(module, GroupedExperts):
         if method in TYPES:
@@ -104,7 +114,7 @@ def _quantized(module: nn.Module, spec: QuantSpec, name: str, kernel: Kernel) ->
         return QuantizedExperts.from_experts(module, method, group, "dequant" if kernel == "dequant" else "auto")
     assert isinstance(module, nn.Linear)
     if method in TYPES:
-        return BlockLinear.from_float(module, method, kernel)
+        return BlockLinear.from_float(module, method, kernel, importance)
     return _layer_class(method).from_linear(module, group, kernel)
 
 

@@ -111,11 +111,21 @@ class BlockLinear(HeldBlocks, QuantizedLinear):
         return self.block.name
 
     @classmethod
-    def from_float(cls, linear: torch.nn.Linear, block: BlockType | str, kernel: Kernel = "auto") -> BlockLinear:
-        """A copy of `linear` with its weights quantized to `block` (llama.cpp's rules: blocks.quantize_blocks)."""
+    def from_float(
+        cls, linear: torch.nn.Linear, block: BlockType | str, kernel: Kernel = "auto", importance: Tensor | None = None
+    ) -> BlockLinear:
+        """A copy of `linear` with its weights quantized to `block` (llama.cpp's rules: blocks.quantize_blocks,
+        weighted by the importance of each input where given)."""
         w = linear.weight.detach()
         out = cls(linear.in_features, linear.out_features, linear.bias is not None, block, kernel, w.device, w.dtype)
-        out.load_weight(w, linear.bias)
+        if importance is None:
+            out.load_weight(w, linear.bias)
+            return out
+        out.grouped = False  # the file's layout, as _encode writes it; prepare() groups it
+        out.blocks.copy_(quantize_blocks(w, out.block, importance))
+        if linear.bias is not None:
+            out.bias.data.copy_(linear.bias.detach())
+        out.prepare()
         return out
 
     def _encode(self, w: Tensor) -> dict[str, Tensor]:

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from llmkit.errors import InputError
-from llmkit.quant import iquants, kquants, native
+from llmkit.quant import iquants, kquants, native, weighted
 
 QK_K = kquants.QK_K
 # IQ4_NL's and IQ4_XS's 16 levels (ggml-common.h kvalues_iq4nl): a non-uniform grid fitted to weights' distribution
@@ -385,14 +385,25 @@ def _quant_q5_1(x: Tensor) -> Tensor:
 _QUANTIZE = {"Q8_0": _quant_q8_0, "Q4_0": _quant_q4_0, "Q4_1": _quant_q4_1, "Q5_0": _quant_q5_0, "Q5_1": _quant_q5_1}
 
 
-def quantize_blocks(w: Tensor, kind: BlockType | str) -> Tensor:
+def quantize_blocks(w: Tensor, kind: BlockType | str, importance: Tensor | None = None) -> Tensor:
     """Float rows (N, K) -> (N, row_bytes) uint8 blocks of `kind` in the GGUF file's layout, by llama.cpp's
     reference rules: for the 32-weight types the bytes the `gguf` package's quantize gives, for the K-quants
     (kquants.py) those of ggml's quantize_row_*_ref, for IQ4_NL and IQ4_XS (iquants.py) those `llama-quantize`
-    writes without an importance matrix; F16 and BF16 round to the nearest (half to even)."""
+    writes without an importance matrix; F16 and BF16 round to the nearest (half to even). With `importance` (K,):
+    each input's mean square activation (imatrix.py), by llama.cpp's rules with an importance matrix
+    (weighted.py; Q8_0, F16 and BF16 do not use it)."""
     t = kind if isinstance(kind, BlockType) else block_type(kind)
     N, K = w.shape
     t.row_bytes(K)
+    if importance is not None and t.name not in weighted.UNWEIGHTED:
+        if t.name not in weighted.WEIGHTED:
+            raise InputError(
+                f"{t.name} is not quantized with an importance matrix in llmkit (it is for "
+                f"{', '.join(weighted.WEIGHTED)}): quantize without --imatrix, or to another type"
+            )
+        if importance.numel() != K:
+            raise InputError(f"an importance row of {importance.numel()} inputs for a matrix of {K}")
+        return weighted.quantize_weighted(w, t.name, importance).to(w.device)
     if t.name in FLOAT_TYPES:  # rounded to the nearest half-width float
         return w.detach().to(FLOAT_TYPES[t.name]).contiguous().view(torch.uint8)
     x = w.detach().float().cpu()

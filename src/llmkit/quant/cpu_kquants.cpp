@@ -99,21 +99,23 @@ LLMKIT_EXACT float scale_and_min(const float* x, const float* w, int n, int nmax
 }
 
 // one grid of make_qx_quants: levels -nmax..nmax - 1 at iscale, and the weighted sums of the least-squares fit
+// (weights qw where given, else x^2)
 LLMKIT_EXACT void fit_levels(const float* x, int n, int nmax, float iscale, int8_t* levels, float& sum_lx,
-                             float& sum_l2) {
+                             float& sum_l2, const float* qw) {
   sum_lx = 0;
   sum_l2 = 0;
   for (int i = 0; i < n; ++i) {
     const float l = std::clamp(nearest(iscale * x[i]), static_cast<float>(-nmax), static_cast<float>(nmax - 1));
     levels[i] = static_cast<int8_t>(l);
-    const float w = x[i] * x[i];
+    const float w = qw != nullptr ? qw[i] : x[i] * x[i];
     sum_lx += w * x[i] * l;
     sum_l2 += w * l * l;
   }
 }
 
-// make_qx_quants, rmse_type 1: codes 0..2 nmax - 1 of w = scale (q - nmax); returns scale
-LLMKIT_EXACT float signed_scale(const float* x, int n, int nmax, uint8_t* L) {
+// make_qx_quants, rmse_type 1: codes 0..2 nmax - 1 of w = scale (q - nmax) for n <= 32 weights; returns scale.
+// The fits are weighted by qw where given (an importance matrix's), else by x^2.
+LLMKIT_EXACT float signed_scale(const float* x, int n, int nmax, uint8_t* L, const float* qw = nullptr) {
   float peak = 0, amax = 0;
   for (int i = 0; i < n; ++i) {
     if (std::fabs(x[i]) > amax) {
@@ -125,14 +127,15 @@ LLMKIT_EXACT float signed_scale(const float* x, int n, int nmax, uint8_t* L) {
     std::memset(L, 0, n);
     return 0.f;
   }
-  int8_t levels[16], trial[16];
+  int8_t levels[32], trial[32];
   float sum_lx, sum_l2;
-  fit_levels(x, n, nmax, static_cast<float>(-nmax) / peak, levels, sum_lx, sum_l2);
+  fit_levels(x, n, nmax, static_cast<float>(-nmax) / peak, levels, sum_lx, sum_l2, qw);
   float scale = sum_l2 != 0 ? sum_lx / sum_l2 : 0.f;
   float best = scale * sum_lx;
   for (int step = -9; step <= 9; ++step) {
     if (step == 0) continue;
-    fit_levels(x, n, nmax, -(static_cast<float>(nmax) + 0.1f * static_cast<float>(step)) / peak, trial, sum_lx, sum_l2);
+    fit_levels(x, n, nmax, -(static_cast<float>(nmax) + 0.1f * static_cast<float>(step)) / peak, trial, sum_lx, sum_l2,
+               qw);
     if (sum_l2 > 0 && sum_lx * sum_lx > best * sum_l2) {
       std::memcpy(levels, trial, n);
       scale = sum_lx / sum_l2;
@@ -261,6 +264,9 @@ LLMKIT_EXACT void q3_k(const float* x, uint8_t* out) {
   pack_2bit(L, out + 32);
 }
 
+LLMKIT_EXACT void k4_store(const float* x, int nmax, uint16_t d16, uint16_t dmin16, const uint8_t* ls,
+                           const uint8_t* lm, uint8_t* head, uint8_t* L);
+
 // Q4_K and Q5_K (nmax 15 or 31): d, dmin, the 12 scale bytes and the codes L (256) of one super-block
 LLMKIT_EXACT void k4(const float* x, int nmax, float rmin, int nstep, uint8_t* head, uint8_t* L) {
   float scales[8], mins[8], weights[32];
@@ -284,7 +290,13 @@ LLMKIT_EXACT void k4(const float* x, int nmax, float rmin, int nstep, uint8_t* h
     ls[j] = std::min<uint8_t>(63, static_cast<uint8_t>(static_cast<int>(nearest(inv_scale * scales[j]))));
     lm[j] = std::min<uint8_t>(63, static_cast<uint8_t>(static_cast<int>(nearest(inv_min * mins[j]))));
   }
-  const uint16_t d16 = half_bits(max_scale / 63.f), dmin16 = half_bits(max_min / 63.f);
+  k4_store(x, nmax, half_bits(max_scale / 63.f), half_bits(max_min / 63.f), ls, lm, head, L);
+}
+
+// Q4_K's / Q5_K's d, dmin and 12 scale bytes into head, and every weight coded again against its sub-block's
+// stored scale and min into L (a sub-block whose scale is 0 keeps its searched codes)
+LLMKIT_EXACT void k4_store(const float* x, int nmax, uint16_t d16, uint16_t dmin16, const uint8_t* ls,
+                           const uint8_t* lm, uint8_t* head, uint8_t* L) {
   put_half(head, d16);
   put_half(head + 2, dmin16);
   uint8_t* sc = head + 4;
@@ -305,18 +317,20 @@ LLMKIT_EXACT void k4(const float* x, int nmax, float rmin, int nstep, uint8_t* h
   }
 }
 
-void q4_k(const float* x, uint8_t* out) {
-  uint8_t L[QK];
-  k4(x, 15, -1.f, 20, out, L);
+void pack_q4_k(const uint8_t* L, uint8_t* out) {
   uint8_t* qs = out + 16;
   for (int run = 0; run < 4; ++run) {
     for (int l = 0; l < 32; ++l) qs[32 * run + l] = L[64 * run + l] | (L[64 * run + 32 + l] << 4);
   }
 }
 
-void q5_k(const float* x, uint8_t* out) {
+void q4_k(const float* x, uint8_t* out) {
   uint8_t L[QK];
-  k4(x, 31, -0.5f, 15, out, L);
+  k4(x, 15, -1.f, 20, out, L);
+  pack_q4_k(L, out);
+}
+
+void pack_q5_k(const uint8_t* L, uint8_t* out) {
   uint8_t *qh = out + 16, *qs = out + 48;
   std::memset(qh, 0, 32);
   for (int u = 0; u < 8; ++u) {
@@ -329,12 +343,19 @@ void q5_k(const float* x, uint8_t* out) {
   }
 }
 
-LLMKIT_EXACT void q6_k(const float* x, uint8_t* out) {
+void q5_k(const float* x, uint8_t* out) {
+  uint8_t L[QK];
+  k4(x, 31, -0.5f, 15, out, L);
+  pack_q5_k(L, out);
+}
+
+// (qw: the importance of each weight, where given: weighted.py)
+LLMKIT_EXACT void q6_k_with(const float* x, uint8_t* out, const float* qw) {
   uint8_t L[QK];
   float scales[16];
   float peak = 0, amax = 0;
   for (int j = 0; j < 16; ++j) {
-    scales[j] = signed_scale(x + 16 * j, 16, 32, L + 16 * j);
+    scales[j] = signed_scale(x + 16 * j, 16, 32, L + 16 * j, qw != nullptr ? qw + 16 * j : nullptr);
     if (std::fabs(scales[j]) > amax) {
       amax = std::fabs(scales[j]);
       peak = scales[j];
@@ -366,6 +387,8 @@ LLMKIT_EXACT void q6_k(const float* x, uint8_t* out) {
   }
 }
 
+void q6_k(const float* x, uint8_t* out) { q6_k_with(x, out, nullptr); }
+
 // ---- IQ4_NL and IQ4_XS (iquants.py's rules, step for step)
 
 constexpr float LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -389,11 +412,12 @@ LLMKIT_EXACT inline void fit(const float* x, const float* w, float inverse, floa
   }
 }
 
-// a block of 32's least-squares scale after the 15 tries (iquants._block_scales)
-LLMKIT_EXACT float iq4_scale(const float* x) {
+// a block of 32's least-squares scale after the 15 tries (iquants._block_scales), the fits weighted by `given`
+// where given (weighted.py), else by x^2
+LLMKIT_EXACT float iq4_scale(const float* x, const float* given = nullptr) {
   float w[32], amax = 0.f, top = 0.f;
   for (int j = 0; j < 32; ++j) {
-    w[j] = x[j] * x[j];
+    w[j] = given != nullptr ? given[j] : x[j] * x[j];
     if (std::fabs(x[j]) > amax) amax = std::fabs(x[j]), top = x[j];
   }
   if (amax < EPS) return 0.f;
@@ -422,10 +446,18 @@ LLMKIT_EXACT void iq4_nl(const float* x, uint8_t* out) {  // 32 weights -> fp16 
   pack_levels(x, inverse_or_zero(d), out + 2);
 }
 
+LLMKIT_EXACT void iq4_xs_store(const float* x, const float* scales, uint8_t* out);
+
 LLMKIT_EXACT void iq4_xs(const float* x, uint8_t* out) {  // 256 weights -> fp16 d, 2 + 4 bytes of scales, 128
-  float scales[8], top = 0.f, amax = 0.f;
+  float scales[8];
+  for (int b = 0; b < 8; ++b) scales[b] = iq4_scale(x + 32 * b);
+  iq4_xs_store(x, scales, out);
+}
+
+// IQ4_XS's bytes for 256 weights whose 8 blocks have the least-squares scales `scales`
+LLMKIT_EXACT void iq4_xs_store(const float* x, const float* scales, uint8_t* out) {
+  float top = 0.f, amax = 0.f;
   for (int b = 0; b < 8; ++b) {
-    scales[b] = iq4_scale(x + 32 * b);
     if (std::fabs(scales[b]) > amax) amax = std::fabs(scales[b]), top = scales[b];
   }
   const float d = -top / 32.f, id = inverse_or_zero(d);
@@ -440,6 +472,187 @@ LLMKIT_EXACT void iq4_xs(const float* x, uint8_t* out) {  // 256 weights -> fp16
     high |= static_cast<uint16_t>((u >> 4) << (2 * b));
   }
   put_half(out + 2, high);
+}
+
+// ---- with an importance matrix (weighted.py's rules, step for step; qw: the importance of each weight)
+
+// make_qp_quants over n <= 8 non-negative values x weighted by w (weighted._qp): codes 0..nmax into L; the scale
+LLMKIT_EXACT float qp(const float* x, const float* w, int n, int nmax, uint8_t* L) {
+  float top = 0;
+  for (int i = 0; i < n; ++i) top = std::max(top, x[i]);
+  if (top < EPS) {
+    std::memset(L, 0, n);
+    return 0.f;
+  }
+  const float fmax = static_cast<float>(nmax);
+  float iscale = fmax / top, scale = 1.f / iscale, best = 0;
+  for (int i = 0; i < n; ++i) {
+    const float diff = x[i] - scale * nearest(iscale * x[i]);
+    best += w[i] * diff * diff;
+  }
+  for (int step = -4; step <= 4; ++step) {
+    if (step == 0) continue;
+    const float trial = (0.1f * static_cast<float>(step) + fmax) / top, trial_scale = 1.f / trial;
+    float error = 0;
+    for (int i = 0; i < n; ++i) {
+      const float diff = x[i] - trial_scale * std::min(fmax, nearest(trial * x[i]));
+      error += w[i] * diff * diff;
+    }
+    if (error < best) best = error, iscale = trial;
+  }
+  float l[8], sum_lx = 0, sum_l2 = 0;
+  for (int i = 0; i < n; ++i) {
+    l[i] = std::min(fmax, nearest(iscale * x[i]));
+    sum_lx += w[i] * x[i] * l[i];
+    sum_l2 += w[i] * l[i] * l[i];
+  }
+  for (int pass = 0; pass < 5; ++pass) {
+    int changed = 0;
+    for (int i = 0; i < n; ++i) {
+      float slx = sum_lx - w[i] * x[i] * l[i], sl2 = sum_l2 - w[i] * l[i] * l[i];
+      if (!(slx > 0 && sl2 > 0)) continue;
+      const float fresh = std::min(fmax, nearest(x[i] * sl2 / slx));
+      if (fresh == l[i]) continue;
+      slx += w[i] * x[i] * fresh;
+      sl2 += w[i] * fresh * fresh;
+      if (slx * slx * sum_l2 > sum_lx * sum_lx * sl2) l[i] = fresh, sum_lx = slx, sum_l2 = sl2, ++changed;
+    }
+    if (!changed) break;
+  }
+  for (int i = 0; i < n; ++i) L[i] = static_cast<uint8_t>(l[i]);
+  return sum_l2 > 0 ? sum_lx / sum_l2 : 0.f;
+}
+
+// qw sqrt(sigma2 + x^2) for n weights
+LLMKIT_EXACT void importance_weights(const float* x, const float* qw, float sigma2, int n, float* w) {
+  for (int j = 0; j < n; ++j) w[j] = qw[j] * std::sqrt(sigma2 + x[j] * x[j]);
+}
+
+LLMKIT_EXACT float sum_squares(const float* x, int n) {
+  float s = 0;
+  for (int j = 0; j < n; ++j) s += x[j] * x[j];
+  return s;
+}
+
+// Q4_K and Q5_K with an importance matrix (weighted._k4): scales and mins by make_qkx3_quants, then make_qp_quants
+LLMKIT_EXACT void k4_weighted(const float* x, const float* qw, int nmax, uint8_t* head, uint8_t* L) {
+  const float sigma2 = 2.f * sum_squares(x, QK) / static_cast<float>(QK);
+  float scales[8], mins[8], sums[8], weights[32];
+  for (int j = 0; j < 8; ++j) {
+    importance_weights(x + 32 * j, qw + 32 * j, sigma2, 32, weights);
+    float sum = 0;
+    for (int l = 0; l < 32; ++l) sum += weights[l];
+    sums[j] = sum;
+    scales[j] = scale_and_min(x + 32 * j, weights, 32, nmax, -0.9f, 0.05f, 36, L + 32 * j, &mins[j]);
+  }
+  uint8_t ls[8], lm[8];
+  const float d = qp(scales, sums, 8, 63, ls), dmin = qp(mins, sums, 8, 63, lm);
+  k4_store(x, nmax, half_bits(d), half_bits(dmin), ls, lm, head, L);
+}
+
+LLMKIT_EXACT void q4_k_weighted(const float* x, const float* qw, uint8_t* out) {
+  uint8_t L[QK];
+  k4_weighted(x, qw, 15, out, L);
+  pack_q4_k(L, out);
+}
+
+LLMKIT_EXACT void q5_k_weighted(const float* x, const float* qw, uint8_t* out) {
+  uint8_t L[QK];
+  k4_weighted(x, qw, 31, out, L);
+  pack_q5_k(L, out);
+}
+
+LLMKIT_EXACT void q6_k_weighted(const float* x, const float* qw, uint8_t* out) { q6_k_with(x, out, qw); }
+
+LLMKIT_EXACT void iq4_nl_weighted(const float* x, const float* qw, uint8_t* out) {
+  float w[32];
+  importance_weights(x, qw, sum_squares(x, 32) * (2.f / 32.f), 32, w);
+  const float d = iq4_scale(x, w);
+  put_half(out, half_bits(d));
+  pack_levels(x, inverse_or_zero(d), out + 2);
+}
+
+LLMKIT_EXACT void iq4_xs_weighted(const float* x, const float* qw, uint8_t* out) {
+  const float sigma2 = sum_squares(x, QK) * (2.f / static_cast<float>(QK));
+  float scales[8], w[32];
+  for (int b = 0; b < 8; ++b) {
+    importance_weights(x + 32 * b, qw + 32 * b, sigma2, 32, w);
+    scales[b] = iq4_scale(x + 32 * b, w);
+  }
+  iq4_xs_store(x, scales, out);
+}
+
+// the 32-weight types (weighted._symmetric / _asymmetric): sigma2 is the row's mean square
+LLMKIT_EXACT void nibbles(const uint8_t* L, uint8_t* qs) {
+  for (int j = 0; j < 16; ++j) qs[j] = static_cast<uint8_t>((L[j] & 15) | ((L[j + 16] & 15) << 4));
+}
+
+LLMKIT_EXACT void fifth_bits(const uint8_t* L, uint8_t* qh) {
+  uint32_t bits = 0;
+  for (int j = 0; j < 32; ++j) bits |= static_cast<uint32_t>((L[j] >> 4) & 1) << j;
+  for (int b = 0; b < 4; ++b) qh[b] = static_cast<uint8_t>(bits >> (8 * b));
+}
+
+LLMKIT_EXACT void q32_weighted(int kind, const float* x, const float* qw, float sigma2, uint8_t* out) {
+  float w[32];
+  uint8_t L[32];
+  importance_weights(x, qw, sigma2, 32, w);
+  if (kind == 2 || kind == 6) {  // Q4_0, Q5_0: d, (qh,) nibbles
+    put_half(out, half_bits(signed_scale(x, 32, kind == 2 ? 8 : 16, L, w)));
+    if (kind == 6) fifth_bits(L, out + 2);
+    nibbles(L, out + (kind == 2 ? 2 : 6));
+    return;
+  }
+  float minus;  // Q4_1, Q5_1: d, m, (qh,) nibbles
+  const float d = scale_and_min(x, w, 32, kind == 3 ? 15 : 31, -0.9f, 0.05f, 36, L, &minus);
+  put_half(out, half_bits(d));
+  put_half(out + 2, half_bits(-minus));
+  if (kind == 7) fifth_bits(L, out + 4);
+  nibbles(L, out + (kind == 3 ? 4 : 8));
+}
+
+// rows w (N, K) fp32 and the importance of their K inputs -> (N, row bytes) uint8 blocks of ggml type `kind`
+// (2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 12 Q4_K, 13 Q5_K, 14 Q6_K, 20 IQ4_NL, 23 IQ4_XS), by weighted.py's rules
+torch::Tensor quantize_weighted(const torch::Tensor& w, int64_t kind, const torch::Tensor& importance) {
+  check_cpu(w, "w");
+  check_cpu(importance, "importance");
+  LLMKIT_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32 && w.is_contiguous(), "w must be (N, K) fp32");
+  const int64_t N = w.size(0), K = w.size(1);
+  LLMKIT_CHECK(importance.dim() == 1 && importance.size(0) == K && importance.scalar_type() == torch::kFloat32 &&
+                   importance.is_contiguous(),
+               "importance must be (K,) fp32");
+  void (*super)(const float*, const float*, uint8_t*) = nullptr;
+  int64_t unit = 32, bytes = 0;
+  switch (kind) {
+    case 2: bytes = 18; break;
+    case 3: bytes = 20; break;
+    case 6: bytes = 22; break;
+    case 7: bytes = 24; break;
+    case 12: super = q4_k_weighted, unit = QK, bytes = 144; break;
+    case 13: super = q5_k_weighted, unit = QK, bytes = 176; break;
+    case 14: super = q6_k_weighted, unit = QK, bytes = 210; break;
+    case 20: super = iq4_nl_weighted, bytes = 18; break;
+    case 23: super = iq4_xs_weighted, unit = QK, bytes = 136; break;
+    default: check_failed("quantize_weighted: ggml type ", kind, " is not weighted by an importance matrix");
+  }
+  LLMKIT_CHECK(K % unit == 0, "a row of ", K, " weights is not whole blocks of ", unit);
+  const int64_t units = K / unit;
+  auto out = torch::empty({N, units * bytes}, w.options().dtype(torch::kUInt8));
+  const float *X = w.data_ptr<float>(), *Q = importance.data_ptr<float>();
+  uint8_t* Y = out.data_ptr<uint8_t>();
+  at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* x = X + r * K;
+      uint8_t* y = Y + r * units * bytes;
+      if (super != nullptr) {
+        for (int64_t u = 0; u < units; ++u) super(x + u * unit, Q + u * unit, y + u * bytes);
+        continue;
+      }
+      const float sigma2 = sum_squares(x, static_cast<int>(K)) / static_cast<float>(K);
+      for (int64_t u = 0; u < units; ++u) q32_weighted(static_cast<int>(kind), x + u * 32, Q + u * 32, sigma2, y + u * bytes);
+    }
+  });
+  return out;
 }
 
 // x (B, 32 or 256) fp32 -> (B, bytes) uint8 blocks of ggml type `kind` (20 IQ4_NL, 23 IQ4_XS)
@@ -489,6 +702,9 @@ void bind_kquants(pybind11::module& m) {
         "super-blocks x (B, 256) fp32 -> (B, bytes) uint8 blocks of K-quant `kind` (kquants.py's rules)");
   m.def("quantize_iq4", &quantize_iq4, pybind11::arg("x"), pybind11::arg("kind"),
         "blocks x (B, 32 / 256) fp32 -> (B, bytes) uint8 blocks of IQ4_NL / IQ4_XS (iquants.py's rules)");
+  m.def("quantize_weighted", &quantize_weighted, pybind11::arg("w"), pybind11::arg("kind"),
+        pybind11::arg("importance"),
+        "rows w (N, K) fp32, importance (K,) -> (N, row bytes) uint8 blocks of `kind`, weighted (weighted.py's rules)");
 }
 
 }  // namespace llmkit

@@ -51,10 +51,11 @@ def _fit(x: Tensor, w: Tensor, inverse: Tensor) -> tuple[Tensor, Tensor]:
     return _ordered_sum(wq * x), _ordered_sum(wq * q)
 
 
-def _block_scales(x: Tensor) -> Tensor:
-    """x (32, B): each block's least-squares scale d (0 for a block below EPS), after the 15 tries."""
+def _block_scales(x: Tensor, w: Tensor | None = None) -> Tensor:
+    """x (32, B): each block's least-squares scale d (0 for a block below EPS), after the 15 tries; the fits
+    weighted by `w` (32, B) where given (an importance matrix's), else by x^2."""
     x = x.contiguous()  # (each sum's terms are rows: contiguous)
-    w = x * x
+    w = x * x if w is None else w.contiguous()
     arg = x.abs().argmax(0)  # (the first of equal magnitudes, as the C loop's strict >)
     top = x.gather(0, arg[None])[0]
     zero = top.abs() < EPS
@@ -94,8 +95,12 @@ def _iq4_xs(x: Tensor) -> Tensor:
     """Super-blocks x (B, 256) -> (B, 136): fp16 d, the 8 blocks' 6-bit scales (2 high bits each in a uint16, the
     low 4 in 4 bytes), 128 bytes of codes."""
     B = x.shape[0]
-    blocks = x.reshape(B * 8, 32)
-    scales = _block_scales(blocks.t()).reshape(B, 8)
+    return _iq4_xs_pack(x, _block_scales(x.reshape(B * 8, 32).t()).reshape(B, 8))
+
+
+def _iq4_xs_pack(x: Tensor, scales: Tensor) -> Tensor:
+    """IQ4_XS's bytes for super-blocks x (B, 256) whose 8 blocks have the least-squares scales `scales` (B, 8)."""
+    B = x.shape[0]
     arg = scales.abs().argmax(1)  # the block scale of largest magnitude (0 if every scale is)
     top = scales.gather(1, arg[:, None])[:, 0]
     d = -top / _f32(32.0)

@@ -109,13 +109,13 @@ def _scale_and_min(
     return scale, -torch.where(flat, first_min, lo), codes
 
 
-def _signed_scale(x: Tensor, nmax: int) -> tuple[Tensor, Tensor]:
+def _signed_scale(x: Tensor, nmax: int, w: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """make_qx_quants with rmse_type 1 over sub-blocks x (n, B): -> scale (B,), codes (n, B) in 0..2 nmax - 1
-    (w = scale (code - nmax))."""
+    (w = scale (code - nmax)). The fits are weighted by `w` (n, B) where given (an importance matrix's), else x^2."""
     peak = torch.gather(x, 0, x.abs().argmax(0, keepdim=True))[0]  # the first of largest magnitude, its sign kept
     zero = peak.abs() < EPS
     peak = torch.where(zero, torch.ones_like(peak), peak)
-    w = x * x
+    w = x * x if w is None else w
 
     def fit(iscale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         levels = torch.clamp(_nearest(iscale * x), -nmax, nmax - 1)
@@ -247,37 +247,50 @@ def _k4(x: Tensor, nmax: int, rmin: float, nstep: int) -> tuple[Tensor, Tensor, 
     # C stores nearest_int's result in a uint8 before MIN(63, .): a negative one wraps
     ls = torch.clamp(_nearest(inv_scale[:, None] * scales).to(torch.int32) & 255, max=63)
     lm = torch.clamp(_nearest(inv_min[:, None] * mins).to(torch.int32) & 255, max=63)
-    d, d16 = _fp16(max_scale / _f32(63.0))
-    dmin, dmin16 = _fp16(max_min / _f32(63.0))
-    sub_d = d[:, None] * ls.float()  # (B, 8)
-    sub_m = dmin[:, None] * lm.float()
+    d16, dmin16 = _fp16(max_scale / _f32(63.0))[1], _fp16(max_min / _f32(63.0))[1]
+    return d16, dmin16, _pack_scales_k4(ls, lm), _k4_codes(x, d16, dmin16, ls, lm, codes, nmax)
+
+
+def _k4_codes(x: Tensor, d16: Tensor, dmin16: Tensor, ls: Tensor, lm: Tensor, codes: Tensor, nmax: int) -> Tensor:
+    """Every weight of super-blocks x (B, 256) coded again against its sub-block's stored scale d ls and min dmin lm
+    (B, 8); a sub-block whose scale is 0 keeps its searched codes (32, B 8). -> (B, 256) uint8."""
+    B = x.shape[0]
+    sub_d = d16.float()[:, None] * ls.float()  # (B, 8)
+    sub_m = dmin16.float()[:, None] * lm.float()
     xs = x.reshape(B, 8, 32)
     safe = torch.where(sub_d != 0, sub_d, 1.0)[..., None]
     again = torch.clamp(_nearest((xs + sub_m[..., None]) / safe), 0, nmax)
     codes = torch.where((sub_d != 0)[..., None], again, codes.T.reshape(B, 8, 32))
-    return d16, dmin16, _pack_scales_k4(ls, lm), codes.reshape(B, QK_K).to(torch.uint8)
+    return codes.reshape(B, QK_K).to(torch.uint8)
 
 
-def _q4_k(x: Tensor) -> Tensor:
-    d, dmin, scales, q = _k4(x, 15, -1.0, 20)
+def _pack_q4_k(d16: Tensor, dmin16: Tensor, scales: Tensor, q: Tensor) -> Tensor:
     q = q.reshape(-1, 4, 2, 32)  # 4 runs of 64 weights: the first 32 in the low nibbles, the next 32 in the high
     qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
-    return torch.cat((_halves(d), _halves(dmin), scales, qs), dim=1)
+    return torch.cat((_halves(d16), _halves(dmin16), scales, qs), dim=1)
 
 
-def _q5_k(x: Tensor) -> Tensor:
-    d, dmin, scales, q = _k4(x, 31, -0.5, 15)
+def _pack_q5_k(d16: Tensor, dmin16: Tensor, scales: Tensor, q: Tensor) -> Tensor:
     low = (q & 15).reshape(-1, 4, 2, 32)
     qs = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(-1, 128)
     fifth = (q >> 4).reshape(-1, 8, 32).to(torch.int32)  # the fifth bit of weight 32 u + l is bit u of qh[l]
     qh = (fifth << torch.arange(8, dtype=torch.int32)[:, None]).sum(1).to(torch.uint8)
-    return torch.cat((_halves(d), _halves(dmin), scales, qh, qs), dim=1)
+    return torch.cat((_halves(d16), _halves(dmin16), scales, qh, qs), dim=1)
 
 
-def _q6_k(x: Tensor) -> Tensor:
+def _q4_k(x: Tensor) -> Tensor:
+    return _pack_q4_k(*_k4(x, 15, -1.0, 20))
+
+
+def _q5_k(x: Tensor) -> Tensor:
+    return _pack_q5_k(*_k4(x, 31, -0.5, 15))
+
+
+def _q6_k(x: Tensor, w: Tensor | None = None) -> Tensor:
+    """Super-blocks x (B, 256) -> (B, 210); `w` (B, 256): the fits' weights (an importance matrix's), else x^2."""
     B = x.shape[0]
     sub = x.reshape(B * 16, 16).T.contiguous()  # (16, B 16)
-    scales, codes = _signed_scale(sub, 32)
+    scales, codes = _signed_scale(sub, 32, None if w is None else w.reshape(B * 16, 16).T.contiguous())
     scales = scales.reshape(B, 16)
     peak = torch.gather(scales, 1, scales.abs().argmax(1, keepdim=True))[:, 0]
     zero = peak.abs() < EPS

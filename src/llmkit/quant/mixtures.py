@@ -67,7 +67,7 @@ def _attn_v(mixture: str, layer: int, layers: int, gqa: int) -> str | None:
     return None
 
 
-def _ffn_down(mixture: str, layer: int, layers: int) -> str | None:
+def _ffn_down(mixture: str, layer: int, layers: int, importance: bool = False) -> str | None:
     if mixture == "Q2_K":
         return "Q3_K"
     if mixture == "Q3_K_M":
@@ -76,7 +76,9 @@ def _ffn_down(mixture: str, layer: int, layers: int) -> str | None:
         return "Q5_K"
     if mixture in ("Q4_K_M", "Q5_K_M") and more_bits(layer, layers):
         return "Q6_K"
-    if mixture in ("Q4_K_S", "IQ4_NL", "IQ4_XS") and layer < layers // 8:  # (IQ4: without an importance matrix)
+    if mixture == "Q4_K_S" and layer < layers // 8:
+        return "Q5_K"
+    if mixture in ("IQ4_NL", "IQ4_XS") and layer < layers // 8 and not importance:
         return "Q5_K"
     return None
 
@@ -89,9 +91,10 @@ def _fits(kind: str, inputs: int) -> str:
     return kind if kind not in FALLBACK or inputs % QK_K == 0 else FALLBACK[kind]
 
 
-def mixture_spec(model: nn.Module, mixture: str) -> QuantSpec:
+def mixture_spec(model: nn.Module, mixture: str, importance: bool = False) -> QuantSpec:
     """The QuantSpec of `mixture` (one of MIXTURES, case-insensitive) for `model`: every linear layer in the blocks
-    and the output head, each with its block type, and an untied embedding table in the base type."""
+    and the output head, each with its block type, and an untied embedding table in the base type. `importance`:
+    as chosen when an importance matrix is given (IQ4_NL / IQ4_XS then keep ffn_down in their own type)."""
     name = mixture.upper()
     if name not in BASE:
         raise InputError(f"unknown mixture {mixture!r}; llmkit writes {', '.join(MIXTURES)}")
@@ -112,7 +115,7 @@ def mixture_spec(model: nn.Module, mixture: str) -> QuantSpec:
         elif match and target.endswith("attn.wv"):
             kind = _attn_v(name, int(match[1]), n_layers, gqa) or base
         elif match and target.endswith("ffn.w2"):
-            kind = _ffn_down(name, int(match[1]), n_layers) or base
+            kind = _ffn_down(name, int(match[1]), n_layers, importance) or base
         elif match and target.endswith("attn.wo"):
             kind = _attn_output(name) or base
         layers[target] = [_fits(kind, module.in_features), None]

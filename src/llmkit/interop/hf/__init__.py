@@ -15,7 +15,7 @@ import shutil
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -39,6 +39,9 @@ from llmkit.interop.safetensors_io import CheckpointError, open_tensors, save_te
 from llmkit.interop.weights import Split, build_with_weights, expected_shapes
 from llmkit.layers.precision import cast_state, fp32_state
 from llmkit.models import DecoderLM, EncoderDecoder
+
+if TYPE_CHECKING:
+    from llmkit.quant.imatrix import ImportanceMatrix
 
 FAMILIES: list[Family] = [
     LlamaFamily(),
@@ -154,6 +157,7 @@ def load_hf(
     split: Split | None = None,
     quantize: str | None = None,
     own_width: bool = False,
+    importance: ImportanceMatrix | None = None,
 ) -> HFCheckpoint:
     """Load a Hugging Face checkpoint directory into llmkit. dtype None keeps the checkpoint's floating dtype.
     `split` cuts the model on the meta device before loading, and only its parts are read (interop/weights.py);
@@ -171,6 +175,7 @@ def load_hf(
     model = build_with_weights(
         cfg, concrete, tensors.__getitem__, tensors.shapes, lambda n: family.ignored(n, cfg), dtype, device, str(d),
         split=split, part=tensors.part, quantize=quantize, own_width=own_width, view=tensors.mapped,
+        importance=importance,
     )  # fmt: skip
     gen_path = d / "generation_config.json"
     generation = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
