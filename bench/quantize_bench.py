@@ -1,7 +1,7 @@
 """Quantizing a real-size checkpoint: `llmkit quantize --to q4_k_m` against llama.cpp's `llama-quantize`, same weights.
 
     bash bench/build_llama_server.sh       # once: llama.cpp's tools
-    .venv/bin/python bench/quantize_bench.py [--shape qwen2.5-1.5b] [--mixture Q4_K_M]
+    .venv/bin/python bench/quantize_bench.py [--shape qwen2.5-1.5b] [--mixture Q4_K_M] [--imatrix FILE]
 
 The checkpoint is size_bench.py's random-weight one at a published shape (bf16 Hugging Face files); llama.cpp reads
 it as its converter's bf16 GGUF file (made once, not timed). Each side runs in a child process, timed, with its
@@ -9,7 +9,8 @@ peak resident memory and its peak anonymous memory (RSS also counts the pages of
 page cache holds and can drop): llmkit from the Hugging Face directory to an llmkit checkpoint (each layer quantized
 as it is read), llama-quantize from the bf16 GGUF file to a GGUF file. Then both results are loaded by llmkit and
 compared tensor by tensor: the block type each tensor got (the mixture's rules), and the fraction of blocks that are
-byte-equal (all of them, when llmkit computes what llama.cpp's reference code computes).
+byte-equal (all of them, when llmkit computes what llama.cpp's reference code computes). With --imatrix FILE (an
+importance matrix in llama.cpp's format: `llmkit imatrix` writes one) both sides quantize with it.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=list(SHAPES), default="qwen2.5-1.5b")
     p.add_argument("--mixture", default="Q4_K_M")
+    p.add_argument("--imatrix", default=None, metavar="FILE", help="an importance matrix both sides quantize with")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     if not (LLAMA / "build/bin/llama-quantize").is_file():
@@ -98,12 +100,16 @@ def main() -> None:
     llmkit_cmd = [sys.executable, "-m", "llmkit", "quantize", str(hf), str(ours), "--to", args.mixture.lower(),
                   "--overwrite"]  # fmt: skip
     llama_cmd = [str(LLAMA / "build/bin/llama-quantize"), str(bf16), str(theirs), args.mixture, str(THREADS)]
+    if args.imatrix:
+        llmkit_cmd += ["--imatrix", str(Path(args.imatrix).resolve())]
+        llama_cmd[1:1] = ["--imatrix", str(Path(args.imatrix).resolve())]
     # each side once (the machine must be quiet: on 2 cores another process halves either figure)
     llama_s, llama_rss, llama_anon = timed_child(llama_cmd)
     llmkit_s, llmkit_rss, llmkit_anon = timed_child(llmkit_cmd)
     result = {
         "shape": args.shape,
         "mixture": args.mixture,
+        "imatrix": args.imatrix,
         "threads": THREADS,
         "llmkit_seconds": llmkit_s,
         "llama_cpp_seconds": llama_s,
@@ -116,8 +122,10 @@ def main() -> None:
         **compare(ours, theirs),
     }
     os.unlink(theirs)
+    weighted = f" with {args.imatrix}" if args.imatrix else ""
     lines = [
-        f"{args.shape} to {args.mixture}, {THREADS} threads: llmkit {llmkit_s:.1f} s (peak RSS {llmkit_rss:.2f} GiB, "
+        f"{args.shape} to {args.mixture}{weighted}, {THREADS} threads: "
+        f"llmkit {llmkit_s:.1f} s (peak RSS {llmkit_rss:.2f} GiB, "
         f"anonymous {llmkit_anon:.2f}), llama-quantize {llama_s:.1f} s ({llama_rss:.2f}, {llama_anon:.2f} GiB); "
         f"weights {result['llmkit_bytes'] / 1e6:,.0f} MB "
         f"against a {result['llama_cpp_bytes'] / 1e6:,.0f} MB file; same type for every tensor: "

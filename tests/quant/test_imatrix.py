@@ -45,8 +45,8 @@ def test_the_bytes_are_llama_quantize_imatrix_s():
     """Two rows of each type as `llama-quantize --imatrix` (llama.cpp 0c1e570) wrote them from the bf16 file of random
     weights of Qwen2.5-1.5B's shape, with an importance matrix llmkit wrote (exp of normal values per input): Q4_K,
     Q6_K (Q4_K_M), Q5_K (Q5_K_M), IQ4_XS, IQ4_NL, Q4_0 and Q4_1 (Q4_0: ffn_down of the first eighth of the layers is
-    Q4_1 with an importance matrix), Q5_0 and Q5_1. When this was written every block of the first 64 rows of four
-    tensors of each type in each file was compared (all equal: .diag/imatrix_fixture.py)."""
+    Q4_1 with an importance matrix), Q5_0 and Q5_1, Q2_K and Q3_K (Q2_K). When this was written every block of the
+    first 64 rows of four tensors of each type in each file was compared (all equal)."""
     data = np.load(FIXTURE)
     kinds = sorted(k for k in data.files if not k.endswith(("_bf16", "_importance")))
     assert set(kinds) == set(WEIGHTED)
@@ -86,14 +86,11 @@ def test_the_importance_lowers_the_error_it_weighs(kind):
     assert torch.equal(quantize_blocks(w[3:5], kind, importance), quantize_blocks(w, kind, importance)[3:5])
 
 
-def test_types_that_do_not_use_it_ignore_it_and_q2_k_q3_k_refuse_it():
+def test_types_that_do_not_use_it_ignore_it():
     w = torch.randn(4, 256)
     imp = torch.rand(256)
     for kind in ("Q8_0", "BF16", "F16"):
         assert torch.equal(quantize_blocks(w, kind, imp), quantize_blocks(w, kind))
-    for kind in ("Q2_K", "Q3_K"):
-        with pytest.raises(InputError, match=f"{kind} is not quantized with an importance matrix"):
-            quantize_blocks(w, kind, imp)
     with pytest.raises(InputError, match="an importance row of 128 inputs for a matrix of 256"):
         quantize_blocks(w, "Q4_K", imp[:128])
 
@@ -214,9 +211,6 @@ def test_the_commands_compute_write_and_use_a_matrix(tmp_path, capsys):
     assert not torch.equal(_blocks(a.blocks[0].attn.wq), _blocks(c.blocks[0].attn.wq))
     assert main(["quantize", str(ck), str(tmp_path / "d"), "--to", "int8", "--imatrix", str(text)]) == 2
     assert "--imatrix weighs llama.cpp's block types" in one_line_error(capsys.readouterr().err)
-    for to in ("q2_k", "q3_k_m"):  # refused before any work
-        assert main(["quantize", str(ck), str(tmp_path / "e"), "--to", to, "--imatrix", str(text)]) == 2
-        assert "is not quantized with an importance matrix" in one_line_error(capsys.readouterr().err)
     out = tmp_path / "w.gguf"
     assert (
         main(["convert", str(ck), str(out), "--to", "gguf", "--quant", "q4_0", "--imatrix", str(tmp_path / "m.gguf")])

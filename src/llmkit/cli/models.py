@@ -200,7 +200,7 @@ def convert(
     if to == "gguf":
         importance = None
         if imatrix is not None:
-            importance = _importance(source, imatrix, imatrix_chunks, no_verify, method=quant)
+            importance = _importance(source, imatrix, imatrix_chunks, no_verify)
         return _convert_to_gguf(source, target, dtype, quant, overwrite, no_verify, importance)
     if quant is not None:
         raise LLMKitError("--quant is for --to gguf (an llmkit checkpoint is quantized by llmkit quantize)")
@@ -340,7 +340,7 @@ def quantize(
     imatrix: weigh each layer's quantization by how large its inputs are on real text, as llama-quantize --imatrix
         does: an importance-matrix file (llmkit imatrix's or llama-imatrix's), or calibration text ('shakespeare', a
         text file or folder, .jsonl) to compute one from first (the float model run over it). For the block types and
-        mixtures; Q8_0 ignores it, Q2_K and Q3_K refuse it.
+        mixtures (Q8_0 ignores it).
     imatrix_chunks: with calibration text, the most chunks of 512 tokens it is cut into.
     overwrite: replace an existing checkpoint at OUT (never the input itself).
     no_verify: load an llmkit checkpoint without checking it against its manifest.
@@ -362,7 +362,7 @@ def quantize(
         raise LLMKitError(f"--imatrix weighs llama.cpp's block types and mixtures, not {to}")
     importance = None
     if imatrix is not None:
-        importance = _importance(source, imatrix, imatrix_chunks, no_verify, method=method)
+        importance = _importance(source, imatrix, imatrix_chunks, no_verify)
     if method != to:  # a GGUF type or mixture: each layer quantized as it is read (never the whole float model)
         loaded = load_model(source, quantized=False, verify=not no_verify, quantize=method, importance=importance)
         before = "float"
@@ -423,26 +423,12 @@ def imatrix(
     return 0
 
 
-def _check_weighs(method: str) -> None:
-    """Refuse, before any work, a quantization whose main type has no rules with an importance matrix here."""
-    from llmkit.quant.mixtures import BASE
-    from llmkit.quant.weighted import UNWEIGHTED, WEIGHTED
-
-    kind = BASE.get(method.upper(), method.upper())
-    if kind not in WEIGHTED and kind not in UNWEIGHTED:
-        raise LLMKitError(
-            f"{method} is not quantized with an importance matrix in llmkit (its {kind} layers are not): quantize "
-            "it without --imatrix"
-        )
-
-
 def _importance(
     source: str | Path,
     path: str,
     chunks: int,
     no_verify: bool,
     context: int = IMATRIX_CONTEXT,
-    method: str | None = None,
 ) -> ImportanceMatrix:
     """An importance matrix from `path`: read, where it is an imatrix file, else computed by running the float model
     of `source` over the calibration text `path` names (at most `chunks` chunks of `context` tokens)."""
@@ -452,8 +438,6 @@ def _importance(
     from llmkit.interop.load import load_model
     from llmkit.quant.imatrix import collect, is_imatrix_file, load_imatrix, text_chunks
 
-    if method is not None:
-        _check_weighs(method)
     if is_imatrix_file(path):
         return load_imatrix(path)
     if chunks < 1:

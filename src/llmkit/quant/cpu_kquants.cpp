@@ -476,7 +476,7 @@ LLMKIT_EXACT void iq4_xs_store(const float* x, const float* scales, uint8_t* out
 
 // ---- with an importance matrix (weighted.py's rules, step for step; qw: the importance of each weight)
 
-// make_qp_quants over n <= 8 non-negative values x weighted by w (weighted._qp): codes 0..nmax into L; the scale
+// make_qp_quants over n <= 16 non-negative values x weighted by w (weighted._qp): codes 0..nmax into L; the scale
 LLMKIT_EXACT float qp(const float* x, const float* w, int n, int nmax, uint8_t* L) {
   float top = 0;
   for (int i = 0; i < n; ++i) top = std::max(top, x[i]);
@@ -500,7 +500,7 @@ LLMKIT_EXACT float qp(const float* x, const float* w, int n, int nmax, uint8_t* 
     }
     if (error < best) best = error, iscale = trial;
   }
-  float l[8], sum_lx = 0, sum_l2 = 0;
+  float l[16], sum_lx = 0, sum_l2 = 0;
   for (int i = 0; i < n; ++i) {
     l[i] = std::min(fmax, nearest(iscale * x[i]));
     sum_lx += w[i] * x[i] * l[i];
@@ -564,6 +564,71 @@ LLMKIT_EXACT void q5_k_weighted(const float* x, const float* qw, uint8_t* out) {
 
 LLMKIT_EXACT void q6_k_weighted(const float* x, const float* qw, uint8_t* out) { q6_k_with(x, out, qw); }
 
+// Q2_K with an importance matrix (weighted._q2_k): sub-blocks by make_qkx3_quants (squared errors), the 16 scales
+// and mins by make_qp_quants in 4 bits
+LLMKIT_EXACT void q2_k_weighted(const float* x, const float* qw, uint8_t* out) {
+  const float sigma2 = sum_squares(x, QK) / static_cast<float>(QK);
+  uint8_t L[QK], ls[16], lm[16];
+  float scales[16], mins[16], sums[16], weights[16];
+  for (int j = 0; j < 16; ++j) {
+    importance_weights(x + 16 * j, qw + 16 * j, sigma2, 16, weights);
+    float sum = 0;
+    for (int l = 0; l < 16; ++l) sum += weights[l];
+    sums[j] = sum;
+    scales[j] = scale_and_min(x + 16 * j, weights, 16, 3, -0.9f, 0.05f, 36, L + 16 * j, &mins[j]);
+  }
+  const uint16_t d16 = half_bits(qp(scales, sums, 16, 15, ls)), dmin16 = half_bits(qp(mins, sums, 16, 15, lm));
+  uint8_t* sc = out;
+  for (int j = 0; j < 16; ++j) sc[j] = static_cast<uint8_t>(ls[j] | (lm[j] << 4));
+  put_half(out + 80, d16);
+  put_half(out + 82, dmin16);
+  const float d = half_value(d16), dmin = half_value(dmin16);
+  for (int j = 0; j < 16; ++j) {
+    const float sub_d = d * static_cast<float>(sc[j] & 15);
+    if (sub_d == 0) continue;
+    const float sub_m = dmin * static_cast<float>(sc[j] >> 4);
+    for (int l = 0; l < 16; ++l) {
+      L[16 * j + l] = static_cast<uint8_t>(std::clamp(nearest((x[16 * j + l] + sub_m) / sub_d), 0.f, 3.f));
+    }
+  }
+  pack_2bit(L, out + 16);
+}
+
+// Q3_K with an importance matrix (weighted._q3_k): sub-blocks by make_qx_quants with the weights, the 16 scales by
+// make_qx_quants weighted by their sub-blocks' summed weights
+LLMKIT_EXACT void q3_k_weighted(const float* x, const float* qw, uint8_t* out) {
+  const float sigma2 = 2.f * sum_squares(x, QK) / static_cast<float>(QK);
+  uint8_t L[QK], ls[16];
+  float scales[16], sums[16], weights[16];
+  for (int j = 0; j < 16; ++j) {
+    importance_weights(x + 16 * j, qw + 16 * j, sigma2, 16, weights);
+    float sum = 0;
+    for (int l = 0; l < 16; ++l) sum += weights[l];
+    sums[j] = sum;
+    scales[j] = signed_scale(x + 16 * j, 16, 4, L + 16 * j, weights);
+  }
+  const uint16_t d16 = half_bits(signed_scale(scales, 16, 32, ls, sums));
+  std::memset(out, 0, 110);
+  uint8_t *hmask = out, *sc = out + 96;
+  for (int j = 0; j < 16; ++j) {
+    sc[j % 8] |= (ls[j] & 15) << (j < 8 ? 0 : 4);
+    sc[8 + j % 4] |= (ls[j] >> 4) << (2 * (j / 4));
+  }
+  put_half(out + 108, d16);
+  const float d = half_value(d16);
+  for (int j = 0; j < 16; ++j) {
+    const float sub_d = d * static_cast<float>(static_cast<int>(ls[j]) - 32);
+    if (sub_d == 0) continue;
+    for (int l = 0; l < 16; ++l) {
+      L[16 * j + l] = static_cast<uint8_t>(std::clamp(nearest(x[16 * j + l] / sub_d), -4.f, 3.f) + 4.f);
+    }
+  }
+  for (int j = 0; j < QK; ++j) {  // the high bit of weight j: bit j / 32 of hmask[j % 32]
+    if (L[j] > 3) hmask[j % 32] |= 1 << (j / 32), L[j] -= 4;
+  }
+  pack_2bit(L, out + 32);
+}
+
 LLMKIT_EXACT void iq4_nl_weighted(const float* x, const float* qw, uint8_t* out) {
   float w[32];
   importance_weights(x, qw, sum_squares(x, 32) * (2.f / 32.f), 32, w);
@@ -612,7 +677,7 @@ LLMKIT_EXACT void q32_weighted(int kind, const float* x, const float* qw, float 
 }
 
 // rows w (N, K) fp32 and the importance of their K inputs -> (N, row bytes) uint8 blocks of ggml type `kind`
-// (2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 12 Q4_K, 13 Q5_K, 14 Q6_K, 20 IQ4_NL, 23 IQ4_XS), by weighted.py's rules
+// (2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 10 Q2_K, 11 Q3_K, 12 Q4_K, 13 Q5_K, 14 Q6_K, 20 IQ4_NL, 23 IQ4_XS), by weighted.py's rules
 torch::Tensor quantize_weighted(const torch::Tensor& w, int64_t kind, const torch::Tensor& importance) {
   check_cpu(w, "w");
   check_cpu(importance, "importance");
@@ -628,6 +693,8 @@ torch::Tensor quantize_weighted(const torch::Tensor& w, int64_t kind, const torc
     case 3: bytes = 20; break;
     case 6: bytes = 22; break;
     case 7: bytes = 24; break;
+    case 10: super = q2_k_weighted, unit = QK, bytes = 84; break;
+    case 11: super = q3_k_weighted, unit = QK, bytes = 110; break;
     case 12: super = q4_k_weighted, unit = QK, bytes = 144; break;
     case 13: super = q5_k_weighted, unit = QK, bytes = 176; break;
     case 14: super = q6_k_weighted, unit = QK, bytes = 210; break;

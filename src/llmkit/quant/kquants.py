@@ -180,8 +180,14 @@ def _q2_k(x: Tensor) -> Tensor:
     ls = _nearest(inv_scale[:, None] * scales).to(torch.int32)
     lm = _nearest(inv_min[:, None] * mins).to(torch.int32)
     packed = (ls | (lm << 4)) & 255
-    d, d16 = _fp16(max_scale / _f32(15.0))
-    dmin, dmin16 = _fp16(max_min / _f32(15.0))
+    return _pack_q2_k(x, packed, _fp16(max_scale / _f32(15.0))[1], _fp16(max_min / _f32(15.0))[1], codes)
+
+
+def _pack_q2_k(x: Tensor, packed: Tensor, d16: Tensor, dmin16: Tensor, codes: Tensor) -> Tensor:
+    """Q2_K's bytes for super-blocks x (B, 256) whose sub-blocks have the scale and min bytes `packed` (B, 16), every
+    weight coded again against them (a sub-block whose scale is 0 keeps its searched codes (16, B 16))."""
+    B = x.shape[0]
+    d, dmin = d16.float(), dmin16.float()
     sub_d, sub_m = d[:, None] * (packed & 15).float(), dmin[:, None] * (packed >> 4).float()
     xs = x.reshape(B, 16, 16)
     again = torch.clamp(_nearest((xs + sub_m[..., None]) / torch.where(sub_d != 0, sub_d, 1.0)[..., None]), 0, 3)
@@ -199,12 +205,18 @@ def _q3_k(x: Tensor) -> Tensor:
     iscale = _f32(-32.0) / torch.where(some, peak, 1.0)
     l = torch.clamp(_nearest(iscale[:, None] * scales), -32, 31).to(torch.int32) + 32  # (B, 16) in 0..63
     l = torch.where(some[:, None], l, 0)
+    return _pack_q3_k(x, l, _fp16(torch.where(some, _f32(1.0) / iscale, 0.0))[1], codes)
+
+
+def _pack_q3_k(x: Tensor, l: Tensor, d16: Tensor, codes: Tensor) -> Tensor:
+    """Q3_K's bytes for super-blocks x (B, 256) whose sub-blocks have the 6-bit scales `l` (B, 16, 0..63 for -32..31)
+    against d16, every weight coded again against them (a sub-block whose scale is 0 keeps its searched codes)."""
+    B = x.shape[0]
     packed = torch.zeros(B, 12, dtype=torch.int32)  # low nibbles of scales 0-7, then 8-15 above them; top 2 bits
     packed[:, :8] = (l[:, :8] & 15) | ((l[:, 8:] & 15) << 4)
     top = l >> 4
     packed[:, 8:] = top[:, 0:4] | (top[:, 4:8] << 2) | (top[:, 8:12] << 4) | (top[:, 12:16] << 6)
-    d, d16 = _fp16(torch.where(some, _f32(1.0) / iscale, 0.0))
-    sub_d = d[:, None] * (l - 32).float()  # (the stored scales: all 0 bytes read back as -32, times d = 0)
+    sub_d = d16.float()[:, None] * (l - 32).float()  # (the stored scales: all 0 bytes read back as -32, times d = 0)
     xs = x.reshape(B, 16, 16)
     again = torch.clamp(_nearest(xs / torch.where(sub_d != 0, sub_d, 1.0)[..., None]), -4, 3) + 4
     q = torch.where((sub_d != 0)[..., None], again, codes.T.reshape(B, 16, 16)).reshape(B, QK_K).to(torch.int32)

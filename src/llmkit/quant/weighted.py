@@ -15,8 +15,10 @@ types). Per type:
 - IQ4_NL / IQ4_XS: the plain search (iquants.py) with those weights in place of x^2.
 - Q4_0 / Q5_0: make_qx_quants (kquants._signed_scale) with those weights; Q4_1 / Q5_1: make_qkx3_quants. The codes
   are the search's own (not coded again against the fp16 scale), as ggml stores them.
-- Q8_0, F16, BF16: the importance is not used (as in llama.cpp). Q2_K and Q3_K with an importance matrix are not
-  written here: quantize_blocks refuses them (they quantize without one).
+- Q2_K: each sub-block of 16 by make_qkx3_quants (squared errors; sigma2 1/256 of the sum of squares), then the 16
+  scales and the 16 mins by make_qp_quants in 4 bits. Q3_K: each sub-block by make_qx_quants with those weights, the
+  16 scales by make_qx_quants weighted by their sub-blocks' summed weights.
+- Q8_0, F16, BF16: the importance is not used (as in llama.cpp).
 
 As in kquants.py every sum runs in the C loop's order and every operation rounds to float32, so that the bytes are
 `llama-quantize --imatrix`'s (tests/quant/test_imatrix.py keeps blocks it wrote).
@@ -38,6 +40,8 @@ from llmkit.quant.kquants import (
     _k4_codes,
     _nearest,
     _ordered_sum,
+    _pack_q2_k,
+    _pack_q3_k,
     _pack_q4_k,
     _pack_q5_k,
     _pack_scales_k4,
@@ -46,8 +50,9 @@ from llmkit.quant.kquants import (
     _signed_scale,
 )
 
-WEIGHTED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")  # the importance shapes these
-UNWEIGHTED = ("Q8_0", "F16", "BF16")  # these ignore it, as llama.cpp's do
+# the types the importance shapes, and those that ignore it (as llama.cpp's do)
+WEIGHTED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+UNWEIGHTED = ("Q8_0", "F16", "BF16")
 
 
 def _sqrt(v: Tensor) -> Tensor:
@@ -120,6 +125,35 @@ def _q4_k(x: Tensor, qw: Tensor) -> Tensor:
 
 def _q5_k(x: Tensor, qw: Tensor) -> Tensor:
     return _pack_q5_k(*_k4(x, qw, 31))
+
+
+def _q2_k(x: Tensor, qw: Tensor) -> Tensor:
+    """quantize_row_q2_K_impl: each sub-block of 16 by make_qkx3_quants (squared errors, where the plain rule
+    weighs absolute ones by |x|), then the 16 scales and the 16 mins by make_qp_quants in 4 bits; sigma2 is 1/256
+    of the super-block's sum of squares (not 2/256)."""
+    B = x.shape[0]
+    sigma2 = _ordered_sum(x.T.contiguous() * x.T.contiguous()) / _f32(QK_K)
+    sub = x.reshape(B * 16, 16).T.contiguous()  # (16, B 16)
+    weights = _weights(sub, qw.reshape(B * 16, 16).T.contiguous(), sigma2.repeat_interleave(16))
+    sums = _ordered_sum(weights).reshape(B, 16).T.contiguous()  # (16, B)
+    scales, mins, codes = _scale_and_min(sub, weights, 3, -0.9, 0.05, 36)
+    d, ls = _qp(scales.reshape(B, 16).T.contiguous(), sums, 15)
+    dmin, lm = _qp(mins.reshape(B, 16).T.contiguous(), sums, 15)
+    packed = (ls.T.to(torch.int32) | (lm.T.to(torch.int32) << 4)) & 255
+    return _pack_q2_k(x, packed, _fp16(d)[1], _fp16(dmin)[1], codes)
+
+
+def _q3_k(x: Tensor, qw: Tensor) -> Tensor:
+    """quantize_row_q3_K_impl: each sub-block of 16 by make_qx_quants (codes -4..3) with the weights, then the 16
+    scales themselves by make_qx_quants (codes -32..31), weighted by their sub-blocks' summed weights."""
+    B = x.shape[0]
+    sigma2 = _f32(2.0) * _ordered_sum(x.T.contiguous() * x.T.contiguous()) / _f32(QK_K)
+    sub = x.reshape(B * 16, 16).T.contiguous()  # (16, B 16)
+    weights = _weights(sub, qw.reshape(B * 16, 16).T.contiguous(), sigma2.repeat_interleave(16))
+    sums = _ordered_sum(weights).reshape(B, 16).T.contiguous()  # (16, B)
+    scales, codes = _signed_scale(sub, 4, weights)
+    d, ls = _signed_scale(scales.reshape(B, 16).T.contiguous(), 32, sums)
+    return _pack_q3_k(x, ls.T.to(torch.int32), _fp16(d)[1], codes)
 
 
 def _q6_k_weighted(x: Tensor, qw: Tensor) -> Tensor:
@@ -197,12 +231,17 @@ def _q5_1(x: Tensor, qw: Tensor, sigma2: Tensor) -> Tensor:
     return torch.cat((_halves(d), _halves(m), _fifth(codes), _nibbles(codes)), dim=1)
 
 
-SUPER = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k_weighted, "IQ4_XS": _iq4_xs}  # units of 256 weights
+SUPER = {  # units of 256 weights
+    "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k_weighted, "IQ4_XS": _iq4_xs,
+}  # fmt: skip
 BLOCK = {"IQ4_NL": _iq4_nl}  # units of 32, no row-wide sigma2
 ROW = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1}  # units of 32, sigma2 over the row
 
 
-GGML = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23}
+GGML = {  # ggml's type numbers, cpu_kquants.cpp's `kind`
+    "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
+    "IQ4_NL": 20, "IQ4_XS": 23,
+}  # fmt: skip
 
 
 @torch.no_grad()
