@@ -123,7 +123,7 @@ class BlockLinear(HeldBlocks, QuantizedLinear):
             return out
         out.grouped = False  # the file's layout, as _encode writes it; prepare() groups it
         out.blocks.copy_(quantize_blocks(w, out.block, importance))
-        if linear.bias is not None:
+        if linear.bias is not None and out.bias is not None:
             out.bias.data.copy_(linear.bias.detach())
         out.prepare()
         return out
