@@ -1,4 +1,4 @@
-"""Importance matrices (llmkit.quant.imatrix) and quantizing with them (llmkit.quant.weighted): what is collected is
+"""Importance matrices (llmkit.interop.imatrix) and quantizing with them (llmkit.quant.weighted): what is collected is
 each layer's mean square input, the file is llama.cpp's format, the weighted quantizers write the bytes
 `llama-quantize --imatrix` wrote and lower the error that the importance weighs, and the commands use them."""
 
@@ -17,10 +17,10 @@ from llmkit import build_model, get_preset
 from llmkit.cli import main
 from llmkit.errors import InputError
 from llmkit.interop.checkpoint import save_llmkit
+from llmkit.interop.imatrix import ImportanceMatrix, collect, gguf_names, load_imatrix, text_chunks
 from llmkit.interop.load import load_model
 from llmkit.quant import native, quantize
 from llmkit.quant.blocks import dequantize, quantize_blocks
-from llmkit.quant.imatrix import ImportanceMatrix, collect, gguf_names, load_imatrix, text_chunks
 from llmkit.quant.mixtures import mixture_spec
 from llmkit.quant.weighted import WEIGHTED, quantize_weighted, quantize_weighted_reference
 
@@ -161,7 +161,7 @@ def test_a_matrix_of_another_model_is_refused_by_name():
 def test_quantize_with_an_importance_matrix_weights_the_layers_it_names():
     model = _model()
     m = collect(model, [[1, 5, 9, 200, 7, 3, 3, 8]])
-    weighted = quantize(_model(), "Q4_K_M", importance=m)
+    weighted = quantize(_model(), "Q4_K_M", importance=m.for_model(model))
     plain = quantize(_model(), "Q4_K_M")
     wq = model.blocks[0].attn.wq.weight
     imp = m.importance("blk.0.attn_q.weight")
@@ -169,7 +169,7 @@ def test_quantize_with_an_importance_matrix_weights_the_layers_it_names():
     assert not torch.equal(_blocks(weighted.blocks[0].attn.wq), _blocks(plain.blocks[0].attn.wq))
     assert torch.equal(_blocks(weighted.embed), _blocks(plain.embed))  # a lookup table: no inputs to weigh
     with pytest.raises(InputError, match="not llmkit's int8"):
-        quantize(_model(), "int8", importance=m)
+        quantize(_model(), "int8", importance=m.for_model(model))
 
 
 def test_iq4_mixtures_keep_ffn_down_in_their_type_with_an_importance_matrix():

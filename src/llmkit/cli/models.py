@@ -15,7 +15,7 @@ IMATRIX_CONTEXT = 512  # tokens a chunk
 
 if TYPE_CHECKING:
     from llmkit.config import ModelConfig
-    from llmkit.quant.imatrix import ImportanceMatrix
+    from llmkit.interop.imatrix import ImportanceMatrix
 
 
 def presets(*, json_: bool = False) -> int:
@@ -435,8 +435,8 @@ def _importance(
     import gc
 
     from llmkit.data.corpus import load_corpus
+    from llmkit.interop.imatrix import collect, is_imatrix_file, load_imatrix, text_chunks
     from llmkit.interop.load import load_model
-    from llmkit.quant.imatrix import collect, is_imatrix_file, load_imatrix, text_chunks
 
     if is_imatrix_file(path):
         return load_imatrix(path)

@@ -42,7 +42,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -53,13 +53,10 @@ from llmkit.interop.keymap import IDENTITY, Concrete
 from llmkit.interop.loaded import Loaded
 from llmkit.interop.safetensors_io import CheckpointError, open_tensors, save_tensors
 from llmkit.interop.stamps import stamped_digest
-from llmkit.interop.weights import Split, build_quantized, build_with_weights, expected_shapes
+from llmkit.interop.weights import LayerImportance, Split, build_quantized, build_with_weights, expected_shapes
 from llmkit.layers.precision import cast_state, fp32_state
 from llmkit.models import DecoderLM, EncoderDecoder, RNNConfig, RNNSeq2Seq, build_rnn
 from llmkit.parts import Index
-
-if TYPE_CHECKING:
-    from llmkit.quant.imatrix import ImportanceMatrix
 from llmkit.quant import QuantSpec, quantized_spec
 from llmkit.tokenizer import Tokenizer
 
@@ -284,7 +281,7 @@ def load_llmkit(
     verify: bool = True,
     split: Split | None = None,
     quantize: str | None = None,
-    importance: ImportanceMatrix | None = None,
+    importance: LayerImportance | None = None,
 ) -> Loaded:
     """An llmkit checkpoint, its config and files verified against their manifest first (unless not `verify`).
     `split` cuts the model on the meta device before loading, and only the parts it keeps are read (weights.py);

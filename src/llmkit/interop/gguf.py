@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,12 +33,16 @@ from llmkit.interop.gguf_file import GGUFFile
 from llmkit.interop.keymap import IDENTITY, Concrete, RopeToHalf, Rule, check_against, expand
 from llmkit.interop.loaded import Loaded
 from llmkit.interop.safetensors_io import CheckpointError, read_part
-from llmkit.interop.weights import RuleReader, Split, build_quantized, build_with_weights, expected_shapes
+from llmkit.interop.weights import (
+    LayerImportance,
+    RuleReader,
+    Split,
+    build_quantized,
+    build_with_weights,
+    expected_shapes,
+)
 from llmkit.parts import Index
 from llmkit.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from llmkit.quant.imatrix import ImportanceMatrix
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
 
@@ -173,7 +177,7 @@ def load_gguf(
     quantized: bool | None = None,
     split: Split | None = None,
     quantize: str | None = None,
-    importance: ImportanceMatrix | None = None,
+    importance: LayerImportance | None = None,
 ) -> Loaded:
     """Load a llama-architecture GGUF file and its tokenizer. `split` cuts the model on the meta device first, and
     only the rows and blocks of columns of its parts are read from the file (interop/weights.py).

@@ -19,7 +19,7 @@ from llmkit.models import DecoderLM
 from llmkit.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from llmkit.quant.imatrix import ImportanceMatrix
+    from llmkit.interop.imatrix import ImportanceMatrix
 
 
 def load_with_adapters(
@@ -127,7 +127,7 @@ def load_model(
     `quantize` (a GGUF block type, "Q8_0", ..., or one of llama.cpp's mixtures, "Q4_K_M", ...) quantizes each layer
     as it is read, so memory holds the quantized model and one float tensor at a time, never the float model (an
     8B checkpoint is 32 GB in fp32); LoRA adapters are folded into their base first, which needs the whole
-    weights. `importance` (llmkit.quant.imatrix) weighs each layer's quantization by its inputs' importance.
+    weights. `importance` (llmkit.interop.imatrix) weighs each layer's quantization by its inputs' importance.
 
     `own_width` (for inference: the model's layers become block layers, which do not train): a Hugging Face
     checkpoint stored in bf16 or fp16, loaded on the CPU with dtype None, keeps its linear layers, head and
@@ -142,6 +142,7 @@ def load_model(
             f"{path} holds LoRA adapters, which cannot be read in slices: folding them into their base needs the "
             f"whole weights. Write the merged model first (`llmkit merge {path} MERGED`) and load that"
         )
+    rows_for = importance.for_model if importance is not None else None
     whole = False  # adapters fold into their base's whole weights: quantized after loading
     if kind == "hf" and not (Path(path) / "config.json").is_file():  # PEFT's adapters
         loaded, whole = load_peft_folder(path, dtype=dtype, device=device, verify=verify), True
@@ -154,17 +155,17 @@ def load_model(
             loaded.source, whole = "llmkit", True
         else:
             loaded = load_llmkit(
-                path, dtype=dtype, device=device, verify=verify, split=split, quantize=quantize, importance=importance
+                path, dtype=dtype, device=device, verify=verify, split=split, quantize=quantize, importance=rows_for
             )
     elif kind == "gguf":
         if quantize is not None:
             quantized = False
         loaded = load_gguf(
-            path, dtype=dtype, device=device, quantized=quantized, split=split, quantize=quantize, importance=importance
+            path, dtype=dtype, device=device, quantized=quantized, split=split, quantize=quantize, importance=rows_for
         )
     else:
         ck = load_hf(
-            path, dtype=dtype, device=device, split=split, quantize=quantize, own_width=own_width, importance=importance
+            path, dtype=dtype, device=device, split=split, quantize=quantize, own_width=own_width, importance=rows_for
         )
         loaded = Loaded(
             ck.model, Tokenizer.from_dir(path), "hf", Path(path), ck.model_type, ck.hf_config, ck.generation_config
@@ -172,7 +173,8 @@ def load_model(
     if whole and quantize is not None:
         from llmkit.quant import quantize as quantize_model
 
-        quantize_model(loaded.model, quantize, include_head=True, importance=importance)
+        rows = importance.for_model(loaded.model) if importance is not None else None
+        quantize_model(loaded.model, quantize, include_head=True, importance=rows)
     check_finite_weights(loaded.model, Path(path))
     return loaded
 

@@ -29,7 +29,9 @@ from llmkit.parts import SOURCE, Index, mark_sources, narrowed, own, parts_of
 
 if TYPE_CHECKING:
     from llmkit.quant import QuantSpec
-    from llmkit.quant.imatrix import ImportanceMatrix
+
+# a model -> the importance of each input of its layers, by layer name (ImportanceMatrix.for_model)
+LayerImportance = Callable[[torch.nn.Module], Mapping[str, Tensor]]
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -122,7 +124,7 @@ def build_with_weights(
     quantize: str | None = None,
     own_width: bool = False,
     view: Callable[[str], Tensor] | None = None,
-    importance: ImportanceMatrix | None = None,
+    importance: LayerImportance | None = None,
 ) -> DecoderLM | EncoderDecoder:
     """A model for `cfg` holding the source's weights. Raises MappingError naming missing, unexpected or misshapen
     source tensors before anything is read. `split` cuts the model (on the meta device) first, and then only the
@@ -204,7 +206,7 @@ def _quantizing(
     method: str,
     read: Callable[[str, Index | None], Tensor],
     source: Callable[[str, str], Tensor],
-    importance: ImportanceMatrix | None = None,
+    importance: LayerImportance | None = None,
 ) -> Callable[[str, Index | None], Tensor]:
     """Give the meta-device `model` the quantized structure of `method` (a GGUF block type for every linear layer
     and the head, or a mixture's types: llmkit.quant.mixtures), and return a reader that fills each layer's blocks
@@ -222,7 +224,7 @@ def _quantizing(
         raise LLMKitError(f"quantizing while loading takes a GGUF block type or a mixture, not {method!r}")
     spec = spec_for(model, name, include_head=True, importance=importance is not None)
     tied = getattr(model, "head", "absent") is None
-    rows = importance.for_model(model) if importance is not None else {}
+    rows = importance(model) if importance is not None else {}
     apply_spec(model, spec)
 
     def read_quantized(key: str, index: Index | None) -> Tensor:

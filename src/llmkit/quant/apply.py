@@ -11,6 +11,7 @@ the head's codes, as a GGUF file's tied table loads). Routers and norms stay in 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -24,7 +25,6 @@ from llmkit.quant.block_linear import BlockLinear
 from llmkit.quant.blocks import FLOAT_TYPES, TYPES
 from llmkit.quant.embedding import BlockEmbedding, QuantizedEmbedding
 from llmkit.quant.experts import QuantizedExperts
-from llmkit.quant.imatrix import ImportanceMatrix
 from llmkit.quant.kernels import Kernel
 from llmkit.quant.linear import Int4Linear, Int8Linear, QuantizedLinear
 from llmkit.quant.mixtures import MIXTURES, mixture_spec
@@ -48,17 +48,17 @@ def quantize(
     group_size: int | None = None,
     include_head: bool = False,
     kernel: Kernel = "auto",
-    importance: ImportanceMatrix | None = None,
+    importance: Mapping[str, torch.Tensor] | None = None,
 ) -> nn.Module:
     """Replace `model`'s linear layers (and MoE experts; and the head with include_head) by quantized ones, in
     place; returns the model. int8 defaults to one scale per output row, int4 to groups of 32. `method` may also
     name one of llama.cpp's mixtures ("Q4_K_M", ...: llmkit.quant.mixtures), which sets each layer's block type,
-    the head's and the embedding table's. `importance` (imatrix.py) weighs each block-type layer it has a row for
-    by its inputs' importance (weighted.py)."""
+    the head's and the embedding table's. `importance`: layer name -> the importance of each of its inputs
+    (ImportanceMatrix.for_model, llmkit.interop.imatrix) weighs those block-type layers' quantization (weighted.py)."""
     if quantized_spec(model) is not None or any(isinstance(m, QuantizedLinear) for m in model.modules()):
         raise InputError("the model is already quantized (quantize a float model, or load the float checkpoint)")
     spec = spec_for(model, method, group_size, include_head, importance=importance is not None)
-    rows = importance.for_model(model) if importance is not None else {}
+    rows = dict(importance or {})
     if rows and spec.method in ("int8", "int4") and not spec.layers:
         raise InputError(f"an importance matrix weighs llama.cpp's block types, not llmkit's {spec.method}")
     for name, module in targets(model, spec):

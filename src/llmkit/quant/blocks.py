@@ -390,7 +390,7 @@ def quantize_blocks(w: Tensor, kind: BlockType | str, importance: Tensor | None 
     reference rules: for the 32-weight types the bytes the `gguf` package's quantize gives, for the K-quants
     (kquants.py) those of ggml's quantize_row_*_ref, for IQ4_NL and IQ4_XS (iquants.py) those `llama-quantize`
     writes without an importance matrix; F16 and BF16 round to the nearest (half to even). With `importance` (K,):
-    each input's mean square activation (imatrix.py), by llama.cpp's rules with an importance matrix
+    each input's mean square activation (llmkit.interop.imatrix), by llama.cpp's rules with an importance matrix
     (weighted.py; Q8_0, F16 and BF16 do not use it)."""
     t = kind if isinstance(kind, BlockType) else block_type(kind)
     N, K = w.shape

@@ -1,6 +1,6 @@
 """Quantizing with an importance matrix, by llama.cpp's rules (ggml-quants.c's quantize_row_*_impl, which
 `llama-quantize --imatrix` runs): the same block formats, but each weight's error counts in proportion to how large
-its input is on real text (imatrix.py collects that), so the scales fit the weights that matter.
+its input is on real text (llmkit.interop.imatrix collects that), so the scales fit the weights that matter.
 
 The importance of input column j, qw[j], is the mean of x_j^2 over the calibration tokens. A weight's own weight in
 a fit is qw[j] sqrt(sigma2 + w^2), sigma2 a mean square of the weights around it (2/256 of the super-block's sum

@@ -15,7 +15,7 @@ import shutil
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -36,12 +36,9 @@ from llmkit.interop.hf.stablelm import StableLMFamily
 from llmkit.interop.hf.starcoder2 import StarCoder2Family
 from llmkit.interop.keymap import check_against, convert_to_ours, convert_to_theirs, expand
 from llmkit.interop.safetensors_io import CheckpointError, open_tensors, save_tensors
-from llmkit.interop.weights import Split, build_with_weights, expected_shapes
+from llmkit.interop.weights import LayerImportance, Split, build_with_weights, expected_shapes
 from llmkit.layers.precision import cast_state, fp32_state
 from llmkit.models import DecoderLM, EncoderDecoder
-
-if TYPE_CHECKING:
-    from llmkit.quant.imatrix import ImportanceMatrix
 
 FAMILIES: list[Family] = [
     LlamaFamily(),
@@ -157,7 +154,7 @@ def load_hf(
     split: Split | None = None,
     quantize: str | None = None,
     own_width: bool = False,
-    importance: ImportanceMatrix | None = None,
+    importance: LayerImportance | None = None,
 ) -> HFCheckpoint:
     """Load a Hugging Face checkpoint directory into llmkit. dtype None keeps the checkpoint's floating dtype.
     `split` cuts the model on the meta device before loading, and only its parts are read (interop/weights.py);

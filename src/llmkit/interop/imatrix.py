@@ -1,5 +1,6 @@
 """Importance matrices: how large each input of each linear layer is on real text, so that quantizing spends its
-precision where the activations are (weighted.py uses them; llama.cpp's `llama-imatrix` computes the same thing).
+precision where the activations are (llmkit.quant.weighted uses them; llama.cpp's `llama-imatrix` computes the
+same thing).
 
 For every linear layer the model runs over calibration text, `collect` adds up x_j^2 over every token for each input
 column j, and counts the tokens; a layer's importance is the mean, sums / count. Text is cut into chunks of
