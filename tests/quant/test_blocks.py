@@ -90,6 +90,23 @@ def test_kernels_multiply_the_blocks_exactly_and_row_by_row(kind, rows):
 
 
 @needs_native
+@pytest.mark.parametrize("kind", ALL)
+def test_a_column_s_bits_do_not_depend_on_the_columns_computed_with_it(kind):
+    """Kernels take several columns at a time (Q4_K four, one to a register lane; the last group of a range padded):
+    any run of columns, starting anywhere, gives each column the bits it has in the whole product."""
+    cols, t = _width(kind), TYPES[kind]
+    held = group_blocks(_raw(kind, 37, cols, seed=3), kind)
+    ext = native.module()
+    for rows in (1, 5):
+        x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+        for kernel in _kernels():
+            with native.integer_kernel_set(kernel):
+                whole = ext.block_linear(x, held, t.ggml, 1000)
+                for a, b in [(0, 1), (1, 6), (2, 5), (3, 37), (33, 37), (36, 37)]:
+                    part = ext.block_linear(x, held[a:b].contiguous(), t.ggml, 1000)
+                    assert torch.equal(part, whole[:, a:b]), (kernel, rows, a, b)
+
+@needs_native
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "BF16", "F16"])
 def test_many_rows_multiply_the_dequantized_panels(kind):
     cols, t = _width(kind), TYPES[kind]

@@ -154,6 +154,24 @@ void pack_2bit(const uint8_t* L, uint8_t* qs) {
   }
 }
 
+// A Q2_K block's bytes once its 16 scale-and-min bytes are in out[0, 16): d and dmin, then x's codes recomputed
+// against the scales as stored (both quantizers end so)
+LLMKIT_EXACT void q2_k_store(const float* x, uint16_t d16, uint16_t dmin16, uint8_t* L, uint8_t* out) {
+  const uint8_t* sc = out;
+  put_half(out + 80, d16);
+  put_half(out + 82, dmin16);
+  const float d = half_value(d16), dmin = half_value(dmin16);
+  for (int j = 0; j < 16; ++j) {
+    const float sub_d = d * static_cast<float>(sc[j] & 15);
+    if (sub_d == 0) continue;
+    const float sub_m = dmin * static_cast<float>(sc[j] >> 4);
+    for (int l = 0; l < 16; ++l) {
+      L[16 * j + l] = static_cast<uint8_t>(std::clamp(nearest((x[16 * j + l] + sub_m) / sub_d), 0.f, 3.f));
+    }
+  }
+  pack_2bit(L, out + 16);
+}
+
 // Q2_K (kquants._q2_k): 16 sub-blocks of 16, each one's scale and min by make_qkx2_quants (weights |x|, absolute
 // errors), both coded in 4 bits against fp16 d and dmin
 LLMKIT_EXACT void q2_k(const float* x, uint8_t* out) {
@@ -176,19 +194,7 @@ LLMKIT_EXACT void q2_k(const float* x, uint8_t* out) {
     sc[j] = static_cast<uint8_t>(static_cast<int>(nearest(inv_scale * scales[j])));
     sc[j] |= static_cast<uint8_t>(static_cast<int>(nearest(inv_min * mins[j])) << 4);
   }
-  const uint16_t d16 = half_bits(max_scale / 15.f), dmin16 = half_bits(max_min / 15.f);
-  put_half(out + 80, d16);
-  put_half(out + 82, dmin16);
-  const float d = half_value(d16), dmin = half_value(dmin16);
-  for (int j = 0; j < 16; ++j) {
-    const float sub_d = d * static_cast<float>(sc[j] & 15);
-    if (sub_d == 0) continue;
-    const float sub_m = dmin * static_cast<float>(sc[j] >> 4);
-    for (int l = 0; l < 16; ++l) {
-      L[16 * j + l] = static_cast<uint8_t>(std::clamp(nearest((x[16 * j + l] + sub_m) / sub_d), 0.f, 3.f));
-    }
-  }
-  pack_2bit(L, out + 16);
+  q2_k_store(x, half_bits(max_scale / 15.f), half_bits(max_min / 15.f), L, out);
 }
 
 // make_q3_quants(16, 4, ., rmse) (kquants._q3_search): codes 0..7 of w = scale (q - 4), all 0 for a zero sub-block
@@ -228,26 +234,10 @@ LLMKIT_EXACT float q3_search(const float* x, uint8_t* codes) {
   return sum_l2 > 0 ? sum_lx / sum_l2 : 0.f;
 }
 
-// Q3_K (kquants._q3_k): 16 sub-blocks of 16, signed 6-bit scales against one fp16 d, 3-bit codes (a high bit apart)
-LLMKIT_EXACT void q3_k(const float* x, uint8_t* out) {
-  uint8_t L[QK];
-  float scales[16], amax = 0, peak = 0;
-  for (int j = 0; j < 16; ++j) {
-    scales[j] = q3_search(x + 16 * j, L + 16 * j);
-    if (std::fabs(scales[j]) > amax) amax = std::fabs(scales[j]), peak = scales[j];
-  }
-  std::memset(out, 0, 110);
+// A Q3_K block's bytes once its scales are in out[96, 108) (the rest zero): d, then x's codes recomputed against the
+// scales as stored, their high bits in hmask (both quantizers end so)
+LLMKIT_EXACT void q3_k_store(const float* x, uint16_t d16, uint8_t* L, uint8_t* out) {
   uint8_t *hmask = out, *sc = out + 96;
-  uint16_t d16 = half_bits(0.f);
-  if (peak != 0) {
-    const float iscale = -32.f / peak;
-    for (int j = 0; j < 16; ++j) {
-      const int l = static_cast<int>(std::clamp(nearest(iscale * scales[j]), -32.f, 31.f)) + 32;
-      sc[j % 8] |= (l & 15) << (j < 8 ? 0 : 4);
-      sc[8 + j % 4] |= (l >> 4) << (2 * (j / 4));
-    }
-    d16 = half_bits(1.f / iscale);
-  }
   put_half(out + 108, d16);
   const float d = half_value(d16);
   for (int j = 0; j < 16; ++j) {
@@ -262,6 +252,29 @@ LLMKIT_EXACT void q3_k(const float* x, uint8_t* out) {
     if (L[j] > 3) hmask[j % 32] |= 1 << (j / 32), L[j] -= 4;
   }
   pack_2bit(L, out + 32);
+}
+
+// Q3_K (kquants._q3_k): 16 sub-blocks of 16, signed 6-bit scales against one fp16 d, 3-bit codes (a high bit apart)
+LLMKIT_EXACT void q3_k(const float* x, uint8_t* out) {
+  uint8_t L[QK];
+  float scales[16], amax = 0, peak = 0;
+  for (int j = 0; j < 16; ++j) {
+    scales[j] = q3_search(x + 16 * j, L + 16 * j);
+    if (std::fabs(scales[j]) > amax) amax = std::fabs(scales[j]), peak = scales[j];
+  }
+  std::memset(out, 0, 110);
+  uint8_t* sc = out + 96;
+  uint16_t d16 = half_bits(0.f);
+  if (peak != 0) {
+    const float iscale = -32.f / peak;
+    for (int j = 0; j < 16; ++j) {
+      const int l = static_cast<int>(std::clamp(nearest(iscale * scales[j]), -32.f, 31.f)) + 32;
+      sc[j % 8] |= (l & 15) << (j < 8 ? 0 : 4);
+      sc[8 + j % 4] |= (l >> 4) << (2 * (j / 4));
+    }
+    d16 = half_bits(1.f / iscale);
+  }
+  q3_k_store(x, d16, L, out);
 }
 
 LLMKIT_EXACT void k4_store(const float* x, int nmax, uint16_t d16, uint16_t dmin16, const uint8_t* ls,
@@ -578,20 +591,8 @@ LLMKIT_EXACT void q2_k_weighted(const float* x, const float* qw, uint8_t* out) {
     scales[j] = scale_and_min(x + 16 * j, weights, 16, 3, -0.9f, 0.05f, 36, L + 16 * j, &mins[j]);
   }
   const uint16_t d16 = half_bits(qp(scales, sums, 16, 15, ls)), dmin16 = half_bits(qp(mins, sums, 16, 15, lm));
-  uint8_t* sc = out;
-  for (int j = 0; j < 16; ++j) sc[j] = static_cast<uint8_t>(ls[j] | (lm[j] << 4));
-  put_half(out + 80, d16);
-  put_half(out + 82, dmin16);
-  const float d = half_value(d16), dmin = half_value(dmin16);
-  for (int j = 0; j < 16; ++j) {
-    const float sub_d = d * static_cast<float>(sc[j] & 15);
-    if (sub_d == 0) continue;
-    const float sub_m = dmin * static_cast<float>(sc[j] >> 4);
-    for (int l = 0; l < 16; ++l) {
-      L[16 * j + l] = static_cast<uint8_t>(std::clamp(nearest((x[16 * j + l] + sub_m) / sub_d), 0.f, 3.f));
-    }
-  }
-  pack_2bit(L, out + 16);
+  for (int j = 0; j < 16; ++j) out[j] = static_cast<uint8_t>(ls[j] | (lm[j] << 4));
+  q2_k_store(x, d16, dmin16, L, out);
 }
 
 // Q3_K with an importance matrix (weighted._q3_k): sub-blocks by make_qx_quants with the weights, the 16 scales by
@@ -609,24 +610,12 @@ LLMKIT_EXACT void q3_k_weighted(const float* x, const float* qw, uint8_t* out) {
   }
   const uint16_t d16 = half_bits(signed_scale(scales, 16, 32, ls, sums));
   std::memset(out, 0, 110);
-  uint8_t *hmask = out, *sc = out + 96;
+  uint8_t* sc = out + 96;
   for (int j = 0; j < 16; ++j) {
     sc[j % 8] |= (ls[j] & 15) << (j < 8 ? 0 : 4);
     sc[8 + j % 4] |= (ls[j] >> 4) << (2 * (j / 4));
   }
-  put_half(out + 108, d16);
-  const float d = half_value(d16);
-  for (int j = 0; j < 16; ++j) {
-    const float sub_d = d * static_cast<float>(static_cast<int>(ls[j]) - 32);
-    if (sub_d == 0) continue;
-    for (int l = 0; l < 16; ++l) {
-      L[16 * j + l] = static_cast<uint8_t>(std::clamp(nearest(x[16 * j + l] / sub_d), -4.f, 3.f) + 4.f);
-    }
-  }
-  for (int j = 0; j < QK; ++j) {  // the high bit of weight j: bit j / 32 of hmask[j % 32]
-    if (L[j] > 3) hmask[j % 32] |= 1 << (j / 32), L[j] -= 4;
-  }
-  pack_2bit(L, out + 32);
+  q3_k_store(x, d16, L, out);
 }
 
 LLMKIT_EXACT void iq4_nl_weighted(const float* x, const float* qw, uint8_t* out) {
