@@ -41,6 +41,8 @@ void block_columns(const BlockMatrix& w, const BlockRows& x, int64_t n0, int64_t
     using T = decltype(t);
     if constexpr (FLOATS<T>)
       wide_float_columns<T>(w, x, n0, n1, y, ldy);
+    else if constexpr (K4<T>)
+      k4_columns<std::is_same_v<T, Q5_KT>>(w, x, n0, n1, y, ldy);
     else if constexpr (WIDE<T>)
       wide_columns<T>(w, x, n0, n1, y, ldy);
     else
@@ -106,25 +108,23 @@ void quantize_block_rows(const float* x, int64_t M, int64_t K, int64_t group, Bl
       if (j % 4 == 0) out.sums[m * (K / 16) + j / 4] = 0;
       out.sums[m * (K / 16) + j / 4] = static_cast<int16_t>(out.sums[m * (K / 16) + j / 4] + four);  // |sum| <= 2032
     }
-  if (!vnni) return;
+  if (!vnni || group != 32) return;
   // the wide kernels' order (BlockRows::alt)
   out.alt.resize(M * K);
-  const int64_t span = group == 32 ? 128 : 256, piece = group == 32 ? 16 : 32;
-  const int order32[8] = {0, 2, 4, 6, 1, 3, 5, 7}, order256[8] = {0, 2, 1, 3, 4, 6, 5, 7};
-  const int* order = group == 32 ? order32 : order256;
+  const int64_t span = 128, piece = 16;
+  const int order[8] = {0, 2, 4, 6, 1, 3, 5, 7};
   for (int64_t m = 0; m < M; ++m)
     for (int64_t s = 0; s + span <= K; s += span)
       for (int p = 0; p < 8; ++p)
         std::memcpy(out.alt.data() + m * K + s + p * piece, out.q.data() + m * K + s + order[p] * piece, piece);
-  out.alt_flip.assign(group == 32 ? M * (K / 8) : 0, 0);
-  if (group == 32)
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t s = 0; s + span <= K; s += span)
-        for (int l = 0; l < 16; ++l) {
-          const int8_t* a = out.alt.data() + m * K + s + 4 * l;
-          const int sum = a[0] + a[1] + a[2] + a[3] + a[64] + a[65] + a[66] + a[67];
-          out.alt_flip[(m * K + s) / 8 + l] = -128 * sum;
-        }
+  out.alt_flip.assign(M * (K / 8), 0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t s = 0; s + span <= K; s += span)
+      for (int l = 0; l < 16; ++l) {
+        const int8_t* a = out.alt.data() + m * K + s + 4 * l;
+        const int sum = a[0] + a[1] + a[2] + a[3] + a[64] + a[65] + a[66] + a[67];
+        out.alt_flip[(m * K + s) / 8 + l] = -128 * sum;
+      }
 }
 
 void block_columns(const BlockMatrix& w, const BlockRows& x, int64_t n0, int64_t n1, float* y, int64_t ldy) {

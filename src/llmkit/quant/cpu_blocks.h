@@ -36,9 +36,8 @@ BlockMatrix block_matrix(const torch::Tensor& blocks, int kind, int64_t K);
 // sub-block scales then apply in integers, as llama.cpp's Q8_K does), with each group's scale d, each 16 inputs' sum
 // of codes (the terms of the types' mins and offsets), and -128 times each 4 codes' sum (VNNI's flipped codes).
 // The wide kernels (cpu_blocks_wide.inc) also read the codes reordered to the order their weights' nibbles unpack in
-// (alt): per 128 inputs the 16-byte pieces 0, 2, 4, 6, 1, 3, 5, 7 for groups of 32 (4 bodies of Q4_0 or IQ4_NL),
-// per 256 the 32-byte pieces 0, 2, 1, 3, 4, 6, 5, 7 for groups of 256 (Q4_K's and Q5_K's chunks); and for groups of
-// 32, per 128 inputs, -128 times the sums of the 4 codes of alt's pieces i and i + 4 (a lane's two halves).
+// (alt, groups of 32): per 128 inputs the 16-byte pieces 0, 2, 4, 6, 1, 3, 5, 7 (4 bodies of Q4_0 or IQ4_NL), and
+// -128 times the sums of the 4 codes of alt's pieces i and i + 4 (a lane's two halves).
 struct BlockRows {
   int64_t M = 0, K = 0, group = 32;
   const float* xf = nullptr;      // (M, K): group 0 (borrowed from the caller)
@@ -46,7 +45,7 @@ struct BlockRows {
   std::vector<float> d;           // (M, K / group)
   std::vector<int16_t> sums;      // (M, K / 16)
   std::vector<int32_t> flip;      // (M, K / 4), where the VNNI kernels run
-  std::vector<int8_t> alt;        // (M, K), where the VNNI kernels run
+  std::vector<int8_t> alt;        // (M, K), groups of 32, where the VNNI kernels run
   std::vector<int32_t> alt_flip;  // (M, K / 8), groups of 32, where the VNNI kernels run
 };
 
