@@ -106,6 +106,7 @@ def test_a_column_s_bits_do_not_depend_on_the_columns_computed_with_it(kind):
                     part = ext.block_linear(x, held[a:b].contiguous(), t.ggml, 1000)
                     assert torch.equal(part, whole[:, a:b]), (kernel, rows, a, b)
 
+
 @needs_native
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "BF16", "F16"])
 def test_many_rows_multiply_the_dequantized_panels(kind):
