@@ -536,9 +536,11 @@ LLMKIT_EXACT float qp(const float* x, const float* w, int n, int nmax, uint8_t* 
   return sum_l2 > 0 ? sum_lx / sum_l2 : 0.f;
 }
 
-// qw sqrt(sigma2 + x^2) for n weights
-LLMKIT_EXACT void importance_weights(const float* x, const float* qw, float sigma2, int n, float* w) {
-  for (int j = 0; j < n; ++j) w[j] = qw[j] * std::sqrt(sigma2 + x[j] * x[j]);
+// qw sqrt(sigma2 + x^2) for n weights; returns their sum, in order (a sub-block's weight when its scale is coded)
+LLMKIT_EXACT float importance_weights(const float* x, const float* qw, float sigma2, int n, float* w) {
+  float sum = 0;
+  for (int j = 0; j < n; ++j) w[j] = qw[j] * std::sqrt(sigma2 + x[j] * x[j]), sum += w[j];
+  return sum;
 }
 
 LLMKIT_EXACT float sum_squares(const float* x, int n) {
@@ -552,10 +554,7 @@ LLMKIT_EXACT void k4_weighted(const float* x, const float* qw, int nmax, uint8_t
   const float sigma2 = 2.f * sum_squares(x, QK) / static_cast<float>(QK);
   float scales[8], mins[8], sums[8], weights[32];
   for (int j = 0; j < 8; ++j) {
-    importance_weights(x + 32 * j, qw + 32 * j, sigma2, 32, weights);
-    float sum = 0;
-    for (int l = 0; l < 32; ++l) sum += weights[l];
-    sums[j] = sum;
+    sums[j] = importance_weights(x + 32 * j, qw + 32 * j, sigma2, 32, weights);
     scales[j] = scale_and_min(x + 32 * j, weights, 32, nmax, -0.9f, 0.05f, 36, L + 32 * j, &mins[j]);
   }
   uint8_t ls[8], lm[8];
@@ -584,10 +583,7 @@ LLMKIT_EXACT void q2_k_weighted(const float* x, const float* qw, uint8_t* out) {
   uint8_t L[QK], ls[16], lm[16];
   float scales[16], mins[16], sums[16], weights[16];
   for (int j = 0; j < 16; ++j) {
-    importance_weights(x + 16 * j, qw + 16 * j, sigma2, 16, weights);
-    float sum = 0;
-    for (int l = 0; l < 16; ++l) sum += weights[l];
-    sums[j] = sum;
+    sums[j] = importance_weights(x + 16 * j, qw + 16 * j, sigma2, 16, weights);
     scales[j] = scale_and_min(x + 16 * j, weights, 16, 3, -0.9f, 0.05f, 36, L + 16 * j, &mins[j]);
   }
   const uint16_t d16 = half_bits(qp(scales, sums, 16, 15, ls)), dmin16 = half_bits(qp(mins, sums, 16, 15, lm));
@@ -602,10 +598,7 @@ LLMKIT_EXACT void q3_k_weighted(const float* x, const float* qw, uint8_t* out) {
   uint8_t L[QK], ls[16];
   float scales[16], sums[16], weights[16];
   for (int j = 0; j < 16; ++j) {
-    importance_weights(x + 16 * j, qw + 16 * j, sigma2, 16, weights);
-    float sum = 0;
-    for (int l = 0; l < 16; ++l) sum += weights[l];
-    sums[j] = sum;
+    sums[j] = importance_weights(x + 16 * j, qw + 16 * j, sigma2, 16, weights);
     scales[j] = signed_scale(x + 16 * j, 16, 4, L + 16 * j, weights);
   }
   const uint16_t d16 = half_bits(signed_scale(scales, 16, 32, ls, sums));
