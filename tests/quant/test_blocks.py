@@ -108,16 +108,21 @@ def test_a_column_s_bits_do_not_depend_on_the_columns_computed_with_it(kind):
 
 
 @needs_native
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "BF16", "F16"])
+@pytest.mark.parametrize("kind", list(TYPES))
 def test_many_rows_multiply_the_dequantized_panels(kind):
+    """A prompt's product: the weights dequantized in panels, fp32 or rounded to bf16 in registers (nearest even, as
+    torch rounds), then torch's product: the same bits as torch's product of the dequantized weights."""
     cols, t = _width(kind), TYPES[kind]
     raw = _raw(kind, 40, cols)
     w = _reference(kind, raw, cols)
     x = torch.randn(64, cols)
     ext = native.module()
-    fp32 = ext.block_linear(x, group_blocks(raw, kind), t.ggml, 32, False)
+    held = group_blocks(raw, kind)
+    fp32 = ext.block_linear(x, held, t.ggml, 32, False)
     torch.testing.assert_close(fp32, x @ w.T, rtol=1e-5, atol=1e-5 * float((x @ w.T).abs().max()))
-    bf16 = ext.block_linear(x, group_blocks(raw, kind), t.ggml, 32, True)
+    bf16 = ext.block_linear(x, held, t.ggml, 32, True)
+    ours = ext.block_dequantize(held, t.ggml, cols)
+    assert torch.equal(bf16, (x.bfloat16() @ ours.bfloat16().T).float())
     want = (x.bfloat16() @ w.bfloat16().T).float()
     torch.testing.assert_close(bf16, want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))
 

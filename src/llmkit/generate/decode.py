@@ -22,6 +22,7 @@ from llmkit.generate.sessions import DecoderSession, Session
 from llmkit.generate.step import DecodeStep
 from llmkit.generate.stops import Rows, StopRule
 from llmkit.models import DecoderLM
+from llmkit.perf import tune_allocator
 from llmkit.tokenizer import Tokenizer
 
 
@@ -83,6 +84,9 @@ def _start(
     step: DecodeStep | None,
 ) -> tuple[DecoderSession, Tensor | None]:
     """The prompts prefilled into a session, and the tokens the repetition penalty counts (None without one)."""
+    # A prompt's activations are large (a 512-token prefill of a 1.5B model frees and allocates 2.3 GiB of them):
+    # reused from the heap, not faulted in afresh (perf.tune_allocator; 100 -> 125 tokens/s there, BENCHMARKS.md).
+    tune_allocator()
     tokens, mask = prepare_prompts(model, prompts, padding_mask, max_new_tokens)
     session = DecoderSession(model, tokens, mask, max_new_tokens, step)
     return session, tokens.masked_fill(~mask, -1) if sampling.repetition_penalty != 1.0 else None

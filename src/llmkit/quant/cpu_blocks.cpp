@@ -141,12 +141,7 @@ void dequantize_block_rows(const BlockMatrix& w, int64_t n0, int64_t n1, float* 
 }
 
 void dequantize_block_rows_bf16(const BlockMatrix& w, int64_t n0, int64_t n1, uint16_t* out) {
-  std::vector<float> row(w.K);
-  for (int64_t n = n0; n < n1; ++n) {
-    avx2::dequantize_rows(w, n, n + 1, row.data());
-    const torch::Tensor src = torch::from_blob(row.data(), {w.K}, torch::kFloat32);
-    torch::from_blob(out + (n - n0) * w.K, {w.K}, torch::kBFloat16).copy_(src);
-  }
+  avx2::dequantize_rows_bf16(w, n0, n1, out);
 }
 
 void BlockProduct::prepare(const float* x, int64_t M, int64_t K, const std::vector<BlockMatrix>& ws) {

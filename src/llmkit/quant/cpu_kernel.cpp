@@ -440,16 +440,9 @@ void dequantize_rows(const QuantizedMatrix& w, int64_t n0, int64_t n1, float* ou
   }
 }
 
-// 16 floats -> 16 bf16 (their upper halves, rounded to nearest even, as torch rounds finite values)
+// 16 floats -> 16 bf16
 inline void bf16_16(const float* src, uint16_t* dst) {
-  __m256i half[2];
-  for (int i = 0; i < 2; ++i) {
-    const __m256i b = _mm256_castps_si256(_mm256_loadu_ps(src + 8 * i));
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-    half[i] = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  }
-  const __m256i packed = _mm256_packus_epi32(half[0], half[1]);  // per 128-bit lane: 4 of each
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_permute4x64_epi64(packed, 0xD8));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), bf16_round(_mm256_loadu_ps(src), _mm256_loadu_ps(src + 8)));
 }
 
 namespace {

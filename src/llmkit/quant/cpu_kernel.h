@@ -3,6 +3,7 @@
 
 #pragma once
 
+#include <immintrin.h>
 #include <torch/extension.h>
 
 #include <cstdint>
@@ -111,6 +112,19 @@ void vnni_columns(const QuantizedMatrix& w, const VnniRows& x, int64_t n0, int64
 void dequantize_rows(const QuantizedMatrix& w, int64_t n0, int64_t n1, float* out);
 // The same rounded to bf16 (the bits of at::BFloat16), for a product on the CPU's bf16 units.
 void dequantize_rows_bf16(const QuantizedMatrix& w, int64_t n0, int64_t n1, uint16_t* out);
+
+// 2 x 8 floats -> 16 bf16 (their upper halves, rounded to nearest even, as torch rounds finite values): lo's, then
+// hi's, as one register of 16-bit lanes
+inline __m256i bf16_round(__m256 lo, __m256 hi) {
+  __m256i half[2];
+  const __m256 f[2] = {lo, hi};
+  for (int i = 0; i < 2; ++i) {
+    const __m256i b = _mm256_castps_si256(f[i]);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    half[i] = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  }
+  return _mm256_permute4x64_epi64(_mm256_packus_epi32(half[0], half[1]), 0xD8);  // packus pairs 128-bit lanes
+}
 
 // y[m, n] = (x @ W^T)[m, n] for n in [n0, n1), an fp32 W (N, K) and a few rows of x (M, K): a plain FMA loop over
 // W's rows (MKL runs such small products on one thread, and 5x slower per byte beyond one row). y: (M, ldy).
