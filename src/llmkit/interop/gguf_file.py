@@ -133,6 +133,24 @@ class _Header:
         self.at += n
         return text
 
+    def strings(self, count: int) -> list[str]:
+        """`count` strings in a row (a vocabulary: 49,152-151,936 of them), read as string() reads one, in one loop
+        (a third of the time)."""
+        buf, at, size, out = self.buf, self.at, self.size, []
+        length = struct.Struct("<Q").unpack_from
+        for _ in range(count):
+            if at + 8 > size:
+                self.at = at
+                self.need(8, "a header field")
+            (n,) = length(buf, at)
+            if at + 8 + n > size:
+                self.at = at + 8
+                self.need(n, "a string")
+            out.append(str(buf[at + 8 : at + 8 + n], "utf-8", "replace"))
+            at += 8 + n
+        self.at = at
+        return out
+
     def value(self, kind: int, depth: int = 0) -> Any:
         if kind in _SCALARS:
             return self.take(_SCALARS[kind])
@@ -147,6 +165,6 @@ class _Header:
                 self.at += count * width
                 return values
             if inner in (8, 9) and count <= self.size - self.at:  # each entry takes at least 8 bytes
-                return [self.value(inner, depth + 1) for _ in range(count)]
+                return self.strings(count) if inner == 8 else [self.value(inner, depth + 1) for _ in range(count)]
             raise CheckpointError(f"{self.path} is damaged: an array of type {inner} and {count} entries")
         raise CheckpointError(f"{self.path} is damaged: unknown metadata type {kind} at byte {self.at}")

@@ -9,6 +9,7 @@ data is shorter than its header promises is reported as truncated before anythin
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import math
@@ -17,6 +18,7 @@ import os
 import struct
 import warnings
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -184,11 +186,23 @@ def weight_memory(n: int) -> bytearray | mmap.mmap:
     return mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
+# Bytes one reading thread reads at a time. Reads into fresh memory are bound by the first touch of its pages, which
+# the kernel serves on the core that touches them: the 3B Q8_0 file's 3.3 GB read at 1.55 GB/s by one thread, 2.5-3.0
+# by two (a 2-core Zen 4 VM, its pages cached).
+PIECE = 8 << 20
+
+
+@functools.cache
+def _readers() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(min(4, len(os.sched_getaffinity(0))), thread_name_prefix="llmkit-read")
+
+
 def read_part(path: Path, start: int, dtype: torch.dtype, shape: tuple[int, ...], index: Index) -> Tensor:
     """Part `index` of the row-major tensor of `shape` whose data starts at byte `start` of `path`, read with pread
-    into memory of its own (one read a run of contiguous bytes): the file's pages stay out of the process's resident
-    memory, as they would not through a memory map. Any format that stores a tensor's bytes in row-major order (a
-    safetensors file, a GGUF tensor's rows of blocks) reads its parts this way."""
+    into memory of its own (runs of contiguous bytes, in pieces of PIECE bytes read by up to 4 threads at once): the
+    file's pages stay out of the process's resident memory, as they would not through a memory map. Any format that
+    stores a tensor's bytes in row-major order (a safetensors file, a GGUF tensor's rows of blocks) reads its parts
+    this way."""
     item = torch.empty((), dtype=dtype).element_size()
     strides = [item * math.prod(shape[d + 1 :]) for d in range(len(shape))]
     cut = [d for d, (a, b) in enumerate(index) if (a, b) != (0, shape[d])]
@@ -197,15 +211,26 @@ def read_part(path: Path, start: int, dtype: torch.dtype, shape: tuple[int, ...]
     run = (b - a) * (strides[last] if shape else item)
     out = weight_memory(run * math.prod(hi - lo for lo, hi in index[:last]))
     view = memoryview(out)
+    pieces = []  # (where in out, where in the file, bytes)
+    for k, outer in enumerate(itertools.product(*(range(lo, hi) for lo, hi in index[:last]))):
+        at = start + sum(i * strides[d] for d, i in enumerate(outer)) + a * (strides[last] if shape else item)
+        pieces += [(k * run + o, at + o, min(PIECE, run - o)) for o in range(0, run, PIECE)]
     with path.open("rb") as f:
-        for k, outer in enumerate(itertools.product(*(range(lo, hi) for lo, hi in index[:last]))):
-            at = start + sum(i * strides[d] for d, i in enumerate(outer)) + a * (strides[last] if shape else item)
+
+        def read(piece: tuple[int, int, int]) -> None:
+            to, at, n = piece
             done = 0
-            while done < run:
-                got = os.preadv(f.fileno(), [view[k * run + done : (k + 1) * run]], at + done)
+            while done < n:
+                got = os.preadv(f.fileno(), [view[to + done : to + n]], at + done)
                 if got <= 0:
                     raise CheckpointError(f"{path} ended while reading a tensor: truncated after it was opened?")
                 done += got
+
+        if len(pieces) > 1:
+            for _ in _readers().map(read, pieces):  # raises the first piece's error
+                pass
+        elif pieces:
+            read(pieces[0])
     parts = tuple(hi - lo for lo, hi in index)
     return torch.frombuffer(out, dtype=dtype).reshape(parts) if out else torch.empty(parts, dtype=dtype)
 

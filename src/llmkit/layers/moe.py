@@ -118,7 +118,8 @@ class Router(FP32Buffers):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, 0.0, self.weight.shape[1] ** -0.5)
+        if not self.weight.is_meta:  # nothing to fill (and the fill imports torch._dynamo there: embedding.token_table)
+            nn.init.normal_(self.weight, 0.0, self.weight.shape[1] ** -0.5)
 
     def forward(self, x: Tensor) -> Routing:
         cfg = self.cfg
@@ -161,7 +162,7 @@ class GroupedExperts(nn.Module):
     def reset_parameters(self) -> None:
         """Each expert initialised like nn.Linear: uniform within 1/sqrt(fan_in)."""
         for w in (self.w1, self.w2, self.w3):
-            if w is not None:
+            if w is not None and not w.is_meta:  # nothing to fill on the meta device (Router.reset_parameters)
                 bound = w.shape[2] ** -0.5
                 nn.init.uniform_(w, -bound, bound)
 

@@ -46,7 +46,9 @@ class LearnedPositions(nn.Module):
 
     def __init__(self, max_seq_len: int, dim: int) -> None:
         super().__init__()
-        self.table = nn.Embedding(max_seq_len, dim)
+        from llmkit.layers.embedding import token_table  # which imports this module
+
+        self.table = token_table(max_seq_len, dim)
 
     def forward(self, positions: Tensor) -> Tensor:
         return self.table(positions)

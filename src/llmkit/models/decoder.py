@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from llmkit.config import ModelConfig
 from llmkit.errors import InputError
 from llmkit.layers.block import TransformerBlock
-from llmkit.layers.embedding import InputEmbedding, build_rope
+from llmkit.layers.embedding import InputEmbedding, build_rope, token_table
 from llmkit.layers.extras import Extras
 from llmkit.layers.mtp import MTPModule
 from llmkit.layers.norm import build_norm
@@ -39,7 +39,7 @@ class DecoderLM(TokenModel):
         if cfg.is_encoder_decoder:
             raise InputError("DecoderLM needs a config with encoder=None; use EncoderDecoder (or build_model)")
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.embed = token_table(cfg.vocab_size, cfg.d_model)
         self.inputs = InputEmbedding(cfg, cfg.position.max_seq_len)
         self.rope = build_rope(cfg)
         self.rope_local = build_rope(cfg, local=True)

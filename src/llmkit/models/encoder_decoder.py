@@ -21,7 +21,7 @@ from llmkit.config import ModelConfig
 from llmkit.errors import InputError
 from llmkit.layers.attention import AttentionMask
 from llmkit.layers.block import CrossAttentionBlock, TransformerBlock
-from llmkit.layers.embedding import InputEmbedding, build_rope
+from llmkit.layers.embedding import InputEmbedding, build_rope, token_table
 from llmkit.layers.extras import Extras
 from llmkit.layers.norm import build_norm
 from llmkit.models.base import TokenModel
@@ -38,8 +38,8 @@ class EncoderDecoder(TokenModel, Seq2SeqModel):
         if cfg.encoder is None:
             raise InputError("EncoderDecoder needs a config with an encoder; use DecoderLM (or build_model)")
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)  # target (and shared source) embedding
-        self.src_embed = nn.Embedding(cfg.encoder.vocab_size, cfg.d_model) if cfg.encoder.vocab_size else None
+        self.embed = token_table(cfg.vocab_size, cfg.d_model)  # target (and shared source) embedding
+        self.src_embed = token_table(cfg.encoder.vocab_size, cfg.d_model) if cfg.encoder.vocab_size else None
         self.inputs = InputEmbedding(cfg, cfg.position.max_seq_len)
         self.rope = build_rope(cfg)
         self.rope_local = build_rope(cfg, local=True)

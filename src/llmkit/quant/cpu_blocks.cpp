@@ -219,23 +219,17 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, int64_t kind, 
 }
 
 // Rows of a 32-weight type's blocks moved in place between the file's layout and llmkit's groups of 8 (blocks.py's
-// group_blocks), a row at a time through a buffer of one row: no second copy of the matrix.
-void regroup(torch::Tensor blocks, int64_t kind, int64_t K, bool grouped) {
-  const BlockMatrix w = block_matrix(blocks, static_cast<int>(kind), K);
-  int64_t head = 0;
-  avx2::with_type(w.kind, [&](auto t) {
-    if constexpr (decltype(t)::W == 32) head = decltype(t)::HEAD;
-  });
-  LLMKIT_CHECK(head > 0, "only the 32-weight types are grouped");
-  int64_t per = 0, bytes = 0;
-  block_layout(w.kind, per, bytes);
-  const int64_t nb = K / per, body = bytes - head;
-  uint8_t* data = blocks.data_ptr<uint8_t>();
-  at::parallel_for(0, w.N, 64, [&](int64_t r0, int64_t r1) {
-    std::vector<uint8_t> row(w.row_bytes);
+// group_blocks), a row at a time through a buffer of one row: no second copy of the matrix. The type's head and body
+// sizes are constants, so that each block's two moves are a few loads and stores.
+template <class T>
+void regroup_rows(uint8_t* data, int64_t N, int64_t K, int64_t row_bytes, bool grouped) {
+  constexpr int64_t head = T::HEAD, body = T::BODY, bytes = T::BYTES;
+  const int64_t nb = K / T::W;
+  at::parallel_for(0, N, 64, [&](int64_t r0, int64_t r1) {
+    std::vector<uint8_t> row(row_bytes);
     for (int64_t r = r0; r < r1; ++r) {
-      uint8_t* dst = data + r * w.row_bytes;
-      std::memcpy(row.data(), dst, w.row_bytes);
+      uint8_t* dst = data + r * row_bytes;
+      std::memcpy(row.data(), dst, row_bytes);
       for (int64_t g0 = 0; g0 < nb; g0 += 8) {
         const int64_t n = std::min<int64_t>(8, nb - g0), at = g0 * bytes;
         for (int64_t j = 0; j < n; ++j) {
@@ -250,6 +244,21 @@ void regroup(torch::Tensor blocks, int64_t kind, int64_t K, bool grouped) {
       }
     }
   });
+}
+
+void regroup(torch::Tensor blocks, int64_t kind, int64_t K, bool grouped) {
+  const BlockMatrix w = block_matrix(blocks, static_cast<int>(kind), K);
+  bool moved = false;
+  avx2::with_type(w.kind, [&](auto t) {
+    using T = decltype(t);
+    if constexpr (T::W == 32) {
+      if constexpr (T::HEAD > 0) {
+        regroup_rows<T>(blocks.data_ptr<uint8_t>(), w.N, K, w.row_bytes, grouped);
+        moved = true;
+      }
+    }
+  });
+  LLMKIT_CHECK(moved, "only the 32-weight types are grouped");
 }
 
 torch::Tensor block_dequantize(torch::Tensor blocks, int64_t kind, int64_t K) {
