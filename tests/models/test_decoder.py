@@ -212,7 +212,7 @@ def test_bad_inputs_raise_clear_errors(call, fragment):
 
 def test_a_model_built_on_the_meta_device_fills_nothing_and_imports_no_compiler():
     """A model to be loaded is built on the meta device; nn.Embedding's own fill of its table there ran through
-    torch._refs, which imports torch._dynamo: 1.4 s of every checkpoint load (layers.embedding.token_table)."""
+    torch._refs, which imports torch._dynamo: 1.4 s of every checkpoint load (layers.tables.token_table)."""
     code = (
         "import sys\n"
         "from llmkit import build_model, get_preset\n"

@@ -5,21 +5,11 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import Tensor, nn
 
 from llmkit.config import ModelConfig
 from llmkit.layers.position import LearnedPositions, SinusoidalPositions
 from llmkit.layers.rope import RotaryEmbedding
-
-
-def token_table(num: int, dim: int) -> nn.Embedding:
-    """nn.Embedding(num, dim), left unfilled when built on the meta device (a model to be loaded, counted or cut):
-    nn.Embedding fills its table at construction, and that fill on the meta device imports torch._dynamo, 1.4 s of
-    every checkpoint load (the model's own initialisation, models/init.py, fills a real table)."""
-    if torch.get_default_device().type == "meta":
-        return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
-    return nn.Embedding(num, dim)
 
 
 class InputEmbedding(nn.Module):

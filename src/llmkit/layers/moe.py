@@ -118,7 +118,7 @@ class Router(FP32Buffers):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        if not self.weight.is_meta:  # nothing to fill (and the fill imports torch._dynamo there: embedding.token_table)
+        if not self.weight.is_meta:  # nothing to fill (and the fill imports torch._dynamo there: tables.token_table)
             nn.init.normal_(self.weight, 0.0, self.weight.shape[1] ** -0.5)
 
     def forward(self, x: Tensor) -> Routing:

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from llmkit.config import Layout
 from llmkit.errors import ConfigError
+from llmkit.layers.tables import token_table
 
 
 class SinusoidalPositions(nn.Module):
@@ -46,8 +47,6 @@ class LearnedPositions(nn.Module):
 
     def __init__(self, max_seq_len: int, dim: int) -> None:
         super().__init__()
-        from llmkit.layers.embedding import token_table  # which imports this module
-
         self.table = token_table(max_seq_len, dim)
 
     def forward(self, positions: Tensor) -> Tensor:

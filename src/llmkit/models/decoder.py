@@ -20,10 +20,11 @@ from torch import Tensor, nn
 from llmkit.config import ModelConfig
 from llmkit.errors import InputError
 from llmkit.layers.block import TransformerBlock
-from llmkit.layers.embedding import InputEmbedding, build_rope, token_table
+from llmkit.layers.embedding import InputEmbedding, build_rope
 from llmkit.layers.extras import Extras
 from llmkit.layers.mtp import MTPModule
 from llmkit.layers.norm import build_norm
+from llmkit.layers.tables import token_table
 from llmkit.models.base import TokenModel
 from llmkit.models.cache import Cache, Step, packed_sequence, whole_sequence
 from llmkit.models.checks import check_label_smoothing, check_mask, check_segments, check_tokens

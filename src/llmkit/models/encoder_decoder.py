@@ -21,9 +21,10 @@ from llmkit.config import ModelConfig
 from llmkit.errors import InputError
 from llmkit.layers.attention import AttentionMask
 from llmkit.layers.block import CrossAttentionBlock, TransformerBlock
-from llmkit.layers.embedding import InputEmbedding, build_rope, token_table
+from llmkit.layers.embedding import InputEmbedding, build_rope
 from llmkit.layers.extras import Extras
 from llmkit.layers.norm import build_norm
+from llmkit.layers.tables import token_table
 from llmkit.models.base import TokenModel
 from llmkit.models.cache import Cache
 from llmkit.models.init import init_weights
