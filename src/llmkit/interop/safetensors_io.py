@@ -194,7 +194,8 @@ PIECE = 8 << 20
 
 @functools.cache
 def _readers() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(min(4, len(os.sched_getaffinity(0))), thread_name_prefix="llmkit-read")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return ThreadPoolExecutor(min(4, cores), thread_name_prefix="llmkit-read")
 
 
 def read_part(path: Path, start: int, dtype: torch.dtype, shape: tuple[int, ...], index: Index) -> Tensor:
@@ -211,26 +212,35 @@ def read_part(path: Path, start: int, dtype: torch.dtype, shape: tuple[int, ...]
     run = (b - a) * (strides[last] if shape else item)
     out = weight_memory(run * math.prod(hi - lo for lo, hi in index[:last]))
     view = memoryview(out)
-    pieces = []  # (where in out, where in the file, bytes)
+    # a thread's reads, about PIECE bytes: (where in out, where in the file, bytes); a run longer than PIECE is cut
+    # into pieces, and short runs (a column cut's rows) share a task
+    tasks: list[list[tuple[int, int, int]]] = [[]]
+    filled = 0  # bytes in the last task
     for k, outer in enumerate(itertools.product(*(range(lo, hi) for lo, hi in index[:last]))):
         at = start + sum(i * strides[d] for d, i in enumerate(outer)) + a * (strides[last] if shape else item)
-        pieces += [(k * run + o, at + o, min(PIECE, run - o)) for o in range(0, run, PIECE)]
+        for o in range(0, run, PIECE):
+            if filled >= PIECE:
+                tasks.append([])
+                filled = 0
+            n = min(PIECE, run - o)
+            tasks[-1].append((k * run + o, at + o, n))
+            filled += n
     with path.open("rb") as f:
 
-        def read(piece: tuple[int, int, int]) -> None:
-            to, at, n = piece
-            done = 0
-            while done < n:
-                got = os.preadv(f.fileno(), [view[to + done : to + n]], at + done)
-                if got <= 0:
-                    raise CheckpointError(f"{path} ended while reading a tensor: truncated after it was opened?")
-                done += got
+        def read(task: list[tuple[int, int, int]]) -> None:
+            for to, at, n in task:
+                done = 0
+                while done < n:
+                    got = os.preadv(f.fileno(), [view[to + done : to + n]], at + done)
+                    if got <= 0:
+                        raise CheckpointError(f"{path} ended while reading a tensor: truncated after it was opened?")
+                    done += got
 
-        if len(pieces) > 1:
-            for _ in _readers().map(read, pieces):  # raises the first piece's error
+        if len(tasks) > 1:
+            for _ in _readers().map(read, tasks):  # raises the first task's error
                 pass
-        elif pieces:
-            read(pieces[0])
+        else:
+            read(tasks[0])
     parts = tuple(hi - lo for lo, hi in index)
     return torch.frombuffer(out, dtype=dtype).reshape(parts) if out else torch.empty(parts, dtype=dtype)
 
