@@ -223,9 +223,8 @@ def test_gpu_gguf_blocks_dequantize_to_the_cpu_s_weights():
         raw = torch.from_numpy(random_blocks(kind, 6, cols, seed=1))
         layer = BlockLinear(cols, 6, bias=True, block=kind, kernel="dequant")
         layer.blocks.copy_(raw)
-        layer.grouped = False
         layer.bias.data.normal_()
-        want = dequantize(raw, kind, cols, grouped=False)
+        want = dequantize(raw, kind, cols)
         gpu = __import__("copy").deepcopy(layer).to("cuda")
         assert gpu.resolved == "dequant", kind
         assert torch.equal(gpu.dequantize().cpu(), want), kind

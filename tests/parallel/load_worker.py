@@ -34,7 +34,7 @@ def counted(f: Callable[..., Any], size: Callable[[Any, tuple, dict], int]) -> C
 LazyTensors.__getitem__ = counted(LazyTensors.__getitem__, lambda t, a, k: t.nbytes)  # type: ignore[method-assign]
 LazyTensors.part = counted(LazyTensors.part, lambda t, a, k: t.nbytes)  # type: ignore[method-assign]
 gguf.quants.dequantize = counted(gguf.quants.dequantize, lambda t, a, k: a[0].nbytes)
-# blocks: read with pread (32-weight types, parts), or views of the memory map (K-quants, read as they are used)
+# blocks: read with pread (parts, llama's reordered q and k rows), or views of the memory map (read as they are used)
 llmkit.interop.gguf.read_blocks = counted(llmkit.interop.gguf.read_blocks, lambda t, a, k: t.nbytes)
 llmkit.interop.gguf.mapped = counted(llmkit.interop.gguf.mapped, lambda t, a, k: t.nbytes)
 

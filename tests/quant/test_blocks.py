@@ -1,7 +1,6 @@
 """GGUF block types held as stored (llmkit.quant.blocks, BlockLinear, cpu_blocks.cpp) against the `gguf` package:
 
-- the PyTorch dequantization of every type equals the package's reference dequantization bit for bit, in the file's
-  layout and in llmkit's grouped one (which round-trips);
+- the PyTorch dequantization of every type equals the package's reference dequantization bit for bit;
 - every C++ kernel (AVX2, and AVX512-VNNI where the CPU has it) computes, at 1, 2, 7 and 16 rows, the product of
   the reference-dequantized weights with x rounded to int8 per group (32 inputs, 256 for the K-quants; F16 and BF16
   take x as it is) within the fp32 summation's bound, and gives every row the bits it gets alone;
@@ -20,7 +19,7 @@ from gguf_files import random_blocks
 from llmkit.errors import InputError
 from llmkit.quant import native
 from llmkit.quant.block_linear import BlockLinear
-from llmkit.quant.blocks import FLOAT_TYPES, TYPES, dequantize, group_blocks, quantize_blocks, ungroup_blocks
+from llmkit.quant.blocks import FLOAT_TYPES, TYPES, dequantize, quantize_blocks
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -46,12 +45,7 @@ def _width(kind: str) -> int:
 def test_dequantization_equals_the_gguf_package(kind):
     cols = _width(kind)
     raw = _raw(kind, 5, cols)
-    held = group_blocks(raw, kind)
-    assert torch.equal(ungroup_blocks(held, kind), raw)
-    assert (held.data_ptr() == raw.data_ptr()) == (TYPES[kind].head == 0)  # K-quants are held as stored
-    want = _reference(kind, raw, cols)
-    assert torch.equal(dequantize(raw, kind, cols, grouped=False), want)
-    assert torch.equal(dequantize(held, kind, cols), want)
+    assert torch.equal(dequantize(raw, kind, cols), _reference(kind, raw, cols))
 
 
 def _rounded(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -73,7 +67,6 @@ def _kernels() -> list[str]:
 def test_kernels_multiply_the_blocks_exactly_and_row_by_row(kind, rows):
     cols, t = _width(kind), TYPES[kind]
     raw = _raw(kind, 37, cols, seed=rows)
-    held = group_blocks(raw, kind)
     w = _reference(kind, raw, cols).double()
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
     xr = (x if kind in FLOAT_TYPES else _rounded(x, 256 if t.weights == 256 else 32)).double()  # floats: x as is
@@ -82,10 +75,10 @@ def test_kernels_multiply_the_blocks_exactly_and_row_by_row(kind, rows):
     ext = native.module()
     for kernel in _kernels():
         with native.integer_kernel_set(kernel):
-            y = ext.block_linear(x, held, t.ggml, 1000)
+            y = ext.block_linear(x, raw, t.ggml, 1000)
             assert ((y.double() - want).abs() <= bound + 1e-30).all(), (kernel, (y.double() - want).abs().max())
             for m in range(rows):
-                alone = ext.block_linear(x[m : m + 1].contiguous(), held, t.ggml, 1000)
+                alone = ext.block_linear(x[m : m + 1].contiguous(), raw, t.ggml, 1000)
                 assert torch.equal(alone[0], y[m]), (kernel, m)
 
 
@@ -95,7 +88,7 @@ def test_a_column_s_bits_do_not_depend_on_the_columns_computed_with_it(kind):
     """Kernels take several columns at a time (Q4_K four, one to a register lane; the last group of a range padded):
     any run of columns, starting anywhere, gives each column the bits it has in the whole product."""
     cols, t = _width(kind), TYPES[kind]
-    held = group_blocks(_raw(kind, 37, cols, seed=3), kind)
+    held = _raw(kind, 37, cols, seed=3)
     ext = native.module()
     for rows in (1, 5):
         x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
@@ -117,11 +110,10 @@ def test_many_rows_multiply_the_dequantized_panels(kind):
     w = _reference(kind, raw, cols)
     x = torch.randn(64, cols)
     ext = native.module()
-    held = group_blocks(raw, kind)
-    fp32 = ext.block_linear(x, held, t.ggml, 32, False)
+    fp32 = ext.block_linear(x, raw, t.ggml, 32, False)
     torch.testing.assert_close(fp32, x @ w.T, rtol=1e-5, atol=1e-5 * float((x @ w.T).abs().max()))
-    bf16 = ext.block_linear(x, held, t.ggml, 32, True)
-    ours = ext.block_dequantize(held, t.ggml, cols)
+    bf16 = ext.block_linear(x, raw, t.ggml, 32, True)
+    ours = ext.block_dequantize(raw, t.ggml, cols)
     assert torch.equal(bf16, (x.bfloat16() @ ours.bfloat16().T).float())
     want = (x.bfloat16() @ w.bfloat16().T).float()
     torch.testing.assert_close(bf16, want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))
@@ -153,7 +145,7 @@ def test_a_width_that_is_not_whole_blocks_is_refused():
 def test_a_block_layer_saves_loads_and_multiplies_like_a_linear_one(kind):
     cols = _width(kind)
     layer = BlockLinear(cols, 6, bias=True, block=kind)
-    layer.blocks.copy_(group_blocks(_raw(kind, 6, cols), kind))
+    layer.blocks.copy_(_raw(kind, 6, cols))
     layer.bias.data.normal_()
     copy = BlockLinear(cols, 6, bias=True, block=kind)
     copy.load_state_dict(layer.state_dict())
@@ -194,6 +186,5 @@ def test_a_model_quantized_to_a_block_type_saves_and_loads_with_the_same_logits(
     loaded = load_llmkit(path).model.eval()
     layer = loaded.blocks[0].attn.wq
     assert torch.equal(layer.state_dict()["blocks"], model.blocks[0].attn.wq.state_dict()["blocks"])
-    assert layer.grouped == (layer.resolved == "avx2")
     with torch.no_grad():
         assert torch.equal(loaded(tokens), want)

@@ -79,7 +79,7 @@ def test_the_importance_lowers_the_error_it_weighs(kind):
     importance[torch.randperm(512)[:64]] = 100.0
 
     def error(blocks: torch.Tensor) -> float:
-        return float((importance * (dequantize(blocks, kind, 512, grouped=False) - w) ** 2).sum())
+        return float((importance * (dequantize(blocks, kind, 512) - w) ** 2).sum())
 
     weighted, plain = error(quantize_blocks(w, kind, importance)), error(quantize_blocks(w, kind))
     assert weighted < 0.9 * plain, (weighted, plain)

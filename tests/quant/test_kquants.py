@@ -55,11 +55,11 @@ def test_iq4_error_and_edge_blocks(kind):
     w[1, :32] = 0.01  # a block of one value: the level -127 (the largest magnitude) times d (IQ4_XS: d's 6 bits)
     blocks = quantize_blocks(w, kind)
     assert blocks.shape == (16, 512 // TYPES[kind].weights * TYPES[kind].bytes) and blocks.dtype == torch.uint8
-    back = dequantize(blocks, kind, 512, grouped=False)
+    back = dequantize(blocks, kind, 512)
     assert torch.equal(back[0, :256], torch.zeros(256))
     torch.testing.assert_close(back[1, :32], w[1, :32], rtol=2e-3 if kind == "IQ4_NL" else 5e-2, atol=0)
     err = (back[2:] - w[2:]).pow(2).mean().sqrt() / w[2:].pow(2).mean().sqrt()
-    q4_0 = dequantize(quantize_blocks(w[2:], "Q4_0"), "Q4_0", 512, grouped=False)
+    q4_0 = dequantize(quantize_blocks(w[2:], "Q4_0"), "Q4_0", 512)
     assert err < 0.95 * (q4_0 - w[2:]).pow(2).mean().sqrt() / w[2:].pow(2).mean().sqrt()  # the non-uniform levels win
     assert torch.equal(quantize_blocks(w[3:5], kind), blocks[3:5])  # a row's blocks do not depend on the others
 
@@ -90,7 +90,7 @@ def test_the_error_is_the_type_s_and_edge_blocks_are_exact(kind):
     w[2, 256:] = -0.03  # a super-block of one negative value
     blocks = quantize_blocks(w, kind)
     assert blocks.shape == (16, 2 * TYPES[kind].bytes) and blocks.dtype == torch.uint8
-    back = dequantize(blocks, kind, 512, grouped=False)
+    back = dequantize(blocks, kind, 512)
     assert torch.equal(back[0, :256], torch.zeros(256))
     err = (back[3:] - w[3:]).pow(2).mean().sqrt() / w[3:].pow(2).mean().sqrt()
     bound = {"Q2_K": 0.5, "Q3_K": 0.25, "Q4_K": 0.11, "Q5_K": 0.055, "Q6_K": 0.03}[kind]

@@ -183,7 +183,7 @@ def load_gguf(
     only the rows and blocks of columns of its parts are read from the file (interop/weights.py).
 
     quantized: hold every quantized tensor as its blocks (llmkit.quant.blocks: Q4_0 ... Q6_K, IQ4_NL, IQ4_XS,
-    multiplied as stored; K-quants are views of the file's memory map), and F16 / F32 tensors as floats; a type
+    multiplied as stored, as views of the file's memory map), and F16 / F32 tensors as floats; a type
     llmkit has no kernel for is dequantized (`Loaded.notes` says which); a tensor-parallel rank's part (`split`)
     reads its rows and whole blocks of its columns;
     False: dequantize every tensor to `dtype` (default fp32);
@@ -331,17 +331,16 @@ def _block_state(
     path: Path,
 ) -> dict[str, Tensor]:
     """Our state dict: each held layer's blocks (its rule's row transform applied), everything else dequantized by
-    `get`. A K-quant tensor whose rows need no transform is a view of the file's memory map (its pages are read
-    when the kernels first touch them, and are the page cache's, shared); the others are read with pread into
-    memory of their own (a 32-weight type's blocks are regrouped into more of it where the kernels run, and
-    mapped pages would stay resident beside them)."""
+    `get`. A tensor whose rows need no transform is a view of the file's memory map (its pages are read when the
+    kernels first touch them, and are the page cache's, shared); the others (llama's query and key rows, reordered
+    for RoPE) are read with pread into memory of their own (mapped pages would stay resident beside them)."""
     from llmkit.quant.blocks import TYPES
 
     def blocks(theirs: str, transform: Any) -> Tensor:
         t = tensors[theirs]
         kind = TYPES[t.tensor_type.name]
         rows, row_bytes = shapes[theirs][0], kind.row_bytes(shapes[theirs][1])
-        if not kind.head and transform is IDENTITY:
+        if transform is IDENTITY:
             return mapped(t.data.view(np.uint8).reshape(rows, row_bytes))  # (F16's array holds values)
         return transform.to_ours([read_blocks(path, t, (rows, row_bytes), ((0, rows), (0, row_bytes)))])[0]
 

@@ -97,12 +97,11 @@ def _fill(
         t = state[name] = done[key]
         if tuple(t.shape) != tuple(meta[name].shape):
             raise CheckpointError(f"{where}: {key[0]} has shape {tuple(t.shape)}, expected {tuple(meta[name].shape)}")
-        if key[1] is not None:  # (a buffer is assigned as it is, and a layer that regroups it keeps the mark)
+        if key[1] is not None:  # (a buffer is assigned as it is)
             setattr(t, SOURCE, key)
     model.load_state_dict(state, strict=True, assign=True)
     materialize_buffers(model, device)
-    # a part keeps saying which part it is (the assigned parameters are new objects); not through state_dict(),
-    # which would move every grouped block layer's blocks back to the file's layout (a copy) to report them
+    # a part keeps saying which part it is (the assigned parameters are new objects)
     held = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
     for name, key in parts.items():
         if key[1] is not None and name in held:

@@ -75,7 +75,6 @@ def take_columns(layer: Linear, a: int, b: int, keep_bias: bool) -> None:
         w = layer.block.weights
         if a % w or b % w:
             raise InputError(f"inputs [{a}, {b}) of a {layer.block.name} layer cut its blocks of {w} inputs")
-        layer.set_grouped(False)
         layer._buffers["blocks"] = cut(layer.blocks, 1, a // w * layer.block.bytes, b // w * layer.block.bytes)
     else:
         raise InputError(f"tensor parallelism cannot split a {type(layer).__name__} by columns")

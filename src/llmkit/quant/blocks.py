@@ -49,13 +49,12 @@ KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 
 @dataclass(frozen=True)
 class BlockType:
     """One GGUF block type: its name, ggml's number for it (the C++ kernels take it too), weights and bytes per
-    block, and for a 32-weight type the bytes of its head (scale, min, high bits) before the codes."""
+    block."""
 
     name: str
     ggml: int
     weights: int
     bytes: int
-    head: int = 0
 
     @property
     def bits(self) -> float:
@@ -71,17 +70,17 @@ class BlockType:
 TYPES = {
     t.name: t
     for t in (
-        BlockType("Q4_0", 2, 32, 18, 2),
-        BlockType("Q4_1", 3, 32, 20, 4),
-        BlockType("Q5_0", 6, 32, 22, 6),
-        BlockType("Q5_1", 7, 32, 24, 8),
-        BlockType("Q8_0", 8, 32, 34, 2),
+        BlockType("Q4_0", 2, 32, 18),
+        BlockType("Q4_1", 3, 32, 20),
+        BlockType("Q5_0", 6, 32, 22),
+        BlockType("Q5_1", 7, 32, 24),
+        BlockType("Q8_0", 8, 32, 34),
         BlockType("Q2_K", 10, QK_K, 84),
         BlockType("Q3_K", 11, QK_K, 110),
         BlockType("Q4_K", 12, QK_K, 144),
         BlockType("Q5_K", 13, QK_K, 176),
         BlockType("Q6_K", 14, QK_K, 210),
-        BlockType("IQ4_NL", 20, 32, 18, 2),
+        BlockType("IQ4_NL", 20, 32, 18),
         BlockType("IQ4_XS", 23, QK_K, 136),
         BlockType("F16", 1, 32, 64),
         BlockType("BF16", 30, 32, 64),
@@ -98,47 +97,6 @@ def block_type(name: str) -> BlockType:
     if t is None:
         raise InputError(f"unknown block type {name!r}; llmkit holds {', '.join(TYPES)}")
     return t
-
-
-# ---- llmkit's layout: a 32-weight type's blocks grouped by 8 in each row (their heads, then their bodies), so that
-# the CPU kernels load 8 scales at once and 4 blocks' codes in one 64-byte register (cpu_blocks_wide.inc). Same
-# bytes, moved within the row; the last group of a row holds the blocks left. K-quants are held as stored.
-
-GROUP = 8
-
-
-def group_blocks(raw: Tensor, kind: BlockType | str) -> Tensor:
-    """Rows of blocks (..., row_bytes) uint8 as a GGUF file stores them -> llmkit's layout (a new tensor for the
-    32-weight types; K-quants are returned as they are)."""
-    t = kind if isinstance(kind, BlockType) else block_type(kind)
-    if not t.head:
-        return raw
-    return _regroup(raw, t, ungroup=False)
-
-
-def ungroup_blocks(held: Tensor, kind: BlockType | str) -> Tensor:
-    """llmkit's layout -> the GGUF file's (group_blocks' inverse)."""
-    t = kind if isinstance(kind, BlockType) else block_type(kind)
-    if not t.head:
-        return held
-    return _regroup(held, t, ungroup=True)
-
-
-def _regroup(rows: Tensor, t: BlockType, ungroup: bool) -> Tensor:
-    lead, row = rows.shape[:-1], rows.shape[-1]
-    nb, body = row // t.bytes, t.bytes - t.head
-    out = torch.empty_like(rows)
-    gguf, held = (out.view(-1, row), rows.reshape(-1, row)) if ungroup else (rows.reshape(-1, row), out.view(-1, row))
-    for g0 in range(0, nb, GROUP):
-        n = min(GROUP, nb - g0)
-        a, e = g0 * t.bytes, (g0 + n) * t.bytes
-        blocks = gguf[:, a:e].view(-1, n, t.bytes)
-        heads, bodies = held[:, a : a + n * t.head].view(-1, n, t.head), held[:, a + n * t.head : e].view(-1, n, body)
-        if ungroup:
-            blocks[:, :, : t.head], blocks[:, :, t.head :] = heads, bodies
-        else:
-            heads.copy_(blocks[:, :, : t.head]), bodies.copy_(blocks[:, :, t.head :])
-    return out.view(*lead, row)
 
 
 # ---- reading fields out of blocks (..., bytes) uint8
@@ -300,17 +258,12 @@ _DEQUANTIZE = {
 }
 
 
-def dequantize(
-    blocks: Tensor, kind: BlockType | str, k: int, dtype: torch.dtype = torch.float32, grouped: bool = True
-) -> Tensor:
-    """Rows of blocks (..., row_bytes) uint8 of `kind` holding k weights each -> (..., k) in `dtype`. grouped: the
-    rows are in llmkit's layout (group_blocks), else as the GGUF file stores them."""
+def dequantize(blocks: Tensor, kind: BlockType | str, k: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Rows of blocks (..., row_bytes) uint8 of `kind` holding k weights each -> (..., k) in `dtype`."""
     t = kind if isinstance(kind, BlockType) else block_type(kind)
     row = t.row_bytes(k)
     if blocks.dtype != torch.uint8 or blocks.shape[-1] != row:
         raise InputError(f"{t.name} rows of {k} weights are {row} bytes of uint8, got {tuple(blocks.shape)}")
-    if grouped:
-        blocks = ungroup_blocks(blocks, t)
     b = blocks.reshape(*blocks.shape[:-1], k // t.weights, t.bytes)
     return _DEQUANTIZE[t.name](b).reshape(*blocks.shape[:-1], k).to(dtype)
 

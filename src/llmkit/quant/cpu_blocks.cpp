@@ -14,6 +14,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -218,49 +219,6 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, int64_t kind, 
   return y;
 }
 
-// Rows of a 32-weight type's blocks moved in place between the file's layout and llmkit's groups of 8 (blocks.py's
-// group_blocks), a row at a time through a buffer of one row: no second copy of the matrix. The type's head and body
-// sizes are constants, so that each block's two moves are a few loads and stores.
-template <class T>
-void regroup_rows(uint8_t* data, int64_t N, int64_t K, int64_t row_bytes, bool grouped) {
-  constexpr int64_t head = T::HEAD, body = T::BODY, bytes = T::BYTES;
-  const int64_t nb = K / T::W;
-  at::parallel_for(0, N, 64, [&](int64_t r0, int64_t r1) {
-    std::vector<uint8_t> row(row_bytes);
-    for (int64_t r = r0; r < r1; ++r) {
-      uint8_t* dst = data + r * row_bytes;
-      std::memcpy(row.data(), dst, row_bytes);
-      for (int64_t g0 = 0; g0 < nb; g0 += 8) {
-        const int64_t n = std::min<int64_t>(8, nb - g0), at = g0 * bytes;
-        for (int64_t j = 0; j < n; ++j) {
-          if (grouped) {  // file -> groups: heads, then bodies
-            std::memcpy(dst + at + j * head, row.data() + at + j * bytes, head);
-            std::memcpy(dst + at + n * head + j * body, row.data() + at + j * bytes + head, body);
-          } else {  // groups -> file
-            std::memcpy(dst + at + j * bytes, row.data() + at + j * head, head);
-            std::memcpy(dst + at + j * bytes + head, row.data() + at + n * head + j * body, body);
-          }
-        }
-      }
-    }
-  });
-}
-
-void regroup(torch::Tensor blocks, int64_t kind, int64_t K, bool grouped) {
-  const BlockMatrix w = block_matrix(blocks, static_cast<int>(kind), K);
-  bool moved = false;
-  avx2::with_type(w.kind, [&](auto t) {
-    using T = decltype(t);
-    if constexpr (T::W == 32) {
-      if constexpr (T::HEAD > 0) {
-        regroup_rows<T>(blocks.data_ptr<uint8_t>(), w.N, K, w.row_bytes, grouped);
-        moved = true;
-      }
-    }
-  });
-  LLMKIT_CHECK(moved, "only the 32-weight types are grouped");
-}
-
 torch::Tensor block_dequantize(torch::Tensor blocks, int64_t kind, int64_t K) {
   const BlockMatrix w = block_matrix(blocks, static_cast<int>(kind), K);
   auto out = torch::empty({w.N, K}, torch::kFloat32);
@@ -274,8 +232,6 @@ void bind_blocks(pybind11::module& m) {
   namespace py = pybind11;
   m.def("block_linear", &block_linear, py::arg("x"), py::arg("blocks"), py::arg("kind"), py::arg("many_rows") = 32,
         py::arg("bf16") = false, "x (M, K) fp32 @ W^T for W stored as GGUF blocks of ggml type `kind` -> (M, N)");
-  m.def("regroup", &regroup, py::arg("blocks"), py::arg("kind"), py::arg("k"), py::arg("grouped"),
-        "move a 32-weight type's rows of blocks in place into llmkit's groups of 8 (grouped) or back");
   m.def("block_dequantize", &block_dequantize, py::arg("blocks"), py::arg("kind"), py::arg("k"),
         "rows of GGUF blocks of ggml type `kind` holding k weights each -> (N, k) fp32");
 }

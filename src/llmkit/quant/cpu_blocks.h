@@ -18,9 +18,8 @@ enum BlockKind : int {
 // weights and bytes of one block of `kind`; false for a kind llmkit does not hold
 bool block_layout(int kind, int64_t& weights, int64_t& bytes);
 
-// A (N, K) matrix as rows of blocks, borrowed from a (N, K / weights * bytes) uint8 tensor that must outlive it. The
-// 32-weight types' blocks are grouped by 8 in each row: the 8 blocks' heads (scale, min, high bits), then their
-// bodies (codes); the last group of a row holds the blocks left (blocks.py: group_blocks).
+// A (N, K) matrix as rows of blocks as the GGUF file stores them, borrowed from a (N, K / weights * bytes) uint8
+// tensor that must outlive it (a view of the file's memory map, often).
 struct BlockMatrix {
   const uint8_t* data = nullptr;
   int kind = 0;

@@ -9,12 +9,9 @@ so it has no state of its own and follows the head's device and dtype.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor, nn
 
-from llmkit.quant import native
 from llmkit.quant.block_linear import BlockLinear, HeldBlocks
 from llmkit.quant.blocks import BlockType, block_type, quantize_blocks
 from llmkit.quant.formats import dequantize_int4, dequantize_int8
@@ -82,24 +79,13 @@ class BlockEmbedding(HeldBlocks):
         self.register_buffer("blocks", torch.zeros(num_embeddings, row, dtype=torch.uint8, device=device))
         # follows the model's casts: the dtype rows come out in
         self.register_buffer("dtype_probe", torch.empty(0, device=device, dtype=dtype), persistent=False)
-        self.register_load_state_dict_post_hook(lambda module, _: module.prepare())
 
     @classmethod
     def from_float(cls, table: Tensor, block: BlockType | str) -> BlockEmbedding:
         """A float table (num_embeddings, embedding_dim) quantized to `block` (blocks.quantize_blocks)."""
         out = cls(table.shape[0], table.shape[1], block, device=table.device, dtype=table.dtype)
         out.blocks.copy_(quantize_blocks(table, out.block))
-        out.prepare()
         return out
-
-    def prepare(self) -> None:
-        """Group the blocks where llmkit's C++ dequantization reads them (after loading or moving)."""
-        self.set_grouped(self.blocks.device.type == "cpu" and native.available())
-
-    def _apply(self, fn: Any, recurse: bool = True) -> BlockEmbedding:
-        super()._apply(fn, recurse)
-        self.prepare()
-        return self
 
     @property
     def placement(self) -> Tensor:

@@ -248,7 +248,6 @@ LOWERED: dict[type[nn.Module], Lowering] = {
             "resolved": anything,  # _projection takes a layer only when it resolved to llmkit's CPU kernels
             "block": anything,  # every type the C++ products take
             "blocks": anything,
-            "grouped": anything,  # a layer resolved to the C++ kernels holds its 32-weight blocks grouped
             "bias": anything,
             "dtype_probe": anything,
         }
