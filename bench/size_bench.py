@@ -2,6 +2,7 @@
 
     bash bench/build_llama_server.sh       # once: llama.cpp's tools (llama-bench, llama-batched-bench, llama-quantize)
     .venv/bin/python bench/size_bench.py [--shapes qwen2.5-1.5b,llama-3.2-3b] [--types Q4_K_M,Q4_0,Q8_0] [--rounds 2]
+        [--gguf runs/size_bench/llama-3.1-8b/llmkit.Q4_K_M.gguf]
 
 Each shape is a random-weight Hugging Face checkpoint (LlamaForCausalLM in bf16, weights N(0, 0.02) like a trained
 model's spread, norms 1, SmolLM2's tokenizer: speed and memory do not depend on the values), made once under
@@ -11,8 +12,8 @@ the same file. Shapes: Qwen2.5-1.5B's (hidden 1536, 28 layers, 12/2 heads, FFN 8
 49,152-token vocabulary), Llama-3.2-3B's (3072, 28, 24/8, 8192; 3.12B) and Llama-3.1-8B's (4096, 32, 32/8, 14336).
 
 Per file and round (rounds interleave the two sides, so a slow minute falls on both):
-- llama.cpp: `llama-bench -t THREADS -p 512 -n 128` (prompt 512 tokens; 128 generated tokens after an empty prompt)
-  and `llama-batched-bench -npp 32 -ntg 128 -npl 8` (8 sequences decoding together: its S_TG t/s).
+- llama.cpp: `llama-bench -t THREADS -p 512 -n 128` (prompt 512 tokens; 128 generated tokens after an empty prompt;
+  its peak RSS) and `llama-batched-bench -npp 32 -ntg 128 -npl 8` (8 sequences decoding together: its S_TG t/s).
 - llmkit, each in a child process (its peak RSS is the child's): load time (cold: the file's pages dropped from the
   page cache first with posix_fadvise; warm: loaded again), peak RSS after loading and after decoding, decode
   tokens/s of 128 greedy tokens after a 32-token prompt (the decoding steps alone), 8 rows at once, and the prefill
@@ -140,12 +141,22 @@ def llama_cpp_gguf(shape: str, kind: str) -> Path:
 # ---- llama.cpp
 
 
+# runs a command and writes its peak RSS (KiB, the largest waited-for child's) as stderr's last line
+PEAK = (
+    "import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+    "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(r.returncode)"
+)
+
+
 def llama_bench(path: Path) -> dict[str, float]:
-    """llama-bench's pp512 and tg128 tokens/s on `path`."""
+    """llama-bench's pp512 and tg128 tokens/s on `path`, and its peak RSS (GiB: it maps the file, so the pages it
+    touches count, as llmkit's do)."""
     cmd = [str(LLAMA / "build/bin/llama-bench"), "-m", str(path), "-t", str(THREADS), "-p", "512", "-n", "128",
            "-r", "2", "-o", "json"]  # fmt: skip
-    rows = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-    return {("pp512" if r["n_prompt"] else "tg128"): float(r["avg_ts"]) for r in rows}
+    done = subprocess.run([sys.executable, "-c", PEAK, *cmd], check=True, capture_output=True, text=True)
+    rows = json.loads(done.stdout)
+    peak = int(done.stderr.strip().splitlines()[-1]) / 1024**2
+    return {("pp512" if r["n_prompt"] else "tg128"): float(r["avg_ts"]) for r in rows} | {"rss_peak_gib": peak}
 
 
 def llama_batched(path: Path, batch: int = 8) -> float:
@@ -232,6 +243,13 @@ def main() -> None:
     ap.add_argument("--shapes", default="qwen2.5-1.5b,llama-3.2-3b")
     ap.add_argument("--types", default="Q4_K_M,Q4_0,Q8_0")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument(
+        "--gguf",
+        type=Path,
+        action="append",
+        default=[],
+        help="also a GGUF file made elsewhere (e.g. llmkit's own Q4_K_M of the 8B shape); repeatable",
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--cold", action="store_true", help=argparse.SUPPRESS)
@@ -239,7 +257,11 @@ def main() -> None:
     if args.child is not None:
         print(json.dumps(measure_llmkit(args.child, args.cold)))
         return
-    files = {(s, k): llama_cpp_gguf(s, k) for s in args.shapes.split(",") for k in args.types.split(",")}
+    files = {(s, k): llama_cpp_gguf(s, k) for s in args.shapes.split(",") if s for k in args.types.split(",")}
+    for extra in args.gguf:
+        if not extra.is_file():
+            ap.error(f"--gguf {extra}: no such file")
+        files[(extra.parent.name, extra.name)] = extra
     limits = measure_limits(("bf16",))
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {key: [] for key in files}
     for r in range(args.rounds):
@@ -260,7 +282,7 @@ def main() -> None:
             "file_bytes": files[(shape, kind)].stat().st_size, "bytes_per_token": first["llmkit"]["bytes_per_token"],
             "llmkit": medians(rounds, "llmkit", ("tg128", "batch8", "pp512", "rss_peak_gib", "load_s"))
             | {"cold_load_s": first["llmkit"]["load_s"], "warm_load_s": first["llmkit_warm_load_s"]},
-            "llama": medians(rounds, "llama", ("tg128", "batch8", "pp512")),
+            "llama": medians(rounds, "llama", ("tg128", "batch8", "pp512", "rss_peak_gib")),
             "notes": first["llmkit"]["notes"], "rounds": rounds,
         }  # fmt: skip
 
@@ -270,13 +292,17 @@ def main() -> None:
             f"memory read {limits.memory_read / 1e9:.1f} / {limits_after.memory_read / 1e9:.1f} GB/s (start / end), "
             f"bf16 matmul {limits.matmul_flops['bf16'] / 1e9:.0f} GFLOP/s, {THREADS} threads"
         )
-        print("| file | decode b1 llmkit / llama.cpp | bandwidth | prefill 512 | batch-8 | peak RSS / file | load |")
+        print(
+            "| file | decode b1 llmkit / llama.cpp | bandwidth | prefill 512 | batch-8 | peak RSS llmkit / llama.cpp "
+            "(file) | load |"
+        )
         print("|---|---|---|---|---|---|---|")
         for name, f in summary["files"].items():
             o, t = f["llmkit"], f["llama"]
             frac = f["bytes_per_token"] * o["tg128"] / bw
             rates = [f"{o[k]:.1f} / {t[k]:.1f} ({o[k] / t[k]:.2f}x)" for k in ("tg128", "pp512", "batch8")]
-            rss = f"{o['rss_peak_gib']:.2f} / {f['file_bytes'] / 2**30:.2f} GiB"
+            ratio = o["rss_peak_gib"] / t["rss_peak_gib"]
+            rss = f"{o['rss_peak_gib']:.2f} / {t['rss_peak_gib']:.2f} GiB ({ratio:.2f}x; {f['file_bytes'] / 2**30:.2f})"
             load = f"{o['cold_load_s']:.1f} s cold, {o['warm_load_s']:.1f} warm"
             print(f"| {name} | {rates[0]} | {100 * frac:.0f}% | {rates[1]} | {rates[2]} | {rss} | {load} |")
 
