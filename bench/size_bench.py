@@ -2,13 +2,14 @@
 
     bash bench/build_llama_server.sh       # once: llama.cpp's tools (llama-bench, llama-batched-bench, llama-quantize)
     .venv/bin/python bench/size_bench.py [--shapes qwen2.5-1.5b,llama-3.2-3b] [--types Q4_K_M,Q4_0,Q8_0] [--rounds 2]
-        [--gguf runs/size_bench/llama-3.1-8b/llmkit.Q4_K_M.gguf]
+        [--writer llama.cpp|llmkit|both] [--gguf runs/size_bench/llama-3.1-8b/llmkit.Q4_K_M.gguf]
 
 Each shape is a random-weight Hugging Face checkpoint (LlamaForCausalLM in bf16, weights N(0, 0.02) like a trained
 model's spread, norms 1, SmolLM2's tokenizer: speed and memory do not depend on the values), made once under
 runs/size_bench/ and converted by llama.cpp's own `convert_hf_to_gguf.py` and `llama-quantize` (from the sources
 bench/build_llama_server.sh fetched, in their own virtual environment: runs/llama.cpp/venv), so both sides read
-the same file. Shapes: Qwen2.5-1.5B's (hidden 1536, 28 layers, 12/2 heads, FFN 8960; 1.46B parameters with the
+the same file; `--writer llmkit` (or `both`) measures files written by `llmkit convert --to gguf --quant` instead
+(or as well). Shapes: Qwen2.5-1.5B's (hidden 1536, 28 layers, 12/2 heads, FFN 8960; 1.46B parameters with the
 49,152-token vocabulary), Llama-3.2-3B's (3072, 28, 24/8, 8192; 3.12B) and Llama-3.1-8B's (4096, 32, 32/8, 14336).
 
 Per file and round (rounds interleave the two sides, so a slow minute falls on both):
@@ -138,6 +139,16 @@ def llama_cpp_gguf(shape: str, kind: str) -> Path:
     return out
 
 
+def llmkit_gguf(shape: str, kind: str) -> Path:
+    """The checkpoint of `shape` as a GGUF file of `kind`, by llmkit's own writer and quantizer (`llmkit convert
+    --to gguf --quant`, made once): quantize_bench.py checks its tensors are llama-quantize's, byte for byte."""
+    out = OUT / shape / f"llmkit.{kind}.gguf"
+    if not out.is_file():
+        subprocess.run([sys.executable, "-m", "llmkit", "convert", str(hf_checkpoint(shape)), str(out), "--to", "gguf",
+                        "--quant", kind.lower()], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)  # fmt: skip
+    return out
+
+
 # ---- llama.cpp
 
 
@@ -190,6 +201,7 @@ def measure_llmkit(path: Path, cold: bool) -> dict[str, Any]:
     from llmkit.generate import generate, stream
     from llmkit.interop.load import load_model
     from llmkit.quant import weight_bytes
+    from llmkit.quant.block_linear import HeldBlocks
 
     if cold:  # the file's pages out of the page cache
         fd = os.open(path, os.O_RDONLY)
@@ -220,14 +232,15 @@ def measure_llmkit(path: Path, cold: bool) -> dict[str, Any]:
         start = time.perf_counter()
         generate(model, long, max_new_tokens=1)
         pp = 512 / (time.perf_counter() - start)
-    embed = model.embed
-    table = getattr(embed, "blocks", getattr(embed, "weight", None))
-    read = weight_bytes(model) - (
-        table.numel() * table.element_size() if model.head is not None and table is not None else 0
-    )
+    rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # (before anything below allocates)
+    read = weight_bytes(model)
+    if model.head is not None:  # an untied table, of which a step reads one row (a block table's own bytes: its
+        embed = model.embed  # `weight` would dequantize the whole of it)
+        table = embed.blocks if isinstance(embed, HeldBlocks) else embed.weight
+        read -= table.numel() * table.element_size()
     return {
         "load_s": load_s, "rss_load_gib": rss_load, "tg128": tg, "batch8": b8, "pp512": pp, "bytes_per_token": read,
-        "rss_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2, "notes": loaded.notes,
+        "rss_peak_gib": rss_peak, "notes": loaded.notes,
     }  # fmt: skip
 
 
@@ -244,6 +257,12 @@ def main() -> None:
     ap.add_argument("--types", default="Q4_K_M,Q4_0,Q8_0")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument(
+        "--writer",
+        choices=("llama.cpp", "llmkit", "both"),
+        default="llama.cpp",
+        help="whose converter and quantizer write the files: llama.cpp's, llmkit's, or both (a row each)",
+    )
+    ap.add_argument(
         "--gguf",
         type=Path,
         action="append",
@@ -257,7 +276,13 @@ def main() -> None:
     if args.child is not None:
         print(json.dumps(measure_llmkit(args.child, args.cold)))
         return
-    files = {(s, k): llama_cpp_gguf(s, k) for s in args.shapes.split(",") if s for k in args.types.split(",")}
+    pairs = [(s, k) for s in args.shapes.split(",") if s for k in args.types.split(",")]
+    files: dict[tuple[str, str], Path] = {}
+    for shape, kind in pairs:
+        if args.writer != "llmkit":
+            files[(shape, kind)] = llama_cpp_gguf(shape, kind)
+        if args.writer != "llama.cpp":
+            files[(shape, f"{kind} (llmkit's file)")] = llmkit_gguf(shape, kind)
     for extra in args.gguf:
         if not extra.is_file():
             ap.error(f"--gguf {extra}: no such file")
