@@ -4,6 +4,9 @@
 - every C++ kernel (AVX2, and AVX512-VNNI where the CPU has it) computes, at 1, 2, 7 and 16 rows, the product of
   the reference-dequantized weights with x rounded to int8 per group (32 inputs, 256 for the K-quants; F16 and BF16
   take x as it is) within the fp32 summation's bound, and gives every row the bits it gets alone;
+- many rows (a prompt): the integer panels (AVX512-VNNI) compute the same product within the same bound, a row's
+  and a column's bits the same whatever rows and columns are computed with them; the dequantized panels equal
+  torch's product of the dequantized weights;
 - quantizing to the 32-weight types (and rounding to F16 and BF16) gives the package's own bytes;
 - a BlockLinear layer saves, loads, casts and multiplies like nn.Linear.
 """
@@ -98,6 +101,59 @@ def test_a_column_s_bits_do_not_depend_on_the_columns_computed_with_it(kind):
                 for a, b in [(0, 1), (1, 6), (2, 5), (3, 37), (33, 37), (36, 37)]:
                     part = ext.block_linear(x, held[a:b].contiguous(), t.ggml, 1000)
                     assert torch.equal(part, whole[:, a:b]), (kernel, rows, a, b)
+
+
+needs_vnni = pytest.mark.skipif(
+    not native.available() or not native.module().cpu_has_avx512_vnni(), reason="the integer panels need AVX512-VNNI"
+)
+QUANTIZED = [kind for kind in ALL if kind not in FLOAT_TYPES]
+
+
+@needs_vnni
+@pytest.mark.parametrize("kind", QUANTIZED)
+def test_integer_panels_multiply_the_blocks_exactly_and_row_by_row(kind):
+    """A prompt's product on VNNI: each panel of 32 columns unpacked once, then every row in integers. 45 columns (a
+    panel and a part of one), 40 rows (tiles of 4 and a tail): within the fp32 sums' bound of the product of the
+    reference-dequantized weights and x rounded per group; a row alone, any run of rows and any run of columns give
+    the bits they have in the whole product."""
+    cols, t = _width(kind), TYPES[kind]
+    raw = _raw(kind, 45, cols, seed=5)
+    w = _reference(kind, raw, cols).double()
+    x = torch.randn(40, cols, generator=torch.Generator().manual_seed(5))
+    xr = _rounded(x, 256 if t.weights == 256 else 32).double()
+    want = xr @ w.T
+    bound = cols / 8 * 2.0**-24 * (xr.abs() @ w.abs().T)
+    ext = native.module()
+    y = ext.block_linear(x, raw, t.ggml, 32, False, True)
+    assert ((y.double() - want).abs() <= bound + 1e-30).all(), (y.double() - want).abs().max()
+    for m in (0, 3, 39):
+        assert torch.equal(ext.block_linear(x[m : m + 1].contiguous(), raw, t.ggml, 1, False, True)[0], y[m]), m
+    assert torch.equal(ext.block_linear(x[3:38].contiguous(), raw, t.ggml, 32, False, True), y[3:38])
+    for a, b in [(0, 1), (1, 33), (31, 45), (44, 45)]:
+        assert torch.equal(ext.block_linear(x, raw[a:b].contiguous(), t.ggml, 32, False, True), y[:, a:b]), (a, b)
+
+
+@needs_native
+def test_the_prefill_dtype_picks_the_many_row_product():
+    """ "int8" multiplies a block layer's many rows in integer panels where the integer kernel is VNNI (else as
+    "auto" would), "fp32" in fp32 panels; "auto" takes the integer panels on a CPU with VNNI and without AMX."""
+    cols, t = _width("Q4_K"), TYPES["Q4_K"]
+    raw = _raw("Q4_K", 40, cols)
+    layer = BlockLinear(cols, 40, bias=False, block="Q4_K")
+    layer.blocks.copy_(raw)
+    layer.prepare()
+    x = torch.randn(64, cols)
+    ext = native.module()
+    with native.prefill_dtype("int8"):
+        integer = ext.cpu_has_avx512_vnni()
+        assert torch.equal(layer(x), ext.block_linear(x, raw, t.ggml, 32, native.prefill_bf16(), integer))
+    with native.prefill_dtype("fp32"):
+        assert not native.prefill_integer()
+        assert torch.equal(layer(x), ext.block_linear(x, raw, t.ggml, native.integer_rows() + 1, False, False))
+    with native.prefill_dtype("auto"):
+        assert native.prefill_integer() == (native.cpu_has_avx512_vnni() and not native.cpu_has_amx())
+    with pytest.raises(InputError, match="not one of"):
+        native.set_prefill_dtype("int4")
 
 
 @needs_native

@@ -44,7 +44,7 @@ def test_the_bf16_panels_are_the_weights_rounded_to_bf16(cls):
 
 
 def test_the_prefill_dtype_setting(monkeypatch):
-    with pytest.raises(InputError, match="not one of auto, bf16, fp32"):
+    with pytest.raises(InputError, match="not one of auto, int8, bf16, fp32"):
         native.set_prefill_dtype("fp16")
     with native.prefill_dtype("auto"):
         assert native.prefill_bf16() == native.cpu_bf16_native()
@@ -56,4 +56,6 @@ def test_the_prefill_dtype_setting(monkeypatch):
     native.prefill_bf16.cache_clear()
     with pytest.raises(InputError, match="LLMKIT_PREFILL_DTYPE='half'"):
         native.prefill_bf16()
+    with pytest.raises(InputError, match="LLMKIT_PREFILL_DTYPE='half'"):
+        native.prefill_integer()
     native.prefill_bf16.cache_clear()

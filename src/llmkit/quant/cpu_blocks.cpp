@@ -35,6 +35,7 @@ namespace vnni {
 #define LLMKIT_BLOCKS_VNNI 1
 #include "cpu_blocks_kernels.inc"
 #include "cpu_blocks_wide.inc"
+#include "cpu_blocks_panels.inc"
 #undef LLMKIT_BLOCKS_VNNI
 
 void block_columns(const BlockMatrix& w, const BlockRows& x, int64_t n0, int64_t n1, float* y, int64_t ldy) {
@@ -48,6 +49,13 @@ void block_columns(const BlockMatrix& w, const BlockRows& x, int64_t n0, int64_t
       wide_columns<T>(w, x, n0, n1, y, ldy);
     else
       columns<T>(w, x, n0, n1, y, ldy);
+  });
+}
+
+void panel_product(const BlockMatrix& w, const BlockRows& x, float* y, int64_t ldy) {
+  with_type(w.kind, [&](auto t) {
+    using T = decltype(t);
+    if constexpr (!FLOATS<T>) panel_columns<T>(w, x, y, ldy);
   });
 }
 }  // namespace vnni
@@ -74,58 +82,66 @@ int64_t activation_group(int kind) {
   return kind >= Q2_K && kind <= Q6_K || kind == IQ4_XS ? 256 : 32;
 }
 
-void quantize_block_rows(const float* x, int64_t M, int64_t K, int64_t group, BlockRows& out) {
+namespace {
+
+// Row m of x into `out` (quantize_block_rows; out's vectors sized)
+void quantize_block_row(const float* row, int64_t m, int64_t K, int64_t group, bool vnni, bool alt, BlockRows& out) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t g = 0; g < K / group; ++g) {
+    const float* src = row + g * group;
+    __m256 amax = _mm256_setzero_ps();
+    for (int64_t k = 0; k < group; k += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(src + k)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float scale = _mm_cvtss_f32(h) / 127.f;  // codes q = round(x / d) in [-127, 127], half to even
+    const __m256 inv = _mm256_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
+    out.d[m * (K / group) + g] = scale;
+    int8_t* dst = out.q.data() + m * K + g * group;
+    for (int64_t k = 0; k < group; k += 32) {
+      __m256i q[4];
+      for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + k + 8 * i), inv));
+      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k),
+                          _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    }
+  }
+  for (int64_t j = 0; j < K / 4; ++j) {
+    const int8_t* q = out.q.data() + m * K + 4 * j;
+    const int four = q[0] + q[1] + q[2] + q[3];
+    if (vnni) out.flip[m * (K / 4) + j] = -128 * four;
+    if (j % 4 == 0) out.sums[m * (K / 16) + j / 4] = 0;
+    out.sums[m * (K / 16) + j / 4] = static_cast<int16_t>(out.sums[m * (K / 16) + j / 4] + four);  // |sum| <= 2032
+  }
+  if (!alt) return;
+  // the wide kernels' order (BlockRows::alt)
+  const int64_t span = 128, piece = 16;
+  const int order[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+  for (int64_t s = 0; s + span <= K; s += span)
+    for (int p = 0; p < 8; ++p)
+      std::memcpy(out.alt.data() + m * K + s + p * piece, out.q.data() + m * K + s + order[p] * piece, piece);
+  for (int64_t s = 0; s + span <= K; s += span)
+    for (int l = 0; l < 16; ++l) {
+      const int8_t* a = out.alt.data() + m * K + s + 4 * l;
+      const int sum = a[0] + a[1] + a[2] + a[3] + a[64] + a[65] + a[66] + a[67];
+      out.alt_flip[(m * K + s) / 8 + l] = -128 * sum;
+    }
+}
+
+}  // namespace
+
+void quantize_block_rows(const float* x, int64_t M, int64_t K, int64_t group, BlockRows& out, bool decoding) {
   LLMKIT_CHECK(K % group == 0 && group % 32 == 0, "x's width ", K, " is not a multiple of ", group);
   out.M = M, out.K = K, out.group = group;
   out.q.resize(M * K), out.d.resize(M * (K / group)), out.sums.resize(M * (K / 16));
-  const bool vnni = vnni_selected();  // flip and alt are the VNNI kernels' alone
+  const bool vnni = decoding && vnni_selected();  // flip and alt are the VNNI decoding kernels' alone
+  const bool alt = vnni && group == 32;
   out.flip.resize(vnni ? M * (K / 4) : 0);
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < K / group; ++g) {
-      const float* src = x + m * K + g * group;
-      __m256 amax = _mm256_setzero_ps();
-      for (int64_t k = 0; k < group; k += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(src + k)));
-      __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-      h = _mm_max_ss(h, _mm_movehdup_ps(h));
-      const float scale = _mm_cvtss_f32(h) / 127.f;  // codes q = round(x / d) in [-127, 127], half to even
-      const __m256 inv = _mm256_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
-      out.d[m * (K / group) + g] = scale;
-      int8_t* dst = out.q.data() + m * K + g * group;
-      for (int64_t k = 0; k < group; k += 32) {
-        __m256i q[4];
-        for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + k + 8 * i), inv));
-        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k),
-                            _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-      }
-    }
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t j = 0; j < K / 4; ++j) {
-      const int8_t* q = out.q.data() + m * K + 4 * j;
-      const int four = q[0] + q[1] + q[2] + q[3];
-      if (vnni) out.flip[m * (K / 4) + j] = -128 * four;
-      if (j % 4 == 0) out.sums[m * (K / 16) + j / 4] = 0;
-      out.sums[m * (K / 16) + j / 4] = static_cast<int16_t>(out.sums[m * (K / 16) + j / 4] + four);  // |sum| <= 2032
-    }
-  if (!vnni || group != 32) return;
-  // the wide kernels' order (BlockRows::alt)
-  out.alt.resize(M * K);
-  const int64_t span = 128, piece = 16;
-  const int order[8] = {0, 2, 4, 6, 1, 3, 5, 7};
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t s = 0; s + span <= K; s += span)
-      for (int p = 0; p < 8; ++p)
-        std::memcpy(out.alt.data() + m * K + s + p * piece, out.q.data() + m * K + s + order[p] * piece, piece);
-  out.alt_flip.assign(M * (K / 8), 0);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t s = 0; s + span <= K; s += span)
-      for (int l = 0; l < 16; ++l) {
-        const int8_t* a = out.alt.data() + m * K + s + 4 * l;
-        const int sum = a[0] + a[1] + a[2] + a[3] + a[64] + a[65] + a[66] + a[67];
-        out.alt_flip[(m * K + s) / 8 + l] = -128 * sum;
-      }
+  out.alt.resize(alt ? M * K : 0);
+  out.alt_flip.assign(alt ? M * (K / 8) : 0, 0);
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) quantize_block_row(x + m * K, m, K, group, vnni, alt, out);
+  });
 }
 
 void block_columns(const BlockMatrix& w, const BlockRows& x, int64_t n0, int64_t n1, float* y, int64_t ldy) {
@@ -206,11 +222,24 @@ torch::Tensor dequantized_product(const torch::Tensor& x, const BlockMatrix& w, 
   return y;
 }
 
-torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, int64_t kind, int64_t many_rows, bool bf16) {
+// x @ W^T of many rows in integers (cpu_blocks_panels.inc): x rounded to int8 as for decoding rows
+torch::Tensor panel_product(const torch::Tensor& x, const BlockMatrix& w) {
+  BlockRows rows;
+  quantize_block_rows(x.data_ptr<float>(), x.size(0), w.K, activation_group(w.kind), rows, false);
+  auto y = torch::empty({x.size(0), w.N}, x.options());
+  vnni::panel_product(w, rows, y.data_ptr<float>(), w.N);
+  return y;
+}
+
+torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, int64_t kind, int64_t many_rows, bool bf16,
+                           bool integer) {
   check_cpu(x, "x");
   LLMKIT_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be (M, K) fp32");
   const BlockMatrix w = block_matrix(blocks, static_cast<int>(kind), x.size(1));
-  if (x.size(0) >= many_rows) return dequantized_product(x, w, bf16);
+  if (x.size(0) >= many_rows) {
+    if (integer && vnni_selected() && activation_group(w.kind) != 0) return panel_product(x, w);
+    return dequantized_product(x, w, bf16);
+  }
   BlockProduct product;
   product.prepare(x.data_ptr<float>(), x.size(0), w.K, {w});
   auto y = torch::empty({x.size(0), w.N}, x.options());
@@ -231,7 +260,9 @@ torch::Tensor block_dequantize(torch::Tensor blocks, int64_t kind, int64_t K) {
 void bind_blocks(pybind11::module& m) {
   namespace py = pybind11;
   m.def("block_linear", &block_linear, py::arg("x"), py::arg("blocks"), py::arg("kind"), py::arg("many_rows") = 32,
-        py::arg("bf16") = false, "x (M, K) fp32 @ W^T for W stored as GGUF blocks of ggml type `kind` -> (M, N)");
+        py::arg("bf16") = false, py::arg("integer") = false,
+        "x (M, K) fp32 @ W^T for W stored as GGUF blocks of ggml type `kind` -> (M, N); from `many_rows` rows on in "
+        "integer panels (`integer`, on AVX512-VNNI) or dequantized panels (in bf16: `bf16`)");
   m.def("block_dequantize", &block_dequantize, py::arg("blocks"), py::arg("kind"), py::arg("k"),
         "rows of GGUF blocks of ggml type `kind` holding k weights each -> (N, k) fp32");
 }

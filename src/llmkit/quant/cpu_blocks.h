@@ -48,7 +48,8 @@ struct BlockRows {
   std::vector<int32_t> alt_flip;  // (M, K / 8), groups of 32, where the VNNI kernels run
 };
 
-void quantize_block_rows(const float* x, int64_t M, int64_t K, int64_t group, BlockRows& out);
+// (decoding: with what the VNNI decoding kernels also read, flip and alt; rows in parallel)
+void quantize_block_rows(const float* x, int64_t M, int64_t K, int64_t group, BlockRows& out, bool decoding = true);
 
 // the activations' group for a block kind: 256 for the K-quants, 0 for the float types (x is not rounded), 32 for
 // the others

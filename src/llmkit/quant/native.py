@@ -44,7 +44,15 @@ SOURCES = [
     )
 ]
 HEADERS = [
-    HERE / f for f in ("cpu_kernel.h", "cpu_step.h", "cpu_blocks.h", "cpu_blocks_kernels.inc", "cpu_blocks_wide.inc")
+    HERE / f
+    for f in (
+        "cpu_kernel.h",
+        "cpu_step.h",
+        "cpu_blocks.h",
+        "cpu_blocks_kernels.inc",
+        "cpu_blocks_wide.inc",
+        "cpu_blocks_panels.inc",
+    )
 ]
 
 
@@ -152,21 +160,26 @@ INTEGER_ROWS = 95
 # below BF16_ROWS integer products were faster (Zen 5, int4 576 x 1536: 102 vs 151 us at 16 rows; 236 vs 209 at 32)
 BF16_ROWS = 32
 
-PREFILL_DTYPES = ("auto", "bf16", "fp32")
+PREFILL_DTYPES = ("auto", "int8", "bf16", "fp32")
 _prefill = os.environ.get("LLMKIT_PREFILL_DTYPE", "auto")
 
 
 def set_prefill_dtype(dtype: str) -> None:
-    """How products of many rows (a prompt's prefill) multiply the dequantized panels: "bf16", from BF16_ROWS rows
-    on (x and W rounded to bf16, fp32 sums, the result rounded to bf16; oneDNN runs it on the CPU's bf16 units:
-    ~4x fp32's rate on a Zen 5 EPYC, ~6x with a Xeon's AMX), "fp32" from INTEGER_ROWS + 1 rows on (exact up to
-    fp32 rounding), or "auto" (the default: bf16 where the CPU multiplies bf16 natively, fp32 elsewhere, where bf16
-    is emulated and slower). The environment variable LLMKIT_PREFILL_DTYPE sets it for a whole process."""
+    """How products of many rows (a prompt's prefill) multiply: "int8", GGUF block weights in integer panels from
+    BF16_ROWS rows on (x rounded to int8 per group as decoding rows are, each panel of 32 columns unpacked once for
+    every row, vpdpbusd: twice vdpbf16ps's products an instruction; cpu_blocks_panels.inc) where the integer kernel
+    is AVX512-VNNI, the other weights as "auto" has them; "bf16", the dequantized panels from BF16_ROWS rows on (x
+    and W rounded to bf16, fp32 sums, the result rounded to bf16; oneDNN runs it on the CPU's bf16 units: ~4x fp32's
+    rate on a Zen 5 EPYC, ~6x with a Xeon's AMX); "fp32" from INTEGER_ROWS + 1 rows on (exact up to fp32 rounding);
+    or "auto" (the default): "int8" on a CPU with AVX512-VNNI and no AMX, "bf16" on one that multiplies bf16
+    natively (AMX's tiles beat VNNI's integers), "fp32" elsewhere, where bf16 is emulated and slower. The
+    environment variable LLMKIT_PREFILL_DTYPE sets it for a whole process."""
     global _prefill
     if dtype not in PREFILL_DTYPES:
         raise InputError(f"prefill dtype {dtype!r} is not one of {', '.join(PREFILL_DTYPES)}")
     _prefill = dtype
     prefill_bf16.cache_clear()
+    prefill_integer.cache_clear()
 
 
 INTEGER_KERNELS = ("auto", "avx2")
@@ -218,12 +231,25 @@ def prefill_dtype(dtype: str) -> Iterator[None]:
         set_prefill_dtype(before)
 
 
-@functools.cache
-def prefill_bf16() -> bool:
-    """Whether many-row products multiply in bf16 (see set_prefill_dtype)."""
+def _prefill_checked() -> str:
     if _prefill not in PREFILL_DTYPES:
         raise InputError(f"LLMKIT_PREFILL_DTYPE={_prefill!r} is not one of {', '.join(PREFILL_DTYPES)}")
-    return _prefill == "bf16" or (_prefill == "auto" and cpu_bf16_native())
+    return _prefill
+
+
+@functools.cache
+def prefill_integer() -> bool:
+    """Whether many-row products of GGUF block weights may multiply in integer panels (see set_prefill_dtype; the
+    extension takes them where its integer kernel is AVX512-VNNI)."""
+    dtype = _prefill_checked()
+    return dtype == "int8" or (dtype == "auto" and cpu_has_avx512_vnni() and not cpu_has_amx())
+
+
+@functools.cache
+def prefill_bf16() -> bool:
+    """Whether many-row products of dequantized panels multiply in bf16 (see set_prefill_dtype)."""
+    dtype = _prefill_checked()
+    return dtype == "bf16" or (dtype in ("auto", "int8") and cpu_bf16_native())
 
 
 def integer_rows() -> int:
@@ -231,14 +257,31 @@ def integer_rows() -> int:
     return BF16_ROWS - 1 if prefill_bf16() else INTEGER_ROWS
 
 
+def _cpu_flags() -> set[str]:
+    """This CPU's flags, from /proc/cpuinfo (none where it cannot be read)."""
+    try:
+        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return set()
+    return set(line.split())
+
+
 @functools.cache
 def cpu_has_avx512_bf16() -> bool:
     """AVX-512 (F, BW, VL, DQ) with the BF16 dot products (vdpbf16ps), read from /proc/cpuinfo; False elsewhere."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return False
-    return {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= set(flags.split())
+    return {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= _cpu_flags()
+
+
+@functools.cache
+def cpu_has_avx512_vnni() -> bool:
+    """AVX-512 (F, BW, VL, DQ) with VNNI's integer dot products (vpdpbusd), read from /proc/cpuinfo."""
+    return {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= _cpu_flags()
+
+
+@functools.cache
+def cpu_has_amx() -> bool:
+    """AMX's bf16 tiles (a Xeon's), read from /proc/cpuinfo: oneDNN multiplies bf16 on them."""
+    return "amx_bf16" in _cpu_flags()
 
 
 def attention_applies(q: torch.Tensor, v: torch.Tensor) -> bool:
@@ -319,7 +362,9 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) ->
 
 @torch.library.custom_op("llmkit::block_linear", mutates_args=())
 def _block_op(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
-    return module().block_linear(x.contiguous(), blocks, kind, integer_rows() + 1, prefill_bf16())  # type: ignore[union-attr]
+    return module().block_linear(  # type: ignore[union-attr]
+        x.contiguous(), blocks, kind, integer_rows() + 1, prefill_bf16(), prefill_integer()
+    )
 
 
 @_block_op.register_fake
@@ -329,7 +374,9 @@ def _(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
 
 def block_linear(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
     """x (M, K) fp32 @ W^T for W held as GGUF blocks of ggml type `kind` (llmkit.quant.blocks) -> (M, N)
-    (dequantized in panels from integer_rows() + 1 rows on)."""
+    (from integer_rows() + 1 rows on in integer or dequantized panels: set_prefill_dtype)."""
     if torch.compiler.is_compiling():
         return _block_op(x, blocks, kind)
-    return module().block_linear(x.contiguous(), blocks, kind, integer_rows() + 1, prefill_bf16())  # type: ignore[union-attr]
+    return module().block_linear(  # type: ignore[union-attr]
+        x.contiguous(), blocks, kind, integer_rows() + 1, prefill_bf16(), prefill_integer()
+    )
