@@ -139,7 +139,8 @@ void quantize_block_rows(const float* x, int64_t M, int64_t K, int64_t group, Bl
   out.flip.resize(vnni ? M * (K / 4) : 0);
   out.alt.resize(alt ? M * K : 0);
   out.alt_flip.assign(alt ? M * (K / 8) : 0, 0);
-  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+  // (a prompt's rows in parallel; a decoding step's few rows inline: a thread team costs more than rounding them)
+  at::parallel_for(0, M, std::max<int64_t>(1, (int64_t{1} << 16) / K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) quantize_block_row(x + m * K, m, K, group, vnni, alt, out);
   });
 }
