@@ -12,8 +12,9 @@ from llmkit.generate import generate
 from llmkit.presets import PRESETS
 from llmkit.serve.blocks import BlockPool
 from llmkit.serve.engine import Engine, EngineConfig, QueueFull
+from llmkit.serve.model_runner import TorchRunner
 from llmkit.serve.paged import PagedCache
-from llmkit.serve.request import SamplingParams
+from llmkit.serve.request import Completion, SamplingParams
 from llmkit.serve.text import TextStops
 
 DECODERS = [n for n, p in PRESETS.items() if n.endswith("-tiny") and p.config.encoder is None]
@@ -30,6 +31,15 @@ def _prompts(model: llmkit.DecoderLM, lengths: list[int], prefix: int = 0, seed:
     V = model.cfg.vocab_size
     shared = torch.randint(0, V, (prefix,), generator=g).tolist()
     return [shared + torch.randint(0, V, (n,), generator=g).tolist() for n in lengths]
+
+
+def _completions(engine: Engine, ids: list[str]) -> list[Completion]:
+    """Step the engine until it has no work; each request's completion."""
+    deltas: dict[str, list] = {i: [] for i in ids}
+    while engine.has_work:
+        for d in engine.step():
+            deltas[d.request_id].append(d)
+    return [Completion.of(deltas[i]) for i in ids]
 
 
 def _engine(model: llmkit.DecoderLM, blocks: int = 400, **kw: object) -> Engine:
@@ -211,20 +221,18 @@ def test_non_finite_logits_end_only_that_sequence():
     -inf logit (a token masked on purpose) is not an error."""
     model = _model("llama2-7b-tiny")
     engine = _engine(model)
-    real = engine._forward
+    real = engine.runner.forward
+    prompts = [[7, 1, 2, 9], [8, 1, 2, 9]]
+    bad_id, good_id = (engine.add(p, GREEDY) for p in prompts)
 
-    def forward(work):
-        out = real(work).clone()
-        for i, w in enumerate(work):
-            if w.seq.tokens[0] == 7:
-                out[i, 3] = float("nan")
-            else:
-                out[i, 3] = float("-inf")
+    def forward(rows):
+        out = real(rows)
+        for r, x in zip(rows, out.logits, strict=True):
+            x[3] = float("nan") if r.request == bad_id else float("-inf")
         return out
 
-    engine._forward = forward
-    prompts = [[7, 1, 2, 9], [8, 1, 2, 9]]
-    bad, good = engine.generate(prompts, GREEDY)
+    engine.runner.forward = forward
+    bad, good = _completions(engine, [bad_id, good_id])
     assert bad.finish_reason == "error" and bad.token_ids == []
     assert good.finish_reason == "length" and len(good.token_ids) == 10 and 3 not in good.token_ids
     assert engine.stats.failed == 1
@@ -241,11 +249,12 @@ def test_one_forward_per_step_over_rows_of_every_length(name, monkeypatch):
     model = _model(name)
     prompts = _prompts(model, [5, 17, 30, 3, 9])
     real_run = model.run
-    assert Engine(model, None, EngineConfig(kv_memory=1 << 22)).packs
+    assert Engine(model, None, EngineConfig(kv_memory=1 << 22)).runner.packs
 
     def run(packs: bool) -> tuple[list, int, int]:
         engine = _engine(model)
-        engine.native, engine.packs = None, packs  # every row through PyTorch
+        engine.runner = TorchRunner(model, engine.cache, engine.pool.block_size)  # every row through PyTorch
+        engine.runner.packs = packs
         calls = {"n": 0}
 
         def counting(*args, **kwargs):

@@ -130,14 +130,14 @@ def test_a_forward_that_fails_for_one_request_ends_that_request_alone():
     engine = Engine(model, None, EngineConfig(kv_memory=8 << 20, block_size=4))
     prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
     ids = [engine.add(p, SamplingParams(max_tokens=6, temperature=0)) for p in prompts]
-    forward = engine._forward
+    forward = engine.runner.forward
 
-    def flaky(work):
-        if any(w.seq.request.id == ids[1] and len(w.seq.generated) >= 2 for w in work):
+    def flaky(rows):
+        if any(r.request == ids[1] and r.start >= len(prompts[1]) + 1 for r in rows):
             raise RuntimeError("simulated: the kernel refused this shape")
-        return forward(work)
+        return forward(rows)
 
-    engine._forward = flaky
+    engine.runner.forward = flaky
     finished, tokens = {}, {}
     while engine.has_work:
         for d in engine.step():

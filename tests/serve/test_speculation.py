@@ -48,8 +48,8 @@ def _engine(model: llmkit.DecoderLM, k: int = 0, blocks: int = 400, drafts: int 
     config = EngineConfig(kv_memory=per_block * blocks, block_size=4, step_tokens=16, draft_tokens=k, **kw)
     engine = Engine(model, None, config)
     if drafts is not None:
-        assert engine.speculator is not None
-        engine.speculator.drafts_for = lambda rows: drafts  # type: ignore[method-assign]
+        assert engine.drafter is not None
+        engine.drafter.drafts_for = lambda rows: drafts  # type: ignore[method-assign]
     return engine
 
 
@@ -82,8 +82,8 @@ def test_greedy_speculative_serving_equals_plain_serving(k, bits, invariant):
     for s, p in zip(spec, plain, strict=True):
         torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(p.logprobs), atol=1e-4, rtol=1e-4)
         assert s.finish_reason == "length"
-    assert engine.speculator is not None and engine.speculator.drafted > 0
-    assert engine.pool.used == 0 and not engine.speculator.states  # everything given back
+    assert engine.drafter is not None and engine.drafter.drafted > 0
+    assert engine.pool.used == 0 and not engine.drafter.states  # everything given back
 
 
 @pytest.mark.parametrize(("wrong_at", "per_round"), [(-1, 4), (2, 3), (0, 1)])
@@ -106,9 +106,9 @@ def test_drafts_the_model_would_choose_are_kept(monkeypatch, wrong_at, per_round
     # after the prompt's step (1 token), rounds of per_round tokens while at least 4 are left
     decoding = [n for n in steps if n][1:]
     assert decoding[: (12 - 3) // per_round] == [per_round] * ((12 - 3) // per_round), decoding
-    assert engine.speculator is not None
+    assert engine.drafter is not None
     if wrong_at == 2:  # what the choice of k learns: depths 1 and 2 always kept, depth 3 never
-        a = engine.speculator.acceptance
+        a = engine.drafter.acceptance
         assert a[0] > 0.8 and a[1] > 0.8 and a[2] < 0.5, a
     again = _engine(model, 3, drafts=3).generate(prompts, params)
     assert [o.token_ids for o in again] == got
@@ -162,7 +162,7 @@ def test_sampled_speculation_keeps_the_models_distribution():
     engine = _engine(model, 1, drafts=1, max_batch=64)
     torch.manual_seed(5)
     outs = [o for _ in range(30) for o in engine.generate([prompt], params)]
-    assert engine.speculator is not None and engine.speculator.drafted >= 1000
+    assert engine.drafter is not None and engine.drafter.drafted >= 1000
     from llmkit.generate.sampling import Sampling, distribution
 
     rule = Sampling(temperature=1.5, top_k=3)
@@ -193,7 +193,7 @@ def test_rows_with_penalties_or_seeds_decode_plainly(params):
     assert [o.token_ids for o in engine.generate(prompts, params)] == [
         o.token_ids for o in _engine(model).generate(prompts, params)
     ]
-    assert engine.speculator is not None and engine.speculator.drafted == 0
+    assert engine.drafter is not None and engine.drafter.drafted == 0
 
 
 def test_logit_bias_applies_to_drafts_and_checks():
@@ -207,7 +207,7 @@ def test_logit_bias_applies_to_drafts_and_checks():
     assert expected != [o.token_ids for o in plain]
     engine = _engine(model, 3, drafts=3)
     assert [o.token_ids for o in engine.generate(prompts, params)] == expected
-    assert engine.speculator is not None and engine.speculator.drafted > 0
+    assert engine.drafter is not None and engine.drafter.drafted > 0
 
 
 def test_speculation_survives_preemption_and_shared_prefixes(monkeypatch):
@@ -223,7 +223,7 @@ def test_speculation_survives_preemption_and_shared_prefixes(monkeypatch):
     engine = _engine(model, 3, blocks=30, drafts=3)
     assert [o.token_ids for o in engine.generate(prompts, params)] == [o.token_ids for o in plain]
     assert engine.scheduler.preemptions > 0 and engine.scheduler.prefix.hit > 0
-    assert engine.speculator is not None and engine.speculator.accepted > 0
+    assert engine.drafter is not None and engine.drafter.accepted > 0
     assert engine.pool.used == 0
     full = {p: _training_mtp(model, [*p, *out]) for p, out in outputs.items()}
     for prompt, slot, o in seen:  # the drafts themselves were the oracle's: the module's state is checked here
@@ -236,7 +236,7 @@ def test_drafts_per_step_follow_the_measured_costs():
     acceptance falls. The overhead is learnt from the steps that only decode."""
     model = _model()
     engine = _engine(model, 4)
-    sp = engine.speculator
+    sp = engine.drafter
     assert sp is not None and sp.costs is not None and len(sp.costs.verifying) == len(Costs.ROWS)
     sp.costs = Costs(verifying=(1.0,) * 7, drafting=(0.01,) * 7)
     assert sp.drafts_for(1) == 4 and sp.drafts_for(16) == 4
@@ -252,7 +252,7 @@ def test_drafts_per_step_follow_the_measured_costs():
     assert Costs((1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0), (0.0,) * 7).verify(96) == 96.0  # extrapolated per row
     costs = sp.costs = Costs(verifying=(1.0,) * 7, drafting=(0.0,) * 7)
     rows = _prompts([3, 4])
-    engine.speculator.drafts_for = lambda n: 0  # type: ignore[method-assign]
+    engine.drafter.drafts_for = lambda n: 0  # type: ignore[method-assign]
     for p in rows:
         engine.add(p, GREEDY)
     engine.step()  # the prompts (chunks): nothing learnt
@@ -296,7 +296,7 @@ def test_openai_client_gets_the_plain_servers_text(monkeypatch, smollm2):
     for k in (0, 3):
         with Server(model, tok, ServeOptions("m"), EngineConfig(kv_memory=64 << 20, draft_tokens=k)) as server:
             if k:
-                server.engine.speculator.drafts_for = lambda rows: 3  # type: ignore[union-attr]
+                server.engine.drafter.drafts_for = lambda rows: 3  # type: ignore[union-attr]
             c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
             chunks = list(
                 c.completions.create(
@@ -316,7 +316,7 @@ def test_openai_client_gets_the_plain_servers_text(monkeypatch, smollm2):
             texts.append(("".join(ch.choices[0].text for ch in events), chat.choices[0].message.content))
             if k:
                 assert len(events) < 14  # rounds of several tokens arrived as one event each
-                speculator = server.engine.speculator
+                speculator = server.engine.drafter
                 assert speculator is not None and speculator.accepted > 0
                 with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
                     metrics = r.read().decode()
@@ -346,7 +346,7 @@ def test_a_failing_draft_only_costs_its_step_the_drafts(monkeypatch, caplog):
         out = engine.generate(prompts, GREEDY)
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
     assert "drafting failed (RuntimeError: no room for the draft)" in caplog.text
-    assert engine.speculator is not None and engine.speculator.drafted > 0 and len(calls) > 3
+    assert engine.drafter is not None and engine.drafter.drafted > 0 and len(calls) > 3
 
 
 def test_poisoned_sampling_settings_end_no_speculating_stream(smollm2):
@@ -363,7 +363,7 @@ def test_poisoned_sampling_settings_end_no_speculating_stream(smollm2):
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     expected = tok.decode(Engine(model, tok, EngineConfig(kv_memory=64 << 20)).generate([ids], params)[0].token_ids)
     with Server(model, tok, ServeOptions("m"), EngineConfig(kv_memory=64 << 20, draft_tokens=2)) as server:
-        speculator = server.engine.speculator
+        speculator = server.engine.drafter
         assert speculator is not None
         speculator.drafts_for = lambda rows: 2  # type: ignore[method-assign]
         stepper = Stepper(server.engine)
@@ -402,8 +402,8 @@ def _drafted_engine(model: llmkit.DecoderLM, draft: llmkit.DecoderLM, k: int, bl
     )
     config = EngineConfig(kv_memory=per_block * blocks, block_size=4, step_tokens=16, draft_tokens=k)
     engine = Engine(model, None, config, draft=draft)
-    assert isinstance(engine.speculator, ModelSpeculator) and engine.pool.n_blocks == blocks
-    engine.speculator.drafts_for = lambda rows: k  # type: ignore[method-assign]
+    assert isinstance(engine.drafter, ModelSpeculator) and engine.pool.n_blocks == blocks
+    engine.drafter.drafts_for = lambda rows: k  # type: ignore[method-assign]
     return engine
 
 
@@ -416,10 +416,10 @@ def test_a_draft_model_gives_the_plain_servers_greedy_output():
     weak = _model(seed=1, n_layers=1, mtp_depth=0)
     engine = _drafted_engine(model, weak, 3)
     assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == plain
-    assert engine.speculator is not None and engine.speculator.drafted > 0
+    assert engine.drafter is not None and engine.drafter.drafted > 0
     itself = _drafted_engine(model, _model(), 3)
     assert [o.token_ids for o in itself.generate(prompts, GREEDY)] == plain
-    sp = itself.speculator
+    sp = itself.drafter
     assert sp is not None and sp.drafted > 0 and sp.accepted == sp.drafted
     assert itself.pool.used == 0 and not sp.states
 

@@ -19,6 +19,7 @@ openai = pytest.importorskip("openai")
 
 from llmkit.errors import InputError  # noqa: E402
 from llmkit.serve.engine import Engine, EngineConfig  # noqa: E402
+from llmkit.serve.model_runner import NativeRunner  # noqa: E402
 from llmkit.serve.request import SamplingParams  # noqa: E402
 from llmkit.serve.server import ServeOptions, Server  # noqa: E402
 from llmkit.serve.structured import Constraint, Grammars  # noqa: E402
@@ -128,11 +129,11 @@ def test_the_c_plus_plus_decode_step_is_used_with_constraints(tiny, monkeypatch)
     """Constraints act on the logits, after the model: the C++ step still computes the decoding rows."""
     model, tok = tiny
     engine = Engine(model, tok, EngineConfig(kv_memory=32 << 20))
-    if engine.native is None:
+    if not isinstance(engine.runner, NativeRunner):
         pytest.skip("the native kernels are not available here")
     calls = []
-    run_paged = engine.native.run_paged
-    monkeypatch.setattr(engine.native, "run_paged", lambda *a, **k: calls.append(1) or run_paged(*a, **k))
+    run_paged = engine.runner.native.run_paged
+    monkeypatch.setattr(engine.runner.native, "run_paged", lambda *a, **k: calls.append(1) or run_paged(*a, **k))
     params = SamplingParams(max_tokens=200, temperature=0.0, constraint=Constraint.json_schema(BOUNDED["nested"]))
     [out] = engine.generate([_chat_ids(tok, "JSON please.")], params)
     jsonschema.validate(json.loads(out.text), BOUNDED["nested"])

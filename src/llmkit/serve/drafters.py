@@ -221,17 +221,14 @@ class ModelSpeculator(Speculator):
 
 def speculator(
     model: DecoderLM,
-    native: NativeDecoder | None,
+    native: NativeDecoder,
     kv: KVCacheManager,
-    pools: tuple[list[Tensor], list[Tensor]] | None,
+    pools: tuple[list[Tensor], list[Tensor]],
     config: EngineConfig,
     draft: DecoderLM | None,
-) -> Speculator | None:
-    """The engine's drafter (None without config.draft_tokens): `draft` when given, else the model's MTP module.
-    native and pools: the engine's C++ step and its pools, which it checked apply."""
-    if not config.draft_tokens:
-        return None
-    assert native is not None and pools is not None
+) -> Speculator:
+    """The engine's drafter of config.draft_tokens (> 0) drafts a step: `draft` when given, else the model's MTP
+    module. native and pools: the engine's C++ step and its pools."""
     if draft is not None:
         return ModelSpeculator(model, native, kv, pools, config.draft_tokens, draft)
     return MTPSpeculator(model, native, kv, pools, config.draft_tokens, config.draft_head_bits)

@@ -1,6 +1,6 @@
-"""The model's part of a serving step, as a function of plain inputs: which tokens each row computes, from which
-slot, through which cache blocks. The engine calls it with its scheduler's work; under tensor parallelism
-(lockstep.py) every rank calls it with the same inputs, which is why nothing here reads the engine.
+"""The PyTorch forward of a serving step, as a function of plain inputs: which tokens each row computes, from which
+slot, through which cache blocks. The model runner (model_runner.py) calls it with its plan's rows; under tensor
+parallelism (lockstep.py) every rank calls it with the same inputs, which is why nothing here reads the engine.
 
 Rows of one length run as a batch (B, T); rows of different lengths as one packed row (1, N) whose attention runs
 row by row (AttentionMask.ragged).
@@ -23,21 +23,25 @@ from llmkit.serve.scheduler import Work
 @dataclass(frozen=True)
 class Row:
     """One row of a step: `tokens` go to slots start.., through the cache blocks `table`; the log-probabilities
-    of the prompt tokens that its first `prompt_n` states predict are wanted (0: none)."""
+    of the prompt tokens that its first `prompt_n` states predict are wanted (0: none); `drafts` follow the row's
+    one token, to be verified (speculation.py); `request`: its request's id, for messages."""
 
     tokens: list[int]
     start: int
     table: list[int]
     prompt_n: int = 0
+    drafts: tuple[int, ...] = ()
+    request: str = ""
 
 
 @dataclass(frozen=True)
 class Forward:
-    """What a step's forward gives: each row's last-block states (count, C), its last token's logits (B, V), and
-    each row's prompt-token logits (prompt_n, V) or None."""
+    """What a step's forward gives for each row: its last-block states (count, C), its logits ((V,) after its last
+    token; (1 + k, V) after its token and each of its k drafts), and its prompt-token logits (prompt_n, V) or
+    None."""
 
     hidden: list[Tensor]
-    logits: Tensor
+    logits: list[Tensor]
     prompt: list[Tensor | None]
 
 
@@ -48,8 +52,9 @@ def prompt_count(w: Work) -> int:
     return max(0, min(w.count, w.seq.prompt_len - 1 - w.start))
 
 
-def row_of(w: Work, table: list[int]) -> Row:
-    return Row(w.seq.tokens[w.start : w.start + w.count], w.start, table, prompt_count(w))
+def row_of(w: Work, table: list[int], drafts: tuple[int, ...] = ()) -> Row:
+    tokens = w.seq.tokens[w.start : w.start + w.count]
+    return Row(tokens, w.start, table, prompt_count(w), drafts, w.seq.request.id)
 
 
 def prompt_logits(model: DecoderLM, hidden: list[Tensor], counts: list[int]) -> list[Tensor | None]:
@@ -87,4 +92,4 @@ def run_rows(model: DecoderLM, cache: PagedCache, block_size: int, rows: list[Ro
         hidden = list(h[0].split(counts))
         last = h[0, torch.tensor(counts, device=dev).cumsum(0) - 1]  # each row's last query
     prompt = prompt_logits(model, hidden, [r.prompt_n for r in rows])
-    return Forward(hidden, model.logits(model.norm(last)), prompt)  # (B, V)
+    return Forward(hidden, list(model.logits(model.norm(last))), prompt)

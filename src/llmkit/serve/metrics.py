@@ -58,9 +58,8 @@ class Metrics:
         self._advance(self.prefix_hit, s.prefix.hit)
         self._advance(self.preemptions, s.preemptions)
         self._advance(self.prompt_tokens, engine.stats.prompt_tokens)
-        if engine.speculator is not None:
-            self._advance(self.drafted, engine.speculator.drafted)
-            self._advance(self.accepted, engine.speculator.accepted)
+        self._advance(self.drafted, engine.drafter.drafted)
+        self._advance(self.accepted, engine.drafter.accepted)
 
     def _advance(self, counter: Counter, total: float) -> None:
         """Bring a counter up to the engine's running total."""

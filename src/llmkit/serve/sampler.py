@@ -72,13 +72,20 @@ def penalize_presence(logits: Tensor, generated: list[int], presence: float, fre
     return logits.index_add(0, ids, -penalty)
 
 
+def logit_biased(logits: Tensor, bias: tuple[tuple[int, float], ...]) -> Tensor:
+    """logits (..., V) plus a request's logit_bias ((token, bias) pairs), the same sum for every row."""
+    if not bias:
+        return logits
+    index = torch.tensor([t for t, _ in bias], device=logits.device)
+    values = torch.tensor([b for _, b in bias], device=logits.device, dtype=logits.dtype)
+    return logits + logits.new_zeros(logits.shape[-1]).index_add(0, index, values)
+
+
 def _row_distribution(x: Tensor, seq: Sequence) -> Tensor:
     """One row's logits (V,) -> the probabilities (1, V) its settings draw from."""
     p = seq.request.params
     s = p.sampling
-    if p.logit_bias:
-        index = torch.tensor([t for t, _ in p.logit_bias], device=x.device)
-        x = x.index_add(0, index, torch.tensor([b for _, b in p.logit_bias], device=x.device))
+    x = logit_biased(x, p.logit_bias)
     x = penalize_presence(x, seq.generated, p.presence_penalty, p.frequency_penalty)
     history = torch.tensor([seq.tokens], device=x.device) if s.repetition_penalty != 1.0 else None
     return distribution(x.unsqueeze(0), s, history)

@@ -41,7 +41,7 @@ from llmkit.models.decoder import DecoderLM
 from llmkit.quant.native_step import NativeDecoder
 from llmkit.serve.kv_manager import KVCacheManager
 from llmkit.serve.request import Sequence, Top
-from llmkit.serve.sampler import top_logprobs
+from llmkit.serve.sampler import logit_biased, top_logprobs
 from llmkit.serve.scheduler import Work
 
 log = logging.getLogger("llmkit.serve")
@@ -136,16 +136,6 @@ class Verdict:
     accepted: int
 
 
-def _bias(logits: Tensor, seq: Sequence) -> Tensor:
-    """logits (..., V) plus the request's logit_bias."""
-    bias = seq.request.params.logit_bias
-    if not bias:
-        return logits
-    index = torch.tensor([t for t, _ in bias], device=logits.device)
-    values = torch.tensor([b for _, b in bias], device=logits.device, dtype=logits.dtype)
-    return logits + logits.new_zeros(logits.shape[-1]).index_add(0, index, values)  # (the sampler's sum, per row)
-
-
 class Speculator(ABC):
     """What every drafter shares: which rows draft and how many tokens (drafts_for, from Costs and the acceptance
     per depth), the drafting loop (propose), the verdicts (judge). A drafter says where its drafting starts
@@ -164,7 +154,6 @@ class Speculator(ABC):
         # the chance that the draft at each depth is kept, given the ones before it were (which sets k: drafts_for):
         # kept over tried, both decaying, from a prior of 7 in 10. A chained draft is kept less often than the first
         self._kept, self._tried = [7.0] * k, [10.0] * k
-        self.pending: dict[int, Drafts] = {}  # the step's drafts, by id of their Work
         # when the step only decodes: its verifying kernels' cost by `costs`, its drafting's time, what `costs` says
         # its drafts cost (Speculator.timed)
         self._kernels: tuple[float, float, float] | None = None
@@ -280,11 +269,10 @@ class Speculator(ABC):
     def propose(
         self, rows: list[Work], room: Callable[[Sequence, int], bool], max_len: int, chunks: bool = False
     ) -> dict[int, Drafts]:
-        """Drafts for the decoding rows that take them (by id of their Work), kept in `pending`. room(seq, length):
+        """Drafts for the decoding rows that take them, by the row's index in `rows`. room(seq, length):
         make the sequence hold blocks for `length` tokens (False: it cannot, and gets no drafts); chunks: the step
         also computes prompt chunks (then its time says nothing about the engine's overhead: `timed`). Drafting
         only saves time: where it fails, the step decodes without drafts."""
-        self.pending = {}
         if not rows:
             return {}
         try:
@@ -297,7 +285,6 @@ class Speculator(ABC):
             log.warning("drafting failed (%s: %s); this step decodes without drafts", type(e).__name__, e)
             for w in rows:  # their MTP keys may be half written: computed again from slot 1 next time
                 self.forget(w.seq)
-            self.pending = {}
             return {}
 
     def _propose(
@@ -308,13 +295,15 @@ class Speculator(ABC):
         if k == 0:
             return {}
         chosen: list[tuple[Work, int]] = []
-        for w in rows:
+        index: list[int] = []  # each chosen row's index in `rows`
+        for i, w in enumerate(rows):
             seq = w.seq
             left = seq.request.params.max_tokens - len(seq.generated)  # tokens it may still get, cur's next included
             kw = min(k, left - 1, max_len - 1 - w.start)
             # (slot 0 has no MTP position: nothing comes before it)
             if kw > 0 and w.start > 0 and self.eligible(seq) and room(seq, w.start + 1 + kw):
                 chosen.append((w, kw))
+                index.append(i)
         if not chosen:
             return {}
         for w, _ in chosen:  # a sequence not seen yet, or computed again since (preempted): MTP keys from slot 1
@@ -343,20 +332,20 @@ class Speculator(ABC):
             slots = torch.tensor([w.start + depth + 1 for w in works])
             ids = torch.stack([nxt[j] for j in keep])
             out = self._step(works, slots, ids, out[keep])
-        for i, (w, _) in enumerate(chosen):
-            q = torch.stack(qs[i]) if qs[i] else None
-            self.pending[id(w)] = Drafts(torch.stack(tokens[i]), q)
+        drafts = {}
+        for i, row in enumerate(index):
+            drafts[row] = Drafts(torch.stack(tokens[i]), torch.stack(qs[i]) if qs[i] else None)
         if self._kernels is not None:  # the verifying rows, and what the chained drafts' timings say
             deepest = max(kw for _, kw in chosen)
             extra = sum(kw for _, kw in chosen)
             self._kernels = (self.costs.verify(len(rows) + extra), 0.0, deepest * self.costs.draft(len(chosen)))
-        return self.pending
+        return drafts
 
     def _draw(self, logits: Tensor, seq: Sequence, depth: int) -> tuple[Tensor, Tensor | None]:
         """Draft `depth` (0: the token after cur) from the MTP head's logits (V,) under the sequence's settings, and
         q (V,) when sampled."""
         sampling = seq.request.params.sampling
-        x = _bias(logits.float(), seq)
+        x = logit_biased(logits.float(), seq.request.params.logit_bias)
         if sampling.greedy:
             return x.argmax(), None
         q = distribution(x.unsqueeze(0), sampling)[0]
@@ -372,26 +361,54 @@ class Speculator(ABC):
 
     # ---- verifying
 
-    def judge(self, w: Work, drafts: Drafts, logits: Tensor) -> Verdict:
-        """The target's logits (k + 1, V) at cur, d1 .. dk of row `w` -> what the row keeps."""
-        seq = w.seq
-        p = seq.request.params
-        k = drafts.tokens.shape[0]
-        d = drafts.tokens.to(logits.device)[None]  # (1, k)
-        x = _bias(logits.float(), seq)
-        if p.sampling.greedy:
-            n, extra = accept_greedy(d, x.argmax(dim=-1)[None])
-        else:
-            assert drafts.q is not None
-            probs = distribution(x, p.sampling)  # (k + 1, V)
-            n, extra = accept(d, drafts.q[None], probs[None], False, seq.generator)
-        a = int(n[0])
-        tokens = [*drafts.tokens[:a].tolist(), int(extra[0])]
-        logprobs = torch.log_softmax(logits[: a + 1].float(), dim=-1)  # (a + 1, V): the model's own
-        values = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
-        self.drafted += k
-        self.accepted += a
-        for depth in range(min(a + 1, k)):  # depths 1 .. a were kept, depth a + 1 (if drafted) was not
+    def record(self, drafted: int, accepted: int) -> None:
+        """A verified row kept `accepted` of its `drafted` drafts: the acceptance per depth (which sets k) moves."""
+        self.drafted += drafted
+        self.accepted += accepted
+        for depth in range(min(accepted + 1, drafted)):  # depths 1 .. a were kept, depth a + 1 (if drafted) was not
             self._tried[depth] = 0.99 * self._tried[depth] + 1
-            self._kept[depth] = 0.99 * self._kept[depth] + (depth < a)
-        return Verdict(tokens, values, top_logprobs(logprobs, p.top_logprobs), a)
+            self._kept[depth] = 0.99 * self._kept[depth] + (depth < accepted)
+
+
+class NoDrafts:
+    """The drafter of an engine that does not speculate: no row gets drafts, so nothing is verified."""
+
+    drafted = accepted = 0
+
+    def propose(
+        self, rows: list[Work], room: Callable[[Sequence, int], bool], max_len: int, chunks: bool = False
+    ) -> dict[int, Drafts]:
+        return {}
+
+    def observe(self, rows: list[Work], hidden: list[Tensor], counts: list[int] | None = None) -> None:
+        pass
+
+    def forget(self, seq: Sequence) -> None:
+        pass
+
+    def timed(self, seconds: float) -> None:
+        pass
+
+    def record(self, drafted: int, accepted: int) -> None:
+        raise AssertionError("an engine without speculation verified drafts")
+
+
+Drafter = Speculator | NoDrafts
+
+
+def judge(seq: Sequence, drafts: Drafts, logits: Tensor) -> Verdict:
+    """The target's logits (k + 1, V) after `seq`'s token and after each of its k drafts -> what the row keeps."""
+    p = seq.request.params
+    d = drafts.tokens.to(logits.device)[None]  # (1, k)
+    x = logit_biased(logits.float(), p.logit_bias)
+    if p.sampling.greedy:
+        n, extra = accept_greedy(d, x.argmax(dim=-1)[None])
+    else:
+        assert drafts.q is not None
+        probs = distribution(x, p.sampling)  # (k + 1, V)
+        n, extra = accept(d, drafts.q[None], probs[None], False, seq.generator)
+    a = int(n[0])
+    tokens = [*drafts.tokens[:a].tolist(), int(extra[0])]
+    logprobs = torch.log_softmax(logits[: a + 1].float(), dim=-1)  # (a + 1, V): the model's own
+    values = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
+    return Verdict(tokens, values, top_logprobs(logprobs, p.top_logprobs), a)

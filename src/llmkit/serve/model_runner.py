@@ -1,0 +1,260 @@
+"""The model's part of a serving step, as vLLM v1's model runner: a frozen plan in, typed logits out.
+
+    StepPlan (each row: its new tokens, first slot, cache blocks, drafts) ─► ModelRunner.execute ─► RunnerOutput
+                                                                 (logits per row, verified drafts apart, states)
+
+A runner is made once, with its backend (`model_runner`), from what the model, its cache and the engine's settings
+allow; nothing here is decided again per step:
+
+- TorchRunner: every row through the PyTorch forward (forward.run_rows). Rows of different lengths go through as
+  one packed row (1, N) where every block's attention takes it (grouped-query attention: AttentionMask.ragged);
+  otherwise the decoding rows go together and each prompt chunk alone (latent attention's paths size their work
+  by the queries' batch).
+- NativeRunner: the decoding rows in one C++ call that reads the paged pools in place (NativeDecoder.run_paged);
+  prompt chunks through PyTorch. Putting the decoding rows into the chunks' PyTorch forward instead made SmolLM2's
+  steps with long contexts 1.6x slower (487 against 309 ms), since each layer then gathers every row's keys. Rows
+  with drafts go token by token through the C++ step (run_tokens), each token a row of its own, so that a verified
+  token has the bits a plain decoding row gives it.
+- InvariantRunner: every token, prompt tokens too, as a row of its own through the C++ step, the head in
+  row-invariant pieces: a row's bits do not depend on the rows beside it (EngineConfig.batch_invariant).
+- LockstepRunner: a TorchRunner whose forwards every rank of a tensor-parallel model runs (lockstep.py).
+
+When a group of rows' forward raises (out of memory, a kernel refusing a shape), its rows are computed one by one, so
+that the failure is pinned on the rows that cause it: those are missing from the output. Shapes: B rows, V
+vocabulary, C model dim, k a row's drafts.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from llmkit.errors import InputError
+from llmkit.layers.attention.gqa import GroupedQueryAttention
+from llmkit.models.decoder import DecoderLM
+from llmkit.quant.native_step import NativeDecoder
+from llmkit.serve.forward import Forward, Row, prompt_logits, run_rows
+from llmkit.serve.lockstep import Lockstep, RanksLost, forward_step
+from llmkit.serve.paged import PagedCache
+
+log = logging.getLogger("llmkit.serve")
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The rows one step computes, in the scheduler's order (decoding rows first, then prompt chunks)."""
+
+    rows: tuple[Row, ...]
+
+    @property
+    def decoding(self) -> list[int]:
+        """The rows of one new token (with or without drafts)."""
+        return [i for i, r in enumerate(self.rows) if len(r.tokens) == 1]
+
+    @property
+    def chunks(self) -> list[int]:
+        """The rows of several new tokens: prompt chunks."""
+        return [i for i, r in enumerate(self.rows) if len(r.tokens) > 1]
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    """What a step's forward gave, by row index of the plan: `logits` (V,) after the last token of each row without
+    drafts; `verified` (1 + k, V) after the token of each row with k drafts and after each draft; `hidden` the
+    last-block states (n, C) of every token the row computed, drafts included; `prompt` the logits (prompt_n, V) of
+    the prompt tokens whose log-probabilities the row's request asked for. A row in neither `logits` nor
+    `verified` failed (its forward raised even alone)."""
+
+    logits: dict[int, Tensor] = field(default_factory=dict)
+    verified: dict[int, Tensor] = field(default_factory=dict)
+    hidden: dict[int, Tensor] = field(default_factory=dict)
+    prompt: dict[int, Tensor | None] = field(default_factory=dict)
+
+    def failed(self, i: int) -> bool:
+        return i not in self.logits and i not in self.verified
+
+
+class ModelRunner(ABC):
+    """A model over a paged cache, with the backend its constructor chose. `execute` runs a plan; subclasses say how
+    the plan's rows are grouped into forwards (`groups`) and how one group runs (`forward`)."""
+
+    def __init__(self, model: DecoderLM, cache: PagedCache, block_size: int) -> None:
+        self.model, self.cache, self.block_size = model, cache, block_size
+
+    runs_tokens = False  # whether rows with drafts can be verified here (speculation needs it)
+
+    @abstractmethod
+    def groups(self, plan: StepPlan) -> list[list[int]]:
+        """The plan's rows (indices) grouped into forwards."""
+
+    @abstractmethod
+    def forward(self, rows: list[Row]) -> Forward:
+        """The model over `rows`, writing their keys and values into the cache."""
+
+    def execute(self, plan: StepPlan) -> RunnerOutput:
+        out = RunnerOutput()
+        for group in (g for g in self.groups(plan) if g):
+            try:
+                self._add(out, plan, group, self.forward([plan.rows[i] for i in group]))
+            except RanksLost:
+                raise  # the ranks are out of step: nothing is retried
+            except Exception as e:
+                if len(group) == 1:
+                    log.error("request %s failed: %s: %s; ending it", plan.rows[group[0]].request, type(e).__name__, e)
+                    continue
+                log.warning("a batch of %d rows failed (%s: %s); computing them one by one", len(group),
+                            type(e).__name__, e)  # fmt: skip
+                for i in group:
+                    try:
+                        self._add(out, plan, [i], self.forward([plan.rows[i]]))
+                    except RanksLost:
+                        raise
+                    except Exception as e:
+                        log.error("request %s failed: %s: %s; ending it", plan.rows[i].request, type(e).__name__, e)
+        return out
+
+    @staticmethod
+    def _add(out: RunnerOutput, plan: StepPlan, group: list[int], f: Forward) -> None:
+        for j, i in enumerate(group):
+            (out.verified if plan.rows[i].drafts else out.logits)[i] = f.logits[j]
+            out.hidden[i], out.prompt[i] = f.hidden[j], f.prompt[j]
+
+
+class TorchRunner(ModelRunner):
+    """Every row through the PyTorch forward (forward.run_rows)."""
+
+    def __init__(self, model: DecoderLM, cache: PagedCache, block_size: int) -> None:
+        super().__init__(model, cache, block_size)
+        # whether rows of different lengths can go through the model as one packed row (AttentionMask.ragged)
+        self.packs = all(type(b.attn) is GroupedQueryAttention for b in model.blocks)
+
+    def groups(self, plan: StepPlan) -> list[list[int]]:
+        if self.packs:
+            return [list(range(len(plan.rows)))]
+        return [plan.decoding] + [[i] for i in plan.chunks]
+
+    def forward(self, rows: list[Row]) -> Forward:
+        return run_rows(self.model, self.cache, self.block_size, rows)
+
+
+class LockstepRunner(TorchRunner):
+    """A TorchRunner over this rank's part of a tensor-parallel model: every rank runs each forward with the same
+    rows (lockstep.py), since each holds part of every layer."""
+
+    def __init__(self, model: DecoderLM, cache: PagedCache, block_size: int, lockstep: Lockstep) -> None:
+        super().__init__(model, cache, block_size)
+        self.lockstep = lockstep
+
+    def forward(self, rows: list[Row]) -> Forward:
+        return self.lockstep.run(forward_step, self, self.block_size, rows)
+
+
+class NativeRunner(TorchRunner):
+    """The decoding rows through llmkit's C++ step over the paged pools; prompt chunks through PyTorch; rows with
+    drafts token by token through the C++ step."""
+
+    runs_tokens = True
+
+    def __init__(self, model: DecoderLM, cache: PagedCache, block_size: int, native: NativeDecoder) -> None:
+        super().__init__(model, cache, block_size)
+        self.native = native
+        self.keys, self.values = cache.grouped_query() or ([], [])
+
+    def groups(self, plan: StepPlan) -> list[list[int]]:
+        return [plan.decoding, plan.chunks]
+
+    def forward(self, rows: list[Row]) -> Forward:
+        if any(r.drafts for r in rows):
+            return self._tokens(rows)
+        if any(len(r.tokens) > 1 for r in rows):
+            return super().forward(rows)
+        dev = self.model.device
+        table, filled = self._tables(rows)
+        starts = torch.tensor([r.start for r in rows], device=dev)
+        tokens = torch.tensor([r.tokens for r in rows], device=dev)  # (B, 1)
+        h = self.native.run_paged(
+            tokens,
+            positions=starts[:, None],
+            table=table,
+            slots=starts,
+            allowed=filled,
+            keys=self.keys,
+            values=self.values,
+        )  # fmt: skip  (B, 1, C)
+        hidden = list(h)
+        logits = self.model.logits(self.model.norm(h[:, -1]))  # (B, V)
+        return Forward(hidden, list(logits), prompt_logits(self.model, hidden, [r.prompt_n for r in rows]))
+
+    def _tables(self, rows: list[Row]) -> tuple[Tensor, Tensor]:
+        """Each row's block table (B, nb), padded with its first block, and the slots it may attend to when its
+        last token (or draft) is in place (B, nb * block_size)."""
+        dev, bs = self.model.device, self.block_size
+        nb = max(len(r.table) for r in rows)
+        table = torch.tensor([r.table + r.table[:1] * (nb - len(r.table)) for r in rows], device=dev)
+        ends = torch.tensor([r.start + len(r.tokens) + len(r.drafts) for r in rows], device=dev)
+        return table, torch.arange(nb * bs, device=dev) < ends[:, None]
+
+    def _tokens(self, rows: list[Row]) -> Forward:
+        """Every token of the rows (drafts included) through the C++ step as a row of its own (the row's table and
+        slots repeated for each of its tokens), the head through row-invariant products. Logits: (1 + k, V) at the
+        token and each draft of a row with k drafts; (V,) at the last token of the others."""
+        dev = self.model.device
+        table, filled = self._tables(rows)
+        ids = [list(r.tokens) + list(r.drafts) for r in rows]
+        counts = [len(t) for t in ids]
+        tokens = torch.tensor([t for row in ids for t in row], device=dev)
+        spans = zip(rows, counts, strict=True)
+        positions = torch.cat([torch.arange(r.start, r.start + n, device=dev) for r, n in spans])
+        row = torch.repeat_interleave(torch.arange(len(rows), device=dev), torch.tensor(counts, device=dev))
+        h = self.native.run_tokens(
+            tokens,
+            positions=positions,
+            table=table[row].contiguous(),
+            allowed=filled[row],
+            keys=self.keys,
+            values=self.values,
+        )  # fmt: skip  (N, C)
+        hidden = list(h.split(counts))
+        wanted = [s if r.drafts else s[-1:] for r, s in zip(rows, hidden, strict=True)]
+        logits = self.native.logits(self.model.norm(torch.cat(wanted)), invariant=True)  # (rows wanted, V)
+        out = logits.split([len(s) for s in wanted])
+        per_row = [x if r.drafts else x[0] for r, x in zip(rows, out, strict=True)]
+        return Forward(hidden, per_row, prompt_logits(self.model, hidden, [r.prompt_n for r in rows]))
+
+
+class InvariantRunner(NativeRunner):
+    """Every token through the C++ step as a row of its own, the head in row-invariant pieces: a row's bits do not
+    depend on the rows beside it."""
+
+    def groups(self, plan: StepPlan) -> list[list[int]]:
+        return [list(range(len(plan.rows)))]
+
+    def forward(self, rows: list[Row]) -> Forward:
+        return self._tokens(rows)
+
+
+def model_runner(
+    model: DecoderLM, cache: PagedCache, block_size: int, invariant: bool, lockstep: Lockstep | None
+) -> ModelRunner:
+    """The runner for `model` over `cache`: the C++ step where the model lowers to it and the pools are ones it
+    reads (an x86 CPU with AVX2, fp32 or int4/int8 weights, fp32 caches, a grouped-query decoder), else PyTorch;
+    `invariant` needs the C++ step; a model split across ranks (`lockstep`) runs in PyTorch on every rank."""
+    if lockstep is not None:
+        if invariant:
+            raise InputError("a model split across ranks is served without the batch-invariant mode")
+        return LockstepRunner(model, cache, block_size, lockstep)
+    native = NativeDecoder.of(model)
+    kv = cache.grouped_query()
+    with torch.no_grad():
+        if native is not None and kv is not None and native.applies_paged(1, kv[0]):
+            return (InvariantRunner if invariant else NativeRunner)(model, cache, block_size, native)
+    if invariant:
+        raise InputError(
+            "the batch-invariant mode runs tokens through llmkit's C++ decode step: it needs an x86 CPU with AVX2, "
+            "fp32 or int4/int8 weights, fp32 caches and a grouped-query decoder"
+        )
+    return TorchRunner(model, cache, block_size)

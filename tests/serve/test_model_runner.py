@@ -1,0 +1,80 @@
+"""The model runner alone: a plan in, the logits a plain forward gives out, for every backend it can choose."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import llmkit
+from llmkit.serve.forward import Row
+from llmkit.serve.model_runner import InvariantRunner, NativeRunner, StepPlan, TorchRunner, model_runner
+from llmkit.serve.paged import PagedCache
+
+BS = 4  # slots per cache block
+
+
+def _runner(model: llmkit.DecoderLM, backend: str) -> TorchRunner:
+    cache = PagedCache(model, 16, BS, model.device, model.dtype)
+    if backend == "torch":
+        return TorchRunner(model, cache, BS)
+    runner = model_runner(model, cache, BS, invariant=backend == "invariant", lockstep=None)
+    if not isinstance(runner, NativeRunner):
+        pytest.skip("llmkit's C++ step is not available here")
+    assert isinstance(runner, InvariantRunner) == (backend == "invariant")
+    return runner
+
+
+def _plain(model: llmkit.DecoderLM, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([tokens]))[0].float()  # (L, V)
+
+
+@pytest.mark.parametrize("backend", ["torch", "native", "invariant"])
+def test_a_runner_gives_each_row_the_logits_of_a_plain_forward(backend):
+    """Two prompts' chunks in one plan, then a decoding row, then a row with drafts: each row's logits (and the
+    prompt logits and states it was asked for) are what one uncached forward over its whole text gives."""
+    torch.manual_seed(0)
+    model = llmkit.build_model(llmkit.get_preset("llama2-7b-tiny")).eval()
+    runner = _runner(model, backend)
+    a, b = [5, 9, 2, 7, 1, 3, 8], [4, 8, 6]
+    plain_a, plain_b = _plain(model, a), _plain(model, b)
+    first = StepPlan((Row(a[:5], 0, [0, 1], prompt_n=4), Row(b, 0, [2])))
+    assert (first.decoding, first.chunks) == ([], [0, 1])
+    with torch.inference_mode():
+        out = runner.execute(first)
+    assert set(out.logits) == {0, 1} and not out.verified
+    torch.testing.assert_close(out.logits[0], plain_a[4], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.logits[1], plain_b[2], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.prompt[0], plain_a[:4], atol=1e-4, rtol=1e-4)
+    assert out.prompt[1] is None and [h.shape[0] for h in (out.hidden[0], out.hidden[1])] == [5, 3]
+    with torch.inference_mode():
+        out = runner.execute(StepPlan((Row(a[5:6], 5, [0, 1]), Row(b[2:], 2, [2]))))  # b again: slot 2 rewritten
+    torch.testing.assert_close(out.logits[0], plain_a[5], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.logits[1], plain_b[2], atol=1e-4, rtol=1e-4)
+    if not runner.runs_tokens:
+        return
+    drafts = (8, 2)  # a's next tokens as drafts: its slots 6 and 7 are written, and each is verified
+    with torch.inference_mode():
+        out = runner.execute(StepPlan((Row(a[6:7], 6, [0, 1, 3], drafts=drafts),)))
+    assert set(out.verified) == {0} and not out.logits and out.hidden[0].shape[0] == 3
+    torch.testing.assert_close(out.verified[0], _plain(model, a + list(drafts))[6:9], atol=1e-4, rtol=1e-4)
+
+
+def test_a_group_that_fails_is_computed_row_by_row_and_only_the_failing_row_is_missing():
+    torch.manual_seed(0)
+    model = llmkit.build_model(llmkit.get_preset("llama2-7b-tiny")).eval()
+    runner = _runner(model, "torch")
+    real, calls = runner.forward, []
+
+    def forward(rows):
+        calls.append(len(rows))
+        if any(r.request == "bad" for r in rows):
+            raise RuntimeError("simulated: a kernel refused this shape")
+        return real(rows)
+
+    runner.forward = forward  # type: ignore[method-assign]
+    plan = StepPlan((Row([1, 2, 3], 0, [0], request="ok"), Row([4, 5], 0, [1], request="bad")))
+    with torch.inference_mode():
+        out = runner.execute(plan)
+    assert calls == [2, 1, 1] and not out.failed(0) and out.failed(1)
+    torch.testing.assert_close(out.logits[0], _plain(model, [1, 2, 3])[2], atol=1e-4, rtol=1e-4)
