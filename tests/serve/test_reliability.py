@@ -80,7 +80,7 @@ def test_poisoned_sampling_settings_end_no_other_stream(tiny):
         threads += [threading.Thread(target=poisoned, args=(i,)) for i in range(len(POISON))]
         for t in threads:
             t.start()
-        wait_for(lambda: server.runner.in_flight == 3 + len(POISON), what="all requests submitted")
+        wait_for(lambda: server.loop.in_flight == 3 + len(POISON), what="all requests submitted")
         stepper.release()
         for t in threads:
             t.join(120)
@@ -267,13 +267,13 @@ def test_a_non_streamed_request_is_aborted_when_its_client_leaves(tiny):
         conn.sock.shutdown(socket.SHUT_RDWR)
         conn.close()
         steps = 0
-        while server.runner.aborts == 0 and steps < budget:
-            stepper.step(unless=lambda: server.runner.aborts > 0)
+        while server.loop.aborts == 0 and steps < budget:
+            stepper.step(unless=lambda: server.loop.aborts > 0)
             steps += 1
         stepper.release()
         wait_for(lambda: not server.engine.has_work and server.engine.pool.used == 0, what="the engine idle")
-        assert server.runner.aborts >= 1 and server.engine.stats.generated_tokens < budget
-        metrics = server.runner.metrics.text().decode()
+        assert server.loop.aborts >= 1 and server.engine.stats.generated_tokens < budget
+        metrics = server.loop.metrics.text().decode()
         assert 'finish_reason="length"' not in metrics
 
 

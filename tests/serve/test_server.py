@@ -118,7 +118,7 @@ def test_bad_requests_get_openai_style_errors(tiny):
         chat = server.url + "/v1/chat/completions"
         assert post(chat, {"model": "m", "messages": []}, auth)[0] == 400
         assert post(chat, {"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, auth)[0] == 400
-        assert server.runner.alive
+        assert server.loop.alive
 
 
 def test_full_queue_is_429_and_a_dropped_stream_frees_its_blocks(tiny):
@@ -137,7 +137,7 @@ def test_full_queue_is_429_and_a_dropped_stream_frees_its_blocks(tiny):
         assert response.readline().startswith(b"data: ")  # running, holding blocks
         waiting = threading.Thread(target=post, args=(server.url + "/v1/completions", long))
         waiting.start()
-        wait_for(lambda: server.runner.in_flight == 2, what="the second request submitted")
+        wait_for(lambda: server.loop.in_flight == 2, what="the second request submitted")
         code, answer = post(server.url + "/v1/completions", long)
         assert code == 429 and answer["error"]["type"] == "rate_limit_error"
         conn.close()  # the client goes away mid-stream: its request is aborted

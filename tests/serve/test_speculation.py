@@ -379,7 +379,7 @@ def test_poisoned_sampling_settings_end_no_speculating_stream(smollm2):
         threads += [threading.Thread(target=poisoned, args=(i,)) for i in range(len(POISON))]
         for t in threads:
             t.start()
-        wait_for(lambda: server.runner.in_flight == 2 + len(POISON), what="all requests submitted")
+        wait_for(lambda: server.loop.in_flight == 2 + len(POISON), what="all requests submitted")
         stepper.release()
         for t in threads:
             t.join(120)

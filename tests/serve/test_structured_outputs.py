@@ -267,7 +267,7 @@ def test_a_slow_compilation_stalls_no_one(tiny):
     requests: compiling runs off the event loop and outside the engine's steps."""
     model, tok = tiny
     with Server(model, tok, ServeOptions("m"), EngineConfig(kv_memory=32 << 20)) as server:
-        grammars = server.runner.engine.grammars
+        grammars = server.loop.engine.grammars
         entered, release = threading.Event(), threading.Event()
         compile_for_real = grammars.compiled
 
@@ -296,7 +296,7 @@ def test_a_slow_compilation_stalls_no_one(tiny):
         thread.join(60)
         code, answer = result["answer"]  # type: ignore[misc]
         assert code == 200 and re.fullmatch("[ab]{3}", answer["choices"][0]["text"]), answer
-        wait_for(lambda: not server.runner.engine.has_work, what="the engine to go idle")
+        wait_for(lambda: not server.loop.engine.has_work, what="the engine to go idle")
 
 
 def test_langchain_with_structured_output(smol_server):

@@ -15,8 +15,8 @@ pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 openai = pytest.importorskip("openai")
 
-from llmkit.serve.api import _render  # noqa: E402
 from llmkit.serve.engine import EngineConfig  # noqa: E402
+from llmkit.serve.routes import render_prompt  # noqa: E402
 from llmkit.serve.server import ServeOptions, Server  # noqa: E402
 from llmkit.serve.tools import Function, ToolCall, ToolText, conversation, parse, template_format  # noqa: E402
 
@@ -134,7 +134,7 @@ def test_a_template_that_takes_tools_renders_them_itself(smollm2):
     assert template_format(smollm2[1].chat_template) == (False, "hermes")
     f = Function("add", "Add two integers", ADD["function"]["parameters"])
     turns = [*ASK, {"role": "assistant", "content": "", "tool_calls": [ToolCall("add", '{"a": 1, "b": 2}', "c")]}]
-    text = tok.decode(_render(tok, turns, [f]), skip_special=False)
+    text = tok.decode(render_prompt(tok, turns, [f]), skip_special=False)
     assert json.dumps(f.definition()) in text  # tojson as transformers renders it: no HTML escapes
     assert '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>' in text
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -11,45 +12,39 @@ from llmkit.cli.common import DType, load_decoder
 from llmkit.errors import LLMKitError
 
 
-def serve(
-    checkpoint: str,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    api_key: str | None = None,
-    metrics_key: str | None = None,
-    model_name: str | None = None,
-    max_batch: int = 32,
-    kv_memory: str = "1GiB",
-    block_size: int = 16,
-    step_tokens: int = 512,
-    max_queue: int = 256,
-    no_prefix_cache: bool = False,
-    batch_invariant: bool = False,
-    mtp: bool = False,
-    draft: str | None = None,
-    speculate: int = 3,
-    draft_head_bits: int = 4,
-    request_timeout: float = 600.0,
-    max_body_size: str = "8MiB",
-    body_timeout: float = 30.0,
-    header_timeout: float = 30.0,
-    shutdown_timeout: float = 30.0,
-    dtype: DType | None = None,
-    device: str | None = None,
-    no_verify: bool = False,
-    tensor_parallel: int = 1,
-) -> int:
-    """Serve a model over OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics):
-    a run folder, an llmkit checkpoint, a Hugging Face directory or a GGUF file. Requests are batched continuously
-    over a paged KV cache that shares prompt prefixes.
+@dataclass(frozen=True)
+class HTTPOptions:
+    """The HTTP server.
 
-    checkpoint: the model to serve.
     host: the address to bind (127.0.0.1: this machine only).
     port: the port to listen on.
     api_key: when given, clients must send it as "Authorization: Bearer KEY" (everywhere but /health).
     metrics_key: a second key that opens /metrics only (for a Prometheus scraper).
     model_name: the name clients ask for (default: the checkpoint's file or folder name).
+    request_timeout: seconds a request may run before it is ended.
+    max_body_size: the largest request body taken, e.g. 8MiB (larger: HTTP 413).
+    body_timeout: seconds a client has to send its whole request body (slower: HTTP 408).
+    header_timeout: seconds a client has to send its request line and headers (slower: the connection is closed).
+    shutdown_timeout: on SIGTERM or Ctrl-C, seconds the requests in flight get to finish before they are ended
+      (streams get an error event and [DONE]); a second signal ends them at once.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    metrics_key: str | None = None
+    model_name: str | None = None
+    request_timeout: float = 600.0
+    max_body_size: str = "8MiB"
+    body_timeout: float = 30.0
+    header_timeout: float = 30.0
+    shutdown_timeout: float = 30.0
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The engine: its batch and its paged KV cache.
+
     max_batch: sequences decoded together at most.
     kv_memory: memory for the paged KV cache, e.g. 512MiB, 2GiB.
     block_size: token slots per cache block.
@@ -60,21 +55,67 @@ def serve(
     batch_invariant: every token, prompt or generated, through the C++ decode step as a row of its own, so that a
       request's greedy output does not depend on what else is running (and equals `llmkit generate
       --batch-invariant`'s); prompts are computed more slowly. Needs the C++ step (AVX2 CPU, fp32 or int4/int8).
-    mtp: speculative decoding with the model's own multi-token-prediction module (a checkpoint grafted by `llmkit
-      graft-mtp`): each decoding sequence drafts up to --speculate tokens a step and the model checks all of them in
-      the step's one pass. Greedy output is the same as without; sampled output has the same distribution. Fewer
-      drafts as the batch grows (none where a step's rows already cost their arithmetic). Needs the C++ step.
-    draft: speculative decoding with this smaller model (a checkpoint sharing the model's tokenizer, e.g. one made by
-      `llmkit distill-draft`), loaded like the model; as --mtp otherwise.
+    """
+
+    max_batch: int = 32
+    kv_memory: str = "1GiB"
+    block_size: int = 16
+    step_tokens: int = 512
+    max_queue: int = 256
+    no_prefix_cache: bool = False
+    batch_invariant: bool = False
+
+
+@dataclass(frozen=True)
+class SpeculationOptions:
+    """Speculative decoding (greedy output is the same as without; sampled output has the same distribution).
+
+    mtp: draft with the model's own multi-token-prediction module (a checkpoint grafted by `llmkit graft-mtp`):
+      each decoding sequence drafts up to --speculate tokens a step and the model checks all of them in the step's
+      one pass. Fewer drafts as the batch grows (none where a step's rows already cost their arithmetic). Needs the
+      C++ step.
+    draft: draft with this smaller model (a checkpoint sharing the model's tokenizer, e.g. one made by `llmkit
+      distill-draft`), loaded like the model; as --mtp otherwise.
     speculate: with --mtp or --draft, the most tokens a sequence drafts per step.
     draft_head_bits: with --mtp, draft from an int4 (4) or int8 (8) copy of the output head and of the module's
       block (0: their own weights): cheaper drafts, the same output.
-    request_timeout: seconds a request may run before it is ended.
-    max_body_size: the largest request body taken, e.g. 8MiB (larger: HTTP 413).
-    body_timeout: seconds a client has to send its whole request body (slower: HTTP 408).
-    header_timeout: seconds a client has to send its request line and headers (slower: the connection is closed).
-    shutdown_timeout: on SIGTERM or Ctrl-C, seconds the requests in flight get to finish before they are ended
-      (streams get an error event and [DONE]); a second signal ends them at once.
+    """
+
+    mtp: bool = False
+    draft: str | None = None
+    speculate: int = 3
+    draft_head_bits: int = 4
+
+    def draft_tokens(self) -> int:
+        """EngineConfig.draft_tokens: the most drafts a step (0: no speculation); a clear error for a bad mix."""
+        if self.mtp and self.draft is not None:
+            raise LLMKitError("--mtp and --draft are two drafters: give one")
+        drafting = self.mtp or self.draft is not None
+        if (not drafting and self.speculate != 3) or (not self.mtp and self.draft_head_bits != 4):
+            raise LLMKitError("--speculate applies with --mtp or --draft, --draft-head-bits with --mtp")
+        if not 1 <= self.speculate <= 16:
+            raise LLMKitError(f"--speculate {self.speculate} is out of range: it must be 1 to 16")
+        if self.draft_head_bits not in (0, 4, 8):
+            raise LLMKitError(f"--draft-head-bits {self.draft_head_bits} is out of range: it must be 4, 8 or 0")
+        return self.speculate if drafting else 0
+
+
+def serve(
+    checkpoint: str,
+    *,
+    dtype: DType | None = None,
+    device: str | None = None,
+    no_verify: bool = False,
+    tensor_parallel: int = 1,
+    http: HTTPOptions = HTTPOptions(),
+    engine: EngineOptions = EngineOptions(),
+    speculation: SpeculationOptions = SpeculationOptions(),
+) -> int:
+    """Serve a model over OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics):
+    a run folder, an llmkit checkpoint, a Hugging Face directory or a GGUF file. Requests are batched continuously
+    over a paged KV cache that shares prompt prefixes.
+
+    checkpoint: the model to serve.
     dtype: load the weights in this precision (default: the checkpoint's; a bf16 / fp16 checkpoint on the CPU
         keeps its weights at that width, read by llmkit's kernels, with fp32 activations).
     device: cpu, cuda, cuda:1, ... (default: where the checkpoint loads).
@@ -89,48 +130,42 @@ def serve(
     except ImportError as missing:  # fastapi / uvicorn / prometheus_client are the `serve` extra
         raise LLMKitError(f"serving needs {missing.name}: pip install 'llmkit[serve]'") from missing
 
-    name = model_name or Path(checkpoint).name
+    name = http.model_name or Path(checkpoint).name
     options = ServeOptions(
         name,
-        api_key=api_key,
-        metrics_key=metrics_key,
-        request_timeout=request_timeout,
-        max_body_size=parse_size(max_body_size),
-        body_timeout=body_timeout,
-        header_timeout=header_timeout,
-        shutdown_timeout=shutdown_timeout,
+        api_key=http.api_key,
+        metrics_key=http.metrics_key,
+        request_timeout=http.request_timeout,
+        max_body_size=parse_size(http.max_body_size),
+        body_timeout=http.body_timeout,
+        header_timeout=http.header_timeout,
+        shutdown_timeout=http.shutdown_timeout,
     )
-    if mtp and draft is not None:
-        raise LLMKitError("--mtp and --draft are two drafters: give one")
-    if (not mtp and draft is None and speculate != 3) or (not mtp and draft_head_bits != 4):
-        raise LLMKitError("--speculate applies with --mtp or --draft, --draft-head-bits with --mtp")
-    if not 1 <= speculate <= 16:
-        raise LLMKitError(f"--speculate {speculate} is out of range: it must be 1 to 16")
-    if draft_head_bits not in (0, 4, 8):
-        raise LLMKitError(f"--draft-head-bits {draft_head_bits} is out of range: it must be 4, 8 or 0")
+    drafts = speculation.draft_tokens()
     config = EngineConfig(
-        parse_size(kv_memory),
-        block_size,
-        max_batch,
-        step_tokens,
-        max_queue,
-        not no_prefix_cache,
-        batch_invariant,
-        draft_tokens=speculate if mtp or draft is not None else 0,
-        draft_head_bits=draft_head_bits or None,
+        parse_size(engine.kv_memory),
+        engine.block_size,
+        engine.max_batch,
+        engine.step_tokens,
+        engine.max_queue,
+        not engine.no_prefix_cache,
+        engine.batch_invariant,
+        draft_tokens=drafts,
+        draft_head_bits=speculation.draft_head_bits or None,
     )
-    if tensor_parallel > 1 and (mtp or draft is not None or batch_invariant):
+    if tensor_parallel > 1 and (drafts or engine.batch_invariant):
         raise LLMKitError("--tensor-parallel serves without --mtp, --draft or --batch-invariant")
     from llmkit.parallel import launch
 
     ranks = launch.start(tensor_parallel, device)
     if ranks is not None:
-        return _serve_split(ranks, checkpoint, dtype, no_verify, options, config, host, port)
+        return _serve_split(ranks, checkpoint, dtype, no_verify, options, config, http.host, http.port)
     model, tok = load_decoder(checkpoint, dtype, device, verify=not no_verify)
+    draft = speculation.draft
     drafter = load_decoder(draft, dtype, device, verify=not no_verify)[0] if draft is not None else None
     _log_to_stderr()
-    server = Server(model, tok, options, config, host, port, drafter)
-    _announce(server, name, model, speculate if mtp else 0, draft, speculate)
+    server = Server(model, tok, options, config, http.host, http.port, drafter)
+    _announce(server, name, model, drafts if speculation.mtp else 0, draft, drafts)
     server.run_foreground()
     return 0
 

@@ -22,9 +22,9 @@ from fastapi.responses import StreamingResponse
 
 from llmkit.errors import InputError
 from llmkit.serve.engine import QueueFull, Refused
+from llmkit.serve.engine_loop import EngineClient
 from llmkit.serve.logprobs import CompletionLogprobs, TokenNames, chat_logprobs
 from llmkit.serve.request import Delta, SamplingParams, TokenLogprob, Top
-from llmkit.serve.runner import EngineRunner
 from llmkit.serve.tools import ToolCall, ToolUse
 
 log = logging.getLogger("llmkit.serve")
@@ -89,7 +89,7 @@ class Call:
 
     def __init__(
         self,
-        runner: EngineRunner,
+        client: EngineClient,
         prompts: list[list[int]],
         params: SamplingParams,
         timeout: float,
@@ -100,7 +100,7 @@ class Call:
         logprobs: bool = False,
         tools: ToolUse | None = None,
     ) -> None:
-        self.runner, self.prompts, self.params, self.timeout, self.field = runner, prompts, params, timeout, field
+        self.client, self.prompts, self.params, self.timeout, self.field = client, prompts, params, timeout, field
         self.names, self.texts, self.echo, self.logprobs, self.tools = names, texts, echo, logprobs, tools
         self.id = uuid.uuid4().hex[:24]
         self.created = int(time.time())
@@ -117,7 +117,7 @@ class Call:
                 def deliver(d: Delta, i: int = i) -> None:
                     loop.call_soon_threadsafe(self.queue.put_nowait, (i, d))
 
-                self.ids.append(self.runner.submit(prompt, self.params, deliver, self.timeout))
+                self.ids.append(self.client.submit(prompt, self.params, deliver, self.timeout))
         except Refused as e:
             self.abort()
             raise APIError(400, str(e), param=e.param if e.param != "prompt" else self.field) from e
@@ -130,7 +130,7 @@ class Call:
 
     def abort(self) -> None:
         for request_id in self.ids:
-            self.runner.abort(request_id)
+            self.client.cancel(request_id)
 
     async def deltas(self, request: Request | None = None) -> AsyncIterator[tuple[int, Delta]]:
         """(choice index, delta) until every sequence finished; aborts everything if the consumer stops early or,

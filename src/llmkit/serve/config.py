@@ -1,4 +1,5 @@
-"""The serving engine's settings and counters (llmkit.serve.engine)."""
+"""The server's settings (ServeOptions: HTTP, keys, time limits) and the engine's (EngineConfig), and the engine's
+counters (llmkit.serve.engine)."""
 
 from __future__ import annotations
 
@@ -48,3 +49,30 @@ class EngineStats:
     finished: int = 0
     steps: int = 0
     failed: int = 0  # sequences ended because their logits were not finite or their sampling failed
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """model_name: the name clients ask for; api_key: required as a Bearer token when given (for everything but
+    /health); metrics_key: a second key that opens /metrics only (for a scraper); request_timeout: seconds a
+    request may take before it is ended; max_body_size: bytes of request body at most; body_timeout /
+    header_timeout: seconds a client has to send its body / its request line and headers; shutdown_timeout:
+    seconds in-flight requests get to finish after SIGTERM or SIGINT before they are ended."""
+
+    model_name: str
+    api_key: str | None = None
+    metrics_key: str | None = None
+    request_timeout: float = 600.0
+    max_body_size: int = 8 << 20
+    body_timeout: float = 30.0
+    header_timeout: float = 30.0
+    shutdown_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("request_timeout", "body_timeout", "header_timeout"):
+            if not getattr(self, name) > 0:
+                raise InputError(f"{name}={getattr(self, name)} must be a positive number of seconds")
+        if not self.shutdown_timeout >= 0:
+            raise InputError(f"shutdown_timeout={self.shutdown_timeout} must be >= 0 seconds")
+        if self.max_body_size < 1024:
+            raise InputError(f"max_body_size={self.max_body_size} must be at least 1 KiB")

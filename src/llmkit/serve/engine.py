@@ -9,7 +9,7 @@ newest token, plus prompt chunks up to the step's token budget) and the engine f
 tokens, slots and cache blocks, and the drafts the drafter proposes for decoding rows: speculation.py); the model
 runner, whose backend was chosen once when the engine was made (the C++ paged step, PyTorch rows, or either on
 every rank of a split model), computes the plan's logits; the output processor turns them into tokens, judges the
-drafts, applies stops and detokenizes. Nothing here is threaded: `llmkit.serve.runner` drives an engine for the
+drafts, applies stops and detokenizes. Nothing here is threaded: `llmkit.serve.engine_loop` drives an engine for the
 HTTP server, and `generate` drives it to completion for a Python caller.
 """
 
@@ -21,14 +21,16 @@ import time
 from collections.abc import Callable, Iterable
 
 import torch
+from torch import Tensor
 
 from llmkit.errors import InputError, LLMKitError
 from llmkit.models.decoder import DecoderLM
 from llmkit.serve.blocks import BlockPool
 from llmkit.serve.config import EngineConfig, EngineStats
 from llmkit.serve.drafters import speculator
+from llmkit.serve.embeddings import check_input, pooled_embedding
 from llmkit.serve.forward import row_of
-from llmkit.serve.lockstep import Lockstep, make_cache
+from llmkit.serve.lockstep import Lockstep, embed_step, make_cache
 from llmkit.serve.model_runner import NativeRunner, StepPlan, model_runner
 from llmkit.serve.output_processor import OutputProcessor
 from llmkit.serve.paged import PagedCache
@@ -114,10 +116,16 @@ class Engine:
     ) -> str:
         """Queue a request (token ids); returns its id. Raises InputError for a request that can never run and
         QueueFull when too many are waiting."""
+        self.check(prompt, params)
+        return self.admit(prompt, params, request_id, timeout)
+
+    def admit(
+        self, prompt: list[int], params: SamplingParams, request_id: str | None = None, timeout: float | None = None
+    ) -> str:
+        """`add` for a request that `check` has already passed (the engine loop checks in the caller's thread)."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InputError(f"request id {request_id!r} is already in flight")
-        self.check(prompt, params)
         if len(self.scheduler.waiting) >= self.config.max_queue:
             raise QueueFull(f"{len(self.scheduler.waiting)} requests are waiting; try again later")
         now = self.clock()
@@ -180,6 +188,13 @@ class Engine:
                 self.scheduler.remove(seq)
                 seq.status, seq.finish_reason = Status.FINISHED, "abort"
                 self.drafter.forget(seq)
+
+    def embed(self, prompt: list[int]) -> Tensor:
+        """The prompt's pooled embedding (embeddings.py), on every rank of a model split across ranks."""
+        if self.lockstep is None:
+            return pooled_embedding(self.model, prompt)
+        check_input(self.model, prompt)  # a refusal before any rank starts the forward
+        return self.lockstep.run(embed_step, self.runner, prompt)
 
     @property
     def has_work(self) -> bool:

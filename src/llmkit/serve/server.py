@@ -27,11 +27,12 @@ import uvicorn
 from llmkit.errors import InputError
 from llmkit.models.decoder import DecoderLM
 from llmkit.perf import tune_allocator
-from llmkit.serve.api import Gate, ServeOptions, build_app
+from llmkit.serve.api import Gate, build_app
+from llmkit.serve.config import ServeOptions
 from llmkit.serve.engine import Engine, EngineConfig
+from llmkit.serve.engine_loop import EngineClient, EngineLoop
 from llmkit.serve.limits import with_header_timeout
 from llmkit.serve.lockstep import Lockstep
-from llmkit.serve.runner import EngineRunner
 from llmkit.tokenizer import Tokenizer
 
 __all__ = ["ServeOptions", "Server", "free_port", "parse_size"]
@@ -72,7 +73,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class Server:
-    """An engine, its runner and the HTTP app on host:port (a context manager: in a background thread)."""
+    """An engine, its loop and the HTTP app on host:port (a context manager: in a background thread)."""
 
     def __init__(
         self,
@@ -91,9 +92,9 @@ class Server:
         # plain loop of Engine.step did not; tuned, concurrency 16 served 1.2-1.3x the output tokens/s
         tune_allocator()
         self.engine = Engine(model, tokenizer, config, draft, lockstep)
-        self.runner = EngineRunner(self.engine)
+        self.loop = EngineLoop(self.engine)
         self.gate = Gate()
-        self.app = build_app(self.runner, tokenizer, options, self.gate)
+        self.app = build_app(EngineClient(self.loop), tokenizer, options, self.gate)
         self.host, self.port = host, port if port is not None else free_port(host)
         uvicorn_config = uvicorn.Config(
             self.app,
@@ -120,7 +121,7 @@ class Server:
         return self.gate.closed
 
     def start(self, timeout: float = 30.0) -> Server:
-        self.runner.start()
+        self.loop.start()
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self._server.started:
@@ -142,26 +143,26 @@ class Server:
                 log.warning(
                     "%s: not taking new requests; %d in flight get up to %g s to finish",
                     reason,
-                    self.runner.in_flight,
+                    self.loop.in_flight,
                     grace,
                 )
                 self._drainer = threading.Thread(target=self._drain, args=(grace,), name="llmkit-drain", daemon=True)
                 self._drainer.start()
             elif now:
-                log.warning("%s again: ending the %d requests in flight now", reason, self.runner.in_flight)
+                log.warning("%s again: ending the %d requests in flight now", reason, self.loop.in_flight)
                 self._drain_now.set()
 
     def _drain(self, grace: float) -> None:
         """Wait up to `grace` seconds (or a second signal) for the requests in flight, then end the rest."""
         deadline = time.monotonic() + grace
         while not self._drain_now.is_set() and time.monotonic() < deadline:
-            if self.runner.wait_idle(min(0.1, max(deadline - time.monotonic(), 0.0))):
+            if self.loop.wait_idle(min(0.1, max(deadline - time.monotonic(), 0.0))):
                 log.warning("shutting down: every request in flight finished")
                 return
-        if self.runner.in_flight:
-            self.runner.shut_down()  # streams end with an error event and [DONE]; logged by the runner
-        if not self.runner.wait_idle(_FLUSH_SECONDS):
-            log.warning("shutting down: %d requests did not take their answers; closing", self.runner.in_flight)
+        if self.loop.in_flight:
+            self.loop.shut_down()  # streams end with an error event and [DONE]; logged by the loop
+        if not self.loop.wait_idle(_FLUSH_SECONDS):
+            log.warning("shutting down: %d requests did not take their answers; closing", self.loop.in_flight)
         # the answers are handed to the event loop; give the connections a bounded time to send them
         flush = time.monotonic() + _FLUSH_SECONDS
         while self._server.server_state.connections and time.monotonic() < flush:
@@ -172,7 +173,7 @@ class Server:
         """Stop at once (tests): end what is in flight and wait for the HTTP thread and the engine thread."""
         self.shut_down(now=True, reason="stop")
         self._thread.join(30)
-        self.runner.stop()
+        self.loop.stop()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the HTTP server (after shut_down) to exit; True when it did."""
@@ -187,23 +188,23 @@ class Server:
 
     def run_foreground(self) -> None:
         """Serve until SIGTERM or SIGINT (Ctrl-C), then shut down as the module docstring says. The engine steps in
-        this thread, the one that loaded the model (see runner.py for why), and HTTP in a thread of its own."""
+        this thread, the one that loaded the model (see engine_loop.py for why), and HTTP in a thread of its own."""
         handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             self._thread.start()
 
             def stop_engine_after_http() -> None:
                 self._thread.join()
-                self.runner.stop()
+                self.loop.stop()
 
             threading.Thread(target=stop_engine_after_http, name="llmkit-http-watch", daemon=True).start()
-            self.runner.run()
+            self.loop.run()
         finally:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
             if self._drainer is not None:
                 self._drainer.join(_FLUSH_SECONDS)
-            self.runner.stop()
+            self.loop.stop()
             log.warning("stopped")
 
     def _on_signal(self, sig: int, frame: FrameType | None) -> None:

@@ -1,4 +1,5 @@
-"""An engine driven by a loop of its own, for callers that must not block (the HTTP server's event loop).
+"""An engine driven by a loop of its own, for callers that must not block (the HTTP server's event loop), and the
+client the HTTP layer talks to instead of the engine.
 
 The loop's thread owns the engine: new requests and aborts reach it through a queue of commands, applied between
 steps, so a caller never waits for a step to end. The loop runs in a thread of its own (`start`), or in the calling
@@ -20,10 +21,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from torch import Tensor
+
+from llmkit.errors import InputError
 from llmkit.serve.engine import Engine, QueueFull
 from llmkit.serve.lockstep import RanksLost
 from llmkit.serve.metrics import Metrics
 from llmkit.serve.request import Delta, Request, SamplingParams
+from llmkit.serve.structured import Constraint
 
 log = logging.getLogger("llmkit.serve")
 T = TypeVar("T")
@@ -42,7 +47,7 @@ class _Flight:
     generated: int = 0
 
 
-class EngineRunner:
+class EngineLoop:
     """Runs `engine.step()` while there is work (`start`: in a thread of its own; `run`: in this one); `submit`
     and `abort` from any thread."""
 
@@ -62,7 +67,7 @@ class EngineRunner:
         self.thread = threading.Thread(target=self.run, name="llmkit-engine", daemon=True)
         self._running = threading.Event()  # the loop is running, in whichever thread
 
-    def start(self) -> EngineRunner:
+    def start(self) -> EngineLoop:
         """Run the loop in a thread of its own."""
         self.thread.start()
         return self
@@ -111,7 +116,8 @@ class EngineRunner:
         self._wake.set()
 
     def submit(self, prompt: list[int], params: SamplingParams, on_delta: OnDelta, timeout: float | None) -> str:
-        """Queue a request; returns its id. Raises InputError (bad request) or QueueFull at once."""
+        """Queue a request; returns its id. Raises InputError (bad request) or QueueFull at once: the request is
+        checked here, once, and the loop admits it as it is."""
         self.engine.check(prompt, params)
         with self._id_lock:
             if len(self.engine.scheduler.waiting) + self._pending >= self.engine.config.max_queue:
@@ -125,7 +131,7 @@ class EngineRunner:
                 self._pending -= 1
             flight = self._flights[request_id] = _Flight(on_delta, params.n)
             try:
-                self.engine.add(prompt, params, request_id, timeout)
+                self.engine.admit(prompt, params, request_id, timeout)
                 flight.request = self.engine.requests[request_id][0].request
             except Exception as e:  # anything the engine refuses ends this request only
                 log.warning("request %s refused: %s", request_id, e)
@@ -232,3 +238,44 @@ class EngineRunner:
         except Exception:  # a consumer's failure ends its own request only
             log.exception("delivering to request %s failed", d.request_id)
             self.abort(d.request_id)
+
+
+class EngineClient:
+    """What the HTTP layer may ask of an engine in a loop, from any thread: submit a request (its deltas come to a
+    callback), cancel it, embed a prompt, compile a constraint, and read the engine's limits and metrics. The
+    engine behind it (its scheduler, grammars, a split model's ranks) is the loop's alone."""
+
+    def __init__(self, loop: EngineLoop) -> None:
+        self._loop = loop
+        engine = loop.engine
+        self.max_len = engine.max_len  # the model's context, in tokens
+        self.vocab_size = engine.model.cfg.vocab_size
+        self.structured = engine.grammars is not None  # whether constraints can be compiled (needs a tokenizer)
+        self._grammars = engine.grammars  # (compiling is thread-safe and cached: the engine finds the result)
+
+    @property
+    def alive(self) -> bool:
+        return self._loop.alive
+
+    @property
+    def metrics(self) -> Metrics:
+        return self._loop.metrics
+
+    def submit(self, prompt: list[int], params: SamplingParams, on_delta: OnDelta, timeout: float | None) -> str:
+        """Queue a request; returns its id. Raises InputError (Refused: naming the field) or QueueFull at once."""
+        return self._loop.submit(prompt, params, on_delta, timeout)
+
+    def cancel(self, request_id: str) -> None:
+        """End a request (its client went away); its cache blocks go back to the pool."""
+        self._loop.abort(request_id)
+
+    def embed(self, prompt: list[int]) -> Future[Tensor]:
+        """The prompt's pooled embedding, computed between two engine steps (Refused for a bad prompt)."""
+        return self._loop.call(lambda engine: engine.embed(prompt))
+
+    def compile(self, constraint: Constraint) -> None:
+        """Compile a structured-output constraint now, in this thread (a large grammar can take a second), so that the
+        engine finds it compiled; InputError when it cannot be used or there is no tokenizer to compile against."""
+        if self._grammars is None:
+            raise InputError("structured outputs need a tokenizer, and this model has none")
+        self._grammars.compile(constraint)

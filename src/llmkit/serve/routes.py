@@ -1,0 +1,378 @@
+"""The HTTP routes, by concern: each a FastAPI router over a Context that holds what every route may use (the engine
+client, the tokenizer, the server's options, the thread pool for tokenizing). api.py puts them under the key checks.
+
+    status_routes      GET  /health (open), /metrics (the API key or the metrics key)
+    model_routes       GET  /v1/models[/{id}], /tokenizer_info; POST /tokenize, /detokenize
+    generation_routes  POST /v1/completions, /v1/chat/completions
+    embedding_routes   POST /v1/embeddings
+
+No route reaches past the engine client (engine_loop.EngineClient): a request is checked once by pydantic
+(protocol.py) for its shape and once by the engine (through the client's submit) for what the model can run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from llmkit.errors import ConfigError, InputError
+from llmkit.serve.calls import APIError, Call, sse
+from llmkit.serve.config import ServeOptions
+from llmkit.serve.engine_loop import EngineClient
+from llmkit.serve.logprobs import TokenNames
+from llmkit.serve.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    Message,
+    TokenizeRequest,
+)
+from llmkit.serve.request import Refused, SamplingParams
+from llmkit.serve.structured import Constraint
+from llmkit.serve.tools import Function, ToolUse, call_constraint, conversation, template_format
+from llmkit.tokenizer import Tokenizer, render_chat
+
+T = TypeVar("T")
+
+
+def error_response(status: int, message: str, kind: str, param: str | None = None, code: str | None = None) -> Any:
+    """An error in OpenAI's shape, {"error": {"message", "type", "param", "code"}}."""
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+class Gate:
+    """Whether the server takes new requests (it stops when shutting down)."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    async def admitting(self) -> None:
+        """A dependency of the routes that start work: 503 once the gate is closed."""
+        if self.closed:
+            raise APIError(503, "the server is shutting down; send the request to another one", "server_error")
+
+
+@dataclass(frozen=True)
+class KeyCheck:
+    """A dependency: 401 unless the request carries one of `keys` as a Bearer token (none: open)."""
+
+    keys: tuple[str, ...]
+    message: str
+
+    async def __call__(self, request: Request) -> None:
+        if self.keys and request.headers.get("authorization", "") not in [f"Bearer {k}" for k in self.keys]:
+            raise APIError(401, self.message, "authentication_error")
+
+
+@dataclass(frozen=True)
+class Context:
+    """What the routes share. `workers`: tokenizing and chat templates run there, off the event loop (the engine has
+    its own thread; two workers keep one long body from holding up every other request's tokenizing)."""
+
+    client: EngineClient
+    tokenizer: Tokenizer | None
+    options: ServeOptions
+    gate: Gate
+    workers: ThreadPoolExecutor
+    text_limit: TextLimit  # text that cannot fit the context is refused untokenized
+    names: TokenNames  # the text tokens are reported under in log-probabilities
+    created: int  # when the server started (the model card's "created")
+
+    @classmethod
+    def of(cls, client: EngineClient, tokenizer: Tokenizer | None, options: ServeOptions, gate: Gate) -> Context:
+        workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="llmkit-tokenize")
+        limit = TextLimit.of(tokenizer, client.max_len)
+        return cls(client, tokenizer, options, gate, workers, limit, TokenNames(tokenizer), int(time.time()))
+
+    async def off_loop(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.workers, fn)
+
+    def check_model(self, name: str) -> None:
+        if name != self.options.model_name:
+            message = f"the model {name!r} does not exist; this server has {self.options.model_name!r}"
+            raise APIError(404, message, param="model")
+
+    def needs_tokenizer(self, field: str) -> Tokenizer:
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", param=field)
+        return self.tokenizer
+
+
+# ---- status
+
+
+def status_routes(ctx: Context) -> APIRouter:
+    router = APIRouter()
+    keys = tuple(k for k in (ctx.options.api_key, ctx.options.metrics_key) if k is not None)
+    metrics_key = KeyCheck(keys, "/metrics needs the API key or the metrics key (Authorization: Bearer ...)")
+
+    @router.get("/health")
+    async def health() -> Response:
+        if not ctx.client.alive:
+            return error_response(503, "the engine has stopped", "server_error")
+        if ctx.gate.closed:
+            return error_response(503, "the server is shutting down", "server_error")
+        return JSONResponse({"status": "ok"})
+
+    @router.get("/metrics", dependencies=[Depends(metrics_key)])
+    async def metrics() -> Response:
+        return Response(ctx.client.metrics.text(), media_type="text/plain; version=0.0.4")
+
+    return router
+
+
+# ---- the model and its tokenizer
+
+
+def model_routes(ctx: Context) -> APIRouter:
+    router = APIRouter()
+    max_len = ctx.client.max_len
+    card = {"id": ctx.options.model_name, "object": "model", "created": ctx.created, "owned_by": "llmkit",
+            "max_model_len": max_len}  # fmt: skip
+
+    @router.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [card]}
+
+    @router.get("/v1/models/{name:path}")
+    async def model(name: str) -> dict[str, Any]:
+        ctx.check_model(name)
+        return card
+
+    @router.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        return ctx.needs_tokenizer("model").config() | {"model_max_length": max_len}
+
+    @router.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        if body.model is not None:
+            ctx.check_model(body.model)
+        tok = ctx.needs_tokenizer("prompt")
+        if body.messages is not None:
+            turns = ctx.text_limit.conversation(body.messages)
+            ids = await ctx.off_loop(lambda: render_prompt(tok, turns, None, body.add_generation_prompt))
+        else:
+            prompt = body.prompt or ""
+            ctx.text_limit.check(len(prompt), "prompt")
+            ids = await ctx.off_loop(lambda: tok.encode(prompt, add_bos=None if body.add_special_tokens else False))
+        return {"count": len(ids), "max_model_len": max_len, "tokens": ids}
+
+    @router.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        if body.model is not None:
+            ctx.check_model(body.model)
+        tok = ctx.needs_tokenizer("tokens")
+        V = ctx.client.vocab_size
+        if any(not 0 <= t < V for t in body.tokens):
+            raise APIError(400, f"tokens: token ids must be in [0, {V})", param="tokens")
+        return {"prompt": await ctx.off_loop(lambda: tok.decode(body.tokens, skip_special=False))}
+
+    return router
+
+
+# ---- completions and chat
+
+
+def generation_routes(ctx: Context) -> APIRouter:
+    router = APIRouter()
+    max_len, timeout = ctx.client.max_len, ctx.options.request_timeout
+
+    @router.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        ctx.check_model(body.model)
+        limit = ctx.text_limit
+        prompts = await ctx.off_loop(lambda: [_encode(ctx.tokenizer, p, "prompt", limit) for p in body.prompts()])
+        if not prompts:
+            raise APIError(400, "prompt: give at least one prompt", param="prompt")
+        most = body.max_tokens if body.max_tokens is not None else max(max_len - max(len(p) for p in prompts), 1)
+        logprobs = body.logprobs is not None
+        texts = None
+        if body.echo or logprobs:  # the prompts' text: echoed, and where the completion's text offsets start
+            texts = await ctx.off_loop(lambda: [p if isinstance(p, str) else ctx.names.text(p) for p in body.prompts()])
+        params = _params(body, most)
+        await _compiled(ctx, body, params)
+        call = Call(ctx.client, prompts, params, timeout, "prompt", ctx.names, texts, bool(body.echo), logprobs)
+        call.start()  # before any response: a refused request is an HTTP error, not a broken stream
+        if body.stream:
+            return sse(call.completion_chunks(body.model, _usage_wanted(body)))
+        return JSONResponse(await call.completion(body.model, request))
+
+    @router.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request) -> Response:
+        ctx.check_model(body.model)
+        if ctx.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer, so it cannot chat", param="messages")
+        tokenizer = ctx.tokenizer
+        turns, functions = ctx.text_limit.conversation(body.messages), body.offered()
+        ids = await ctx.off_loop(lambda: render_prompt(tokenizer, turns, functions))
+        most = body.limit()
+        params = _params(body, most if most is not None else max(max_len - len(ids), 1))
+        await _compiled(ctx, body, params)
+        use = await _tool_use(ctx, body, functions)
+        if use is not None and use.constraint is not None:
+            params = replace(params, constraint=use.constraint)
+        call = Call(ctx.client, [ids], params, timeout, "messages", ctx.names, logprobs=bool(body.logprobs), tools=use)
+        call.start()
+        if body.stream:
+            return sse(call.chat_chunks(body.model, _usage_wanted(body)))
+        return JSONResponse(await call.chat(body.model, request))
+
+    return router
+
+
+async def _compiled(ctx: Context, body: CompletionRequest | ChatRequest, params: SamplingParams) -> None:
+    """The request's constraint compiled now, off the event loop (a large grammar can take a second); the engine finds
+    it in its cache. A 400 naming the field when it cannot be used."""
+    constraint = params.constraint
+    if constraint is None:
+        return
+    field = body.constraint_field
+    try:
+        await ctx.off_loop(lambda: ctx.client.compile(constraint))
+    except InputError as e:
+        raise APIError(400, f"{field}: {e}", param=field) from e
+
+
+async def _tool_use(ctx: Context, body: ChatRequest, functions: list[Function]) -> ToolUse | None:
+    """How the reply's calls are read and, for a forced call, constrained; every function's parameters compiled as a
+    schema (a 400 naming `tools` when one is not a usable JSON schema)."""
+    if not functions or ctx.tokenizer is None or not ctx.client.structured:
+        return None
+    fmt = template_format(ctx.tokenizer.chat_template)[1]
+    mode = body.tool_mode()
+    several = body.parallel_tool_calls is not False
+    constraint: Constraint | None = None
+    try:
+        await ctx.off_loop(lambda: ctx.client.compile(call_constraint(functions, fmt, several)))
+        if mode != "auto":
+            forced = [f for f in functions if mode == "required" or f.name == mode]
+            constraint = call_constraint(forced, fmt, several and mode == "required")
+            await ctx.off_loop(lambda: ctx.client.compile(constraint))
+    except InputError as e:
+        raise APIError(400, f"tools: a function's parameters are not a usable JSON schema: {e}", param="tools") from e
+    return ToolUse(fmt, {f.name for f in functions}, mode, several, constraint)
+
+
+def _usage_wanted(body: CompletionRequest | ChatRequest) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage
+
+
+def _params(body: CompletionRequest | ChatRequest, max_tokens: int) -> SamplingParams:
+    field = body.constraint_field
+    try:
+        constraint = body.constraint()
+    except InputError as e:
+        raise APIError(400, f"{field}: {e}", param=field) from e
+    try:
+        return replace(body.sampling(max_tokens), constraint=constraint)
+    except InputError as e:
+        raise APIError(400, str(e)) from e
+
+
+# ---- embeddings
+
+
+def embedding_routes(ctx: Context) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest) -> dict[str, Any]:
+        ctx.check_model(body.model)
+        limit = ctx.text_limit
+        prompts = await ctx.off_loop(lambda: [_encode(ctx.tokenizer, p, "input", limit) for p in body.inputs()])
+        data = []
+        for i, ids in enumerate(prompts):  # one at a time, between two engine steps: decoding goes on between them
+            try:
+                vector = await asyncio.wrap_future(ctx.client.embed(ids))
+            except Refused as e:
+                raise APIError(400, f"input: {e}", param="input") from e
+            data.append({"object": "embedding", "index": i, "embedding": _encoded(vector, body.encoding_format)})
+        tokens = sum(len(p) for p in prompts)
+        usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+        return {"object": "list", "data": data, "model": body.model, "usage": usage}
+
+    return router
+
+
+def _encoded(vector: Any, encoding: str) -> list[float] | str:
+    """An embedding as OpenAI sends it: a list of floats, or base64 of its little-endian float32 bytes."""
+    if encoding == "base64":
+        return base64.b64encode(vector.cpu().numpy().astype("<f4").tobytes()).decode("ascii")
+    return [float(x) for x in vector.tolist()]
+
+
+# ---- text in
+
+
+# how many characters of input one token can stand for, at most, per character of its own text: normalizers that
+# compose characters (NFC, NFKC: "e" + U+0301 -> "é", three Hangul jamo -> one syllable) make it more than one
+_CHARS_PER_TOKEN_CHAR = 4
+
+
+@dataclass(frozen=True)
+class TextLimit:
+    """Characters beyond which a text cannot fit the context's `max_len` tokens: the context times the longest
+    token's text (with a margin for normalizers). A 5 MB prompt is then a 400 in microseconds, not seconds of
+    tokenizing and hundreds of MB of token objects."""
+
+    max_chars: int
+    max_len: int
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer | None, max_len: int) -> TextLimit:
+        longest = max((len(t) for t in tokenizer.backend.get_vocab()), default=1) if tokenizer is not None else 1
+        return cls(max_len * max(longest, 1) * _CHARS_PER_TOKEN_CHAR, max_len)
+
+    def conversation(self, messages: list[Message]) -> list[dict[str, Any]]:
+        """The messages as serve/tools.py takes them, refused untokenized when their text cannot fit."""
+        turns = [m.turn() for m in messages]
+        calls = (c for m in turns for c in m.get("tool_calls", []))
+        self.check(sum(len(m["content"]) for m in turns) + sum(len(c.arguments) for c in calls), "messages")
+        return turns
+
+    def check(self, chars: int, field: str) -> None:
+        if chars > self.max_chars:
+            message = f"{field}: {chars:,} characters cannot fit the model's context of {self.max_len:,} tokens"
+            raise APIError(400, message, param=field)
+
+
+def _encode(tokenizer: Tokenizer | None, prompt: str | list[int], field: str, limit: TextLimit) -> list[int]:
+    if isinstance(prompt, list):
+        if not prompt:
+            raise APIError(400, f"{field}: a token list is empty", param=field)
+        return prompt
+    if not prompt:
+        raise APIError(400, f"{field}: the prompt is empty", param=field)
+    if tokenizer is None:
+        raise APIError(400, f"{field}: this model has no tokenizer; send token ids", param=field)
+    limit.check(len(prompt), field)
+    try:
+        return tokenizer.encode(prompt)
+    except InputError as e:
+        raise APIError(400, f"{field}: {e}", param=field) from e
+
+
+def render_prompt(
+    tokenizer: Tokenizer,
+    turns: list[dict[str, Any]],
+    functions: list[Function] | None = None,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """The prompt's token ids for a conversation and the functions offered (serve/tools.py)."""
+    takes_tools, _ = template_format(tokenizer.chat_template)
+    messages, context = conversation(turns, functions, takes_tools)
+    try:
+        text = render_chat(tokenizer, messages, add_generation_prompt, **context)
+        return tokenizer.encode(text, add_bos=False)
+    except (ConfigError, InputError) as e:
+        raise APIError(400, f"messages: {e}", param="messages") from e
