@@ -190,3 +190,27 @@ def test_a_parameter_or_config_field_the_declaration_does_not_list_makes_the_ste
     layer = moe.blocks[0].ffn
     layer.router.cfg = layer.cfg = TemperedMoE(**dataclasses.asdict(layer.cfg))
     assert NativeDecoder.of(moe) is None
+
+
+# the tiny decoder presets whose every block the C++ step computes: a lowering rule lost (a layer's option no longer
+# declared in LOWERED) moves a preset out of this set, and its decoding and serving silently to PyTorch; a rule added
+# moves one in. Either way this list is updated on purpose. Not lowered: latent attention (DeepSeek), Gemma's
+# embedding scale, soft caps and sliding windows.
+MUST_LOWER = {
+    "gpt2-medium-tiny", "gpt2-tiny", "gpt3-175b-tiny", "llama2-70b-tiny", "llama2-7b-tiny", "mixtral-8x22b-tiny",
+    "mixtral-8x7b-tiny", "qwen1.5-moe-a2.7b-tiny", "qwen3-0.6b-tiny",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", [n for n in PRESETS if n.endswith("-tiny") and get_preset(n).encoder is None])
+def test_the_presets_that_must_lower_do_in_generation_and_serving(name):
+    """Which tiny presets decode through the C++ step is a fact the tests state, for `generate` (choose_step) and
+    the serving engine (its model runner) alike."""
+    from llmkit.serve.engine import Engine, EngineConfig
+    from llmkit.serve.model_runner import NativeRunner
+
+    model = model_of(get_preset(name))
+    lowered = name in MUST_LOWER
+    assert (NativeDecoder.of(model) is not None) == lowered
+    assert isinstance(choose_step(model), NativeStep) == lowered
+    assert isinstance(Engine(model, None, EngineConfig(kv_memory=1 << 22)).runner, NativeRunner) == lowered
