@@ -189,8 +189,6 @@ def convert(
         wrote one: the copy written is verified from then on).
     """
     from llmkit.analysis import human
-    from llmkit.interop.checkpoint import save_llmkit
-    from llmkit.interop.hf import save_hf
     from llmkit.interop.load import load_model
     from llmkit.models import RNNSeq2Seq
     from llmkit.outputs import building, claim
@@ -212,28 +210,7 @@ def convert(
     if fmt == "hf" and isinstance(loaded.model, RNNSeq2Seq):
         raise LLMKitError("the RNN encoder-decoder has no Hugging Face counterpart to convert to")
     with building(output) as tmp:
-        if fmt == "hf":
-            assert not isinstance(loaded.model, RNNSeq2Seq)
-            save_hf(
-                loaded.model,
-                tmp,
-                model_type=model_type or loaded.hf_model_type,
-                hf_config=loaded.hf_config,
-                generation_config=loaded.generation_config,
-                tokenizer_dir=source_dir,
-            )
-            if source_dir is None and loaded.tokenizer is not None:
-                loaded.tokenizer.save(tmp)
-        else:
-            save_llmkit(
-                loaded.model,
-                tmp,
-                tokenizer=loaded.tokenizer,
-                tokenizer_dir=source_dir,
-                hf_model_type=model_type or loaded.hf_model_type,
-                hf_config=loaded.hf_config,
-                generation_config=loaded.generation_config,
-            )
+        _write(loaded, fmt, tmp, source_dir, model_type)
     n = sum(p.numel() for p in loaded.model.parameters())
     print(f"{loaded.source} {source} -> {fmt} {target} ({human(n)} parameters)")
     return 0
@@ -243,6 +220,36 @@ def _print_notes(notes: list[str]) -> None:
     """What loading changed or could not check (a checkpoint loaded unverified, GGUF tensors dequantized)."""
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
+
+
+def _write(loaded: Any, fmt: str, out: Path, source_dir: Path | None, model_type: str | None) -> None:
+    """`convert`'s output: the loaded model in Hugging Face's format or llmkit's, with its tokenizer."""
+    from llmkit.interop.checkpoint import save_llmkit
+    from llmkit.interop.hf import save_hf
+    from llmkit.models import RNNSeq2Seq
+
+    if fmt == "hf":
+        assert not isinstance(loaded.model, RNNSeq2Seq)
+        save_hf(
+            loaded.model,
+            out,
+            model_type=model_type or loaded.hf_model_type,
+            hf_config=loaded.hf_config,
+            generation_config=loaded.generation_config,
+            tokenizer_dir=source_dir,
+        )
+        if source_dir is None and loaded.tokenizer is not None:
+            loaded.tokenizer.save(out)
+    else:
+        save_llmkit(
+            loaded.model,
+            out,
+            tokenizer=loaded.tokenizer,
+            tokenizer_dir=source_dir,
+            hf_model_type=model_type or loaded.hf_model_type,
+            hf_config=loaded.hf_config,
+            generation_config=loaded.generation_config,
+        )
 
 
 def _convert_to_gguf(
@@ -289,35 +296,18 @@ def _convert_to_gguf(
     return 0
 
 
+# what `llmkit quantize --to` takes: llmkit's group formats, then llama.cpp's mixtures and block types
+QuantTarget = Literal[
+    "int8", "int4", "q4_k_m", "q4_k_s", "q5_k_m", "q5_k_s", "q3_k_m", "q3_k_s", "q3_k_l", "q2_k", "iq4_xs", "iq4_nl",
+    "q8_0", "q6_k", "q5_k", "q4_k", "q3_k", "q4_0", "q4_1", "q5_0", "q5_1", "bf16", "f16",
+]  # fmt: skip
+
+
 def quantize(
     checkpoint: str,
     out: str,
     *,
-    to: Literal[
-        "int8",
-        "int4",
-        "q4_k_m",
-        "q4_k_s",
-        "q5_k_m",
-        "q5_k_s",
-        "q3_k_m",
-        "q3_k_s",
-        "q3_k_l",
-        "q2_k",
-        "iq4_xs",
-        "iq4_nl",
-        "q8_0",
-        "q6_k",
-        "q5_k",
-        "q4_k",
-        "q3_k",
-        "q4_0",
-        "q4_1",
-        "q5_0",
-        "q5_1",
-        "bf16",
-        "f16",
-    ],
+    to: QuantTarget,
     group_size: int | None = None,
     include_head: bool = False,
     imatrix: str | None = None,

@@ -333,6 +333,28 @@ def graft_mtp(
     return 0
 
 
+def _kept_blocks(keep: str) -> Callable[[Any], list[int]]:
+    """--keep "0,1,-1" -> the block indices it names in a model (negative counts from the last); a clear error for
+    a list that is not numbers (at once) or that names blocks the model lacks or twice (once the model is read)."""
+    from llmkit.errors import InputError
+
+    try:
+        blocks = [int(i) for i in keep.split(",")]
+    except ValueError:
+        raise InputError(f"--keep {keep!r} must be block numbers separated by commas, e.g. 0,1,2,3,-1") from None
+
+    def chosen(model: Any) -> list[int]:
+        n = model.cfg.n_layers
+        out = [i + n if i < 0 else i for i in blocks]
+        if len(set(out)) != len(out) or not all(0 <= i < n for i in out):
+            raise InputError(
+                f"--keep {keep} must name distinct blocks of the model's {n} (0..{n - 1}, or -1 for the last)"
+            )
+        return out
+
+    return chosen
+
+
 def distill_draft(
     checkpoint: str,
     out: str,
@@ -380,26 +402,13 @@ def distill_draft(
     from llmkit.train.drafting import DrafterReport, agreement
     from llmkit.train.own_text import read_own_text
 
-    try:
-        blocks = [int(i) for i in keep.split(",")]
-    except ValueError:
-        raise InputError(f"--keep {keep!r} must be block numbers separated by commas, e.g. 0,1,2,3,-1") from None
     if not 1 <= k <= 8:
         raise InputError(f"--k {k} is out of range: it must be between 1 and 8")
+    chosen = _kept_blocks(keep)
     drafting = _Drafting(
         checkpoint, data, sequences, opening, new_tokens, minutes, steps, writer, work, device, precision, overwrite
     )
     output = drafting.claim(out)
-
-    def chosen(model: Any) -> list[int]:
-        n = model.cfg.n_layers
-        out = [i + n if i < 0 else i for i in blocks]
-        if len(set(out)) != len(out) or not all(0 <= i < n for i in out):
-            raise InputError(
-                f"--keep {keep} must name distinct blocks of the model's {n} (0..{n - 1}, or -1 for the last)"
-            )
-        return out
-
     model, text_dir = drafting.own_text(output, chosen)
     n, kept = model.cfg.n_layers, chosen(model)
     del model  # the run reads the checkpoint itself

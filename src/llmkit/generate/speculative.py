@@ -82,6 +82,32 @@ def accept_greedy(drafts: Tensor, choice: Tensor) -> tuple[Tensor, Tensor]:
 
 
 @torch.no_grad()
+def _checked(
+    target: DecoderLM,
+    draft: DecoderLM | MTPDraft | None,
+    k: int | None,
+    sampling: Sampling | None,
+    draft_head_bits: int | None,
+) -> tuple[int, Sampling]:
+    """speculative_generate's arguments checked (InputError naming what is wrong): its k and sampling."""
+    if draft is None and not len(target.mtp):
+        raise InputError("no draft model given and the target has no MTP module to draft with (mtp_depth 0)")
+    if isinstance(draft, MTPDraft) and (draft.target is not target or draft_head_bits is not None):
+        raise InputError("an MTPDraft drafts for the target it was made of, with the head_bits it was made with")
+    if isinstance(draft, DecoderLM) and draft.cfg.vocab_size != target.cfg.vocab_size:
+        raise InputError(
+            f"the draft's vocabulary ({draft.cfg.vocab_size}) differs from the target's ({target.cfg.vocab_size}): "
+            "they must share a tokenizer"
+        )
+    k = (1 if draft is None else 4) if k is None else k
+    if not isinstance(k, int) or k < 1:
+        raise InputError(f"k={k!r} must be an int >= 1")
+    sampling = sampling or Sampling()
+    if sampling.repetition_penalty != 1.0:
+        raise InputError("speculative decoding does not support a repetition penalty; use generate for it")
+    return k, sampling
+
+
 def speculative_generate(
     target: DecoderLM,
     prompts: Tensor | Sequence[Sequence[int]],
@@ -106,21 +132,7 @@ def speculative_generate(
     draft_head and draft_block): cheaper drafts, the same output; an MTPDraft as `draft` holds such copies made
     once. `step` and `draft_step`: the target's and the draft model's decoding backends (step.py; choose_step's
     when None)."""
-    if draft is None and not len(target.mtp):
-        raise InputError("no draft model given and the target has no MTP module to draft with (mtp_depth 0)")
-    if isinstance(draft, MTPDraft) and (draft.target is not target or draft_head_bits is not None):
-        raise InputError("an MTPDraft drafts for the target it was made of, with the head_bits it was made with")
-    if isinstance(draft, DecoderLM) and draft.cfg.vocab_size != target.cfg.vocab_size:
-        raise InputError(
-            f"the draft's vocabulary ({draft.cfg.vocab_size}) differs from the target's ({target.cfg.vocab_size}): "
-            "they must share a tokenizer"
-        )
-    k = (1 if draft is None else 4) if k is None else k
-    if not isinstance(k, int) or k < 1:
-        raise InputError(f"k={k!r} must be an int >= 1")
-    sampling = sampling or Sampling()
-    if sampling.repetition_penalty != 1.0:
-        raise InputError("speculative decoding does not support a repetition penalty; use generate for it")
+    k, sampling = _checked(target, draft, k, sampling, draft_head_bits)
     tokens, mask = prepare_prompts(target, prompts, padding_mask, max_new_tokens)
     B, T = tokens.shape
     generator = seeded(seed, tokens.device)
