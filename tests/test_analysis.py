@@ -3,7 +3,7 @@ import torch
 
 from llmkit import analyze, build_model, get_preset
 from llmkit.analysis import component_of
-from llmkit.presets import PRESETS
+from llmkit.config.presets import PRESETS
 
 
 def test_kv_cache_per_token_shows_what_mqa_gqa_and_mla_save():

@@ -15,7 +15,7 @@ from llmkit import (
     PositionConfig,
     RopeScaling,
 )
-from llmkit.presets import PRESETS
+from llmkit.config.presets import PRESETS
 
 
 def make(**kw):

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from llmkit import build_model, get_preset
+from llmkit.config.presets import PRESETS
 from llmkit.generate import CompiledStep, beam_search, generate, speculative_generate
 from llmkit.models import DecoderLM, EncoderDecoder
-from llmkit.presets import PRESETS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

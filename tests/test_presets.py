@@ -3,7 +3,7 @@ import torch
 
 import llmkit
 from llmkit import ConfigError, analyze, build_model, count_parameters, get_preset
-from llmkit.presets import PRESETS, Published
+from llmkit.config.presets import PRESETS, Published
 
 FULL = [n for n, p in PRESETS.items() if not n.endswith("-tiny")]
 TINY = [n for n in PRESETS if n.endswith("-tiny")]

@@ -21,9 +21,9 @@ from llmkit.config import (
     PositionConfig,
     RopeScaling,
 )
+from llmkit.config.presets import PRESETS, get_preset, list_presets
 from llmkit.errors import ConfigError, InputError, LLMKitError
 from llmkit.models import DecoderLM, EncoderDecoder, LossOutput, build_model, shift_right
-from llmkit.presets import PRESETS, get_preset, list_presets
 
 __version__ = "0.1.0"
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmkit.data.parallel import is_parallel
+from llmkit.data.bitexts import is_parallel
 from llmkit.train.average import average_run
 from llmkit.train.config import TrainConfig
 from llmkit.train.loop import Result, train

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from llmkit.adapters import adapters, add_lora, lora_state_dict, merge_lora, trainable_count
+from llmkit.config.presets import get_preset
 from llmkit.errors import ConfigError
 from llmkit.interop.load import load_model
 from llmkit.interop.peft import load_peft, save_peft
 from llmkit.models import build_model
-from llmkit.presets import get_preset
 from llmkit.quant import quantize as quantize_model
 
 

@@ -251,7 +251,7 @@ def test_a_qwen2_sliding_window_round_trips(checkpoints):
 
 TINY_DECODERS = [
     n
-    for n, p in __import__("llmkit.presets").presets.PRESETS.items()
+    for n, p in __import__("llmkit.config.presets").config.presets.PRESETS.items()
     if n.endswith("-tiny") and p.config.encoder is None
 ]
 

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from llmkit import InputError, build_model, get_preset
+from llmkit.config.presets import PRESETS
 from llmkit.models import DecoderLM, shift_right
-from llmkit.presets import PRESETS
 
 DECODERS = [n for n in PRESETS if n.endswith("-tiny") and PRESETS[n].config.encoder is None]
 
@@ -216,7 +216,7 @@ def test_a_model_built_on_the_meta_device_fills_nothing_and_imports_no_compiler(
     code = (
         "import sys\n"
         "from llmkit import build_model, get_preset\n"
-        "from llmkit.presets import PRESETS\n"
+        "from llmkit.config.presets import PRESETS\n"
         "for name in [n for n in PRESETS if n.endswith('-tiny')]:\n"
         "    model = build_model(get_preset(name), device='meta')\n"
         "    assert model.embed.weight.is_meta\n"

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from llmkit import build_model, get_preset
+from llmkit.config.presets import PRESETS
 from llmkit.layers.extras import Extras
 from llmkit.models import DecoderLM, EncoderDecoder
-from llmkit.presets import PRESETS
 
 TINY = [n for n in PRESETS if n.endswith("-tiny")]
 

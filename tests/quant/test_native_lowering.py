@@ -13,10 +13,10 @@ from torch import nn
 
 from llmkit import get_preset
 from llmkit.config import ModelConfig, MoEConfig
+from llmkit.config.position import RopeScaling
+from llmkit.config.presets import PRESETS
 from llmkit.generate import DecodeStep, NativeStep, choose_step, generate
 from llmkit.layers.attention.gqa import GroupedQueryAttention
-from llmkit.position_config import RopeScaling
-from llmkit.presets import PRESETS
 from llmkit.quant import native, quantize
 from llmkit.quant.native_step import NativeDecoder
 from quant.test_native_decode import PROMPTS, model_of, run_both

@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from llmkit import build_model, get_preset
+from llmkit.config.presets import PRESETS
 from llmkit.errors import InputError
 from llmkit.generate import generate
 from llmkit.interop.checkpoint import load_llmkit, save_llmkit
 from llmkit.interop.weights import materialize_buffers
 from llmkit.layers.moe import GroupedExperts
 from llmkit.models import DecoderLM, EncoderDecoder
-from llmkit.presets import PRESETS
 from llmkit.quant import (
     Int4Linear,
     Int8Linear,

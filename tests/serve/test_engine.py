@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import llmkit
+from llmkit.config.presets import PRESETS
 from llmkit.errors import InputError
 from llmkit.generate import generate
-from llmkit.presets import PRESETS
 from llmkit.serve.blocks import BlockPool
 from llmkit.serve.engine import Engine, EngineConfig, QueueFull
 from llmkit.serve.model_runner import TorchRunner

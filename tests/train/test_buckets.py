@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llmkit.data.parallel import Side
+from llmkit.data.bitexts import Side
 from llmkit.errors import InputError
 from llmkit.train.buckets import BucketedPairs, length_batches, pad_rows
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from llmkit.config.presets import get_preset
 from llmkit.data.chat import ChatData, pack, prepare_chat, row_arrays
 from llmkit.errors import ConfigError, InputError
 from llmkit.interop.load import load_model
 from llmkit.models import build_model
-from llmkit.presets import get_preset
 from llmkit.runs import resolve_checkpoint
 from llmkit.tokenizer import Tokenizer
 from llmkit.train.config import TrainConfig

@@ -83,9 +83,9 @@ def test_a_distilled_draft_learns_the_teachers_distributions_and_drafts_exactly(
 def test_a_teacher_with_another_vocabulary_is_an_error(tiny_data, teacher, tmp_path):
     import dataclasses
 
+    from llmkit.config.presets import get_preset
     from llmkit.interop.checkpoint import save_llmkit
     from llmkit.models import build_model
-    from llmkit.presets import get_preset
 
     other = build_model(dataclasses.replace(get_preset("llama2-7b-tiny"), vocab_size=500))
     save_llmkit(other, tmp_path / "other")

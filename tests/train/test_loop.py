@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from llmkit.config.presets import PRESETS
 from llmkit.errors import InputError
-from llmkit.presets import PRESETS
 from llmkit.runs import TRAINER_STATE, TRAINER_STATE_JSON, latest_checkpoint
 from llmkit.train import checkpoint as ckpt
 from llmkit.train.config import TrainConfig

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from llmkit.config.presets import get_preset
 from llmkit.errors import ConfigError
-from llmkit.presets import get_preset
 from llmkit.train import memory
 from llmkit.train.memory import Widths, available_bytes, check_fits
 

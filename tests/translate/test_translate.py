@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from llmkit.cli import main
-from llmkit.data.parallel import prepare_parallel
+from llmkit.data.bitexts import prepare_parallel
 from llmkit.errors import InputError
 from llmkit.generate.beam import beam_search_seq2seq
 from llmkit.generate.seq2seq import generate_seq2seq

@@ -159,7 +159,7 @@ def prepare_pairs(
 ) -> None:
     """Prepare sentence pairs (the Bible, or a .tsv / .jsonl file) for translation and print what they came to
     (None: the default)."""
-    from llmkit.data.parallel import DEFAULT, prepare_parallel
+    from llmkit.data.bitexts import DEFAULT, prepare_parallel
 
     name = DEFAULT if source == "bible" else source
     target = out or ("runs/data/" + name.replace(":", "-") if name.startswith("bible:") else "runs/data/pairs")

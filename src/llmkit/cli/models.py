@@ -24,7 +24,7 @@ def presets(*, json_: bool = False) -> int:
     json_: print a JSON list instead of a table.
     """
     from llmkit.analysis import analyze, human
-    from llmkit.presets import PRESETS
+    from llmkit.config.presets import PRESETS
 
     rows: list[dict[str, Any]] = []
     for name, p in PRESETS.items():
@@ -74,7 +74,7 @@ def _checkpoint(spec: str, verify: bool) -> Any:
 def _load_config(spec: str) -> tuple[str, ModelConfig]:
     """A preset name or a ModelConfig JSON file -> (its name, its config)."""
     from llmkit.config import ModelConfig
-    from llmkit.presets import get_preset
+    from llmkit.config.presets import get_preset
 
     if spec.endswith(".json") or Path(spec).is_file():
         return Path(spec).stem, ModelConfig.from_json(Path(spec))

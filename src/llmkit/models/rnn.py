@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor, nn
 
-from llmkit.configbase import ConfigBase
+from llmkit.config.base import ConfigBase
 from llmkit.errors import InputError
 from llmkit.layers.extras import Extras
 from llmkit.models.checks import check_mask, check_tokens

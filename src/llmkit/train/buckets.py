@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from llmkit.data.parallel import Side
+from llmkit.data.bitexts import Side
 from llmkit.errors import InputError
 from llmkit.train.data import _seed
 

@@ -34,7 +34,7 @@ from typing import Any, ClassVar, Literal
 import yaml
 
 from llmkit.config import ModelConfig
-from llmkit.configbase import ConfigBase
+from llmkit.config.base import ConfigBase
 from llmkit.errors import ConfigError
 from llmkit.models.rnn import RNNConfig
 
@@ -252,7 +252,7 @@ class TrainConfig(ConfigBase):
         """The model config: the preset's, with the other `model` keys merged in (nested); vocab_size defaults to the
         data's (src_vocab_size: the source side's, for separate translation vocabularies), and max_seq_len grows to
         the training sequence length. `arch: rnn` gives an RNNConfig."""
-        from llmkit.presets import get_preset
+        from llmkit.config.presets import get_preset
 
         spec = copy.deepcopy(self.model)
         if "checkpoint" in spec:

@@ -30,8 +30,8 @@ from torch import Tensor, nn
 
 from llmkit.analysis import analyze
 from llmkit.config import ModelConfig
+from llmkit.data.bitexts import ParallelData, is_parallel
 from llmkit.data.chat import ChatData, ChatSplit, is_chat, pack, row_arrays
-from llmkit.data.parallel import ParallelData, is_parallel
 from llmkit.layers.attention import DeepSeekSparseAttention
 from llmkit.layers.extras import Extras, IndexerMode
 from llmkit.models import DecoderLM, EncoderDecoder, RNNConfig, RNNSeq2Seq

@@ -52,7 +52,7 @@ def score_test(
     decoding as `settings` say (beams, length penalty, how many pairs, batch size; the paper's beam 4 and length
     penalty 0.6 by default), score it, print the scores and a few sample translations, and save test_scores.json
     and test.hyp.txt in `out`."""
-    from llmkit.data.parallel import ParallelData
+    from llmkit.data.bitexts import ParallelData
     from llmkit.runs import resolve_checkpoint
     from llmkit.translate.translator import Translator
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from llmkit.configbase import ConfigBase
+from llmkit.config.base import ConfigBase
 
 MAX_CONTEXT = 1 << 27  # a longer context is a typo or a damaged file (10M-token contexts are the longest published)
 

@@ -6,12 +6,12 @@
     │   └── indexer: IndexerConfig      (DeepSeek-V3.2 lightning indexer, kind dsa)
     ├── ffn: FFNConfig                  dense feed-forward: mlp | swiglu
     ├── moe: MoEConfig | None           mixture of experts (replaces ffn after `first_dense_layers`)
-    ├── position: PositionConfig        sinusoidal | learned | rope | none      (position_config.py)
+    ├── position: PositionConfig        sinusoidal | learned | rope | none      (position.py)
     │   └── scaling: RopeScaling        linear | ntk | dynamic | yarn | llama3
     ├── norm: NormConfig                layernorm | rmsnorm, pre | post
     └── encoder: EncoderConfig | None   set for an encoder-decoder model
 
-Every config is frozen and validated on construction (the machinery is in configbase.py). An invalid value raises
+Every config is frozen and validated on construction (the machinery is in base.py). An invalid value raises
 `ConfigError` naming the field, the value and what would be valid, e.g. ``attention.n_heads=12 is not divisible by
 attention.n_kv_heads=5 (valid n_kv_heads: 1, 2, 3, 4, 6, 12)``. Configs round-trip through JSON with `to_json` /
 `from_json`.
@@ -24,14 +24,14 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from llmkit.configbase import ConfigBase, divisors
+from llmkit.config.base import ConfigBase, divisors
+from llmkit.config.position import MAX_CONTEXT as MAX_CONTEXT
+from llmkit.config.position import Layout as Layout
+from llmkit.config.position import PositionConfig as PositionConfig
+from llmkit.config.position import PositionKind as PositionKind
+from llmkit.config.position import RopeScaling as RopeScaling
+from llmkit.config.position import RopeScalingKind as RopeScalingKind
 from llmkit.errors import ConfigError
-from llmkit.position_config import MAX_CONTEXT as MAX_CONTEXT
-from llmkit.position_config import Layout as Layout
-from llmkit.position_config import PositionConfig as PositionConfig
-from llmkit.position_config import PositionKind as PositionKind
-from llmkit.position_config import RopeScaling as RopeScaling
-from llmkit.position_config import RopeScalingKind as RopeScalingKind
 
 # Upper bounds of a model's sizes, far above any published model's (DeepSeek-V3: 61 layers, 7168 wide, 256 experts,
 # 129k vocabulary; Gemma: 256k vocabulary; 10M-token contexts): a size beyond them is a typo or a damaged file, and

@@ -28,8 +28,8 @@ from llmkit.config import (
     PositionConfig,
     RopeScaling,
 )
+from llmkit.config.tiny import tiny_config
 from llmkit.errors import ConfigError
-from llmkit.preset_tiny import tiny_config
 
 
 @dataclass(frozen=True)

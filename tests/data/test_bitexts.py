@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
+from llmkit.data.bitexts import ParallelData, prepare_parallel
 from llmkit.data.pairs import Pair, bible_pairs, file_pairs, load_pairs, parse_pair, split_of, split_pairs
-from llmkit.data.parallel import ParallelData, prepare_parallel
 from llmkit.errors import InputError
 
 PAIRS = [(f"das haus nummer {i} ist gross", f"the house number {i} is big") for i in range(300)]
@@ -61,8 +61,8 @@ def test_missing_file_unknown_pair_and_bad_format(tmp_path):
 
 
 def test_the_pair_readers_stay_importable_from_the_prepared_data_module():
+    import llmkit.data.bitexts as parallel
     import llmkit.data.pairs as pairs
-    import llmkit.data.parallel as parallel
 
     assert all(getattr(parallel, name) is getattr(pairs, name) for name in ("Pair", "load_pairs", "split_pairs"))
 
