@@ -87,7 +87,7 @@ def measure_limits(
     precisions: Sequence[str] = ("fp32", "bf16"), matmul_seconds: float = 2.0, device: str = "cpu"
 ) -> Limits:
     """Matmul FLOP/s in each of `precisions` (none: bandwidth only) and memory read bandwidth, on `device`."""
-    from llmkit.perf import matmul_flops, memory_bandwidth
+    from llmkit.machine.perf import matmul_flops, memory_bandwidth
 
     flops = {name: matmul_flops(DTYPES[name], device, seconds=matmul_seconds) for name in precisions}
     return Limits(flops, memory_bandwidth(device, seconds=1.0))

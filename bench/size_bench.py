@@ -19,7 +19,7 @@ Per file and round (rounds interleave the two sides, so a slow minute falls on b
   page cache first with posix_fadvise; warm: loaded again), peak RSS after loading and after decoding, decode
   tokens/s of 128 greedy tokens after a 32-token prompt (the decoding steps alone), 8 rows at once, and the prefill
   of 512 tokens (time to the first token).
-- The machine's limits in the same run: memory read bandwidth and the bf16 matmul peak (llmkit.perf). Bytes a
+- The machine's limits in the same run: memory read bandwidth and the bf16 matmul peak (llmkit.machine.perf). Bytes a
   token: the weights one decoding step reads (every tensor but the token embedding's table, of which it reads one
   row), the fraction of the bandwidth that takes at the measured rate.
 """

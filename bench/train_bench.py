@@ -47,7 +47,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     """Train one variant; returns its per-step losses and throughput."""
     from llmkit import build_model
     from llmkit.interop.hf import config_from_hf
-    from llmkit.perf import tune_allocator
+    from llmkit.machine.perf import tune_allocator
     from llmkit.train.config import OptimConfig
     from llmkit.train.data import TokenData, train_batch
     from llmkit.train.optim import build_optimizer

@@ -18,7 +18,7 @@ PROBE = """
 import resource, sys
 import torch
 if sys.argv[1] == "tuned":
-    from llmkit.perf import tune_allocator
+    from llmkit.machine.perf import tune_allocator
     assert tune_allocator()
 def step():
     buffers = [torch.empty(n).fill_(1.0) for n in (300_000, 1_200_000, 700_000, 2_500_000, 9_000_000)]

@@ -15,9 +15,9 @@ from helpers import one_line_error, tiny_tokenizer
 from llmkit import build_model, get_preset
 from llmkit.cli import main
 from llmkit.cli.failure import describe
-from llmkit.devices import check_device
 from llmkit.errors import InputError
 from llmkit.interop.checkpoint import save_llmkit
+from llmkit.machine.devices import check_device
 
 
 @pytest.fixture(scope="module")

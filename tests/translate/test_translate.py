@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from llmkit.cli import main
+from llmkit.cli.recipes import train_and_evaluate
 from llmkit.data.bitexts import prepare_parallel
 from llmkit.errors import InputError
 from llmkit.generate.beam import beam_search_seq2seq
 from llmkit.generate.seq2seq import generate_seq2seq
 from llmkit.models import EncoderDecoder, RNNConfig, RNNSeq2Seq, build_any
-from llmkit.recipes import train_and_evaluate
 from llmkit.train.config import TrainConfig
 from llmkit.train.loop import TrainingError, train
 from llmkit.translate import Translator, corpus_scores

@@ -51,8 +51,8 @@ def load_decoder(
 ) -> tuple[DecoderLM, Tokenizer]:
     """A decoder-only model, in eval mode, and its tokenizer; a run folder gives its latest checkpoint. `split`:
     this tensor-parallel rank's part of it, only that read from the files (torch.distributed initialized)."""
-    from llmkit.devices import check_device
     from llmkit.interop.load import load_model
+    from llmkit.machine.devices import check_device
     from llmkit.models import DecoderLM
     from llmkit.runs import resolve_checkpoint
 

@@ -28,7 +28,7 @@ def train(
         the model across --tp processes (tensor parallelism) and shards it with FSDP across the rest.
     tp: with --parallel fsdp+tp, how many processes split the model (the same as --set train.tp=...).
     """
-    from llmkit.recipes import train_and_evaluate
+    from llmkit.cli.recipes import train_and_evaluate
     from llmkit.train.config import load_train_config
 
     overrides = list(set_ or [])

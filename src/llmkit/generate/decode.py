@@ -21,8 +21,8 @@ from llmkit.generate.sampling import Sampling, check_finite, next_token
 from llmkit.generate.sessions import DecoderSession, Session
 from llmkit.generate.step import DecodeStep
 from llmkit.generate.stops import Rows, StopRule
+from llmkit.machine.perf import tune_allocator
 from llmkit.models import DecoderLM
-from llmkit.perf import tune_allocator
 from llmkit.tokenizer import Tokenizer
 
 

@@ -19,8 +19,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from llmkit.devices import check_device
 from llmkit.errors import InputError
+from llmkit.machine.devices import check_device
 
 TIMEOUT = timedelta(minutes=5)
 

@@ -25,8 +25,8 @@ from types import FrameType, TracebackType
 import uvicorn
 
 from llmkit.errors import InputError
+from llmkit.machine.perf import tune_allocator
 from llmkit.models.decoder import DecoderLM
-from llmkit.perf import tune_allocator
 from llmkit.serve.api import Gate, build_app
 from llmkit.serve.config import ServeOptions
 from llmkit.serve.engine import Engine, EngineConfig

@@ -29,8 +29,8 @@ import torch
 from tqdm import tqdm
 
 from llmkit.errors import ConfigError, OutputError
+from llmkit.machine.perf import matmul_flops, tune_allocator
 from llmkit.outputs import DESCRIBED, check_not_input, found_at
-from llmkit.perf import matmul_flops, tune_allocator
 from llmkit.runs import latest_checkpoint
 from llmkit.train import checkpoint as ckpt
 from llmkit.train.config import TrainConfig
@@ -455,7 +455,7 @@ def train(
 ) -> Result:
     """Train according to `cfg` (resuming from the run folder's latest checkpoint if asked; see Trainer for the
     fine-tuning strategy and the model's source). Averaging checkpoints and scoring a test split are separate steps
-    (see llmkit.recipes)."""
+    (see llmkit.cli.recipes)."""
     trainer = Trainer(cfg, resume=resume, fine_tuning=fine_tuning, source=source)
     finished = False
     try:

@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from llmkit.devices import check_device
 from llmkit.errors import ConfigError, InputError
 from llmkit.layers.block import CrossAttentionBlock, TransformerBlock
+from llmkit.machine.devices import check_device
 from llmkit.parallel.collectives import TensorParallel
 
 
