@@ -9,8 +9,10 @@
 The loop knows none of what varies between runs. What a batch is and what loss it gives is the task's (tasks.py:
 a token stream, conversations, sentence pairs, a model's own text); where the model comes from is its source's
 (source.py: a config, a checkpoint, a graft); which weights train, what a checkpoint holds and how one is read back is
-the fine-tuning strategy's (strategy.py: full, partial, LoRA, QLoRA); what some architectures need besides (router
-bias updates, an indexer's warm-up) comes in as hooks (hooks.py). Exactness: batches are a function of the step, the
+the fine-tuning strategy's (strategy.py: full, partial, LoRA, QLoRA); how the arithmetic is done is the precision's
+(precision.py: autocast dtype, fp16's gradient scaler); when the run ends and how its schedule fits the time is the
+time budget's (budget.py); what some architectures need besides (router bias updates, an indexer's warm-up) comes in
+as hooks (hooks.py). Exactness: batches are a function of the step, the
 learning rate is recomputed from the step, and checkpoints keep the optimizer and every RNG, so a resumed run
 continues bit for bit. Safety: a non-finite loss or gradient stops the run with the step where it happened; Ctrl-C
 (or SIGTERM) finishes the current step, saves, and exits.
@@ -33,8 +35,9 @@ from llmkit.machine.perf import matmul_flops, tune_allocator
 from llmkit.outputs import DESCRIBED, check_not_input, found_at
 from llmkit.runs import latest_checkpoint
 from llmkit.train import checkpoint as ckpt
+from llmkit.train.budget import FIT_MARGIN, FIT_SHARE, FIT_SKIP, FIT_WINDOW, TimeBudget
 from llmkit.train.config import TrainConfig
-from llmkit.train.control import StopSignal, autocast, checkpoint_keys, resolve_precision, wrapper_keys
+from llmkit.train.control import StopSignal, checkpoint_keys, resolve_precision, wrapper_keys
 from llmkit.train.memory import check_fits
 from llmkit.train.metrics import MetricsLog, bits_per_char
 from llmkit.train.optim import build_optimizer
@@ -49,6 +52,7 @@ from llmkit.train.parallel import (
     teardown,
     wrap,
 )
+from llmkit.train.precision import Precision
 from llmkit.train.schedule import lr_multiplier
 from llmkit.train.source import Model, ModelSource, TrainingError, model_source
 from llmkit.train.strategy import FineTuning, Full, from_config
@@ -62,15 +66,7 @@ from llmkit.train.tensor_parallel import (
     whole_state,
 )
 
-# train.fit_to_time: the step time is measured after FIT_SKIP steps (allocations, caches and compilation make the
-# first steps slow) over at least FIT_WINDOW steps and FIT_SHARE of the time limit, and FIT_MARGIN of the remaining
-# time is kept for evaluations and saves. The schedule then advances by steps or by the share of that time spent,
-# whichever is ahead, so it ends inside the limit even when steps become slower than measured (a busy machine)
-FIT_SKIP, FIT_WINDOW, FIT_SHARE, FIT_MARGIN = 3, 10, 0.05, 0.1
-
-__all__ = ["Result", "Trainer", "TrainingError", "train"]
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+__all__ = ["FIT_MARGIN", "FIT_SHARE", "FIT_SKIP", "FIT_WINDOW", "Result", "Trainer", "TrainingError", "train"]
 
 
 @dataclass
@@ -110,7 +106,8 @@ class Trainer:
         self.out = Path(t.out)
         check_run_folder(cfg)
         self.rt = setup(t.parallel, t.device, t.tp)
-        self.precision = resolve_precision(t.precision, self.rt.device)  # "auto": bf16 only where it is fast
+        # "auto": bf16 only where it is fast
+        self.precision = Precision(resolve_precision(t.precision, self.rt.device), self.rt.device)
         if self.rt.main:  # before a resume looks for its checkpoint: a full disk's leftover would keep it full
             for note in ckpt.remove_leftovers(self.out):
                 print(f"note: {note}", file=sys.stderr)
@@ -150,7 +147,9 @@ class Trainer:
         # not the groups' lr: a resumed optimizer holds the learning rate of its last step
         self.base_lr = cfg.optim.lr
         self.lr_at = lr_multiplier(cfg.schedule, self.total_steps)
-        self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
+        self.budget = TimeBudget(
+            t.time_limit, t.fit_to_time, t.steps, self.rt, self.state.planned_steps, self.state.step
+        )
         self.metrics = MetricsLog(self.out, enabled=self.rt.main)
         self.metrics.truncate(self.state.step)  # a fresh run starts a fresh log; a resumed one drops what it redoes
         # model FLOPs per training token, for MFU: the forward's times what the backward adds to it
@@ -182,24 +181,6 @@ class Trainer:
         """The schedule's length: train.steps, or what fit_to_time fixed it to."""
         return self.state.planned_steps or self.cfg.train.steps
 
-    def _fit_to_time(self, step: int, since: tuple[int, float]) -> int:
-        """The number of steps whose schedule ends inside train.time_limit, from the step time measured since
-        `since` (a step and the elapsed seconds then), 10% kept for evaluations and checkpoints. Every process
-        computes the same (the mean of their measurements)."""
-        t = self.cfg.train
-        assert t.time_limit is not None
-        measured = torch.tensor(
-            [(self.state.elapsed - since[1]) / (step - since[0]), self.state.elapsed], dtype=torch.float64
-        )
-        step_time, elapsed = (all_reduce_sum(measured.to(self.rt.device), self.rt) / self.rt.world).tolist()
-        fitted = step + int((t.time_limit - elapsed) / (step_time * (1 + FIT_MARGIN)))
-        return max(step + 1, min(t.steps, fitted))
-
-    def _measured_enough(self, since: tuple[int, float]) -> bool:
-        """Whether the step time has been measured over FIT_SHARE of the time limit (all processes agree)."""
-        limit = self.cfg.train.time_limit or 0.0
-        return agree(self.state.elapsed - since[1] >= FIT_SHARE * limit, self.rt)
-
     def _split(self) -> Split:
         if not isinstance(self.fine_tuning, Full):
             raise ConfigError("train.parallel='fsdp+tp' trains every weight (pre-training or full fine-tuning)")
@@ -216,15 +197,8 @@ class Trainer:
     # ---- one step
 
     def schedule_step(self, step: int) -> int:
-        """Where the learning-rate schedule stands after `step` steps: `step`, or for a schedule fitted to
-        train.time_limit, the share of the time budget spent (the limit less FIT_MARGIN), in steps, when that is
-        ahead. Every process computes the same (the mean of their clocks)."""
-        planned, limit = self.state.planned_steps, self.cfg.train.time_limit
-        if not (self.cfg.train.fit_to_time and planned and limit):
-            return step
-        elapsed = torch.tensor([self.state.elapsed], dtype=torch.float64, device=self.rt.device)
-        mean = float(all_reduce_sum(elapsed, self.rt)[0]) / self.rt.world
-        return max(step, min(planned, int(planned * mean * (1 + FIT_MARGIN) / limit)))
+        """Where the learning-rate schedule stands after `step` steps (TimeBudget.schedule_step)."""
+        return self.budget.schedule_step(step, self.state.elapsed, self.state.planned_steps)
 
     def set_lr(self, step: int) -> float:
         mult = self.lr_at(self.schedule_step(step))
@@ -248,17 +222,15 @@ class Trainer:
             no_sync = getattr(self.wrapped, "no_sync", None)
             sync = no_sync() if no_sync is not None and not last else contextlib.nullcontext()
             with sync:
-                with autocast(self.precision, self.rt.device):
+                with self.precision.autocast():
                     out = self.wrapped(*args, **options)
-                loss = out["loss"] / t.grad_accum
-                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+                self.precision.backward(out["loss"] / t.grad_accum)
             terms += torch.stack([out[name].detach().float() for name in self.task.terms]) / t.grad_accum
             for name, value in out.items():
                 if name not in self.task.terms:
                     stats[name] = stats[name] + value.detach() if name in stats else value.detach()
             read += n_tokens
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
+        self.precision.unscale(self.optimizer)
         grad_norm = self._clip()
         all_reduce_sum(terms, self.rt)
         all_reduce_sum(read, self.rt)
@@ -269,11 +241,7 @@ class Trainer:
                 f"non-finite {what} at step {step + 1} (loss {float(terms[0])}, gradient norm {grad_norm}): lower "
                 "optim.lr, raise schedule.warmup_steps or use train.precision='fp32'; the last checkpoint is intact"
             )
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
+        self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         for hook in self.hooks:
             hook.after_step(stats, self.rt)
@@ -293,7 +261,7 @@ class Trainer:
         self.model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=self.rt.device)
         for args in self.task.eval_batches(full):
-            with autocast(self.precision, self.rt.device):
+            with self.precision.autocast():
                 out = self.wrapped(*args, evaluate=True)
             total += torch.stack([out["nll"].double(), out["count"].double()])
         self.model.train()
@@ -338,7 +306,7 @@ class Trainer:
         if self.rt.main and self.flops_per_token:
             # the best of three short measurements: the peak is the best sustained rate, and one window on a shared
             # machine can land on a slow moment (a run of SmolLM2 once read half the usual peak and showed MFU 109%)
-            peak = max(matmul_flops(_DTYPES[self.precision], self.rt.device, seconds=0.1) for _ in range(3))
+            peak = max(matmul_flops(self.precision.dtype, self.rt.device, seconds=0.1) for _ in range(3))
             self.peak_flops = peak * self.rt.world * (self.rt.tp.world if self.rt.tp is not None else 1)
         bar = tqdm(
             total=self.total_steps,
@@ -354,8 +322,6 @@ class Trainer:
         last_eval: dict[str, float] = {}
         saved: Path | None = None
         interrupted = False
-        fitting = t.fit_to_time and not self.state.planned_steps
-        since = (self.state.step + FIT_SKIP, 0.0)  # where the step time is measured from (after a warm-up)
         with StopSignal() as stop:
             while self.state.step < self.total_steps:
                 lr = self.set_lr(self.state.step)
@@ -365,15 +331,12 @@ class Trainer:
                 window_tokens += read
                 self.state.elapsed = self.clock() - run_start
                 step = self.state.step
-                if fitting and step == since[0]:
-                    since = (step, self.state.elapsed)
-                elif fitting and step >= since[0] + FIT_WINDOW and self._measured_enough(since):
-                    self.state.planned_steps = self._fit_to_time(step, since)
-                    self.lr_at = lr_multiplier(self.cfg.schedule, self.state.planned_steps)
-                    bar.total, fitting, since = self.state.planned_steps, False, (step, self.state.elapsed)
+                if (planned := self.budget.fitted(step, self.state.elapsed)) is not None:
+                    self.state.planned_steps = bar.total = planned
+                    self.lr_at = lr_multiplier(self.cfg.schedule, planned)
                     if self.rt.main and t.progress:
-                        bar.write(f"schedule fitted to train.time_limit={t.time_limit:g}s: {self.total_steps} steps")
-                out_of_time = t.time_limit is not None and self.state.elapsed >= t.time_limit
+                        bar.write(f"schedule fitted to train.time_limit={t.time_limit:g}s: {planned} steps")
+                out_of_time = self.budget.out_of_time(self.state.elapsed)
                 halted = t.halt_at is not None and step >= t.halt_at
                 stop_now = agree(stop.requested or out_of_time or halted, self.rt)
                 schedule_end = self.schedule_step(step) >= self.total_steps
