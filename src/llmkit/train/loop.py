@@ -11,7 +11,8 @@ a token stream, conversations, sentence pairs, a model's own text); where the mo
 (source.py: a config, a checkpoint, a graft); which weights train, what a checkpoint holds and how one is read back is
 the fine-tuning strategy's (strategy.py: full, partial, LoRA, QLoRA); how the arithmetic is done is the precision's
 (precision.py: autocast dtype, fp16's gradient scaler); when the run ends and how its schedule fits the time is the
-time budget's (budget.py); what some architectures need besides (router bias updates, an indexer's warm-up) comes in
+time budget's (budget.py); how the model is spread over processes, and so how its gradients are clipped and its
+state saved and restored, is the spread's (spread.py: replicated for none / DDP / FSDP, split for FSDP + TP); what some architectures need besides (router bias updates, an indexer's warm-up) comes in
 as hooks (hooks.py). Exactness: batches are a function of the step, the
 learning rate is recomputed from the step, and checkpoints keep the optimizer and every RNG, so a resumed run
 continues bit for bit. Safety: a non-finite loss or gradient stops the run with the step where it happened; Ctrl-C
@@ -37,7 +38,7 @@ from llmkit.runs import latest_checkpoint
 from llmkit.train import checkpoint as ckpt
 from llmkit.train.budget import FIT_MARGIN, FIT_SHARE, FIT_SKIP, FIT_WINDOW, TimeBudget
 from llmkit.train.config import TrainConfig
-from llmkit.train.control import StopSignal, checkpoint_keys, resolve_precision, wrapper_keys
+from llmkit.train.control import StopSignal, resolve_precision
 from llmkit.train.memory import check_fits
 from llmkit.train.metrics import MetricsLog, bits_per_char
 from llmkit.train.optim import build_optimizer
@@ -46,24 +47,17 @@ from llmkit.train.parallel import (
     all_reduce_sum,
     checkpoint_activations,
     compile_blocks,
-    full_state,
-    load_full_state,
     setup,
     teardown,
-    wrap,
 )
 from llmkit.train.precision import Precision
 from llmkit.train.schedule import lr_multiplier
 from llmkit.train.source import Model, ModelSource, TrainingError, model_source
+from llmkit.train.spread import Replicated, SplitLayers
 from llmkit.train.strategy import FineTuning, Full, from_config
 from llmkit.train.tasks import build_task
 from llmkit.train.tensor_parallel import (
-    Split,
-    clip_grad_norm,
-    local_state,
-    named_parameters,
     split_for_training,
-    whole_state,
 )
 
 __all__ = ["FIT_MARGIN", "FIT_SHARE", "FIT_SKIP", "FIT_WINDOW", "Result", "Trainer", "TrainingError", "train"]
@@ -124,7 +118,7 @@ class Trainer:
         torch.manual_seed(t.seed)  # the same initial weights in every process
         self.model: Model = self.source.build(self.rt.device)
         described = self.fine_tuning.prepare(self.model)
-        self.split = self._split() if self.rt.tp is not None else None
+        self.spread = Replicated(t.parallel, self.rt) if self.rt.tp is None else self._split()
         if described and self.rt.main and t.progress:
             print(described)
         self.state = ckpt.TrainState(step=0, tokens=0, elapsed=0.0)
@@ -135,14 +129,11 @@ class Trainer:
             compile_blocks(self.model)
         self.runner = self.task.attach(self.model)
         self.hooks = self.task.hooks(self.model)
-        self.wrapped = wrap(self.runner, t.parallel, self.rt, find_unused=False)
+        self.wrapped = self.spread.wrap(self.runner)
         self.optimizer = build_optimizer(self.model, cfg.optim, self._group_of)
         if resumed is not None:
-            state, optim = self.fine_tuning.restore(self.model, resumed.model_state), resumed.optimizer
-            if self.split is not None:  # this process's parts of the whole checkpoint
-                state, optim = local_state(state, optim, self.split, self._optimizer_names())
-            model_state = {"model." + k: v.to(self.rt.device) for k, v in state.items()}
-            load_full_state(self.runner, self.optimizer, model_state, wrapper_keys(optim))
+            state = self.fine_tuning.restore(self.model, resumed.model_state)
+            self.spread.load(self.runner, self.optimizer, state, resumed.optimizer)
             ckpt.set_rng_state(resumed.rng)
         # not the groups' lr: a resumed optimizer holds the learning rate of its last step
         self.base_lr = cfg.optim.lr
@@ -181,15 +172,11 @@ class Trainer:
         """The schedule's length: train.steps, or what fit_to_time fixed it to."""
         return self.state.planned_steps or self.cfg.train.steps
 
-    def _split(self) -> Split:
+    def _split(self) -> SplitLayers:
         if not isinstance(self.fine_tuning, Full):
             raise ConfigError("train.parallel='fsdp+tp' trains every weight (pre-training or full fine-tuning)")
         assert self.rt.tp is not None
-        return split_for_training(self.model, self.rt.tp)
-
-    def _optimizer_names(self) -> list[list[str]]:
-        name_of = {id(p): n for n, p in named_parameters(self.model)}
-        return [[name_of[id(p)] for p in group["params"]] for group in self.optimizer.param_groups]
+        return SplitLayers(self.rt, split_for_training(self.model, self.rt.tp), self.model)
 
     def _group_of(self, name: str) -> str | None:
         return next((g for hook in self.hooks if (g := hook.group(name)) is not None), None)
@@ -218,10 +205,7 @@ class Trainer:
         for micro in range(t.grad_accum):
             args, n_tokens = self.task.batch(step, micro)
             last = micro == t.grad_accum - 1
-            # DDP: reduce gradients once, on the last micro-step
-            no_sync = getattr(self.wrapped, "no_sync", None)
-            sync = no_sync() if no_sync is not None and not last else contextlib.nullcontext()
-            with sync:
+            with self.spread.sync(last):
                 with self.precision.autocast():
                     out = self.wrapped(*args, **options)
                 self.precision.backward(out["loss"] / t.grad_accum)
@@ -231,7 +215,7 @@ class Trainer:
                     stats[name] = stats[name] + value.detach() if name in stats else value.detach()
             read += n_tokens
         self.precision.unscale(self.optimizer)
-        grad_norm = self._clip()
+        grad_norm = self.spread.clip(self.model, self.cfg.optim.grad_clip)
         all_reduce_sum(terms, self.rt)
         all_reduce_sum(read, self.rt)
         terms /= self.rt.world
@@ -246,14 +230,6 @@ class Trainer:
         for hook in self.hooks:
             hook.after_step(stats, self.rt)
         return terms, int(read.item()), grad_norm
-
-    def _clip(self) -> float:
-        clip = self.cfg.optim.grad_clip
-        if self.split is not None:  # the whole model's norm, from the parts
-            return clip_grad_norm(self.model, self.split, self.rt.group, clip if clip > 0 else float("inf"))
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     @torch.no_grad()
     def evaluate(self, full: bool = False) -> dict[str, float]:
@@ -278,10 +254,7 @@ class Trainer:
         return f"{self.out.name}: {params / 1e6:.1f}M parameters, {self.state.tokens / 1e6:.2f}M tokens"
 
     def save(self) -> Path | None:
-        model_state, optim_state = full_state(self.runner, self.optimizer, every_process=self.split is not None)
-        state, optim_state = {k.removeprefix("model."): v for k, v in model_state.items()}, checkpoint_keys(optim_state)
-        if self.split is not None:  # the whole model's state, assembled in process 0
-            state, optim_state = whole_state(state, optim_state, self.split)
+        state, optim_state = self.spread.state(self.runner, self.optimizer)
         if not self.rt.main:
             return None
         state = self.fine_tuning.saved(state)
