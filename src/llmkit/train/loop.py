@@ -15,8 +15,8 @@ time budget's (budget.py); how the model is spread over processes, and so how it
 state saved and restored, is the spread's (spread.py: replicated for none / DDP / FSDP, split for FSDP + TP); what
 some architectures need besides (router bias updates, an indexer's warm-up) comes in as hooks (hooks.py).
 Exactness: batches are a function of the step, the learning rate is recomputed from the step, and checkpoints keep
-the optimizer and every RNG, so a resumed run continues bit for bit. Safety: a non-finite loss or gradient stops the run with the step where it happened; Ctrl-C
-(or SIGTERM) finishes the current step, saves, and exits.
+the optimizer and every RNG, so a resumed run continues bit for bit. Safety: a non-finite loss or gradient stops
+the run with the step where it happened; Ctrl-C (or SIGTERM) finishes the current step, saves, and exits.
 """
 
 from __future__ import annotations
