@@ -41,7 +41,8 @@ class RanksLost(LLMKitError):
 
 @dataclass
 class Part:
-    """What a follower runs steps on: its part of the model and of the cache (the engine plays this on rank 0)."""
+    """What a follower runs steps on: its part of the model and of the cache (on rank 0: the engine's
+    LockstepRunner)."""
 
     model: DecoderLM
     cache: PagedCache | None = None
