@@ -136,9 +136,9 @@ class CountingStep(DecodeStep):
 
     fed = 0
 
-    def __call__(self, tokens, cache, valid=None, last=False):
+    def __call__(self, tokens, cache, valid=None, last=False, given=False):
         self.fed += int(tokens.numel() if valid is None else valid.sum())
-        return super().__call__(tokens, cache, valid, last)
+        return super().__call__(tokens, cache, valid, last, given)
 
 
 def test_a_context_shared_by_the_choices_is_computed_once(tiny_hf):

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import llmkit
-from llmkit.generate import generate
+from llmkit.generate import choose_step, generate
 from llmkit.layers.attention import AttentionMask
 from llmkit.layers.attention.core import attend
 from llmkit.layers.attention.gqa import GroupedQueryAttention
@@ -214,15 +214,17 @@ def test_a_quantized_models_prefill_attends_on_bf16_units(monkeypatch):
     cache) take the kernel; the tokens are those of the fp32 prefill on this small model."""
     model = _quantized_model()
     prompt = torch.randint(0, 256, (1, 70), generator=torch.Generator().manual_seed(1))
+    step = choose_step(model, invariant=False)  # (the batch-invariant mode prefills in the C++ step instead)
     with native.prefill_dtype("fp32"):
-        expected = generate(model, prompt, max_new_tokens=6)
+        expected = generate(model, prompt, max_new_tokens=6, step=step)
     calls = _counting(monkeypatch)
     with native.prefill_dtype("bf16"):
-        fast = generate(model, prompt, max_new_tokens=6)
+        fast = generate(model, prompt, max_new_tokens=6, step=step)
         assert calls == [70] * model.cfg.n_layers
         calls.clear()
         per_block = PagedCache.bytes_per_block(model, 4, torch.float32)
-        engine = Engine(model, None, EngineConfig(kv_memory=per_block * 100, block_size=4, step_tokens=32))
+        config = EngineConfig(kv_memory=per_block * 100, block_size=4, step_tokens=32, batch_invariant=False)
+        engine = Engine(model, None, config)
         done = engine.generate([prompt[0].tolist()], SamplingParams(max_tokens=6, temperature=0.0))
     assert calls == [32] * model.cfg.n_layers + [32] * model.cfg.n_layers  # chunks of 32, 32; the last 6 too few
     assert fast.new_tokens == expected.new_tokens

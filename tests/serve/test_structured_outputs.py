@@ -132,8 +132,10 @@ def test_the_c_plus_plus_decode_step_is_used_with_constraints(tiny, monkeypatch)
     if not isinstance(engine.runner, NativeRunner):
         pytest.skip("the native kernels are not available here")
     calls = []
-    run_paged = engine.runner.native.run_paged
-    monkeypatch.setattr(engine.runner.native, "run_paged", lambda *a, **k: calls.append(1) or run_paged(*a, **k))
+    native = engine.runner.native
+    for entry in ("run_paged", "run_tokens"):  # (the batch-invariant runner takes every row through run_tokens)
+        run = getattr(native, entry)
+        monkeypatch.setattr(native, entry, lambda *a, run=run, **k: calls.append(1) or run(*a, **k))
     params = SamplingParams(max_tokens=200, temperature=0.0, constraint=Constraint.json_schema(BOUNDED["nested"]))
     [out] = engine.generate([_chat_ids(tok, "JSON please.")], params)
     jsonschema.validate(json.loads(out.text), BOUNDED["nested"])

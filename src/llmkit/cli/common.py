@@ -19,6 +19,14 @@ DType = Literal["fp32", "bf16", "fp16"]
 _TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
+def invariance(required: bool, off: bool) -> bool | None:
+    """The batch-invariant mode from --batch-invariant (`required`) and --no-batch-invariant (`off`): True, False,
+    or None (the default: wherever the C++ step runs)."""
+    if required and off:
+        raise LLMKitError("--batch-invariant and --no-batch-invariant contradict each other: give one")
+    return True if required else False if off else None
+
+
 def torch_dtype(name: DType | None) -> torch.dtype | None:
     """The torch dtype a --dtype flag names; None (keep the checkpoint's) when it is not given."""
     import torch

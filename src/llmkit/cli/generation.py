@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Literal
 
-from llmkit.cli.common import DType, load_decoder, print_streamed
+from llmkit.cli.common import DType, invariance, load_decoder, print_streamed
 from llmkit.errors import LLMKitError
 
 if TYPE_CHECKING:
@@ -196,6 +196,7 @@ def generate(
     speculation: SpeculationOptions = SpeculationOptions(),
     compile: bool = False,
     batch_invariant: bool = False,
+    no_batch_invariant: bool = False,
     dtype: DType | None = None,
     device: str | None = None,
     no_verify: bool = False,
@@ -209,8 +210,10 @@ def generate(
     max_new_tokens: how many tokens to generate at most.
     samples: how many continuations to generate (a batch).
     compile: decode through torch.compile (a one-time compilation, then faster steps).
-    batch_invariant: every token, the prompt's too, through the C++ decode step, so that the output equals `llmkit
-      serve --batch-invariant`'s whatever else it serves (the prompt is computed more slowly).
+    batch_invariant: require the batch-invariant mode, the default wherever the C++ decode step runs and nothing is
+      compiled: every token, the prompt's too, through the C++ step, so that the output equals `llmkit serve`'s
+      whatever else it serves, and does not depend on --samples. An error where the step cannot run.
+    no_batch_invariant: the prompt through PyTorch instead (faster on long prompts, see BENCHMARKS.md).
     dtype: load the weights in this precision (default: the checkpoint's; a bf16 / fp16 checkpoint on the CPU
         keeps its weights at that width, read by llmkit's kernels, with fp32 activations).
     device: cpu, cuda, cuda:1, ... (default: the CPU); a draft model goes to the same device.
@@ -231,7 +234,7 @@ def generate(
     try:
         where = device if ranks is None else str(ranks.device)
         _generate(checkpoint, prompt, max_new_tokens, samples, sampling, output, beam_search, speculation, mode,
-                  compile, batch_invariant, dtype, where, no_verify, ranks)  # fmt: skip
+                  compile, invariance(batch_invariant, no_batch_invariant), dtype, where, no_verify, ranks)  # fmt: skip
     except BaseException:
         launch.end(ranks, finished=False)
         raise
@@ -250,7 +253,7 @@ def _generate(
     speculation: SpeculationOptions,
     mode: Mode,
     compile: bool,
-    batch_invariant: bool,
+    batch_invariant: bool | None,
     dtype: DType | None,
     device: str | None,
     no_verify: bool,

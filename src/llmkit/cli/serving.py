@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmkit.cli.common import DType, load_decoder
+from llmkit.cli.common import DType, invariance, load_decoder
 from llmkit.errors import LLMKitError
 
 
@@ -52,9 +52,12 @@ class EngineOptions:
       holds up the sequences that are decoding.
     max_queue: requests waiting before new ones get HTTP 429.
     no_prefix_cache: do not reuse the cache blocks of shared prompt prefixes.
-    batch_invariant: every token, prompt or generated, through the C++ decode step as a row of its own, so that a
-      request's greedy output does not depend on what else is running (and equals `llmkit generate
-      --batch-invariant`'s); prompts are computed more slowly. Needs the C++ step (AVX2 CPU, fp32 or int4/int8).
+    batch_invariant: require the batch-invariant mode, the default wherever the C++ decode step runs (AVX2 CPU,
+      fp32 or int4/int8 weights): every token through the C++ step as a row of its own, so that a request's tokens
+      and log-probabilities do not depend on what else is running, and equal `llmkit generate`'s. An error where
+      the step cannot run (bf16 weights, a GPU, latent attention), which serve through PyTorch without it.
+    no_batch_invariant: prompts through PyTorch instead, as one batch (about 11% more output tokens a second on
+      mixed prompts with AVX512-VNNI, much more without it; see BENCHMARKS.md); answers then depend on the load.
     """
 
     max_batch: int = 32
@@ -64,6 +67,7 @@ class EngineOptions:
     max_queue: int = 256
     no_prefix_cache: bool = False
     batch_invariant: bool = False
+    no_batch_invariant: bool = False
 
 
 @dataclass(frozen=True)
@@ -149,7 +153,7 @@ def serve(
         engine.step_tokens,
         engine.max_queue,
         not engine.no_prefix_cache,
-        engine.batch_invariant,
+        invariance(engine.batch_invariant, engine.no_batch_invariant),
         draft_tokens=drafts,
         draft_head_bits=speculation.draft_head_bits or None,
     )
@@ -211,11 +215,12 @@ def _announce(server: Any, name: str, model: Any, mtp: int, draft: str | None, s
     from llmkit.quant import describe, parameter_count
 
     split = f", split across {tp} processes (this one's part)" if tp > 1 else ""
+    invariant = "batch-invariant" if e.runner.invariant else "answers depend on the load (not batch-invariant)"
     print(
         f"llmkit serve: {name} ({parameter_count(model) / 1e6:.1f}M parameters{split}, {describe(model)}, "
         f"computing in {str(e.dtype).removeprefix('torch.')} on {e.device}); "
         f"KV cache {e.pool.n_blocks} blocks x {e.pool.block_size} tokens = {e.cache.nbytes / 2**20:.0f} MiB, "
-        f"{e.capacity_sequences:.1f} sequences of the full {e.max_len}-token context; "
+        f"{e.capacity_sequences:.1f} sequences of the full {e.max_len}-token context; {invariant}; "
         + (f"drafting up to {speculate} tokens a step with its MTP module; " if mtp else "")
         + (f"drafting up to {speculate} tokens a step with {Path(draft).name}; " if draft is not None else "")
         + f"listening on {server.url}/v1",

@@ -62,7 +62,7 @@ def scored_logprobs(
     for begin, end, first in spans(len(tokens), window, stride):
         ids = torch.tensor([tokens[begin:end]], device=device)
         with torch.no_grad():
-            _, hidden = run(ids, model.new_cache(1, end - begin), None, last=True)
+            _, hidden = run(ids, model.new_cache(1, end - begin), None, last=True, given=True)
         states = hidden[0, first - 1 - begin : end - 1 - begin]
         targets = ids[0, first - begin :]
         for a in range(0, states.shape[0], HEAD_ROWS):

@@ -144,7 +144,7 @@ def _score_batch(
     if longest > 1:
         session.reorder(owner)
         fed, valid = pad([c[:-1] for c in continuations], "right", device=device)
-        _, hidden = session.feed(fed, valid, last=True)  # (R, longest - 1, C): the head is applied below
+        _, hidden = session.feed(fed, valid, last=True, given=True)  # (R, longest - 1, C): the head is applied below
         rest_logprob, rest_greedy = _rest(model, hidden, valid, [t[1:] for t in targets])
         logprob, greedy = logprob + rest_logprob, greedy & rest_greedy
     return [Scored(float(lp), bool(g)) for lp, g in zip(logprob.tolist(), greedy.tolist(), strict=True)]

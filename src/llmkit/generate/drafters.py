@@ -64,7 +64,7 @@ class ModelDrafter:
 
     def start(self, prefix: Tensor, valid: Tensor, hidden: Tensor | None) -> None:
         if prefix.shape[1]:
-            self.step(prefix, self.cache, valid, last=True)
+            self.step(prefix, self.cache, valid, last=True, given=True)
 
     def propose(
         self, cur: Tensor, sampling: Sampling, generator: torch.Generator | None

@@ -35,16 +35,18 @@ class DecoderSession:
         tokens, mask = tokens.repeat_interleave(copies, dim=0), mask.repeat_interleave(copies, dim=0)
         self.cache = model.new_cache(tokens.shape[0], tokens.shape[1] + max(room, 1))
         self.logits = torch.empty(0)
-        self.feed(tokens, mask, last=True)
+        self.feed(tokens, mask, last=True, given=True)
 
     @property
     def device(self) -> torch.device:
         return self.cache.state.valid.device
 
-    def feed(self, tokens: Tensor, valid: Tensor | None = None, last: bool = False) -> tuple[Tensor, Tensor]:
-        """Append tokens (B, T) (valid: False at padding); returns their logits (B, T, V) (with `last`, the last
-        position's only) and hidden states (B, T, C)."""
-        logits, hidden = self.step(tokens, self.cache, valid, last)
+    def feed(
+        self, tokens: Tensor, valid: Tensor | None = None, last: bool = False, given: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        """Append tokens (B, T) (valid: False at padding; `given`: a prompt's or a scored text's, not generated);
+        returns their logits (B, T, V) (with `last`, the last position's only) and hidden states (B, T, C)."""
+        logits, hidden = self.step(tokens, self.cache, valid, last, given)
         self.logits = logits[:, -1]
         return logits, hidden
 

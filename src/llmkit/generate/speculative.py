@@ -147,7 +147,7 @@ def speculative_generate(
         drafter = MTPDrafter(parts, B, MTPDrafter.room(T, max_new_tokens, k), k)
     # the whole prompt, as `generate` prefills it: the first token comes from the same logits, and later tokens are
     # computed by the same kind of step (with the C++ step, a verifying step's rows get the same bits as decoding's)
-    logits, hidden = step(tokens, cache, mask, last=True)
+    logits, hidden = step(tokens, cache, mask, last=True, given=True)
     check_finite(logits, 0)
     drafter.start(tokens, mask, hidden)
     rows = Rows(StopRule.of(eos_id, max_new_tokens=max_new_tokens), B)

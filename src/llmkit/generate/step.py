@@ -35,7 +35,7 @@ from torch import Tensor
 from llmkit.errors import GenerationError, InputError
 from llmkit.layers.attention import AttentionMask, KVCache, LatentCache
 from llmkit.models import Cache, DecoderLM, Step
-from llmkit.quant.native_step import MAX_TOKENS, NativeDecoder
+from llmkit.quant.native_step import GIVEN_TOKENS, MAX_TOKENS, NativeDecoder
 
 
 def _core(
@@ -53,9 +53,10 @@ def _core(
 
 
 class DecodeStep:
-    """The eager step of `model`: step(tokens (B, T), cache, valid (B, T) False at padding, last) -> logits (B, T, V)
-    (with `last`, only the last position's (B, 1, V): a prompt's prefill needs no more) and the last block's hidden
-    states (B, T, C), before the final norm."""
+    """The eager step of `model`: step(tokens (B, T), cache, valid (B, T) False at padding, last, given) -> logits
+    (B, T, V) (with `last`, only the last position's (B, 1, V): a prompt's prefill needs no more) and the last
+    block's hidden states (B, T, C), before the final norm. `given`: the tokens are given (a prompt, a text to
+    score), not generated; the C++ step multiplies them otherwise (NativeStep)."""
 
     native: NativeDecoder | None = None  # the C++ blocks this step runs (NativeStep), for drafters that reuse them
 
@@ -64,12 +65,12 @@ class DecodeStep:
 
     @torch.no_grad()
     def __call__(
-        self, tokens: Tensor, cache: Cache, valid: Tensor | None = None, last: bool = False
+        self, tokens: Tensor, cache: Cache, valid: Tensor | None = None, last: bool = False, given: bool = False
     ) -> tuple[Tensor, Tensor]:
         step = cache.state.advance(tokens.shape[1], valid)
-        return self.run(tokens, step, cache, last)
+        return self.run(tokens, step, cache, last, given)
 
-    def run(self, tokens: Tensor, step: Step, cache: Cache, last: bool) -> tuple[Tensor, Tensor]:
+    def run(self, tokens: Tensor, step: Step, cache: Cache, last: bool, given: bool = False) -> tuple[Tensor, Tensor]:
         """The step's tokens at `step` (their slots, positions and mask, already advanced in the cache)."""
         assert step.mask.allowed is not None and step.slots is not None
         layers, allowed = _filled(cache.layers, step.mask.allowed, cache.state.length)
@@ -98,7 +99,7 @@ class CompiledStep(DecodeStep):
 
         self.core: Callable[..., tuple[Tensor, Tensor]] = frozen
 
-    def run(self, tokens: Tensor, step: Step, cache: Cache, last: bool) -> tuple[Tensor, Tensor]:
+    def run(self, tokens: Tensor, step: Step, cache: Cache, last: bool, given: bool = False) -> tuple[Tensor, Tensor]:
         assert step.mask.allowed is not None and step.slots is not None
         return self.core(self.model, tokens, step.positions, step.mask.allowed, step.slots, cache.layers, last)
 
@@ -107,12 +108,15 @@ class NativeStep(DecodeStep):
     """The blocks of the steps the C++ step takes (`native.applies`: a few tokens per row into fp32 caches) in one
     C++ call, and the output head of a few rows too; other steps eagerly.
 
-    `invariant` (batch-invariant decoding): every token goes through the C++ step, a prompt in pieces of MAX_TOKENS,
-    and the head through row-invariant products, so a token's logits are the same bits whether it is decoded alone,
-    in a batch, as part of a prompt or among a speculative round's drafts, and whatever the chunking: greedy output
-    then equals the serving engine's in its batch-invariant mode, and speculation's equals plain decoding's. A long
-    prompt's prefill may cost more that way (the weights are read once per piece of MAX_TOKENS, and the products
-    round activations to int8, instead of one fp32 matrix product)."""
+    `invariant` (batch-invariant decoding): every token goes through the C++ step, a prompt in pieces of
+    GIVEN_TOKENS (other steps in pieces of MAX_TOKENS), and the head through row-invariant products, so a token's
+    logits are the same bits whether it is decoded alone, in a batch, among a speculative round's drafts, and
+    whatever the prompt's chunking: greedy output then equals the serving engine's in its batch-invariant mode, and
+    speculation's equals plain decoding's. Given tokens (`given`: a prompt, a text scored) are multiplied in integer
+    panels where the weights are GGUF blocks and the CPU has AVX512-VNNI, generated ones in the decoding kernels
+    (NativeDecoder.run_tokens), as the engine does. A prompt's prefill costs more that way than the eager step's
+    (BENCHMARKS.md, batch invariance).
+    """
 
     def __init__(self, model: DecoderLM, native: NativeDecoder, invariant: bool = False) -> None:
         super().__init__(model)
@@ -120,39 +124,40 @@ class NativeStep(DecodeStep):
 
     @torch.no_grad()
     def __call__(
-        self, tokens: Tensor, cache: Cache, valid: Tensor | None = None, last: bool = False
+        self, tokens: Tensor, cache: Cache, valid: Tensor | None = None, last: bool = False, given: bool = False
     ) -> tuple[Tensor, Tensor]:
-        T = tokens.shape[1]
-        if not self.invariant or T <= MAX_TOKENS:
-            return super().__call__(tokens, cache, valid, last)
+        count, piece = tokens.shape[1], GIVEN_TOKENS if given else MAX_TOKENS
+        if not self.invariant or count <= piece:
+            return super().__call__(tokens, cache, valid, last, given)
         parts = [
             super(NativeStep, self).__call__(
-                tokens[:, i : i + MAX_TOKENS], cache, None if valid is None else valid[:, i : i + MAX_TOKENS], last
+                tokens[:, i : i + piece], cache, None if valid is None else valid[:, i : i + piece], last, given
             )
-            for i in range(0, T, MAX_TOKENS)
+            for i in range(0, count, piece)
         ]
         if last:
             return parts[-1]
         return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
 
-    def run(self, tokens: Tensor, step: Step, cache: Cache, last: bool) -> tuple[Tensor, Tensor]:
+    def run(self, tokens: Tensor, step: Step, cache: Cache, last: bool, given: bool = False) -> tuple[Tensor, Tensor]:
         native = self.native
         assert native is not None
-        if not native.applies(tokens, step, cache.layers):
+        most = GIVEN_TOKENS if self.invariant and given else MAX_TOKENS
+        if not native.applies(tokens, step, cache.layers, most):
             if self.invariant:
                 raise GenerationError(
                     "batch-invariant decoding runs every step in C++, and this step does not fit it "
                     f"({tokens.shape[1]} tokens per row into {type(cache.layers[0]).__name__} caches)"
                 )
             return super().run(tokens, step, cache, last)
-        h = native.run(tokens, step, cache.layers)
+        h = native.run(tokens, step, cache.layers, given)
         return native.logits(self.model.norm(h[:, -1:] if last else h), self.invariant), h
 
 
-def choose_step(model: DecoderLM, compiled: bool = False, invariant: bool = False) -> DecodeStep:
+def choose_step(model: DecoderLM, compiled: bool = False, invariant: bool | None = None) -> DecodeStep:
     """The step to decode `model` with: compiled when asked, else the C++ step where the model allows it (see
-    llmkit.quant.native_step), else eager. `invariant`: batch-invariant decoding (NativeStep), which needs the C++
-    step."""
+    llmkit.quant.native_step), else eager. `invariant`: batch-invariant decoding (NativeStep), by default (None)
+    wherever the C++ step runs and nothing is compiled; True requires it, False turns it off."""
     if compiled and invariant:
         raise InputError("batch-invariant decoding runs in C++, not through torch.compile: ask for one of the two")
     if compiled:
@@ -163,7 +168,7 @@ def choose_step(model: DecoderLM, compiled: bool = False, invariant: bool = Fals
             "batch-invariant decoding needs llmkit's C++ decode step: an x86 CPU with AVX2, fp32 or int4/int8 "
             "weights, and a grouped-query decoder (see llmkit.quant.native_step)"
         )
-    return NativeStep(model, native, invariant) if native is not None else DecodeStep(model)
+    return NativeStep(model, native, invariant is not False) if native is not None else DecodeStep(model)
 
 
 def _filled(layers: list[Any], allowed: Tensor, length: int) -> tuple[list[Any], Tensor]:

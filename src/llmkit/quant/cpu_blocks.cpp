@@ -17,6 +17,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 
 namespace llmkit {
@@ -56,6 +57,24 @@ void panel_product(const BlockMatrix& w, const BlockRows& x, float* y, int64_t l
   with_type(w.kind, [&](auto t) {
     using T = decltype(t);
     if constexpr (!FLOATS<T>) panel_columns<T>(w, x, y, ldy);
+  });
+}
+
+// x's side of the panels of a `kind` matrix (a PanelRows, for panel_span), or null for the float kinds
+std::shared_ptr<const void> panel_rows_of(int kind, const BlockRows& x) {
+  std::shared_ptr<const void> out;
+  with_type(kind, [&](auto t) {
+    using T = decltype(t);
+    if constexpr (!FLOATS<T>) out = std::make_shared<const PanelRows>(panel_rows<T>(x));
+  });
+  return out;
+}
+
+// columns [n0, n1) in panels on the calling thread; rows: panel_rows_of(w.kind, x)
+void panel_span(const BlockMatrix& w, const void* rows, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  with_type(w.kind, [&](auto t) {
+    using T = decltype(t);
+    if constexpr (!FLOATS<T>) panel_range<T>(w, *static_cast<const PanelRows*>(rows), n0, n1, y, ldy);
   });
 }
 }  // namespace vnni
@@ -162,7 +181,7 @@ void dequantize_block_rows_bf16(const BlockMatrix& w, int64_t n0, int64_t n1, ui
   avx2::dequantize_rows_bf16(w, n0, n1, out);
 }
 
-void BlockProduct::prepare(const float* x, int64_t M, int64_t K, const std::vector<BlockMatrix>& ws) {
+void BlockProduct::prepare(const float* x, int64_t M, int64_t K, const std::vector<BlockMatrix>& ws, bool panels) {
   LLMKIT_CHECK(!ws.empty(), "a product needs a matrix");
   ws_ = ws;
   starts_.assign(1, 0);
@@ -176,6 +195,9 @@ void BlockProduct::prepare(const float* x, int64_t M, int64_t K, const std::vect
   if (g32) quantize_block_rows(x, M, K, 32, x32_);
   if (g256) quantize_block_rows(x, M, K, 256, x256_);
   xf_.M = M, xf_.K = K, xf_.group = 0, xf_.xf = x;
+  panel_rows_.assign(ws.size(), nullptr);
+  if (panels && vnni_selected())  // (the float kinds keep their kernel: x is not rounded, a row's bits are its own)
+    for (size_t i = 0; i < ws.size(); ++i) panel_rows_[i] = vnni::panel_rows_of(ws[i].kind, rows_for(ws[i].kind));
 }
 
 const BlockRows& BlockProduct::rows_for(int kind) const {
@@ -189,7 +211,11 @@ const BlockRows& BlockProduct::rows_for(int kind) const {
 void BlockProduct::columns(int64_t j0, int64_t j1, float* y, int64_t ldy) const {
   for (size_t i = 0; i < ws_.size(); ++i) {  // the part of [j0, j1) that falls in matrix i
     const int64_t a = std::max(j0, starts_[i]) - starts_[i], e = std::min(j1, starts_[i + 1]) - starts_[i];
-    if (a < e) block_columns(ws_[i], rows_for(ws_[i].kind), a, e, y + starts_[i], ldy);
+    if (a >= e) continue;
+    if (panel_rows_[i])
+      vnni::panel_span(ws_[i], panel_rows_[i].get(), a, e, y + starts_[i], ldy);
+    else
+      block_columns(ws_[i], rows_for(ws_[i].kind), a, e, y + starts_[i], ldy);
   }
 }
 

@@ -5,6 +5,8 @@
 
 #include "cpu_kernel.h"
 
+#include <memory>
+
 namespace llmkit {
 
 // The block types by ggml's numbers for them (ggml.h's ggml_type).
@@ -63,10 +65,13 @@ void block_columns(const BlockMatrix& w, const BlockRows& x, int64_t n0, int64_t
 void dequantize_block_rows(const BlockMatrix& w, int64_t n0, int64_t n1, float* out);
 void dequantize_block_rows_bf16(const BlockMatrix& w, int64_t n0, int64_t n1, uint16_t* out);
 
-// x @ W_i^T for several block matrices of the same K (any kinds), side by side: x is quantized once.
+// x @ W_i^T for several block matrices of the same K (any kinds), side by side: x is quantized once. With
+// `panels`, where the integer kernel is AVX512-VNNI, every row is multiplied in integer panels
+// (cpu_blocks_panels.inc) instead of the decoding kernels: the two give a row different bits, each the same at any
+// number of rows.
 class BlockProduct {
  public:
-  void prepare(const float* x, int64_t M, int64_t K, const std::vector<BlockMatrix>& ws);
+  void prepare(const float* x, int64_t M, int64_t K, const std::vector<BlockMatrix>& ws, bool panels = false);
   int64_t width() const { return starts_.back(); }
   void columns(int64_t j0, int64_t j1, float* y, int64_t ldy) const;
 
@@ -76,6 +81,7 @@ class BlockProduct {
   BlockRows x32_, x256_, xf_;  // x in the groups the matrices' kinds take
   std::vector<BlockMatrix> ws_;
   std::vector<int64_t> starts_{0};
+  std::vector<std::shared_ptr<const void>> panel_rows_;  // per matrix: x's side of its panels, or null
 };
 
 }  // namespace llmkit

@@ -150,15 +150,16 @@ struct DecodeBlock {
   // Buffers one step of a block passes between its phases (shared by the threads).
   struct Workspace {
     std::vector<float> h, qkv, att, y, gate_up, hidden;
-    ProjectionGroup group;
+    ProjectionGroup group, given;  // the step's generated tokens' rows, and its given ones' (a prompt's)
     std::shared_ptr<MoEWorkspace> moe = moe_workspace();
   };
 
   // x (M, C) += this block's output, for query row m's new token in logical slot slots[m] of cache row rows[m] of
-  // `kv`; A (B, S): the slots each cache row may see. Called by every thread of the team (the barriers are the
-  // team's); thread 0 does the serial parts.
-  void forward(const Team& team, Workspace& w, float* X, int64_t M, const KVLayout& kv, const int64_t* rows,
-               const int64_t* slots, int64_t S, const bool* A, const std::optional<Tensor>& cos,
+  // `kv`; A (B, S): the slots each cache row may see; rows from `given_from` on hold given tokens (a prompt's),
+  // whose products are integer panels. Called by every thread of the team (the barriers are the team's); thread 0
+  // does the serial parts.
+  void forward(const Team& team, Workspace& w, float* X, int64_t M, int64_t given_from, const KVLayout& kv,
+               const int64_t* rows, const int64_t* slots, int64_t S, const bool* A, const std::optional<Tensor>& cos,
                const std::optional<Tensor>& sin) const {
     const int64_t C = norm1_weight.size(0), H = n_heads, KH = n_kv_heads, D = head_dim, Dv = v_head_dim;
     const int64_t Nq = H * D, Nqkv = Nq + KH * D + KH * Dv;
@@ -168,7 +169,7 @@ struct DecodeBlock {
       w.h.resize(M * C), w.qkv.resize(M * Nqkv), w.att.assign(M * H * Dv, 0.f), w.y.resize(M * C);
       norm(X, w.h.data(), M, C, norm1_weight, norm1_bias);
     }
-    project(team, w, {wq.get(), wk.get(), wv.get()}, w.h, M, w.qkv, Nqkv);
+    project(team, w, {wq.get(), wk.get(), wv.get()}, w.h, M, given_from, w.qkv, Nqkv);
     if (lead) {  // (QK-norm,) RoPE on q and k, k and v into the cache
       for (int64_t b = 0; b < M; ++b) {
         float* row = w.qkv.data() + b * Nqkv;
@@ -205,7 +206,7 @@ struct DecodeBlock {
       }
     }
 #pragma omp barrier
-    project(team, w, {wo.get()}, w.att, M, w.y, C);
+    project(team, w, {wo.get()}, w.att, M, given_from, w.y, C);
     // ---- feed-forward: residual, norm, w1 | w3, act(gate) * up (or act(h)), w2, residual
     if (lead) {
       for (int64_t i = 0; i < M * C; ++i) X[i] += w.y[i];
@@ -220,9 +221,9 @@ struct DecodeBlock {
     const int64_t Fw = w1->N, width = gated ? 2 * Fw : Fw;
     if (lead) w.gate_up.resize(M * width), w.hidden.resize(M * Fw);
     if (gated)
-      project(team, w, {w1.get(), w3.get()}, w.h, M, w.gate_up, width);
+      project(team, w, {w1.get(), w3.get()}, w.h, M, given_from, w.gate_up, width);
     else
-      project(team, w, {w1.get()}, w.h, M, w.gate_up, width);
+      project(team, w, {w1.get()}, w.h, M, given_from, w.gate_up, width);
     {  // act(gate) * up, each thread its share of the rows' columns (project's barrier made gate_up visible)
       const auto [f0, f1] = team.share(Fw);
       for (int64_t b = 0; b < M; ++b) {
@@ -231,7 +232,7 @@ struct DecodeBlock {
       }
     }
 #pragma omp barrier
-    project(team, w, {w2.get()}, w.hidden, M, w.y, C);
+    project(team, w, {w2.get()}, w.hidden, M, given_from, w.y, C);
     if (lead)
       for (int64_t i = 0; i < M * C; ++i) X[i] += w.y[i];
 #pragma omp barrier
@@ -295,17 +296,20 @@ struct DecodeBlock {
   }
 
   // y (B, width) = the projections ps of x (B rows), side by side, by the whole team: thread 0 prepares (quantizes
-  // x), every thread computes its share of the columns, thread 0 adds the biases. Only thread 0 touches y after it
-  // returns, until the next barrier. The buffers are read after the barrier: thread 0 may have just resized them.
+  // x), every thread computes its share of the columns, thread 0 adds the biases. Rows from `given_from` on in
+  // integer panels (ProjectionGroup), the others in the decoding kernels. Only thread 0 touches y after it returns,
+  // until the next barrier. The buffers are read after the barrier: thread 0 may have just resized them.
   void project(const Team& team, Workspace& w, const std::vector<const Projection*>& ps, const std::vector<float>& x,
-               int64_t B, std::vector<float>& y, int64_t width) const {
+               int64_t B, int64_t given_from, std::vector<float>& y, int64_t width) const {
     if (team.id == 0) {
       std::vector<Matrix> ms;
       for (const Projection* p : ps) ms.push_back(p->all());
-      w.group.prepare(ms, x.data(), B);
+      if (given_from > 0) w.group.prepare(ms, x.data(), given_from);
+      if (given_from < B) w.given.prepare(ms, x.data() + given_from * ps[0]->K, B - given_from, true);
     }
 #pragma omp barrier
-    w.group.compute(team, y.data(), width);
+    if (given_from > 0) w.group.compute(team, y.data(), width);
+    if (given_from < B) w.given.compute(team, y.data() + given_from * width, width);
 #pragma omp barrier
     if (team.id == 0) {  // the biases
       int64_t offset = 0;
@@ -355,11 +359,14 @@ struct DecodeBlock {
 
 // x (M, C) through every block, query row m's new token in logical slot slots[m] of cache row rows[m] of
 // layouts[i] (block i's cache); allowed (B, S): the slots each cache row may attend to (besides the causal rule and
-// the window); cos, sin (1 | M, rope_dim / 2) for the new tokens' positions. Returns the last block's output (M, C).
+// the window); cos, sin (1 | M, rope_dim / 2) for the new tokens' positions; rows from `given_from` on hold given
+// tokens (a prompt's: their products in integer panels, see ProjectionGroup), the ones before generated tokens.
+// Returns the last block's output (M, C).
 Tensor run(const std::vector<DecodeBlock*>& blocks, const Tensor& x, const std::vector<KVLayout>& layouts,
            const std::vector<int64_t>& rows, const std::vector<int64_t>& slots, int64_t S, const Tensor& allowed,
-           const std::optional<Tensor>& cos, const std::optional<Tensor>& sin) {
+           const std::optional<Tensor>& cos, const std::optional<Tensor>& sin, int64_t given_from) {
   for (int64_t s : slots) LLMKIT_CHECK(s >= 0 && s < S, "slot ", s, " is outside the cache's ", S, " slots");
+  LLMKIT_CHECK(given_from >= 0 && given_from <= x.size(0), "given_from must be in [0, ", x.size(0), "]");
   Tensor out = x.clone();  // the residual stream
   float* X = out.data_ptr<float>();
   const bool* A = allowed.data_ptr<bool>();
@@ -371,7 +378,7 @@ Tensor run(const std::vector<DecodeBlock*>& blocks, const Tensor& x, const std::
   {
     const Team team{omp_get_thread_num(), omp_get_num_threads()};
     for (size_t i = 0; i < blocks.size(); ++i)
-      blocks[i]->forward(team, w, X, M, layouts[i], rows.data(), slots.data(), S, A, cos, sin);
+      blocks[i]->forward(team, w, X, M, given_from, layouts[i], rows.data(), slots.data(), S, A, cos, sin);
   }
   return out;
 }
@@ -386,7 +393,7 @@ void check_lists(const std::vector<DecodeBlock*>& blocks, const std::vector<Tens
 // in slot `slot + t`.
 Tensor decode(const std::vector<DecodeBlock*>& blocks, const Tensor& x, const std::vector<Tensor>& ks,
               const std::vector<Tensor>& vs, int64_t slot, const Tensor& allowed, const std::optional<Tensor>& cos,
-              const std::optional<Tensor>& sin) {
+              const std::optional<Tensor>& sin, int64_t given_from) {
   check_lists(blocks, ks, vs);
   const int64_t S = ks[0].dim() == 4 ? ks[0].size(2) : 0, B = ks[0].dim() == 4 ? ks[0].size(0) : 0;
   LLMKIT_CHECK(x.dim() == 2 && B > 0 && x.size(0) % B == 0 && x.size(0) > 0,
@@ -399,14 +406,14 @@ Tensor decode(const std::vector<DecodeBlock*>& blocks, const Tensor& x, const st
   }
   std::vector<int64_t> rows(M), slots(M);
   for (int64_t m = 0; m < M; ++m) rows[m] = m / T, slots[m] = slot + m % T;
-  return run(blocks, x, layouts, rows, slots, S, allowed, cos, sin);
+  return run(blocks, x, layouts, rows, slots, S, allowed, cos, sin, given_from < 0 ? M : given_from);
 }
 
 // Paged pools ks[i], vs[i] (KH, N, bs, D) and the block table (B, nb) of each row's physical blocks; row b's new
 // token in its logical slot slots[b] (S = nb * bs logical slots a row).
 Tensor decode_paged(const std::vector<DecodeBlock*>& blocks, const Tensor& x, const std::vector<Tensor>& ks,
                     const std::vector<Tensor>& vs, const Tensor& table, const Tensor& slots, const Tensor& allowed,
-                    const std::optional<Tensor>& cos, const std::optional<Tensor>& sin) {
+                    const std::optional<Tensor>& cos, const std::optional<Tensor>& sin, int64_t given_from) {
   check_lists(blocks, ks, vs);
   const int64_t B = x.size(0);
   LLMKIT_CHECK(table.dim() == 2 && table.size(0) == B && table.scalar_type() == torch::kInt64 && table.is_contiguous(),
@@ -426,7 +433,8 @@ Tensor decode_paged(const std::vector<DecodeBlock*>& blocks, const Tensor& x, co
   const int64_t* sl = slots.data_ptr<int64_t>();
   std::vector<int64_t> rows(B);
   for (int64_t b = 0; b < B; ++b) rows[b] = b;
-  return run(blocks, x, layouts, rows, std::vector<int64_t>(sl, sl + B), nb * bs, allowed, cos, sin);
+  return run(blocks, x, layouts, rows, std::vector<int64_t>(sl, sl + B), nb * bs, allowed, cos, sin,
+             given_from < 0 ? B : given_from);
 }
 
 }  // namespace
@@ -489,8 +497,13 @@ void bind_decode(pybind11::module& m) {
       .def("check", &DecodeBlock::check);
   m.def("decode", &decode, py::arg("blocks"), py::arg("x"), py::arg("k_caches"), py::arg("v_caches"),
         py::arg("slot"), py::arg("allowed"), py::arg("cos") = py::none(), py::arg("sin") = py::none(),
-        "x (B T, C) through the blocks for T new tokens per row; returns the last block's output (B T, C)");
+        py::arg("given_from") = -1,
+        "x (B T, C) through the blocks for T new tokens per row; returns the last block's output (B T, C). Rows "
+        "from given_from on (-1: none) are given tokens, multiplied in integer panels where the weights are GGUF "
+        "blocks and the CPU has AVX512-VNNI");
   m.def("decode_paged", &decode_paged, py::arg("blocks"), py::arg("x"), py::arg("k_pools"), py::arg("v_pools"),
         py::arg("table"), py::arg("slots"), py::arg("allowed"), py::arg("cos") = py::none(),
-        py::arg("sin") = py::none(), "decode over paged pools (KH, N, bs, D) with a block table (B, nb)");
+        py::arg("sin") = py::none(), py::arg("given_from") = -1,
+        "decode over paged pools (KH, N, bs, D) with a block table (B, nb); rows from given_from on are given "
+        "tokens");
 }

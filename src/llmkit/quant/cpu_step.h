@@ -150,10 +150,11 @@ struct Team {
 
 // Matrices of one input side by side in one output (M, width): x @ W_i^T in columns [offset_i, offset_i + N_i).
 // `prepare` (one thread) quantizes x once per run of quantized matrices of one kind; then any range of output
-// columns can be computed on its own, so the team splits the columns as it likes.
+// columns can be computed on its own, so the team splits the columns as it likes. `panels`: GGUF block matrices in
+// integer panels (BlockProduct), a prompt's tokens in the batch-invariant mode.
 class ProjectionGroup {
  public:
-  void prepare(const std::vector<Matrix>& ms, const float* x, int64_t M) {
+  void prepare(const std::vector<Matrix>& ms, const float* x, int64_t M, bool panels = false) {
     x_ = x, M_ = M;
     next_.store(0, std::memory_order_relaxed);
     segments_.clear();
@@ -168,7 +169,7 @@ class ProjectionGroup {
         std::vector<BlockMatrix> bs;
         for (; i < ms.size() && ms[i].kind == Projection::BLOCKS; ++i) bs.push_back(ms[i].b), seg.width += ms[i].N;
         seg.blocks = std::make_shared<BlockProduct>();
-        seg.blocks->prepare(x, M, bs[0].K, bs);
+        seg.blocks->prepare(x, M, bs[0].K, bs, panels);
       } else {
         std::vector<QuantizedMatrix> qs;
         const int kind = ms[i].kind;

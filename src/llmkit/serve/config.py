@@ -13,8 +13,10 @@ class EngineConfig:
     """kv_memory: bytes for the paged cache (all layers); block_size: token slots per block; max_batch: sequences
     running at once; step_tokens: tokens computed per step (decoding rows plus prompt chunks); max_queue: requests
     waiting before new ones are refused; prefix_caching: reuse cached blocks of shared prompt prefixes;
-    batch_invariant: every token through the C++ step as a row of its own (prompt tokens too), so that a request's
-    greedy output does not depend on what else runs, and equals `generate`'s with a batch-invariant NativeStep;
+    batch_invariant: every token through the C++ step as a row of its own (prompt tokens too, in integer panels
+    where the weights are GGUF blocks and the CPU has AVX512-VNNI), so that a request's tokens and log-probabilities
+    do not depend on what else runs, and equal `generate`'s; None (the default): wherever the model runs on the C++
+    step, True: required (an error where it cannot run), False: off (prompts through PyTorch, a little faster);
     draft_tokens: with k > 0, each decoding sequence drafts up to k tokens a step with the model's MTP module and the
     target verifies them (serve/speculation.py; 0: no speculation); draft_head_bits 4 / 8: the drafts read an int4
     / int8 copy of the output head and of the module's block (None: the model's own; a quantized head is always
@@ -26,7 +28,7 @@ class EngineConfig:
     step_tokens: int = 512
     max_queue: int = 256
     prefix_caching: bool = True
-    batch_invariant: bool = False
+    batch_invariant: bool | None = None
     draft_tokens: int = 0
     draft_head_bits: int | None = 4
 

@@ -86,7 +86,7 @@ class Engine:
                 "int4/int8 weights, fp32 caches and a grouped-query decoder"
             )
         self.pool = BlockPool(n_blocks, config.block_size, config.prefix_caching)
-        self.scheduler = Scheduler(self.pool, config.max_batch, config.step_tokens)
+        self.scheduler = Scheduler(self.pool, config.max_batch, config.step_tokens, self.runner.shares_generated)
         # drafts for the decoding rows (config.draft_tokens): `draft`'s, or the model's MTP module's (drafters.py)
         self.drafter: Drafter = NoDrafts()
         if isinstance(self.runner, NativeRunner) and config.draft_tokens:

@@ -24,7 +24,8 @@ from llmkit.serve.scheduler import Work
 class Row:
     """One row of a step: `tokens` go to slots start.., through the cache blocks `table`; the log-probabilities
     of the prompt tokens that its first `prompt_n` states predict are wanted (0: none); `drafts` follow the row's
-    one token, to be verified (speculation.py); `request`: its request's id, for messages."""
+    one token, to be verified (speculation.py); `request`: its request's id, for messages; its first `given`
+    tokens are the prompt's (given, not generated: the batch-invariant runner multiplies them otherwise)."""
 
     tokens: list[int]
     start: int
@@ -32,6 +33,7 @@ class Row:
     prompt_n: int = 0
     drafts: tuple[int, ...] = ()
     request: str = ""
+    given: int = 0
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,8 @@ def prompt_count(w: Work) -> int:
 
 def row_of(w: Work, table: list[int], drafts: tuple[int, ...] = ()) -> Row:
     tokens = w.seq.tokens[w.start : w.start + w.count]
-    return Row(tokens, w.start, table, prompt_count(w), drafts, w.seq.request.id)
+    given = max(0, min(w.count, w.seq.prompt_len - w.start))
+    return Row(tokens, w.start, table, prompt_count(w), drafts, w.seq.request.id, given)
 
 
 def prompt_logits(model: DecoderLM, hidden: list[Tensor], counts: list[int]) -> list[Tensor | None]:

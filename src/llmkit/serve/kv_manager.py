@@ -34,8 +34,8 @@ class _Held:
 class KVCacheManager:
     """The block tables of the sequences that hold blocks of `pool`."""
 
-    def __init__(self, pool: BlockPool) -> None:
-        self.pool = pool
+    def __init__(self, pool: BlockPool, share_generated: bool = True) -> None:
+        self.pool, self.share_generated = pool, share_generated
         self._held: dict[tuple[str, int], _Held] = {}
 
     def table(self, seq: Sequence) -> list[int]:
@@ -69,9 +69,12 @@ class KVCacheManager:
 
     def cache_full_blocks(self, seq: Sequence, computed: int) -> None:
         """Register the digests of `seq`'s blocks that its first `computed` tokens fill (each digest covers the
-        whole prefix up to its block, through the digest of the block before)."""
+        whole prefix up to its block, through the digest of the block before); without `share_generated`, only
+        the blocks its prompt fills (the model runner multiplies generated tokens otherwise)."""
         held = self._held[seq.key]
         bs = self.pool.block_size
+        if not self.share_generated:
+            computed = min(computed, seq.prompt_len)
         while (held.registered + 1) * bs <= computed:
             k = held.registered
             held.digest = block_digest(held.digest, seq.tokens[k * bs : (k + 1) * bs])

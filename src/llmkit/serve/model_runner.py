@@ -86,6 +86,10 @@ class ModelRunner(ABC):
         self.model, self.cache, self.block_size = model, cache, block_size
 
     runs_tokens = False  # whether rows with drafts can be verified here (speculation needs it)
+    invariant = False  # whether a row's bits do not depend on the rows beside it (nor on the prompt's chunking)
+    # whether a generated token's keys and values are the ones a prompt holding it would get, so that the blocks
+    # holding them may serve later prompts from the prefix cache
+    shares_generated = True
 
     @abstractmethod
     def groups(self, plan: StepPlan) -> list[list[int]]:
@@ -200,23 +204,28 @@ class NativeRunner(TorchRunner):
 
     def _tokens(self, rows: list[Row]) -> Forward:
         """Every token of the rows (drafts included) through the C++ step as a row of its own (the row's table and
-        slots repeated for each of its tokens), the head through row-invariant products. Logits: (1 + k, V) at the
-        token and each draft of a row with k drafts; (V,) at the last token of the others."""
+        slots repeated for each of its tokens), the given ones after the generated ones (run_tokens multiplies them
+        in panels), the head through row-invariant products. Logits: (1 + k, V) at the token and each draft of a row
+        with k drafts; (V,) at the last token of the others."""
         dev = self.model.device
         table, filled = self._tables(rows)
         ids = [list(r.tokens) + list(r.drafts) for r in rows]
         counts = [len(t) for t in ids]
         tokens = torch.tensor([t for row in ids for t in row], device=dev)
-        spans = zip(rows, counts, strict=True)
+        spans = list(zip(rows, counts, strict=True))
         positions = torch.cat([torch.arange(r.start, r.start + n, device=dev) for r, n in spans])
         row = torch.repeat_interleave(torch.arange(len(rows), device=dev), torch.tensor(counts, device=dev))
-        h = self.native.run_tokens(
-            tokens,
-            positions=positions,
-            table=table[row].contiguous(),
-            allowed=filled[row],
+        given = torch.cat([torch.arange(n, device=dev) < r.given for r, n in spans])  # (N,)
+        order = torch.cat([(~given).nonzero()[:, 0], given.nonzero()[:, 0]])  # generated tokens first
+        h = torch.empty(len(tokens), self.model.cfg.d_model, device=dev)
+        h[order] = self.native.run_tokens(
+            tokens[order],
+            positions=positions[order],
+            table=table[row[order]].contiguous(),
+            allowed=filled[row[order]],
             keys=self.keys,
             values=self.values,
+            given_from=len(tokens) - int(given.sum()),
         )  # fmt: skip  (N, C)
         hidden = list(h.split(counts))
         wanted = [s if r.drafts else s[-1:] for r, s in zip(rows, hidden, strict=True)]
@@ -228,7 +237,11 @@ class NativeRunner(TorchRunner):
 
 class InvariantRunner(NativeRunner):
     """Every token through the C++ step as a row of its own, the head in row-invariant pieces: a row's bits do not
-    depend on the rows beside it."""
+    depend on the rows beside it. Given and generated tokens are multiplied differently (run_tokens), so only the
+    blocks of prompts go to the prefix cache."""
+
+    shares_generated = False
+    invariant = True
 
     def groups(self, plan: StepPlan) -> list[list[int]]:
         return [list(range(len(plan.rows)))]
@@ -238,11 +251,12 @@ class InvariantRunner(NativeRunner):
 
 
 def model_runner(
-    model: DecoderLM, cache: PagedCache, block_size: int, invariant: bool, lockstep: Lockstep | None
+    model: DecoderLM, cache: PagedCache, block_size: int, invariant: bool | None, lockstep: Lockstep | None
 ) -> ModelRunner:
     """The runner for `model` over `cache`: the C++ step where the model lowers to it and the pools are ones it
-    reads (an x86 CPU with AVX2, fp32 or int4/int8 weights, fp32 caches, a grouped-query decoder), else PyTorch;
-    `invariant` needs the C++ step; a model split across ranks (`lockstep`) runs in PyTorch on every rank."""
+    reads (an x86 CPU with AVX2, fp32 or int4/int8 weights, fp32 caches, a grouped-query decoder), batch-invariant
+    unless `invariant` is False; else PyTorch, where `invariant` must not be True; a model split across ranks
+    (`lockstep`) runs in PyTorch on every rank."""
     if lockstep is not None:
         if invariant:
             raise InputError("a model split across ranks is served without the batch-invariant mode")
@@ -251,7 +265,7 @@ def model_runner(
     kv = cache.grouped_query()
     with torch.no_grad():
         if native is not None and kv is not None and native.applies_paged(1, kv[0]):
-            return (InvariantRunner if invariant else NativeRunner)(model, cache, block_size, native)
+            return (NativeRunner if invariant is False else InvariantRunner)(model, cache, block_size, native)
     if invariant:
         raise InputError(
             "the batch-invariant mode runs tokens through llmkit's C++ decode step: it needs an x86 CPU with AVX2, "

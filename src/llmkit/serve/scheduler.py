@@ -51,9 +51,9 @@ class Work:
 class Scheduler:
     """The waiting queue and the running batch; `kv` (kv_manager.py) holds their blocks of the pool."""
 
-    def __init__(self, pool: BlockPool, max_batch: int, step_tokens: int) -> None:
+    def __init__(self, pool: BlockPool, max_batch: int, step_tokens: int, share_generated: bool = True) -> None:
         self.pool, self.max_batch, self.step_tokens = pool, max_batch, step_tokens
-        self.kv = KVCacheManager(pool)
+        self.kv = KVCacheManager(pool, share_generated)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
