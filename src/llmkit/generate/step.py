@@ -115,12 +115,15 @@ class NativeStep(DecodeStep):
     speculation's equals plain decoding's. Given tokens (`given`: a prompt, a text scored) are multiplied in integer
     panels where the weights are GGUF blocks and the CPU has AVX512-VNNI, generated ones in the decoding kernels
     (NativeDecoder.run_tokens), as the engine does. A prompt's prefill costs more that way than the eager step's
-    (BENCHMARKS.md, batch invariance).
+    (BENCHMARKS.md, batch invariance). A step the C++ blocks do not take runs eagerly, or, when the mode is
+    `required`, raises.
     """
 
-    def __init__(self, model: DecoderLM, native: NativeDecoder, invariant: bool = False) -> None:
+    def __init__(
+        self, model: DecoderLM, native: NativeDecoder, invariant: bool = False, required: bool = False
+    ) -> None:
         super().__init__(model)
-        self.native, self.invariant = native, invariant
+        self.native, self.invariant, self.required = native, invariant, required
 
     @torch.no_grad()
     def __call__(
@@ -144,7 +147,7 @@ class NativeStep(DecodeStep):
         assert native is not None
         most = GIVEN_TOKENS if self.invariant and given else MAX_TOKENS
         if not native.applies(tokens, step, cache.layers, most):
-            if self.invariant:
+            if self.invariant and self.required:
                 raise GenerationError(
                     "batch-invariant decoding runs every step in C++, and this step does not fit it "
                     f"({tokens.shape[1]} tokens per row into {type(cache.layers[0]).__name__} caches)"
@@ -168,7 +171,9 @@ def choose_step(model: DecoderLM, compiled: bool = False, invariant: bool | None
             "batch-invariant decoding needs llmkit's C++ decode step: an x86 CPU with AVX2, fp32 or int4/int8 "
             "weights, and a grouped-query decoder (see llmkit.quant.native_step)"
         )
-    return NativeStep(model, native, invariant is not False) if native is not None else DecodeStep(model)
+    if native is None:
+        return DecodeStep(model)
+    return NativeStep(model, native, invariant is not False, required=invariant is True)
 
 
 def _filled(layers: list[Any], allowed: Tensor, length: int) -> tuple[list[Any], Tensor]:
