@@ -20,7 +20,7 @@ head; an untied embedding table is not read), the fraction of the memory-bandwid
 in the same run), and perplexity on a held-out Shakespeare play (the last one; 1024 tokens fed 32 at a time through
 the cache, as decoding and chunked prefill feed them), also for the fp32 model run in bf16. Then the prefill of
 --prefill prompts (512 and 2,048 random tokens): llmkit with the file kept int4, its many-row products in bf16 and
-in fp32 (llmkit.quant.native.set_prefill_dtype; bf16 runs on the CPU's bf16 units where it has them, else it is
+in fp32 (llmkit.quant.KernelChoice; bf16 runs on the CPU's bf16 units where it has them, else it is
 emulated), and llama.cpp's own prompt rate on the same file.
 
 With --vllm PYTHON (bench/install_vllm_cpu.sh), vLLM's CPU backend joins both: its OpenAI server on the same
@@ -192,13 +192,14 @@ def llama_prefill(port: int, prompt: list[int]) -> float:
 
 def llmkit_prefill(model: Any, x: torch.Tensor, dtype: str) -> float:
     """Prompt tokens/s of x (1, T): the time to the first token (the prefill, the head on the last position and one
-    sampling), with many-row products in `dtype` (llmkit.quant.native.set_prefill_dtype)."""
-    from llmkit.generate import generate
-    from llmkit.quant import native
+    sampling), with many-row products in `dtype` (llmkit.quant.KernelChoice). The prompt runs through the layers'
+    many-row products, not the batch-invariant C++ step (whose prompt products do not depend on `dtype`)."""
+    from llmkit.generate import choose_step, generate
+    from llmkit.quant import KernelChoice, kernel_choice_set
 
-    with native.prefill_dtype(dtype):
+    with kernel_choice_set(model, KernelChoice(dtype)):
         start = time.perf_counter()
-        generate(model, x, max_new_tokens=1)
+        generate(model, x, max_new_tokens=1, step=choose_step(model, invariant=False))
         return x.shape[1] / (time.perf_counter() - start)
 
 

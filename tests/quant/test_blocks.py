@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from gguf_files import random_blocks
 
 from llmkit.errors import InputError
-from llmkit.quant import native
+from llmkit.machine.cpu import cpu_features
+from llmkit.quant import KernelChoice, kernel_choice_set, native
 from llmkit.quant.block_linear import BlockLinear
 from llmkit.quant.blocks import FLOAT_TYPES, TYPES, dequantize, quantize_blocks
 
@@ -144,16 +145,17 @@ def test_the_prefill_dtype_picks_the_many_row_product():
     layer.prepare()
     x = torch.randn(64, cols)
     ext = native.module()
-    with native.prefill_dtype("int8"):
+    int8, fp32 = KernelChoice("int8"), KernelChoice("fp32")
+    with kernel_choice_set(layer, int8):
         integer = ext.cpu_has_avx512_vnni()
-        assert torch.equal(layer(x), ext.block_linear(x, raw, t.ggml, 32, native.prefill_bf16(), integer))
-    with native.prefill_dtype("fp32"):
-        assert not native.prefill_integer()
-        assert torch.equal(layer(x), ext.block_linear(x, raw, t.ggml, native.integer_rows() + 1, False, False))
-    with native.prefill_dtype("auto"):
-        assert native.prefill_integer() == (native.cpu_has_avx512_vnni() and not native.cpu_has_amx())
+        assert torch.equal(layer(x), ext.block_linear(x, raw, t.ggml, 32, int8.bf16_panels, integer))
+    with kernel_choice_set(layer, fp32):
+        assert not fp32.integer_panels
+        assert torch.equal(layer(x), ext.block_linear(x, raw, t.ggml, fp32.integer_rows + 1, False, False))
+    features = cpu_features()
+    assert KernelChoice("auto").integer_panels == (features.avx512_vnni and not features.amx)
     with pytest.raises(InputError, match="not one of"):
-        native.set_prefill_dtype("int4")
+        KernelChoice("int4")
 
 
 @needs_native

@@ -16,6 +16,7 @@ from llmkit.config import ModelConfig, MoEConfig
 from llmkit.config.position import RopeScaling
 from llmkit.config.presets import PRESETS
 from llmkit.generate import DecodeStep, NativeStep, choose_step, generate
+from llmkit.generate.backend import resolve
 from llmkit.layers.attention.gqa import GroupedQueryAttention
 from llmkit.quant import native, quantize
 from llmkit.quant.native_step import NativeDecoder
@@ -212,5 +213,6 @@ def test_the_presets_that_must_lower_do_in_generation_and_serving(name):
     model = model_of(get_preset(name))
     lowered = name in MUST_LOWER
     assert (NativeDecoder.of(model) is not None) == lowered
+    assert resolve(model).kind == ("native" if lowered else "eager")
     assert isinstance(choose_step(model), NativeStep) == lowered
     assert isinstance(Engine(model, None, EngineConfig(kv_memory=1 << 22)).runner, NativeRunner) == lowered

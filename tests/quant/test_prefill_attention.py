@@ -16,13 +16,14 @@ from llmkit.generate import choose_step, generate
 from llmkit.layers.attention import AttentionMask
 from llmkit.layers.attention.core import attend
 from llmkit.layers.attention.gqa import GroupedQueryAttention
-from llmkit.quant import native, quantize
+from llmkit.machine.cpu import CpuFeatures, cpu_features
+from llmkit.quant import KernelChoice, kernel_choice_set, native, quantize
 from llmkit.serve.engine import Engine, EngineConfig
 from llmkit.serve.paged import PagedCache
 from llmkit.serve.request import SamplingParams
 
 needs_kernel = pytest.mark.skipif(
-    not (native.cpu_has_avx512_bf16() and native.available()), reason="needs AVX512-BF16 and llmkit's CPU kernels"
+    not (cpu_features().avx512_bf16 and native.available()), reason="needs AVX512-BF16 and llmkit's CPU kernels"
 )
 
 
@@ -144,28 +145,25 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_attend_gives_a_layers_kernel_the_prompts_it_takes(monkeypatch):
     torch.manual_seed(0)
     calls = _counting(monkeypatch)
-    kernel = native.prefill_attention
+    kernel, fp32 = native.PrefillAttention(KernelChoice("bf16")), native.PrefillAttention(KernelChoice("fp32"))
     q, k, v = (t[None] for t in _qkv(6, 2, 32, 32, 64))
     mask = AttentionMask(causal=True, first=True)
-    with native.prefill_dtype("bf16"):
-        fast, _ = attend(q, k, v, mask, 0.125, prefill_kernel=kernel)
-        assert calls == [32]
-        plain, _ = attend(q, k, v, mask, 0.125)  # a float model's layer: fp32 SDPA
-        attend(q[:, :, :8], k, v, AttentionMask(causal=True), 0.125, prefill_kernel=kernel)  # too few queries
-        trained = q.clone().requires_grad_()
-        attend(trained, k, v, mask, 0.125, prefill_kernel=kernel)  # training: autograd needs torch's kernels
-        attend(q, k, v, mask, 0.125, need_weights=True, prefill_kernel=kernel)
-        padded = AttentionMask(torch.arange(32)[None, None, None] > 0, causal=True, query_slots=torch.arange(32))
-        attend(q, k, v, padded, 0.125, prefill_kernel=kernel)  # a padding key
-    with native.prefill_dtype("fp32"):
-        attend(q, k, v, mask, 0.125, prefill_kernel=kernel)  # products in fp32: attention too
-        attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, 0.125, prefill_kernel=kernel)  # bf16 already
+    fast, _ = attend(q, k, v, mask, 0.125, prefill_kernel=kernel)
+    assert calls == [32]
+    plain, _ = attend(q, k, v, mask, 0.125)  # a float model's layer: fp32 SDPA
+    attend(q[:, :, :8], k, v, AttentionMask(causal=True), 0.125, prefill_kernel=kernel)  # too few queries
+    trained = q.clone().requires_grad_()
+    attend(trained, k, v, mask, 0.125, prefill_kernel=kernel)  # training: autograd needs torch's kernels
+    attend(q, k, v, mask, 0.125, need_weights=True, prefill_kernel=kernel)
+    padded = AttentionMask(torch.arange(32)[None, None, None] > 0, causal=True, query_slots=torch.arange(32))
+    attend(q, k, v, padded, 0.125, prefill_kernel=kernel)  # a padding key
+    attend(q, k, v, mask, 0.125, prefill_kernel=fp32)  # products in fp32: attention too
+    attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, 0.125, prefill_kernel=fp32)  # bf16 already
     assert calls == [32, 32]
     assert ((fast - plain).norm() / plain.norm()) < 1e-2
     calls.clear()
     rows = [torch.randn(3, t.shape[1], 32, 64) for t in (q, k, v)]  # evaluation windows: rows of one length
-    with native.prefill_dtype("bf16"):
-        batch, _ = attend(*rows, mask, 0.125, prefill_kernel=kernel)
+    batch, _ = attend(*rows, mask, 0.125, prefill_kernel=kernel)
     assert calls == [32, 32, 32]
     assert torch.equal(batch[1], native.causal_attention(*(t[1] for t in rows), 0, 0.125))
 
@@ -174,11 +172,15 @@ def test_tensors_off_the_cpu_are_not_given_to_the_kernel(monkeypatch):
     """A model quantized on the CPU and moved to a GPU keeps its layers' prefill kernel: its queries there (meta
     tensors stand in for CUDA ones) must go to torch's attention, not to C++ that reads their pointers (on an H100
     machine with AVX512-BF16, bf16 QLoRA on the GPU crashed the process). The extension refuses them too."""
-    monkeypatch.setattr(native, "cpu_has_avx512_bf16", lambda: True)
     monkeypatch.setattr(native, "module", lambda: object())  # built, as far as the gate can tell
+    bf16_cpu = CpuFeatures(frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}), True)
+    choice = KernelChoice("bf16", bf16_cpu)
     q, v = (torch.empty(4, 32, 64, dtype=torch.bfloat16, device="meta") for _ in range(2))
-    assert not native.attention_applies(q, v)
-    assert native.attention_applies(torch.empty_like(q, device="cpu"), torch.empty_like(v, device="cpu"))
+    assert not choice.attention_applies(q, v)
+    assert choice.attention_applies(torch.empty_like(q, device="cpu"), torch.empty_like(v, device="cpu"))
+    assert not KernelChoice("bf16", CpuFeatures(frozenset({"avx2"}))).attention_applies(
+        torch.empty_like(q, device="cpu"), torch.empty_like(v, device="cpu")
+    )
 
 
 @needs_kernel
@@ -203,7 +205,8 @@ def _quantized_model() -> llmkit.DecoderLM:
 def test_quantizing_gives_the_attention_layers_the_kernel():
     model = _quantized_model()
     kernels = [m.prefill_kernel for m in model.modules() if isinstance(m, GroupedQueryAttention)]
-    assert len(kernels) == model.cfg.n_layers and all(k is native.prefill_attention for k in kernels)
+    assert len(kernels) == model.cfg.n_layers
+    assert all(isinstance(k, native.PrefillAttention) and k.choice == native.default_choice() for k in kernels)
     plain = llmkit.build_model(model.cfg)
     assert all(m.prefill_kernel is None for m in plain.modules() if isinstance(m, GroupedQueryAttention))
 
@@ -215,10 +218,10 @@ def test_a_quantized_models_prefill_attends_on_bf16_units(monkeypatch):
     model = _quantized_model()
     prompt = torch.randint(0, 256, (1, 70), generator=torch.Generator().manual_seed(1))
     step = choose_step(model, invariant=False)  # (the batch-invariant mode prefills in the C++ step instead)
-    with native.prefill_dtype("fp32"):
+    with kernel_choice_set(model, KernelChoice("fp32")):
         expected = generate(model, prompt, max_new_tokens=6, step=step)
     calls = _counting(monkeypatch)
-    with native.prefill_dtype("bf16"):
+    with kernel_choice_set(model, KernelChoice("bf16")):
         fast = generate(model, prompt, max_new_tokens=6, step=step)
         assert calls == [70] * model.cfg.n_layers
         calls.clear()

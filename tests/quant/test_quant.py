@@ -24,9 +24,11 @@ from llmkit.models import DecoderLM, EncoderDecoder
 from llmkit.quant import (
     Int4Linear,
     Int8Linear,
+    KernelChoice,
     QuantizedExperts,
     apply_spec,
     describe,
+    kernel_choice_set,
     native,
     parameter_count,
     quantize,
@@ -142,7 +144,7 @@ def test_avx2_many_rows_dequantize_in_panels_and_are_exact(cls, rows, width, out
     layer = cls.from_linear(torch.nn.Linear(width, outputs, bias=False), kernel="avx2")
     x = torch.randn(rows, width)
     reference = x @ layer.dequantize().t()
-    with native.prefill_dtype("fp32"):
+    with kernel_choice_set(layer, KernelChoice("fp32")):
         out = layer(x)
         few = layer(x[:95])  # below the threshold: activations rounded to int8, ~1% of the range
     assert (out - reference).abs().max() <= 1e-5 * reference.abs().max()

@@ -1,6 +1,6 @@
 """One decoding step: append tokens to a cache and get their logits, by one of three backends chosen once.
 
-    step = choose_step(model)               the C++ step where the model allows it, else eager PyTorch
+    step = choose_step(model)               the C++ step where the model allows it, else eager PyTorch (backend.py)
     step = CompiledStep(model)              torch.compile's step (a one-time compilation, then faster steps)
     logits, hidden = step(tokens, cache)    tokens (B, T) appended to the cache
 
@@ -32,7 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from llmkit.errors import GenerationError, InputError
+from llmkit.errors import GenerationError
+from llmkit.generate.backend import Backend, resolve
 from llmkit.layers.attention import AttentionMask, KVCache, LatentCache
 from llmkit.models import Cache, DecoderLM, Step
 from llmkit.quant.native_step import GIVEN_TOKENS, MAX_TOKENS, NativeDecoder
@@ -158,22 +159,18 @@ class NativeStep(DecodeStep):
 
 
 def choose_step(model: DecoderLM, compiled: bool = False, invariant: bool | None = None) -> DecodeStep:
-    """The step to decode `model` with: compiled when asked, else the C++ step where the model allows it (see
-    llmkit.quant.native_step), else eager. `invariant`: batch-invariant decoding (NativeStep), by default (None)
-    wherever the C++ step runs and nothing is compiled; True requires it, False turns it off."""
-    if compiled and invariant:
-        raise InputError("batch-invariant decoding runs in C++, not through torch.compile: ask for one of the two")
-    if compiled:
+    """The step to decode `model` with: the backend `resolve` decides (compiled when asked, else the C++ step where
+    the model allows it, batch-invariant unless `invariant` is False, else eager), as a DecodeStep."""
+    return step_for(model, resolve(model, compiled, invariant))
+
+
+def step_for(model: DecoderLM, backend: Backend) -> DecodeStep:
+    """The DecodeStep that runs `backend` for `model`."""
+    if backend.kind == "compiled":
         return CompiledStep(model)
-    native = NativeDecoder.of(model)
-    if invariant and native is None:
-        raise InputError(
-            "batch-invariant decoding needs llmkit's C++ decode step: an x86 CPU with AVX2, fp32 or int4/int8 "
-            "weights, and a grouped-query decoder (see llmkit.quant.native_step)"
-        )
-    if native is None:
+    if backend.native is None:
         return DecodeStep(model)
-    return NativeStep(model, native, invariant is not False, required=invariant is True)
+    return NativeStep(model, backend.native, backend.invariant, backend.required)
 
 
 def _filled(layers: list[Any], allowed: Tensor, length: int) -> tuple[list[Any], Tensor]:

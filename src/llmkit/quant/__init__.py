@@ -2,22 +2,34 @@
 32-256, scale and zero each), and llama.cpp's block types held as GGUF files store them (blocks.py, BlockLinear).
 See apply.py."""
 
-from llmkit.quant.apply import apply_spec, describe, parameter_count, quantize, weight_bytes
+from llmkit.quant.apply import (
+    apply_spec,
+    describe,
+    kernel_choice_set,
+    parameter_count,
+    quantize,
+    set_kernel_choice,
+    weight_bytes,
+)
 from llmkit.quant.experts import QuantizedExperts
 from llmkit.quant.linear import Int4Linear, Int8Linear, QuantizedLinear
+from llmkit.quant.native import KernelChoice
 from llmkit.quant.spec import METHODS, QuantSpec, quantized_spec
 
 __all__ = [
     "METHODS",
     "Int4Linear",
     "Int8Linear",
+    "KernelChoice",
     "QuantSpec",
     "QuantizedExperts",
     "QuantizedLinear",
     "apply_spec",
     "describe",
+    "kernel_choice_set",
     "parameter_count",
     "quantize",
     "quantized_spec",
+    "set_kernel_choice",
     "weight_bytes",
 ]

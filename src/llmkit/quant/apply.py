@@ -11,7 +11,8 @@ the head's codes, as a GGUF file's tied table loads). Routers and norms stay in 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -72,7 +73,7 @@ def quantize(
         _set(model, "embed", QuantizedEmbedding(model.get_submodule("head")))  # type: ignore[arg-type]
     elif spec.embedding is not None:
         _set(model, "embed", BlockEmbedding.from_float(embedding_table(model), spec.embedding))
-    _give_prefill_kernel(model)
+    set_kernel_choice(model, native.default_choice())
     model.quantization = spec  # type: ignore[assignment]  # a plain attribute: the record of what was done
     return model
 
@@ -95,13 +96,30 @@ def spec_for(
     return QuantSpec(method, group_size, include_head)
 
 
-def _give_prefill_kernel(model: nn.Module) -> None:
-    """Attention layers with quantized projections attend to a prompt on the CPU's bf16 units where their many-row
-    products multiply in bf16 (GroupedQueryAttention.prefill_kernel; native.prefill_attention), whose precision
-    the attention then shares."""
+def set_kernel_choice(model: nn.Module, choice: native.KernelChoice) -> None:
+    """Give every quantized layer of `model` `choice` (how llmkit's C++ kernels multiply many rows on this machine:
+    native.KernelChoice), and the attention layers with quantized projections a prompt kernel with it
+    (GroupedQueryAttention.prefill_kernel: on the CPU's bf16 units where the many-row products multiply in bf16,
+    whose precision the attention then shares)."""
     for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            module.kernel_choice = choice
         if isinstance(module, GroupedQueryAttention) and isinstance(module.wq, QuantizedLinear):
-            module.prefill_kernel = native.prefill_attention
+            module.prefill_kernel = native.PrefillAttention(choice)
+
+
+@contextlib.contextmanager
+def kernel_choice_set(model: nn.Module, choice: native.KernelChoice) -> Iterator[None]:
+    """set_kernel_choice(model, choice) inside the `with` block only: each layer has its own choice back after."""
+    held: list[tuple[nn.Module, str, Any]]
+    held = [(m, "kernel_choice", m.kernel_choice) for m in model.modules() if isinstance(m, QuantizedLinear)]
+    held += [(m, "prefill_kernel", m.prefill_kernel) for m in model.modules() if isinstance(m, GroupedQueryAttention)]
+    set_kernel_choice(model, choice)
+    try:
+        yield
+    finally:
+        for module, name, value in held:
+            setattr(module, name, value)
 
 
 def _quantized(
@@ -154,7 +172,7 @@ def apply_spec(model: nn.Module, spec: QuantSpec, device: torch.device | str | N
     if spec.embedding is not None:
         vocab, dim = embedding_table(model).shape
         _set(model, "embed", BlockEmbedding(vocab, dim, spec.embedding, device=device))
-    _give_prefill_kernel(model)
+    set_kernel_choice(model, native.default_choice())
     model.quantization = spec  # type: ignore[assignment]  # a plain attribute: the record of what was done
     return model
 

@@ -6,8 +6,9 @@
 the mapped file: every kernel reads the blocks as the file stores them.
 
 The product: llmkit's CPU kernels on the blocks where they run (cpu_blocks.cpp: x rounded to int8, integer dot
-products for decoding rows; from integer_rows() + 1 rows on, panels dequantized to bf16 or fp32 and multiplied by
-torch), else the blocks dequantized by PyTorch (blocks.dequantize) and F.linear.
+products for decoding rows; from the layer's KernelChoice.integer_rows + 1 rows on, panels in integers, or
+dequantized to bf16 or fp32 and multiplied by torch), else the blocks dequantized by PyTorch (blocks.dequantize) and
+F.linear.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ class BlockLinear(HeldBlocks, QuantizedLinear):
         return dequantize(self.blocks[start:end], self.block, self.in_features, dtype)
 
     def _native_rows(self, x: Tensor, start: int, end: int) -> Tensor:
-        return native.block_linear(x, self.blocks[start:end], self.block.ggml)
+        return native.block_linear(x, self.blocks[start:end], self.block.ggml, self.kernel_choice)
 
     def _resolve(self) -> Kernel:
         if self.kernel == "avx2" and not native.available():
@@ -121,7 +122,8 @@ class BlockLinear(HeldBlocks, QuantizedLinear):
 
     def _forward(self, x: Tensor) -> Tensor:
         if self.resolved == "avx2" and _avx2_rows(x):
-            return _rows_apply(x, lambda x2: native.block_linear(x2, self.blocks, self.block.ggml), self.bias)
+            choice = self.kernel_choice
+            return _rows_apply(x, lambda x2: native.block_linear(x2, self.blocks, self.block.ggml, choice), self.bias)
         return F.linear(x, self.dequantize(x.dtype), self.bias)
 
     def extra_repr(self) -> str:

@@ -71,6 +71,9 @@ class QuantizedLinear(FP32Buffers, abc.ABC):
         self.register_buffer("dtype_probe", torch.empty(0, device=device, dtype=dtype), persistent=False)
         self._prepared: Any = None
         self.resolved: Kernel = "dequant"  # set by prepare()
+        # how llmkit's C++ kernels multiply many rows (a prompt) on this machine: a value from outside
+        # (llmkit.quant.apply.set_kernel_choice), the process's default until then
+        self.kernel_choice: native.KernelChoice = native.default_choice()
         self.register_load_state_dict_post_hook(lambda module, _: module.prepare())
 
     @property
@@ -210,7 +213,7 @@ class Int8Linear(QuantizedLinear):
         return dequantize_int8(self.qweight, self.scales, dtype)
 
     def _native_rows(self, x: Tensor, start: int, end: int) -> Tensor:
-        return native.int8_linear(x, self.qweight[start:end], self.scales[start:end])
+        return native.int8_linear(x, self.qweight[start:end], self.scales[start:end], self.kernel_choice)
 
     def _dequantize_rows(self, start: int, end: int, dtype: torch.dtype) -> Tensor:
         return dequantize_int8(self.qweight[start:end], self.scales[start:end], dtype)
@@ -225,7 +228,9 @@ class Int8Linear(QuantizedLinear):
     def _forward(self, x: Tensor) -> Tensor:
         kernel = self.resolved
         if kernel == "avx2" and _avx2_rows(x):
-            return _rows_apply(x, lambda x2: native.int8_linear(x2, self.qweight, self.scales), self.bias)
+            return _rows_apply(
+                x, lambda x2: native.int8_linear(x2, self.qweight, self.scales, self.kernel_choice), self.bias
+            )
         if kernel == "int8-dyn" and self._prepared is not None and x.dtype == torch.float32:
             return kernels.int8_dynamic(x, self._prepared)
         if kernel == "int8-wo" and self.group_size is None:
@@ -285,7 +290,9 @@ class Int4Linear(QuantizedLinear):
         return dequantize_int4(self.qweight, self.scales, self.zeros, dtype)
 
     def _native_rows(self, x: Tensor, start: int, end: int) -> Tensor:
-        return native.int4_linear(x, self.qweight[start:end], self.scales[start:end], self.zeros[start:end])
+        return native.int4_linear(
+            x, self.qweight[start:end], self.scales[start:end], self.zeros[start:end], self.kernel_choice
+        )
 
     def _dequantize_rows(self, start: int, end: int, dtype: torch.dtype) -> Tensor:
         return dequantize_int4(self.qweight[start:end], self.scales[start:end], self.zeros[start:end], dtype)
@@ -304,7 +311,11 @@ class Int4Linear(QuantizedLinear):
     def _forward(self, x: Tensor) -> Tensor:
         kernel = self.resolved
         if kernel == "avx2" and _avx2_rows(x):
-            return _rows_apply(x, lambda x2: native.int4_linear(x2, self.qweight, self.scales, self.zeros), self.bias)
+            return _rows_apply(
+                x,
+                lambda x2: native.int4_linear(x2, self.qweight, self.scales, self.zeros, self.kernel_choice),
+                self.bias,
+            )
         ok_dtype = x.dtype == torch.bfloat16 if x.device.type == "cuda" else True
         if kernel == "int4-wo" and self._prepared is not None and ok_dtype:
             w, sz = self._prepared

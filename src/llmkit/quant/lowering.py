@@ -133,6 +133,7 @@ _QUANTIZED: dict[str, Rule] = {
     "n_groups": anything,
     "kernel": anything,
     "resolved": anything,  # _projection takes a layer only when it resolved to llmkit's AVX2 kernel
+    "kernel_choice": anything,  # how PyTorch's path multiplies many rows; the C++ step's products do not read it
     "qweight": anything,
     "scales": anything,
     "zeros": anything,
@@ -246,6 +247,7 @@ LOWERED: dict[type[nn.Module], Lowering] = {
             "n_groups": anything,
             "kernel": anything,
             "resolved": anything,  # _projection takes a layer only when it resolved to llmkit's CPU kernels
+            "kernel_choice": anything,  # how PyTorch's path multiplies many rows; the C++ step does not read it
             "block": anything,  # every type the C++ products take
             "blocks": anything,
             "bias": anything,

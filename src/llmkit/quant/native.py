@@ -23,12 +23,14 @@ import os
 import sys
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 
 from llmkit.errors import InputError
+from llmkit.machine.cpu import CpuFeatures, cpu_features
 
 HERE = Path(__file__).parent
 SOURCES = [
@@ -63,20 +65,10 @@ def build_name() -> str:
     return f"llmkit_quant_cpu_{digest}"
 
 
-def cpu_has_avx2() -> bool:
-    """AVX2, FMA and F16C (every CPU with AVX2 has it), read from /proc/cpuinfo (Linux x86); False elsewhere."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return False
-    words = set(flags.split())
-    return {"avx2", "fma", "f16c"} <= words
-
-
 @functools.cache
 def module() -> Any | None:
     """The compiled kernels, or None (see the module docstring)."""
-    if os.environ.get("LLMKIT_NATIVE", "1") == "0" or not cpu_has_avx2():
+    if os.environ.get("LLMKIT_NATIVE", "1") == "0" or not cpu_features().avx2:
         return None
     try:
         from torch.utils.cpp_extension import load
@@ -90,9 +82,7 @@ def module() -> Any | None:
                 extra_ldflags=["-fopenmp"],
                 verbose=False,
             )
-        if _integer_kernel not in INTEGER_KERNELS:
-            raise InputError(f"LLMKIT_INTEGER_KERNEL={_integer_kernel!r} is not one of {', '.join(INTEGER_KERNELS)}")
-        ext.select_vnni(_integer_kernel == "auto")
+        ext.select_vnni(_environment("LLMKIT_INTEGER_KERNEL", INTEGER_KERNELS) == "auto")
         return ext
     except InputError:
         raise
@@ -154,48 +144,106 @@ def available() -> bool:
 
 
 # The AVX2 products round x to int8 and multiply in integers below a number of rows, and from it on dequantize W in
-# panels (cpu_kernel.cpp): in fp32 from INTEGER_ROWS + 1 rows on, in bf16 from BF16_ROWS on (see set_prefill_dtype).
-# A row's result is the same for any number of rows up to integer_rows().
+# panels (cpu_kernel.cpp): in fp32 from INTEGER_ROWS + 1 rows on, in bf16 from BF16_ROWS on (see KernelChoice).
+# A row's result is the same for any number of rows up to KernelChoice.integer_rows.
 INTEGER_ROWS = 95
 # below BF16_ROWS integer products were faster (Zen 5, int4 576 x 1536: 102 vs 151 us at 16 rows; 236 vs 209 at 32)
 BF16_ROWS = 32
 
-PREFILL_DTYPES = ("auto", "int8", "bf16", "fp32")
-_prefill = os.environ.get("LLMKIT_PREFILL_DTYPE", "auto")
-
-
-def set_prefill_dtype(dtype: str) -> None:
-    """How products of many rows (a prompt's prefill) multiply: "int8", GGUF block weights in integer panels from
-    BF16_ROWS rows on (x rounded to int8 per group as decoding rows are, each panel of 32 columns unpacked once for
-    every row, vpdpbusd: twice vdpbf16ps's products an instruction; cpu_blocks_panels.inc) where the integer kernel
-    is AVX512-VNNI, the other weights as "auto" has them; "bf16", the dequantized panels from BF16_ROWS rows on (x
-    and W rounded to bf16, fp32 sums, the result rounded to bf16; oneDNN runs it on the CPU's bf16 units: ~4x fp32's
-    rate on a Zen 5 EPYC, ~6x with a Xeon's AMX); "fp32" from INTEGER_ROWS + 1 rows on (exact up to fp32 rounding);
-    or "auto" (the default): "int8" on a CPU with AVX512-VNNI and no AMX, "bf16" on one that multiplies bf16
-    natively (AMX's tiles beat VNNI's integers), "fp32" elsewhere, where bf16 is emulated and slower. The
-    environment variable LLMKIT_PREFILL_DTYPE sets it for a whole process."""
-    global _prefill
-    if dtype not in PREFILL_DTYPES:
-        raise InputError(f"prefill dtype {dtype!r} is not one of {', '.join(PREFILL_DTYPES)}")
-    _prefill = dtype
-    prefill_bf16.cache_clear()
-    prefill_integer.cache_clear()
-
-
+PrefillDtype = Literal["auto", "int8", "bf16", "fp32"]
+PREFILL_DTYPES: tuple[PrefillDtype, ...] = ("auto", "int8", "bf16", "fp32")
 INTEGER_KERNELS = ("auto", "avx2")
-_integer_kernel = os.environ.get("LLMKIT_INTEGER_KERNEL", "auto")
+
+
+def _environment(name: str, choices: tuple[str, ...]) -> str:
+    """The environment variable `name` ("auto" when unset), one of `choices` or an InputError naming it."""
+    value = os.environ.get(name, "auto")
+    if value not in choices:
+        raise InputError(f"{name}={value!r} is not one of {', '.join(choices)}")
+    return value
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """How the C++ kernels multiply many rows (a prompt's prefill) of a quantized layer on this CPU: a value each
+    quantized layer holds (QuantizedLinear.kernel_choice, given by llmkit.quant.apply.set_kernel_choice), made once per
+    process by default (default_choice) from the environment variable LLMKIT_PREFILL_DTYPE and the CPU's features.
+
+    `prefill`: "int8", GGUF block weights in integer panels from BF16_ROWS rows on (x rounded to int8 per group as
+    decoding rows are, each panel of 32 columns unpacked once for every row, vpdpbusd: twice vdpbf16ps's products an
+    instruction; cpu_blocks_panels.inc) where the integer kernel is AVX512-VNNI, the other weights as "auto" has
+    them; "bf16", the dequantized panels from BF16_ROWS rows on (x and W rounded to bf16, fp32 sums, the result
+    rounded to bf16; oneDNN runs it on the CPU's bf16 units: ~4x fp32's rate on a Zen 5 EPYC, ~6x with a Xeon's
+    AMX); "fp32" from INTEGER_ROWS + 1 rows on (exact up to fp32 rounding); or "auto" (the default): "int8" on a CPU
+    with AVX512-VNNI and no AMX, "bf16" on one that multiplies bf16 natively (AMX's tiles beat VNNI's integers),
+    "fp32" elsewhere, where bf16 is emulated and slower. Fewer rows (decoding) always multiply in integers."""
+
+    prefill: PrefillDtype = "auto"
+    cpu: CpuFeatures = field(default_factory=cpu_features)
+
+    def __post_init__(self) -> None:
+        if self.prefill not in PREFILL_DTYPES:
+            raise InputError(f"prefill dtype {self.prefill!r} is not one of {', '.join(PREFILL_DTYPES)}")
+
+    @property
+    def bf16_panels(self) -> bool:
+        """Whether many-row products of dequantized panels multiply in bf16."""
+        return self.prefill == "bf16" or (self.prefill in ("auto", "int8") and self.cpu.bf16_native)
+
+    @property
+    def integer_panels(self) -> bool:
+        """Whether many-row products of GGUF block weights may multiply in integer panels (the extension takes them
+        where its integer kernel is AVX512-VNNI)."""
+        return self.prefill == "int8" or (self.prefill == "auto" and self.cpu.avx512_vnni and not self.cpu.amx)
+
+    @property
+    def integer_rows(self) -> int:
+        """The most rows a product computes in integers (a row's bits are the same with any number of rows up to
+        it)."""
+        return BF16_ROWS - 1 if self.bf16_panels else INTEGER_ROWS
+
+    def attention_applies(self, q: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether causal_attention takes these queries and values: tensors in CPU memory, a CPU with AVX512-BF16 and
+        the extension built, fp32 or bf16, one head dim (a multiple of 16 up to 256) for q, k and v; fp32 ones only
+        while many-row products multiply in bf16, whose precision they share."""
+        if q.device.type != "cpu" or v.device.type != "cpu":  # a GPU model quantized by llmkit.quant attends with SDPA
+            return False
+        if q.dtype not in (torch.float32, torch.bfloat16) or v.dtype != q.dtype or not self.cpu.avx512_bf16:
+            return False
+        D = q.shape[-1]
+        if v.shape[-1] != D or D % 16 or D > 256 or (q.dtype == torch.float32 and not self.bf16_panels):
+            return False
+        return module() is not None
+
+
+@functools.cache
+def default_choice() -> KernelChoice:
+    """The process's KernelChoice: LLMKIT_PREFILL_DTYPE ("auto" when unset) on this CPU, read once."""
+    return KernelChoice(cast(PrefillDtype, _environment("LLMKIT_PREFILL_DTYPE", PREFILL_DTYPES)), cpu_features())
+
+
+class PrefillAttention:
+    """A quantized model's attention kernel for prompts (llmkit.layers.attention.core.PrefillKernel):
+    causal_attention where its KernelChoice takes the queries, else None (torch's attention then runs)."""
+
+    def __init__(self, choice: KernelChoice) -> None:
+        self.choice = choice
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, scale: float
+    ) -> torch.Tensor | None:
+        return causal_attention(q, k, v, offset, scale) if self.choice.attention_applies(q, v) else None
 
 
 def set_integer_kernel(name: str) -> None:
-    """Which kernel computes the integer products (fewer than integer_rows() + 1 rows: decoding, serving steps,
+    """Which kernel computes the integer products (fewer than integer_rows + 1 rows: decoding, serving steps,
     speculation's verifying steps): "auto" (the default), AVX512-VNNI where the CPU has it (cpu_vnni.cpp: 16 output
     columns at once, 2.5x the AVX2 kernel's rate at 16 rows on a Zen 5 core), else AVX2; "avx2", the AVX2 kernel
     everywhere. The two give the same integer sums and differ in the last bits of the float ones; each gives a row the
-    same bits whatever rows it is computed with. LLMKIT_INTEGER_KERNEL sets it for a whole process."""
-    global _integer_kernel
+    same bits whatever rows it is computed with. The choice is the extension's own (its dispatch, one per process);
+    LLMKIT_INTEGER_KERNEL sets it when the extension loads."""
     if name not in INTEGER_KERNELS:
         raise InputError(f"integer kernel {name!r} is not one of {', '.join(INTEGER_KERNELS)}")
-    _integer_kernel = name
     ext = module()
     if ext is not None:
         ext.select_vnni(name == "auto")
@@ -204,12 +252,14 @@ def set_integer_kernel(name: str) -> None:
 @contextlib.contextmanager
 def integer_kernel_set(name: str) -> Iterator[None]:
     """set_integer_kernel(name) inside the `with` block only."""
-    before = _integer_kernel
+    ext = module()
+    before = ext is None or ext.vnni_selected()
     set_integer_kernel(name)
     try:
         yield
     finally:
-        set_integer_kernel(before)
+        if ext is not None:
+            ext.select_vnni(before)
 
 
 def integer_kernel() -> str | None:
@@ -220,163 +270,82 @@ def integer_kernel() -> str | None:
     return "avx512-vnni" if ext.vnni_selected() else "avx2"
 
 
-@contextlib.contextmanager
-def prefill_dtype(dtype: str) -> Iterator[None]:
-    """set_prefill_dtype(dtype) inside the `with` block only."""
-    before = _prefill
-    set_prefill_dtype(dtype)
-    try:
-        yield
-    finally:
-        set_prefill_dtype(before)
-
-
-def _prefill_checked() -> str:
-    if _prefill not in PREFILL_DTYPES:
-        raise InputError(f"LLMKIT_PREFILL_DTYPE={_prefill!r} is not one of {', '.join(PREFILL_DTYPES)}")
-    return _prefill
-
-
-@functools.cache
-def prefill_integer() -> bool:
-    """Whether many-row products of GGUF block weights may multiply in integer panels (see set_prefill_dtype; the
-    extension takes them where its integer kernel is AVX512-VNNI)."""
-    dtype = _prefill_checked()
-    return dtype == "int8" or (dtype == "auto" and cpu_has_avx512_vnni() and not cpu_has_amx())
-
-
-@functools.cache
-def prefill_bf16() -> bool:
-    """Whether many-row products of dequantized panels multiply in bf16 (see set_prefill_dtype)."""
-    dtype = _prefill_checked()
-    return dtype == "bf16" or (dtype in ("auto", "int8") and cpu_bf16_native())
-
-
-def integer_rows() -> int:
-    """The most rows a product computes in integers, with the current prefill dtype."""
-    return BF16_ROWS - 1 if prefill_bf16() else INTEGER_ROWS
-
-
-def _cpu_flags() -> set[str]:
-    """This CPU's flags, from /proc/cpuinfo (none where it cannot be read)."""
-    try:
-        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return set()
-    return set(line.split())
-
-
-@functools.cache
-def cpu_has_avx512_bf16() -> bool:
-    """AVX-512 (F, BW, VL, DQ) with the BF16 dot products (vdpbf16ps), read from /proc/cpuinfo; False elsewhere."""
-    return {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= _cpu_flags()
-
-
-@functools.cache
-def cpu_has_avx512_vnni() -> bool:
-    """AVX-512 (F, BW, VL, DQ) with VNNI's integer dot products (vpdpbusd), read from /proc/cpuinfo."""
-    return {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= _cpu_flags()
-
-
-@functools.cache
-def cpu_has_amx() -> bool:
-    """AMX's bf16 tiles (a Xeon's), read from /proc/cpuinfo: oneDNN multiplies bf16 on them."""
-    return "amx_bf16" in _cpu_flags()
-
-
-def attention_applies(q: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether causal_attention takes these queries and values: tensors in CPU memory, a CPU with AVX512-BF16 and the
-    extension built, fp32 or bf16, one head dim (a multiple of 16 up to 256) for q, k and v; fp32 ones only while
-    many-row products multiply in bf16 (set_prefill_dtype), whose precision they share."""
-    if q.device.type != "cpu" or v.device.type != "cpu":  # a GPU model quantized by llmkit.quant attends with SDPA
-        return False
-    if q.dtype not in (torch.float32, torch.bfloat16) or v.dtype != q.dtype or not cpu_has_avx512_bf16():
-        return False
-    D = q.shape[-1]
-    if v.shape[-1] != D or D % 16 or D > 256 or (q.dtype == torch.float32 and not prefill_bf16()):
-        return False
-    return module() is not None
-
-
-def prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, scale: float
-) -> torch.Tensor | None:
-    """causal_attention where attention_applies, else None (llmkit.layers.attention.core.PrefillKernel)."""
-    return causal_attention(q, k, v, offset, scale) if attention_applies(q, v) else None
-
-
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, scale: float) -> torch.Tensor:
     """Causal attention of T queries at positions offset .. offset + T - 1 over the keys up to each one's position,
     on the CPU's bf16 dot-product units (cpu_attention.cpp: flash attention's blocked online softmax; q, k, v and the
     softmax weights rounded to bf16, sums and softmax in fp32; a query's result is the same whichever chunk of the
     prompt it comes in). q (H, T, D), k and v (K, S >= offset + T, D), H a multiple of K -> (H, T, D) of q's
-    dtype. Only where attention_applies."""
+    dtype. Only where KernelChoice.attention_applies."""
     if k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     return module().causal_attention(q, k, v, offset, scale)  # type: ignore[union-attr]
 
 
-def cpu_bf16_native() -> bool:
-    """Whether this CPU multiplies bf16 matrices natively (AVX512-BF16 or AMX, as oneDNN sees it)."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
 # Registered as torch operators too (opaque to torch.compile, which then compiles everything around them instead of
 # breaking its graph at every layer), with shape-only implementations for tracing. Eager calls go straight to the
-# extension: the operator's Python dispatch costs ~50 us a call, more than a small layer's product.
+# extension: the operator's Python dispatch costs ~50 us a call, more than a small layer's product. The operators
+# take the KernelChoice as the numbers the extension reads: the first row count dequantized (`panel_rows`, one more
+# than KernelChoice.integer_rows), whether panels multiply in bf16, and whether block panels may be integer ones.
 
 
 @torch.library.custom_op("llmkit::int4_linear", mutates_args=())
-def _int4_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    return module().int4_linear(x.contiguous(), qweight, scales, zeros, integer_rows() + 1, prefill_bf16())  # type: ignore[union-attr]
+def _int4_op(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, panel_rows: int, bf16: bool
+) -> torch.Tensor:
+    return module().int4_linear(x.contiguous(), qweight, scales, zeros, panel_rows, bf16)  # type: ignore[union-attr]
 
 
 @_int4_op.register_fake
-def _(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+def _(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, panel_rows: int, bf16: bool
+) -> torch.Tensor:
     return x.new_empty(x.shape[0], qweight.shape[0])
 
 
 @torch.library.custom_op("llmkit::int8_linear", mutates_args=())
-def _int8_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return module().int8_linear(x.contiguous(), qweight, scales, integer_rows() + 1, prefill_bf16())  # type: ignore[union-attr]
+def _int8_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, panel_rows: int, bf16: bool) -> torch.Tensor:
+    return module().int8_linear(x.contiguous(), qweight, scales, panel_rows, bf16)  # type: ignore[union-attr]
 
 
 @_int8_op.register_fake
-def _(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def _(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, panel_rows: int, bf16: bool) -> torch.Tensor:
     return x.new_empty(x.shape[0], qweight.shape[0])
 
 
-def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """x (M, K) fp32 @ int4 W^T -> (M, N) (dequantized from integer_rows() + 1 rows on)."""
+def int4_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, choice: KernelChoice
+) -> torch.Tensor:
+    """x (M, K) fp32 @ int4 W^T -> (M, N) (dequantized from choice.integer_rows + 1 rows on)."""
+    rows, bf16 = choice.integer_rows + 1, choice.bf16_panels
     if torch.compiler.is_compiling():
-        return _int4_op(x, qweight, scales, zeros)
-    return module().int4_linear(x.contiguous(), qweight, scales, zeros, integer_rows() + 1, prefill_bf16())  # type: ignore[union-attr]
+        return _int4_op(x, qweight, scales, zeros, rows, bf16)
+    return module().int4_linear(x.contiguous(), qweight, scales, zeros, rows, bf16)  # type: ignore[union-attr]
 
 
-def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x (M, K) fp32 @ int8 W^T -> (M, N) (dequantized from integer_rows() + 1 rows on)."""
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, choice: KernelChoice) -> torch.Tensor:
+    """x (M, K) fp32 @ int8 W^T -> (M, N) (dequantized from choice.integer_rows + 1 rows on)."""
+    rows, bf16 = choice.integer_rows + 1, choice.bf16_panels
     if torch.compiler.is_compiling():
-        return _int8_op(x, qweight, scales)
-    return module().int8_linear(x.contiguous(), qweight, scales, integer_rows() + 1, prefill_bf16())  # type: ignore[union-attr]
+        return _int8_op(x, qweight, scales, rows, bf16)
+    return module().int8_linear(x.contiguous(), qweight, scales, rows, bf16)  # type: ignore[union-attr]
 
 
 @torch.library.custom_op("llmkit::block_linear", mutates_args=())
-def _block_op(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
-    return module().block_linear(  # type: ignore[union-attr]
-        x.contiguous(), blocks, kind, integer_rows() + 1, prefill_bf16(), prefill_integer()
-    )
+def _block_op(
+    x: torch.Tensor, blocks: torch.Tensor, kind: int, panel_rows: int, bf16: bool, integer: bool
+) -> torch.Tensor:
+    return module().block_linear(x.contiguous(), blocks, kind, panel_rows, bf16, integer)  # type: ignore[union-attr]
 
 
 @_block_op.register_fake
-def _(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
+def _(x: torch.Tensor, blocks: torch.Tensor, kind: int, panel_rows: int, bf16: bool, integer: bool) -> torch.Tensor:
     return x.new_empty(x.shape[0], blocks.shape[0])
 
 
-def block_linear(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
+def block_linear(x: torch.Tensor, blocks: torch.Tensor, kind: int, choice: KernelChoice) -> torch.Tensor:
     """x (M, K) fp32 @ W^T for W held as GGUF blocks of ggml type `kind` (llmkit.quant.blocks) -> (M, N)
-    (from integer_rows() + 1 rows on in integer or dequantized panels: set_prefill_dtype)."""
+    (from choice.integer_rows + 1 rows on in integer or dequantized panels: KernelChoice)."""
+    rows, bf16, integer = choice.integer_rows + 1, choice.bf16_panels, choice.integer_panels
     if torch.compiler.is_compiling():
-        return _block_op(x, blocks, kind)
-    return module().block_linear(  # type: ignore[union-attr]
-        x.contiguous(), blocks, kind, integer_rows() + 1, prefill_bf16(), prefill_integer()
-    )
+        return _block_op(x, blocks, kind, rows, bf16, integer)
+    return module().block_linear(x.contiguous(), blocks, kind, rows, bf16, integer)  # type: ignore[union-attr]

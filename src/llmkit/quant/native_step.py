@@ -250,7 +250,9 @@ class NativeDecoder:
         # the type first: a quantized head's `weight` is a property that dequantizes the whole matrix
         plain = model.head is None or (type(model.head) is nn.Linear and model.head.bias is None)
         if invariant and not plain:
-            pieces = rows.split(native.integer_rows())
+            head = model.head
+            choice = head.kernel_choice if isinstance(head, QuantizedLinear) else native.default_choice()
+            pieces = rows.split(choice.integer_rows)
             return torch.cat([model.logits(p) for p in pieces]).view(*h.shape[:-1], -1)
         if not plain or (rows.shape[0] > HEAD_ROWS and not invariant):
             return model.logits(h)

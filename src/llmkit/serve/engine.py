@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from llmkit.errors import InputError, LLMKitError
+from llmkit.generate.backend import NATIVE_NEEDS
 from llmkit.models.decoder import DecoderLM
 from llmkit.serve.blocks import BlockPool
 from llmkit.serve.config import EngineConfig, EngineStats
@@ -82,8 +83,7 @@ class Engine:
         self.runner = model_runner(model, self.cache, config.block_size, config.batch_invariant, lockstep)
         if config.draft_tokens and not isinstance(self.runner, NativeRunner):
             raise InputError(
-                "speculation runs tokens through llmkit's C++ decode step: it needs an x86 CPU with AVX2, fp32 or "
-                "int4/int8 weights, fp32 caches and a grouped-query decoder"
+                f"speculation runs tokens through llmkit's C++ decode step: it needs {NATIVE_NEEDS}, fp32 caches"
             )
         self.pool = BlockPool(n_blocks, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_batch, config.step_tokens, self.runner.shares_generated)

@@ -34,7 +34,8 @@ import torch
 from torch import Tensor
 
 from llmkit.errors import InputError
-from llmkit.layers.attention.gqa import GroupedQueryAttention
+from llmkit.generate.backend import resolve
+from llmkit.layers.attention.base import SelfAttention
 from llmkit.models.decoder import DecoderLM
 from llmkit.quant.native_step import NativeDecoder
 from llmkit.serve.forward import Forward, Row, prompt_logits, run_rows
@@ -134,7 +135,7 @@ class TorchRunner(ModelRunner):
     def __init__(self, model: DecoderLM, cache: PagedCache, block_size: int) -> None:
         super().__init__(model, cache, block_size)
         # whether rows of different lengths can go through the model as one packed row (AttentionMask.ragged)
-        self.packs = all(type(b.attn) is GroupedQueryAttention for b in model.blocks)
+        self.packs = all(isinstance(b.attn, SelfAttention) and b.attn.packs_rows for b in model.blocks)
 
     def groups(self, plan: StepPlan) -> list[list[int]]:
         if self.packs:
@@ -253,22 +254,22 @@ class InvariantRunner(NativeRunner):
 def model_runner(
     model: DecoderLM, cache: PagedCache, block_size: int, invariant: bool | None, lockstep: Lockstep | None
 ) -> ModelRunner:
-    """The runner for `model` over `cache`: the C++ step where the model lowers to it and the pools are ones it
-    reads (an x86 CPU with AVX2, fp32 or int4/int8 weights, fp32 caches, a grouped-query decoder), batch-invariant
-    unless `invariant` is False; else PyTorch, where `invariant` must not be True; a model split across ranks
-    (`lockstep`) runs in PyTorch on every rank."""
+    """The runner for `model` over `cache`: the backend `resolve` decides (llmkit.generate.backend: the C++ step,
+    batch-invariant unless `invariant` is False, where the model lowers to it), where the C++ step also reads the
+    pools (fp32 caches); else PyTorch, where `invariant` must not be True; a model split across ranks (`lockstep`)
+    runs in PyTorch on every rank."""
     if lockstep is not None:
         if invariant:
             raise InputError("a model split across ranks is served without the batch-invariant mode")
         return LockstepRunner(model, cache, block_size, lockstep)
-    native = NativeDecoder.of(model)
+    backend = resolve(model, invariant=invariant)
     kv = cache.grouped_query()
     with torch.no_grad():
-        if native is not None and kv is not None and native.applies_paged(1, kv[0]):
-            return (NativeRunner if invariant is False else InvariantRunner)(model, cache, block_size, native)
-    if invariant:
+        if backend.native is not None and kv is not None and backend.native.applies_paged(1, kv[0]):
+            runner = InvariantRunner if backend.invariant else NativeRunner
+            return runner(model, cache, block_size, backend.native)
+    if backend.required:
         raise InputError(
-            "the batch-invariant mode runs tokens through llmkit's C++ decode step: it needs an x86 CPU with AVX2, "
-            "fp32 or int4/int8 weights, fp32 caches and a grouped-query decoder"
+            "the batch-invariant mode runs tokens through llmkit's C++ decode step, which reads fp32 caches"
         )
     return TorchRunner(model, cache, block_size)

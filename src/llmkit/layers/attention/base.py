@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -33,7 +33,10 @@ class AttentionInputs:
 
 
 class SelfAttention(nn.Module, abc.ABC):
-    """Base class of self-attention variants."""
+    """Base class of self-attention variants. `packs_rows`: the variant attends to rows of different lengths packed
+    into one (AttentionMask.ragged), so a serving step can run its rows as one forward."""
+
+    packs_rows: ClassVar[bool] = False
 
     @abc.abstractmethod
     def forward(self, x: Tensor, inputs: AttentionInputs, cache: Any = None, extras: Extras | None = None) -> Tensor:

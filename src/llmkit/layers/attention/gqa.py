@@ -42,6 +42,7 @@ class GroupedQueryAttention(SelfAttention):
     by llmkit.quant to the layers whose projections it quantizes: its CPU kernel on bf16 units."""
 
     prefill_kernel: PrefillKernel | None = None
+    packs_rows = True  # attend() splits a ragged mask's rows (core._attend_ragged)
 
     def __init__(
         self,
