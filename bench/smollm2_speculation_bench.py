@@ -87,7 +87,7 @@ def ensure_grafted(gguf: Path, args: argparse.Namespace, target: str) -> Path:
 def ensure_own_text_drafter(gguf: Path, args: argparse.Namespace) -> Path:
     """The module taught on the model's own text (`llmkit graft-mtp`: --sequences continuations written by an int4
     copy, --own-minutes of training, chains of --unroll), in runs/bench/smollm2-mtp-own unless it is there."""
-    from llmkit.cli.training import graft_mtp
+    from llmkit.cli.training import DrafterTraining, OwnText, graft_mtp
 
     out = RUNS / "smollm2-mtp-own"
     if not args.retrain and (out / "drafter.json").is_file():
@@ -96,11 +96,10 @@ def ensure_own_text_drafter(gguf: Path, args: argparse.Namespace) -> Path:
         str(gguf),
         str(out),
         data=str(DATA),
-        sequences=args.sequences,
-        minutes=args.own_minutes,
         unroll=args.unroll,
-        work=str(RUNS / "smollm2-own-text"),
         overwrite=True,  # reached with --retrain, or when OUT is not a finished drafter
+        text=OwnText(sequences=args.sequences, work=str(RUNS / "smollm2-own-text")),
+        training=DrafterTraining(minutes=args.own_minutes),
     )
     return out
 
@@ -108,7 +107,7 @@ def ensure_own_text_drafter(gguf: Path, args: argparse.Namespace) -> Path:
 def ensure_pruned_draft(gguf: Path, args: argparse.Namespace) -> Path:
     """A draft made of SmolLM2's embedding, head and blocks --keep, distilled on the same own text for
     --pruned-minutes (`llmkit distill-draft`), in runs/bench/smollm2-pruned-draft unless it is there."""
-    from llmkit.cli.training import distill_draft
+    from llmkit.cli.training import DrafterTraining, OwnText, distill_draft
 
     out = RUNS / "smollm2-pruned-draft"
     if not args.retrain and (out / "drafter.json").is_file():
@@ -118,11 +117,10 @@ def ensure_pruned_draft(gguf: Path, args: argparse.Namespace) -> Path:
         str(out),
         data=str(DATA),
         keep=args.keep,
-        sequences=args.sequences,
-        minutes=args.pruned_minutes,
         k=4,
-        work=str(RUNS / "smollm2-own-text"),
         overwrite=True,  # reached with --retrain, or when OUT is not a finished drafter
+        text=OwnText(sequences=args.sequences, work=str(RUNS / "smollm2-own-text")),
+        training=DrafterTraining(minutes=args.pruned_minutes),
     )
     return out
 

@@ -106,32 +106,64 @@ def merge(run: str, out: str, *, overwrite: bool = False) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class OwnText:
+    """The model's own text a drafter learns from (graft-mtp and distill-draft): its greedy continuations of openings
+    from the data, with its states and top-8 logits, computed once.
+
+    sequences: how many continuations to learn from (the longest part: ~18 s per 16 for SmolLM2-135M on 2 cores).
+    opening: tokens of each opening.
+    new_tokens: tokens the model continues each opening with.
+    writer: who writes the continuations: the model, or an int8 / int4 copy of it (faster, nearly the same text;
+        the states and targets are always the model's own).
+    work: where the collected text is kept (default OUT.text); a run that stops resumes from it, and graft-mtp and
+        distill-draft can share it.
+    """
+
+    sequences: int = 800
+    opening: int = 48
+    new_tokens: int = 208
+    writer: Literal["model", "int8", "int4"] = "int4"
+    work: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterTraining:
+    """How the drafter trains: `llmkit train`'s loop, in OUT.run with its checkpoints.
+
+    minutes: the training time (the schedule is fitted to it).
+    steps: train for this many steps instead of --minutes.
+    precision: the training's autocast: fp32, bf16, or auto (bf16 where the device is fast at it).
+    resume: continue the training run in OUT.run from its latest checkpoint.
+    """
+
+    minutes: float = 12.0
+    steps: int | None = None
+    precision: Literal["fp32", "bf16", "auto"] = "fp32"
+    resume: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class _Drafting:
     """What graft-mtp and distill-draft share: the model, the text it writes, and how the drafter trains."""
 
     checkpoint: str
     data: str
-    sequences: int
-    opening: int
-    new_tokens: int
-    minutes: float
-    steps: int | None
-    writer: Literal["model", "int8", "int4"]
-    work: str | None
+    text: OwnText
+    training: DrafterTraining
     device: str | None
-    precision: str
     overwrite: bool
 
     def claim(self, out: str) -> Output:
         """OUT, checked before any heavy work; and the settings, checked too."""
         from llmkit.errors import InputError
 
+        text, training = self.text, self.training
         for name, value, ok, want in [
-            ("--sequences", self.sequences, self.sequences >= 2, "at least 2"),
-            ("--opening", self.opening, self.opening >= 1, "at least 1"),
-            ("--new-tokens", self.new_tokens, self.new_tokens >= 2, "at least 2"),
-            ("--minutes", self.minutes, self.minutes > 0, "positive"),
-            ("--steps", self.steps, self.steps is None or self.steps >= 1, "at least 1"),
+            ("--sequences", text.sequences, text.sequences >= 2, "at least 2"),
+            ("--opening", text.opening, text.opening >= 1, "at least 1"),
+            ("--new-tokens", text.new_tokens, text.new_tokens >= 2, "at least 2"),
+            ("--minutes", training.minutes, training.minutes > 0, "positive"),
+            ("--steps", training.steps, training.steps is None or training.steps >= 1, "at least 1"),
         ]:
             if not ok:
                 raise InputError(f"{name} {value} is out of range: it must be {want}")
@@ -155,7 +187,8 @@ class _Drafting:
         from llmkit.train.own_text import collect_own_text
         from llmkit.train.source import check_same_tokenizer
 
-        text_dir = Path(self.work) if self.work is not None else Path(f"{output.path}.text")
+        text = self.text
+        text_dir = Path(text.work) if text.work is not None else Path(f"{output.path}.text")
         if overlaps(text_dir, output.path):
             raise InputError(f"--work {text_dir} would be replaced with OUT {output.path}: keep it beside OUT")
         claim(text_dir, "work", inputs=[self.checkpoint, self.data], owned=True)
@@ -167,7 +200,7 @@ class _Drafting:
         check_same_tokenizer(tokenizer, Tokenizer.from_dir(self.data), self.checkpoint, self.data)
 
         def openings(split: str, n: int) -> list[list[int]]:
-            stream, length = tokens.split(split).tokens, self.opening
+            stream, length = tokens.split(split).tokens, text.opening
             if len(stream) < length + 1:
                 raise InputError(
                     f"{self.data}'s {split} split holds {len(stream)} tokens: too few for {length}-token openings"
@@ -175,11 +208,11 @@ class _Drafting:
             starts = torch.linspace(0, len(stream) - length - 1, n).long().tolist()
             return [[int(t) for t in stream[s : s + length]] for s in starts]
 
-        writer = None if self.writer == "model" else cast(DecoderLM, quantize(copy.deepcopy(model), self.writer))
-        for split, n in (("train", self.sequences), ("val", 32)):
+        writer = None if text.writer == "model" else cast(DecoderLM, quantize(copy.deepcopy(model), text.writer))
+        for split, n in (("train", text.sequences), ("val", 32)):
             folder = text_dir / split
             collect_own_text(
-                model, openings(split, n), folder, new_tokens=self.new_tokens, writer=writer, tokenizer=tokenizer
+                model, openings(split, n), folder, new_tokens=text.new_tokens, writer=writer, tokenizer=tokenizer
             )
         return model, text_dir
 
@@ -189,7 +222,6 @@ class _Drafting:
         text_dir: Path,
         model: dict[str, Any],
         *,
-        resume: bool,
         batch: int,
         lr: float,
         loss: dict[str, Any] | None = None,
@@ -206,24 +238,25 @@ class _Drafting:
         from llmkit.train.config import TrainConfig
         from llmkit.train.loop import train
 
-        run = Path(f"{output.path}.run")
-        if not resume and found_at(run) == "run":
+        run, training = Path(f"{output.path}.run"), self.training
+        if not training.resume and found_at(run) == "run":
             if not self.overwrite:
                 raise InputError(f"{run} holds an earlier training run: continue it with --resume, or --overwrite")
             shutil.rmtree(run)
-        timed = {"steps": 10**6, "time_limit": self.minutes * 60, "fit_to_time": True}
+        timed = {"steps": 10**6, "time_limit": training.minutes * 60, "fit_to_time": True}
+        seq_len = self.text.opening + self.text.new_tokens
         cfg = TrainConfig.from_dict(
             {
                 "model": model,
-                "data": {"dir": str(text_dir), "seq_len": self.opening + self.new_tokens, "batch_size": batch},
+                "data": {"dir": str(text_dir), "seq_len": seq_len, "batch_size": batch},
                 "optim": {"lr": lr, "beta2": 0.999, "weight_decay": 0.0, "grad_clip": 1.0},
                 "schedule": {"kind": "cosine", "warmup_steps": 20, "min_lr_ratio": 0.0},
                 "loss": loss or {},
                 "train": {
-                    **(timed if self.steps is None else {"steps": self.steps}),
+                    **(timed if training.steps is None else {"steps": training.steps}),
                     "trainable": trainable,
                     "device": self.device or "cpu",
-                    "precision": self.precision,
+                    "precision": training.precision,
                     "seed": 0,
                     "log_every": 25,
                     "eval_every": 10**6,  # the held-out estimate comes at the end
@@ -233,7 +266,7 @@ class _Drafting:
                 },
             }
         )
-        return train(cfg, resume=resume)
+        return train(cfg, resume=training.resume)
 
     def load(self, result: Any) -> Any:
         """The trained drafter: the run's last checkpoint, in eval mode."""
@@ -260,18 +293,11 @@ def graft_mtp(
     out: str,
     *,
     data: str,
-    sequences: int = 800,
-    opening: int = 48,
-    new_tokens: int = 208,
-    minutes: float = 12.0,
-    steps: int | None = None,
     unroll: int = 3,
-    writer: Literal["model", "int8", "int4"] = "int4",
-    work: str | None = None,
     device: str | None = None,
-    precision: Literal["fp32", "bf16", "auto"] = "fp32",
-    resume: bool = False,
     overwrite: bool = False,
+    text: OwnText = OwnText(),
+    training: DrafterTraining = DrafterTraining(),
 ) -> int:
     """Graft an MTP module onto a pretrained model and teach it to draft for the model (self-speculative decoding).
 
@@ -286,17 +312,8 @@ def graft_mtp(
     out: where to write the model with its module (an llmkit checkpoint).
     data: a prepared token folder (llmkit prepare ... --tokenizer CHECKPOINT): openings from its train split, and
         held-out ones from its val split for the acceptance estimate.
-    sequences: how many continuations to learn from (the longest part: ~18 s per 16 for SmolLM2-135M here).
-    opening: tokens of each opening; new_tokens: tokens the model continues it with.
-    minutes: the module's training time (the schedule is fitted to it).
-    steps: train for this many steps of 16 sequences instead of --minutes.
-    unroll: chain depth trained (and the k the estimate is for).
-    writer: who writes the continuations: the model, or an int8 / int4 copy of it (faster, nearly the same text;
-        the states and targets are always the model's own).
-    work: where the collected text is kept (default OUT.text); a run that stops resumes from it.
+    unroll: chain depth trained (and the k the estimate is for). A training step takes 16 sequences.
     device: cpu, cuda, cuda:1, ... (default: the CPU); the collected text is kept on the CPU either way.
-    precision: the training's autocast: fp32, bf16, or auto (bf16 where the device is fast at it).
-    resume: continue the training run in OUT.run from its latest checkpoint.
     overwrite: replace an existing checkpoint at OUT (never the input), and an earlier run in OUT.run.
     """
     from llmkit.errors import InputError
@@ -305,9 +322,7 @@ def graft_mtp(
 
     if not 1 <= unroll <= 8:
         raise InputError(f"--unroll {unroll} is out of range: it must be between 1 and 8")
-    drafting = _Drafting(
-        checkpoint, data, sequences, opening, new_tokens, minutes, steps, writer, work, device, precision, overwrite
-    )
+    drafting = _Drafting(checkpoint, data, text, training, device, overwrite)
     output = drafting.claim(out)
 
     def no_modules(model: Any) -> None:
@@ -316,12 +331,12 @@ def graft_mtp(
 
     model, text_dir = drafting.own_text(output, no_modules)
     del model  # the run reads the checkpoint itself
-    batch = min(16, sequences)
+    batch = min(16, text.sequences)
     spec = {"checkpoint": checkpoint, "mtp_depth": 1}
     loss = {"unroll": unroll}
-    result = drafting.train(output, text_dir, spec, resume=resume, batch=batch, lr=2e-3, loss=loss, trainable=["mtp"])
+    result = drafting.train(output, text_dir, spec, batch=batch, lr=2e-3, loss=loss, trainable=["mtp"])
     grafted = drafting.load(result)
-    agree, accepted = evaluate_drafter(grafted, read_own_text(text_dir, "val"), unroll, opening)
+    agree, accepted = evaluate_drafter(grafted, read_own_text(text_dir, "val"), unroll, text.opening)
     report = DrafterReport(result.steps, result.steps * batch, result.seconds, agree, accepted)
     _finish(output, grafted, result.checkpoint, report)
     shown = ", ".join(f"{a:.2f}" for a in report.agreement)
@@ -361,18 +376,11 @@ def distill_draft(
     *,
     data: str,
     keep: str = "0,1,2,3,-1",
-    sequences: int = 800,
-    opening: int = 48,
-    new_tokens: int = 208,
-    minutes: float = 12.0,
-    steps: int | None = None,
     k: int = 3,
-    writer: Literal["model", "int8", "int4"] = "int4",
-    work: str | None = None,
     device: str | None = None,
-    precision: Literal["fp32", "bf16", "auto"] = "fp32",
-    resume: bool = False,
     overwrite: bool = False,
+    text: OwnText = OwnText(),
+    training: DrafterTraining = DrafterTraining(),
 ) -> int:
     """Make a draft model for speculative decoding out of a pretrained model: a few of its blocks (with its
     embedding, final norm and head), distilled on the model's own text (its continuations of openings from the
@@ -386,16 +394,8 @@ def distill_draft(
     data: a prepared token folder (llmkit prepare ... --tokenizer CHECKPOINT).
     keep: the model's blocks the draft keeps, in order (negative counts from the last): the first few build the
         representation and the last is what the head reads.
-    sequences: how many continuations to learn from.
-    opening: tokens of each opening; new_tokens: tokens the model continues it with.
-    minutes: the draft's training time (the schedule is fitted to it).
-    steps: train for this many steps of 8 sequences instead of --minutes.
-    k: drafts a round, for the held-out acceptance estimate.
-    writer: who writes the continuations: the model, or an int8 / int4 copy of it.
-    work: where the collected text is kept (default OUT.text); a run that stops resumes from it.
+    k: drafts a round, for the held-out acceptance estimate. A training step takes 8 sequences.
     device: cpu, cuda, cuda:1, ... (default: the CPU).
-    precision: the training's autocast: fp32, bf16, or auto (bf16 where the device is fast at it).
-    resume: continue the training run in OUT.run from its latest checkpoint.
     overwrite: replace an existing checkpoint at OUT (never the input), and an earlier run in OUT.run.
     """
     from llmkit.errors import InputError
@@ -405,18 +405,16 @@ def distill_draft(
     if not 1 <= k <= 8:
         raise InputError(f"--k {k} is out of range: it must be between 1 and 8")
     chosen = _kept_blocks(keep)
-    drafting = _Drafting(
-        checkpoint, data, sequences, opening, new_tokens, minutes, steps, writer, work, device, precision, overwrite
-    )
+    drafting = _Drafting(checkpoint, data, text, training, device, overwrite)
     output = drafting.claim(out)
     model, text_dir = drafting.own_text(output, chosen)
     n, kept = model.cfg.n_layers, chosen(model)
     del model  # the run reads the checkpoint itself
-    batch = min(8, sequences)
+    batch = min(8, text.sequences)
     spec = {"checkpoint": checkpoint, "keep_blocks": kept}
-    result = drafting.train(output, text_dir, spec, resume=resume, batch=batch, lr=3e-4)
+    result = drafting.train(output, text_dir, spec, batch=batch, lr=3e-4)
     draft = drafting.load(result)
-    agree, accepted = agreement(draft, read_own_text(text_dir, "val"), k, opening)
+    agree, accepted = agreement(draft, read_own_text(text_dir, "val"), k, text.opening)
     report = DrafterReport(result.steps, result.steps * batch, result.seconds, [agree], accepted)
     _finish(output, draft, result.checkpoint, report)
     print(
