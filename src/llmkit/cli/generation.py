@@ -93,7 +93,8 @@ class SpeculationOptions:
         block): cheaper drafts, the same output (the model checks every draft with its own weights).
     draft_dtype: the draft's precision (default: the model's --dtype); "file" keeps the draft checkpoint's own, so a
         GGUF file stays quantized: `--dtype fp32 --draft FILE.gguf --draft-dtype file` drafts with the file's int4
-        weights for its fp32 model (BENCHMARKS.md: 1.60-1.68x at k = 3-7, the fp32 output exactly).
+        weights for its fp32 model, the fp32 output exactly (BENCHMARKS.md: what it gains depends on how fast the
+        file's block type decodes).
     """
 
     draft: str | None = None
