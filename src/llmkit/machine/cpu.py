@@ -24,27 +24,27 @@ class CpuFeatures:
     flags: frozenset[str] = frozenset()
     bf16_native: bool = False  # oneDNN's bf16 matmuls run on AVX512-BF16 or AMX units, not emulated
 
-    @property
+    @functools.cached_property
     def avx2(self) -> bool:
         """AVX2 with FMA and F16C (every CPU with AVX2 has them): what llmkit's C++ kernels need at the least."""
         return {"avx2", "fma", "f16c"} <= self.flags
 
-    @property
+    @functools.cached_property
     def avx512_vnni(self) -> bool:
         """AVX-512 with VNNI's integer dot products (vpdpbusd): the wide integer kernels (cpu_vnni.cpp)."""
         return AVX512 | {"avx512_vnni"} <= self.flags
 
-    @property
+    @functools.cached_property
     def avx512_bf16(self) -> bool:
         """AVX-512 with the BF16 dot products (vdpbf16ps): the prompt attention kernel (cpu_attention.cpp)."""
         return AVX512 | {"avx512_bf16"} <= self.flags
 
-    @property
+    @functools.cached_property
     def amx(self) -> bool:
         """AMX's bf16 tiles (a Xeon's), on which oneDNN multiplies bf16 matrices."""
         return "amx_bf16" in self.flags
 
-    @property
+    @functools.cached_property
     def avx512(self) -> bool:
         """AVX-512 (F, BW, VL, DQ), which the AVX-512 kernels need beside the extension each names."""
         return self.flags >= AVX512

@@ -185,18 +185,18 @@ class KernelChoice:
         if self.prefill not in PREFILL_DTYPES:
             raise InputError(f"prefill dtype {self.prefill!r} is not one of {', '.join(PREFILL_DTYPES)}")
 
-    @property
+    @functools.cached_property
     def bf16_panels(self) -> bool:
         """Whether many-row products of dequantized panels multiply in bf16."""
         return self.prefill == "bf16" or (self.prefill in ("auto", "int8") and self.cpu.bf16_native)
 
-    @property
+    @functools.cached_property
     def integer_panels(self) -> bool:
         """Whether many-row products of GGUF block weights may multiply in integer panels (the extension takes them
         where its integer kernel is AVX512-VNNI)."""
         return self.prefill == "int8" or (self.prefill == "auto" and self.cpu.avx512_vnni and not self.cpu.amx)
 
-    @property
+    @functools.cached_property
     def integer_rows(self) -> int:
         """The most rows a product computes in integers (a row's bits are the same with any number of rows up to
         it)."""
