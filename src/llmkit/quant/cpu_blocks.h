@@ -37,7 +37,7 @@ BlockMatrix block_matrix(const torch::Tensor& blocks, int kind, int64_t K);
 // sub-block scales then apply in integers, as llama.cpp's Q8_K does), with each group's scale d, each 16 inputs' sum
 // of codes (the terms of the types' mins and offsets), and -128 times each 4 codes' sum (VNNI's flipped codes).
 // The wide kernels (cpu_blocks_wide.inc) also read the codes reordered to the order their weights' nibbles unpack in
-// (alt, groups of 32): per 128 inputs the 16-byte pieces 0, 2, 4, 6, 1, 3, 5, 7 (4 bodies of Q4_0 or IQ4_NL), and
+// (alt, groups of 32): per 128 inputs the 16-byte pieces 0, 2, 4, 6, 1, 3, 5, 7 (4 bodies of 16 bytes of nibbles), and
 // -128 times the sums of the 4 codes of alt's pieces i and i + 4 (a lane's two halves).
 struct BlockRows {
   int64_t M = 0, K = 0, group = 32;
