@@ -19,9 +19,7 @@ memory-bandwidth ceiling that reaches, measured in the same run.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,19 +68,6 @@ def bytes_per_token(model: torch.nn.Module) -> int:
     return total
 
 
-@contextlib.contextmanager
-def pytorch_only() -> Iterator[None]:
-    """Sessions built inside run the PyTorch modules, not the C++ step."""
-    from llmkit.generate import sessions
-
-    real = sessions.NativeDecoder.of
-    sessions.NativeDecoder.of = classmethod(lambda cls, model: None)  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        sessions.NativeDecoder.of = real  # type: ignore[method-assign]
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--new", type=int, default=64)
@@ -94,6 +79,8 @@ def main() -> None:
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     from llmkit.generate import generate
+    from llmkit.generate.backend import Backend
+    from llmkit.generate.step import step_for
     from llmkit.interop.hf import load_hf
     from llmkit.quant import quantize
 
@@ -113,9 +100,9 @@ def main() -> None:
         def ours(model: Any, prompt: torch.Tensor = prompt) -> list[list[int]]:
             return generate(model, prompt, max_new_tokens=args.new).tokens.tolist()
 
-        def pytorch(model: Any, prompt: torch.Tensor = prompt) -> list[list[int]]:
-            with pytorch_only():
-                return ours(model, prompt)
+        def pytorch(model: Any, prompt: torch.Tensor = prompt) -> list[list[int]]:  # the PyTorch modules, eager
+            step = step_for(model, Backend("eager"))
+            return generate(model, prompt, max_new_tokens=args.new, step=step).tokens.tolist()
 
         variants = {name: (lambda m=m: ours(m)) for name, m in models.items()}
         variants["int4, PyTorch modules"] = lambda: pytorch(models["int4"])

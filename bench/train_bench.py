@@ -48,6 +48,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     from llmkit import build_model
     from llmkit.interop.hf import config_from_hf
     from llmkit.machine.perf import tune_allocator
+    from llmkit.models import DecoderLM
     from llmkit.train.config import OptimConfig
     from llmkit.train.data import TokenData, train_batch
     from llmkit.train.optim import build_optimizer
@@ -68,6 +69,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     else:
         torch.manual_seed(0)  # the weights reference_hf saved for transformers
         model = build_model(cfg)
+        assert isinstance(model, DecoderLM)  # (the reference config is a decoder)
         optimizer = build_optimizer(model, OptimConfig(lr=args.lr, weight_decay=0.1))
 
         def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
