@@ -169,6 +169,43 @@ def test_bad_constraints_are_input_errors(tiny, constraint, message):
         grammars.compile(constraint())
 
 
+# constraints the grammar engine accepts but cannot decode: their first token meets a limit (llguidance's row of
+# 2,000 items, 50,000 items for the tokens a rule forces), or no text satisfies them at all
+ENDLESS_SCHEMA = {
+    "$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}},
+    "$ref": "#/$defs/n",
+}
+ALTERNATIVES = "start: " + " | ".join(f'"w{i}x"' for i in range(5000))
+UNDECODABLE = [
+    (Constraint.json_schema(ENDLESS_SCHEMA), "does every text of it end"),
+    (Constraint("grammar", 'start: "a" start'), "does every text of it end"),
+    (Constraint("grammar", 'root ::= "a" root'), "does every text of it end"),  # GBNF
+    (Constraint("grammar", ALTERNATIVES), "Current row has 5001 items; max is 2000"),
+    (Constraint("regex", r"[^\s\S]"), "no text satisfies the regex"),
+    (Constraint("regex", "[a&&b]"), "no text satisfies the regex"),
+]
+
+
+@pytest.mark.parametrize("constraint, message", UNDECODABLE)
+def test_constraints_that_cannot_be_decoded_are_refused_when_compiled(tiny, constraint, message):
+    """Each of these compiled, then failed at the first token while decoding (a 500), or gave "" for a regex that
+    matches nothing: the first step is taken when the constraint is compiled."""
+    grammars = Grammars(tiny[1], tiny[0].cfg.vocab_size)
+    with pytest.raises(InputError, match=re.escape(message)) as e:
+        grammars.compile(constraint)
+    assert "\n" not in str(e.value) and "w4999x" not in str(e.value) and len(str(e.value)) < 600  # not the grammar
+
+
+def test_the_documented_maximum_of_choices_decodes(tiny):
+    """4,096 choices (the documented maximum) were one grammar rule past the parser's row limit of 2,000."""
+    model, tok = tiny
+    options = [f"option {i}" for i in range(4096)]
+    engine = Engine(model, tok, EngineConfig(kv_memory=32 << 20))
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=3, constraint=Constraint.choice(options))
+    for out in engine.generate([_chat_ids(tok, "Pick one.")], params):
+        assert out.text in options and out.finish_reason == "stop", out
+
+
 def test_a_constraint_is_compiled_once(tiny):
     grammars = Grammars(tiny[1], tiny[0].cfg.vocab_size)
     for _ in range(3):
@@ -250,6 +287,14 @@ def test_vllm_structured_outputs_on_both_endpoints(smol_server):
         ({"structured_outputs": {"json": "{oops"}}, "structured_outputs"),
         ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
         ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
+        ({"structured_outputs": {"grammar": 'start: "a" start'}}, "structured_outputs"),
+        ({"structured_outputs": {"grammar": 'root ::= "a" root'}}, "structured_outputs"),
+        ({"structured_outputs": {"grammar": ALTERNATIVES}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": r"[^\s\S]"}}, "structured_outputs"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": ENDLESS_SCHEMA}}},
+            "response_format",
+        ),
         (
             {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
             None,
@@ -306,3 +351,44 @@ def test_langchain_with_structured_output(smol_server):
     for method in ("json_schema", "json_mode"):
         person = llm.with_structured_output(Person, method=method).invoke(ASK_KEYS)
         assert isinstance(person, Person), (method, person)
+
+
+class _FailsAtSecondToken:
+    """A grammar engine's matcher that meets a limit at the second token (as a grammar can, deep inside: an
+    alternation past llguidance's row limit behind the first tokens), for what the client is told."""
+
+    def __init__(self, matcher) -> None:
+        self.matcher, self.taken = matcher, 0
+
+    def consume_token(self, token: int) -> bool:
+        self.taken += 1
+        return self.taken < 2 and self.matcher.consume_token(token)
+
+    def get_error(self) -> str:
+        return "Parser Error: Current row has 2001 items; max is 2000\n<non-verbose/>"
+
+    def __getattr__(self, name: str):
+        return getattr(self.matcher, name)
+
+
+def test_a_grammar_that_fails_while_decoding_is_an_error_that_names_it(tiny):
+    """A 400 naming the grammar engine's limit, or an error event in a stream; before, a 500 "the engine failed"
+    (or finish_reason "stop" with text outside the grammar, had the row gone on)."""
+    model, tok = tiny
+    with Server(model, tok, ServeOptions("m"), EngineConfig(kv_memory=32 << 20)) as server:
+        grammars = server.loop.engine.grammars
+        real = grammars.matcher
+        grammars.matcher = lambda constraint: _FailsAtSecondToken(real(constraint))
+        body = {"model": "m", "prompt": "x", "max_tokens": 8, "structured_outputs": {"regex": "[ab]{5}"}}
+        code, answer = post(f"{server.url}/v1/completions", body)
+        assert code == 400, answer
+        message = answer["error"]["message"]
+        assert "grammar failed at token" in message and "max is 2000" in message and "\n" not in message, message
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        events = client.completions.create(
+            model="m", prompt="x", max_tokens=8, stream=True, extra_body={"structured_outputs": {"regex": "[ab]{5}"}}
+        )
+        with pytest.raises(openai.APIError, match="max is 2000"):
+            list(events)
+        code, plain = post(f"{server.url}/v1/completions", {"model": "m", "prompt": "y", "max_tokens": 3})
+        assert code == 200 and plain["choices"][0]["finish_reason"] == "length"

@@ -152,6 +152,8 @@ class Call:
                 i, d = item
                 if d.finish_reason is not None:
                     self.pending -= 1
+                    if d.error is not None:  # the request's own failure (its grammar, its sampling settings)
+                        raise APIError(400, d.error)
                     if d.finish_reason in _FAILED:
                         status, message = _FAILED[d.finish_reason]
                         raise APIError(status, message, "server_error")

@@ -23,7 +23,7 @@ from llmkit.serve.request import Delta, FinishReason, Sequence, Top
 from llmkit.serve.sampler import sample
 from llmkit.serve.scheduler import Work
 from llmkit.serve.speculation import Drafter, Drafts, judge
-from llmkit.serve.structured import allowed_tokens
+from llmkit.serve.structured import allowed_tokens, one_line
 
 log = logging.getLogger("llmkit.serve")
 
@@ -76,11 +76,11 @@ class OutputProcessor:
         if any(m is not None for m in matchers):  # structured outputs: each grammar's next tokens
             allowed = allowed_tokens(matchers, batch.shape[-1])
         sampled = sample(batch, [w.seq for w in rows], allowed)
-        for w, token, logprob, top in zip(rows, sampled.tokens, sampled.logprobs, sampled.top, strict=True):
-            if token is None or logprob is None:  # this row's settings failed (the sampler said why)
-                self.stats.failed += 1
-                self.finish(w.seq, "error")
-                deltas.append(Delta.of(w.seq))
+        for row, (w, token, logprob, top) in enumerate(
+            zip(rows, sampled.tokens, sampled.logprobs, sampled.top, strict=True)
+        ):
+            if token is None or logprob is None:  # this row's settings or grammar failed (the sampler said why)
+                deltas.append(self._error(w.seq, sampled.failed[row], request=True))
             else:
                 deltas.append(self.append(w.seq, token, logprob, top))
         return deltas
@@ -109,8 +109,9 @@ class OutputProcessor:
         p = seq.request.params
         complete = False  # the constraint's text is complete: nothing may follow
         if seq.matcher is not None:
-            if not seq.matcher.consume_token(token):  # the mask allowed it, so only a grammar engine's fault
-                return self._error(seq, f"its grammar refused token {token}: {seq.matcher.get_error()}")
+            if not seq.matcher.consume_token(token):  # the mask allowed it: a limit of the grammar engine
+                why = f"the structured output's grammar failed at token {token}: {one_line(seq.matcher.get_error())}"
+                return self._error(seq, why, request=True)
             complete = seq.matcher.is_stopped()
         eos = token in self.eos_ids and not p.ignore_eos  # its text is never shown
         length = not eos and (len(seq.generated) >= p.max_tokens or len(seq.tokens) >= self.max_len)
@@ -121,8 +122,11 @@ class OutputProcessor:
         prompt = seq.prompt_logprobs if len(seq.generated) == 1 else None  # with the first token
         return Delta.of(seq, [token], text, [logprob], [top], prompt)
 
-    def _error(self, seq: Sequence, why: str) -> Delta:
+    def _error(self, seq: Sequence, why: str, request: bool = False) -> Delta:
+        """End `seq` with finish reason "error"; `request`: the request caused it, and its client is told `why`."""
         log.error("request %s: %s; ending it", seq.request.id, why)
         self.stats.failed += 1
+        if request:
+            seq.error = why
         self.finish(seq, "error")
         return Delta.of(seq)

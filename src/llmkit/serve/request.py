@@ -132,6 +132,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token, when the request asks for them
     matcher: Any = None  # with a constraint: its grammar's state after the generated tokens (llguidance's LLMatcher)
+    error: str | None = None  # finish reason "error" caused by the request itself (its grammar, its sampling settings)
 
     @property
     def prompt_len(self) -> int:
@@ -166,6 +167,7 @@ class Delta:
     completion_tokens: int = 0
     top_logprobs: list[Top] = field(default_factory=list)  # per new token, when the request asks for them
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with a sequence's first delta, when asked for
+    error: str | None = None  # with finish reason "error": what in the request failed (None: the engine failed)
 
     @classmethod
     def of(
@@ -189,6 +191,7 @@ class Delta:
             len(seq.generated),
             top or [],
             prompt_logprobs,
+            seq.error,
         )
 
     @classmethod

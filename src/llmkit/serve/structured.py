@@ -18,7 +18,13 @@ tokenizer is built from the checkpoint's own tokenizer.json (no transformers nee
 
 Errors in a constraint (a schema that is not JSON, a keyword llguidance does not implement, a regex or grammar
 that does not parse) are InputErrors naming what is wrong, found when the constraint is compiled, before the
-request is queued.
+request is queued. So are the limits the grammar engine meets only while decoding, as far as the first token shows
+them: compiling takes the first step on a copy of the matcher, so that a regex no text matches, an alternation of
+more than 2,000 items in one rule (llguidance's row limit; `choice` lists are one lexeme, not such a rule) and a
+rule that can only recur (a schema or grammar with no finite text: its forced tokens run past 50,000 parser items)
+are refused with the engine's own words for the limit. A grammar that fails later, while decoding, ends its
+sequence with an error that names it (Sequence.error). Error messages are llguidance's short ones
+(`verbose_errors=False`: the grammar is never copied into them, nor into the log).
 """
 
 from __future__ import annotations
@@ -87,8 +93,10 @@ class Constraint:
                 return str(LLMatcher.grammar_from_regex(self.text))
             if self.kind == "choice":
                 options = json.loads(self.text)
-                # each choice a literal string of the grammar; JSON's string syntax is Lark's
-                return str(LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in options)))
+                # one terminal, the choices its literal alternatives (JSON's string syntax is Lark's): the lexer
+                # takes them as one regular language, where a rule of 4,096 alternatives passes the parser's row limit
+                terminal = " | ".join(map(json.dumps, options))
+                return str(LLMatcher.grammar_from_lark(f"start: CHOICE\nCHOICE: {terminal}"))
             from llguidance import grammar_from
 
             return str(grammar_from("grammar", self.text))  # Lark, or GBNF converted to Lark
@@ -127,17 +135,36 @@ class Grammars:
             return self._ll
 
     def _compile(self, constraint: Constraint) -> Any:
-        from llguidance import LLMatcher
+        from llguidance import LLMatcher, LLParserLimits
 
         grammar = constraint.grammar()
         tokenizer = self._ll_tokenizer()
-        failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+        limits = LLParserLimits(verbose_errors=False)
+        failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer, limits=limits)
         if failed:
-            raise InputError(f"the {constraint.kind} cannot be used: {_short(messages[0])}")
-        matcher = LLMatcher(tokenizer, grammar, log_level=0)
+            raise InputError(f"the {constraint.kind} cannot be used: {one_line(messages[0])}")
+        matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
         if matcher.is_error():
-            raise InputError(f"the {constraint.kind} cannot be used: {_short(matcher.get_error())}")
+            raise InputError(f"the {constraint.kind} cannot be used: {one_line(matcher.get_error())}")
+        self._first_step(matcher, constraint.kind)
         return matcher
+
+    def _first_step(self, matcher: Any, kind: Kind) -> None:
+        """The first token's step, on copies: InputError where no text satisfies the constraint, or where taking the
+        first or the last token it allows meets a limit of the grammar engine."""
+        trial = matcher.deep_copy()
+        allowed = allowed_tokens([trial], self.vocab_size)[0]
+        eos = self.tokenizer.eos_id
+        ids = [int(i) for i in np.flatnonzero(allowed) if i != eos]
+        if trial.is_error() or (not ids and not trial.is_accepting()):
+            why = f" ({one_line(trial.get_error())})" if trial.is_error() else ""
+            raise InputError(f"no text satisfies the {kind}{why}")
+        for token in {ids[0], ids[-1]} if ids else set():
+            step = trial.deep_copy()
+            if not step.consume_token(token):
+                error = one_line(step.get_error())
+                hint = ' (does every text of it end? a rule that can only recur, like start: "a" start, has none)'
+                raise InputError(f"the {kind} cannot be decoded: {error}" + (hint if "ff_tokens" in error else ""))
 
     def compile(self, constraint: Constraint) -> None:
         """Compile `constraint` now (InputError if it cannot be used), so that `matcher` finds it ready."""
@@ -148,8 +175,9 @@ class Grammars:
         return self.compiled(constraint).deep_copy()
 
 
-def _short(message: str, limit: int = 500) -> str:
-    message = " ".join(message.split())
+def one_line(message: str, limit: int = 500) -> str:
+    """An llguidance message on one line, at most `limit` characters (its "<non-verbose/>" marker left out)."""
+    message = " ".join(message.replace("<non-verbose/>", " ").split())
     return message if len(message) <= limit else message[: limit - 3] + "..."
 
 
