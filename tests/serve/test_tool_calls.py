@@ -171,6 +171,44 @@ def test_forced_calls_parse_and_validate_streamed_and_not(smol, choice):
     assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
 
 
+# a schema with its own definitions, one of them recursive (refused before: "Pointer '/$defs/n' does not exist",
+# the call's schema holding it under "arguments")
+NESTED = {
+    "type": "function",
+    "function": {
+        "name": "outline",
+        "parameters": {
+            "$defs": {
+                "node": {
+                    "type": "object",
+                    "properties": {
+                        "title": {"type": "string", "maxLength": 8},
+                        "children": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 1},
+                    },
+                    "required": ["title"],
+                    "additionalProperties": False,
+                }
+            },
+            "type": "object",
+            "properties": {"root": {"$ref": "#/$defs/node"}},
+            "required": ["root"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("tools", [[NESTED], [WEATHER, NESTED]])
+def test_a_tool_whose_schema_has_its_own_definitions_is_called(smol, tools):
+    _, client = smol
+    ask = [{"role": "user", "content": "Outline a book."}]
+    name = {"type": "function", "function": {"name": "outline"}}
+    r = client.chat.completions.create(model="m", messages=ask, tools=tools, tool_choice=name, max_tokens=120)  # type: ignore[arg-type]
+    [call] = r.choices[0].message.tool_calls or []
+    assert call.function.name == "outline"
+    jsonschema.validate(json.loads(call.function.arguments), NESTED["function"]["parameters"])
+
+
 def test_parallel_tool_calls_false_gives_one_call(smol):
     _, client = smol
     r = client.chat.completions.create(
@@ -235,6 +273,14 @@ def test_a_conversation_with_calls_and_results_goes_on(smol):
             "tools.0.function.parameters",
         ),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}]}, "tools"),
+        (  # a forced call whose arguments are a string came back as text with finish_reason "stop"
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+            "tools.0.function.parameters",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": ["array", "null"]}}}]},
+            "tools.0.function.parameters",
+        ),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
         ({"tools": [{"type": "retrieval"}]}, "tools.0.type"),
         ({"messages": [{"role": "tool", "tool_call_id": "c"}]}, "messages.0"),

@@ -322,6 +322,17 @@ class FunctionModel(BaseModel):
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object; None: no arguments
     strict: bool | None = None  # the arguments of a forced call always validate; those of a free one are parsed
 
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Arguments are an object (OpenAI's rule): a schema of another type could force a call that is no call."""
+        kind = (parameters or {}).get("type", "object")  # (a type that is no type name is the schema's error)
+        if (isinstance(kind, str) and kind != "object") or (isinstance(kind, list) and "object" not in kind):
+            raise ValueError(
+                f'parameters is the JSON schema of an object (type "object"), not of type {json.dumps(kind)}'
+            )
+        return parameters
+
 
 class ToolModel(BaseModel):
     model_config = ConfigDict(extra="forbid")

@@ -137,24 +137,46 @@ def conversation(
 
 def call_constraint(functions: list[Function], fmt: Format, several: bool) -> Constraint:
     """The grammar of a reply that is only calls (one, or `several`), each to one of `functions` with arguments
-    valid for its schema."""
+    valid for its schema. Each function's `parameters` sits under the call schema's `$defs` (as `f0`, `f1`, ...),
+    its own references ("#/$defs/...", "#") moved with it, and its arguments are an object whatever it says."""
     key = "parameters" if fmt == "llama3" else "arguments"
     options = [
         {
             "type": "object",
-            "properties": {"name": {"const": f.name}, key: f.parameters},
+            "properties": {"name": {"const": f.name}, key: {"$ref": f"#/$defs/f{i}", "type": "object"}},
             "required": ["name", key],
             "additionalProperties": False,
         }
-        for f in functions
+        for i, f in enumerate(functions)
     ]
     schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
-    schema = {**schema, "x-guidance": _COMPACT}
+    defs = {f"f{i}": _moved(f.parameters, f"/$defs/f{i}") for i, f in enumerate(functions)}
+    schema = {**schema, "$defs": defs, "x-guidance": _COMPACT}
     if fmt == "llama3":  # one call: the reply is its JSON
         return Constraint("grammar", f"start: %json {json.dumps(schema)}")
     repeat = ' ("\\n" call)*' if several else ""
     lark = f'start: call{repeat}\ncall: "{OPEN}\\n" args "\\n{CLOSE}"\nargs: %json {json.dumps(schema)}'
     return Constraint("grammar", lark)
+
+
+# keywords whose values are data, not schemas: a {"$ref": ...} inside them is not a reference
+_DATA = {"const", "enum", "default", "examples"}
+
+
+def _moved(schema: Any, at: str) -> Any:
+    """`schema` with its document-local references ("#" and "#/...") rewritten for its new place `at` (a JSON
+    pointer) in a larger schema."""
+    if isinstance(schema, list):
+        return [_moved(v, at) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
+            out[k] = "#" + at + v[1:]
+        else:
+            out[k] = v if k in _DATA else _moved(v, at)
+    return out
 
 
 def parse(text: str, fmt: Format, names: set[str]) -> tuple[str | None, list[ToolCall]]:
