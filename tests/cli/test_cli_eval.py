@@ -64,17 +64,28 @@ def test_kl_of_a_model_against_itself_is_zero(model_dir, tmp_path, capsys):
         ([], "nothing to score"),
         (["--tasks", ",", "--limit", "1"], "--tasks is empty"),
         (["--perplexity", "no/such/file"], "is neither 'shakespeare', a prepared data folder"),
+        (["--tasks", "llmkit_offline", "--limit", "1.5"], "--limit 1.5 is out of range: give a number of documents"),
+        (["--tasks", "llmkit_offline", "--num-fewshot", "-1"], "--num-fewshot -1 is out of range"),
+        # task files the harness skipped without a word ("no task is called 'badtask'"), or failed on (a traceback)
+        (["--tasks", "badtask", "--include-path", "TASKS"], "badtask.yaml cannot be used: it is not valid YAML: "),
+        (["--tasks", "bintask", "--include-path", "TASKS"], "bintask.yaml cannot be used: it is not UTF-8 text"),
+        (["--tasks", "TASKS/badtask.yaml"], "the task file cannot be used: it is not valid YAML: expected ','"),
     ],
 )
 def test_mistakes_are_one_line_errors(model_dir, tmp_path, capsys, args, message):
     text = tmp_path / "short.txt"
     text.write_text("To be, or not to be", encoding="utf-8")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "badtask.yaml").write_text("task: badtask\ndataset_path: [unclosed\n  foo: : :\n", encoding="utf-8")
+    (tasks / "bintask.yaml").write_bytes(bytes(range(128, 256)) * 2)
     other = save_tiny(tmp_path / "other", "qwen2", context=512) if "OTHER" in args else None
     if other is not None:  # another tokenizer: the same model with a vocabulary of its own
         from helpers import tiny_tokenizer
 
         tiny_tokenizer().save(other)
-    argv = [{"TEXT": str(text), "OTHER": str(other)}.get(a, a) for a in args]
+    argv = [{"TEXT": str(text), "OTHER": str(other), "TASKS": str(tasks)}.get(a, a) for a in args]
+    argv = [a.replace("TASKS/", f"{tasks}/") for a in argv]
     assert main(["eval", str(model_dir), *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err

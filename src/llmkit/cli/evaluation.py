@@ -132,8 +132,13 @@ def _check(harness: TaskOptions, text: PerplexityOptions, batch_size: int) -> No
         raise InputError("--tasks is empty: give task names separated by commas")
     if batch_size < 1:
         raise InputError(f"--batch-size {batch_size} is out of range: it must be at least 1")
-    if harness.limit is not None and harness.limit <= 0:
-        raise InputError(f"--limit {harness.limit} is out of range: it must be above 0")
+    if harness.limit is not None and (harness.limit <= 0 or (harness.limit > 1 and harness.limit % 1)):
+        raise InputError(
+            f"--limit {harness.limit} is out of range: give a number of documents (1, 2, ...) or a fraction of them "
+            "(above 0, below 1)"
+        )
+    if harness.num_fewshot is not None and harness.num_fewshot < 0:
+        raise InputError(f"--num-fewshot {harness.num_fewshot} is out of range: it must be at least 0")
     if text.window < 2:
         raise InputError(f"--window {text.window} is out of range: it must be at least 2")
     if text.stride is not None and not 0 < text.stride <= text.window:
@@ -182,7 +187,7 @@ def _task_manager(options: TaskOptions) -> Any:
     """The harness's task registry with llmkit's offline tasks and --include-path, the --tasks names checked."""
     harness = _harness()
     manager = harness.task_names(options.include_path or [])
-    harness.check_tasks(manager, _names(options))
+    harness.check_tasks(manager, _names(options), options.include_path or [])
     return manager
 
 

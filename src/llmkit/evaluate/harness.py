@@ -227,18 +227,60 @@ def task_names(include_path: Sequence[str | Path] = ()) -> Any:
     return TaskManager(include_path=[str(tasks_folder()), *map(str, include_path)])
 
 
-def check_tasks(manager: Any, tasks: Sequence[str]) -> None:
-    """An InputError for the first name the registry does not know, with the nearest names it does."""
+def check_tasks(manager: Any, tasks: Sequence[str], include_path: Sequence[str | Path] = ()) -> None:
+    """An InputError for the first name the registry does not know, with the nearest names it does; for a task
+    file (given as a path, or a file of `include_path` that the registry skipped) that cannot be read as YAML."""
     known = set(manager.all_subtasks) | set(manager.all_groups) | set(manager.all_tags)
     for name in tasks:
-        if name not in known and not Path(name).is_file():
+        if Path(name).is_file():
+            if (why := task_file_error(Path(name))) is not None:
+                raise InputError(f"{name}: the task file cannot be used: {why}")
+        elif name not in known:
             from llmkit.evaluate.tasks import missing_task
 
             if (why := missing_task(name)) is not None:
                 raise InputError(f"the offline task {name!r} cannot be written: {why}")
+            for path, why in _unreadable_task_files(include_path):  # what the registry skipped without a word
+                if path.stem == name or name in path.read_bytes().decode("utf-8", "replace"):
+                    raise InputError(f"no task is called {name!r}: the task file {path} cannot be used: {why}")
             near = difflib.get_close_matches(name, sorted(known), n=5, cutoff=0.6)
             hint = f"; the nearest names: {', '.join(near)}" if near else "; `llmkit eval --list-tasks` lists them"
             raise InputError(f"no task is called {name!r}{hint}")
+
+
+def task_file_error(path: Path) -> str | None:
+    """Why a task file cannot be read as the harness reads it (YAML whose `!function` tags name Python code), or
+    None."""
+    import yaml
+
+    class Tagged(yaml.SafeLoader):
+        """YAML with any `!tag` read as nothing (the harness resolves its tags itself)."""
+
+    Tagged.add_multi_constructor("!", lambda loader, suffix, node: None)
+    try:
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=Tagged)  # (a SafeLoader)
+    except UnicodeDecodeError:
+        return "it is not UTF-8 text"
+    except OSError as e:
+        return f"it cannot be read ({e.strerror})"
+    except yaml.MarkedYAMLError as e:
+        where = f" (line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1})" if e.problem_mark else ""
+        return f"it is not valid YAML: {e.problem}{where}"
+    except yaml.YAMLError as e:
+        return "it is not valid YAML: " + " ".join(str(e).split())
+    if not isinstance(data, dict):
+        return "it is not a YAML mapping of a task's settings"
+    return None
+
+
+def _unreadable_task_files(include_path: Sequence[str | Path]) -> list[tuple[Path, str]]:
+    """The YAML files under the folders of `include_path` that cannot be read, and why."""
+    found = []
+    for folder in map(Path, include_path):
+        for path in sorted([*folder.rglob("*.yaml"), *folder.rglob("*.yml")]):
+            if (why := task_file_error(path)) is not None:
+                found.append((path, why))
+    return found
 
 
 def load_tasks(manager: Any, tasks: Sequence[str]) -> dict[str, Any]:
@@ -289,7 +331,7 @@ def run_tasks(
     import lm_eval
 
     manager = manager if manager is not None else task_names(include_path)
-    check_tasks(manager, tasks)
+    check_tasks(manager, tasks, include_path)
     loaded = load_tasks(manager, tasks)
     if on_loaded is not None:
         on_loaded(sorted(loaded))
