@@ -44,6 +44,15 @@ def byte_alphabet() -> dict[int, str]:
     return table
 
 
+def read_backend(path: Path) -> Backend:
+    """The tokenizers library's tokenizer from a tokenizer.json file; an InputError (or the OSError) naming the file
+    when it cannot be read or parsed."""
+    try:
+        return Backend.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises a bare Exception, for a file it cannot read or parse
+        raise os_error_in(e, path) or InputError(f"{path} is not a valid tokenizer file: {e}") from None
+
+
 class Tokenizer:
     """Encodes text to ids and back. bos_id / eos_id / pad_id may be None; add_bos prepends bos on encode."""
 
@@ -110,12 +119,7 @@ class Tokenizer:
         d = Path(directory)
         if not (d / "tokenizer.json").is_file():
             return None
-        try:
-            backend = Backend.from_file(str(d / "tokenizer.json"))
-        except Exception as e:  # the tokenizers library raises a bare Exception, for a file it cannot read or parse
-            raise os_error_in(e, d / "tokenizer.json") or InputError(
-                f"{d / 'tokenizer.json'} is not a valid tokenizer file: {e}"
-            ) from None
+        backend = read_backend(d / "tokenizer.json")
         config: dict[str, Any] = {}
         if (d / "tokenizer_config.json").is_file():
             try:

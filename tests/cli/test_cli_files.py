@@ -178,6 +178,11 @@ def test_files_that_are_not_what_they_should_be_are_one_line(ck, tmp_path, capsy
     (ck / "tokenizer.json").write_text('{"garbage')
     assert main(["generate", str(ck), "--prompt", "a", "--max-new-tokens", "2", "--no-verify"]) == 2
     assert "tokenizer.json is not a valid tokenizer file" in one_line_error(capsys.readouterr().err)
+    # the same file given to `prepare --tokenizer` was a traceback (Exception: EOF while parsing an object)
+    assert (
+        main(["prepare", "shakespeare", "--tokenizer", str(ck / "tokenizer.json"), "--out", str(tmp_path / "p")]) == 2
+    )
+    assert "tokenizer.json is not a valid tokenizer file: EOF" in one_line_error(capsys.readouterr().err)
     (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
     (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
     assert main(["generate", str(tmp_path / "loop1"), "--prompt", "a"]) == 1

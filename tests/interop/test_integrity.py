@@ -74,6 +74,19 @@ def test_finite_damage_is_caught_by_the_checksum_alone(saved):
     assert load_llmkit(saved, verify=False).model is not None
 
 
+def test_a_weights_file_that_links_to_itself_is_a_one_line_error(saved, capsys):
+    """A link that leads back to itself was a traceback (RuntimeError: Symlink loop, from Path.resolve)."""
+    weights = saved / "model.safetensors"
+    weights.unlink()
+    weights.symlink_to(weights.name)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors cannot be read: Too many levels of symbolic links"):
+        load_llmkit(saved)
+    for extra in ([], ["--no-verify"]):
+        assert main(["generate", str(saved), "--prompt", "to be", "--max-new-tokens", "3", *extra]) == 2
+        err = capsys.readouterr().err
+        assert "model.safetensors" in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+
+
 def test_a_listed_file_that_is_gone(saved):
     (saved / "tokenizer.json").unlink()
     with pytest.raises(CheckpointError, match=r"tokenizer\.json is missing"):

@@ -27,7 +27,7 @@ from llmkit.data.bpe import check_vocab_size, train_bpe
 from llmkit.data.corpus import Document, load_corpus
 from llmkit.errors import InputError
 from llmkit.outputs import building, claim
-from llmkit.tokenizer import Tokenizer
+from llmkit.tokenizer import Tokenizer, read_backend
 
 EOT = "<|endoftext|>"
 SHARD_TOKENS = 100_000_000
@@ -59,9 +59,7 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
             raise InputError(f"{p} holds no tokenizer")
         return gguf_tok
     if p.is_file():
-        from tokenizers import Tokenizer as Backend
-
-        return Tokenizer(Backend.from_file(str(p)))
+        return Tokenizer(read_backend(p))
     tok = Tokenizer.from_dir(resolve_checkpoint(p))
     if tok is None:
         raise InputError(f"{p} has no tokenizer.json")

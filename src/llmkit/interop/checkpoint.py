@@ -127,10 +127,19 @@ def verify_manifest(directory: str | os.PathLike[str], meta: dict[str, Any] | No
     recorded = meta.get("checksums") or {}
     for name, digest in recorded.items():
         path = d / name
-        if not path.resolve().is_relative_to(d.resolve()):
+        # (realpath: Path.resolve raises RuntimeError on a link that leads back to itself before Python 3.13)
+        if not Path(os.path.realpath(path)).is_relative_to(os.path.realpath(d)):
             raise CheckpointError(f"{d / FORMAT_FILE}: checksum entry {name!r} points outside the checkpoint")
+        try:
+            os.stat(path)
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"{path} is missing: the checkpoint was saved with it ({FORMAT_FILE} lists it)"
+            ) from None
+        except OSError as e:  # a link that loops, a file that cannot be read
+            raise CheckpointError(f"{path} cannot be read: {e.strerror}: fix or replace it") from None
         if not path.is_file():
-            raise CheckpointError(f"{path} is missing: the checkpoint was saved with it ({FORMAT_FILE} lists it)")
+            raise CheckpointError(f"{path} is not a file: the checkpoint was saved with a file there")
         if stamped_digest(path, file_digest) != digest:
             raise CheckpointError(
                 f"{path} is damaged: its SHA-256 differs from the one recorded when it was saved. Restore it from a "
