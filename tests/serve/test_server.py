@@ -258,3 +258,32 @@ def test_the_server_keeps_freed_buffers_in_the_heap(tiny, monkeypatch):
     monkeypatch.setattr("llmkit.serve.server.tune_allocator", lambda: calls.append(1) or True)
     _server(tiny)
     assert calls == [1]
+
+
+def test_while_shutting_down_new_requests_get_503_until_the_requests_in_flight_finish(tiny):
+    """The drain keeps the listener open: a new request, /health and a new connection get 503 (they found the
+    port closed before, where the docs promised 503); the request in flight still finishes, then the server exits."""
+    with _server(tiny, options={"shutdown_timeout": 600.0}) as server:
+        stepper = Stepper(server.loop.engine)
+        result: dict[str, object] = {}
+
+        def in_flight() -> None:
+            body = {"model": "m", "prompt": "to be", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+            result["answer"] = post(f"{server.url}/v1/completions", body)
+
+        thread = threading.Thread(target=in_flight)
+        thread.start()
+        wait_for(lambda: server.loop.in_flight == 1, what="the request to be in flight")
+        server.shut_down()  # the engine is held between steps: the request cannot finish yet
+        assert not server._server.should_exit  # uvicorn is not told to stop listening while requests are in flight
+        for path, body in (("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 2}), ("/health", None)):
+            connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)  # a new connection
+            connection.request("POST" if body else "GET", path, json.dumps(body) if body else None)
+            answer = connection.getresponse()
+            assert answer.status == 503 and b"shutting down" in answer.read(), path
+            connection.close()
+        stepper.release()
+        thread.join(60)
+        code, answer = result["answer"]  # type: ignore[misc]
+        assert code == 200 and answer["choices"][0]["finish_reason"] == "length", answer
+        assert server.wait(60)  # and then it stopped listening and exited

@@ -1,5 +1,5 @@
-"""`llmkit serve` stopped by SIGTERM and SIGINT with streams in flight, as a process manager stops it: the listener
-closes, in-flight requests get --shutdown-timeout seconds, then end with an error event and [DONE]; a second
+"""`llmkit serve` stopped by SIGTERM and SIGINT with streams in flight, as a process manager stops it: new requests
+get 503, in-flight requests get --shutdown-timeout seconds, then end with an error event and [DONE]; a second
 signal ends them at once; the process logs what it did and exits 0."""
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def test_sigterm_lets_streams_finish_or_ends_them_with_done_then_exits_0(checkpo
     streams = [server.stream() for _ in range(4)]
     server.proc.send_signal(signal.SIGTERM)
     server.read_log_until("not taking new requests")
-    try:  # the listener is closed, or the gate answers 503
+    try:  # the gate answers 503 while streams run; the listener closes once they end
         with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health", timeout=10) as r:
             status = r.status
     except urllib.error.HTTPError as e:

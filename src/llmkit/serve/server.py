@@ -3,11 +3,12 @@ benchmarks). Both bind to 127.0.0.1 unless told otherwise.
 
 Stopping is the same in both, `Server.shut_down()` (what SIGTERM and SIGINT do in the foreground):
 
-    1. the gate closes: new requests get 503 and /health says so; uvicorn stops listening and closes idle
-       connections;
+    1. the gate closes: new requests get 503 and /health says so (the listener stays open meanwhile, so that a
+       client or a load balancer learns why instead of finding the port closed);
     2. the requests in flight get up to `shutdown_timeout` seconds to finish;
     3. whatever is still running then is ended: a stream gets an error event and `data: [DONE]`, a waiting client
-       a 503; what was ended is logged; the process exits once those answers are sent.
+       a 503; what was ended is logged; uvicorn stops listening and closes idle connections, and the process exits
+       once the answers are sent.
 
 A second signal skips the wait (step 3 at once). A request is never cut off mid-stream without its `[DONE]`.
 """
@@ -136,8 +137,7 @@ class Server:
         a second call with `now` ends the wait."""
         with self._lock:
             first = not self.gate.closed
-            self.gate.closed = True
-            self._server.should_exit = True  # uvicorn: stop listening, close idle connections, wait for the rest
+            self.gate.closed = True  # new requests: 503 (uvicorn keeps listening until the drain ends)
             if first:
                 grace = 0.0 if now else self.options.shutdown_timeout
                 log.warning(
@@ -158,7 +158,9 @@ class Server:
         while not self._drain_now.is_set() and time.monotonic() < deadline:
             if self.loop.wait_idle(min(0.1, max(deadline - time.monotonic(), 0.0))):
                 log.warning("shutting down: every request in flight finished")
+                self._server.should_exit = True  # uvicorn: stop listening, close idle connections, wait for the rest
                 return
+        self._server.should_exit = True
         if self.loop.in_flight:
             self.loop.shut_down()  # streams end with an error event and [DONE]; logged by the loop
         if not self.loop.wait_idle(_FLUSH_SECONDS):
