@@ -350,6 +350,48 @@ def test_the_native_extension_is_rebuilt_when_a_header_changes(tmp_path, monkeyp
     assert native.build_name() != before
 
 
+def test_two_environments_of_the_same_sources_get_builds_of_their_own(monkeypatch):
+    """Two virtual environments sharing torch's extension cache rebuilt the one folder in turn (torch's own check
+    counts their include paths): the name carries the Python and torch it is built for, and the flags."""
+    from llmkit.quant import native
+
+    before = native.build_name()
+    for name, value in (("prefix", "/elsewhere/.venv"), ("version", "3.12.1 (other)")):
+        with monkeypatch.context() as m:
+            m.setattr(sys, name, value)
+            assert native.build_name() != before, name
+    with monkeypatch.context() as m:
+        m.setattr(torch, "__version__", "2.99.0")
+        assert native.build_name() != before
+    with monkeypatch.context() as m:
+        m.setattr(native, "CFLAGS", (*native.CFLAGS, "-DOTHER"))
+        assert native.build_name() != before
+    native.module()  # (loading does not change the name: torch's load appends to the flag lists it is given)
+    assert native.build_name() == before
+
+
+def test_a_stale_lock_waits_for_the_build_its_killed_process_left_running(tmp_path, capsys):
+    """A killed build's ninja kept compiling while the next process removed the lock and started a second build in
+    the same folder: while a process works in the build folder, the lock stays and the next build waits."""
+    import threading
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], cwd=tmp_path, stdin=subprocess.PIPE
+    )
+    try:
+        assert child.pid in native.builders(tmp_path)  # a ninja left running, for this test
+        done = threading.Event()
+        waiter = threading.Thread(target=lambda: (native.wait_for_builders(tmp_path, poll=0.05), done.set()))
+        waiter.start()
+        assert not done.wait(0.5)  # (a bound on how long the test looks, not a race: it waits until the child ends)
+    finally:
+        child.stdin.close()  # type: ignore[union-attr]
+        child.wait(60)
+    waiter.join(60)
+    assert done.is_set() and "waiting for a build an interrupted process left running" in capsys.readouterr().err
+    assert native.builders(tmp_path) == []
+
+
 def test_the_first_build_of_the_kernels_is_announced(tmp_path, monkeypatch, capsys):
     """`llmkit generate` once sat ~45 s without a word while the kernels compiled: a build that is due is said on
     stderr, and a cached one is not."""
@@ -375,4 +417,4 @@ def test_a_lock_left_by_an_interrupted_build_does_not_hang_the_next_command():
     assert done.returncode == 0, done.stderr
     # the child removed it (and said so), unless another process loading the kernels meanwhile (a pytest-xdist
     # worker, another command sharing torch's extension cache) took the build lock and removed it first
-    assert not (directory / "lock").exists()
+    assert not (directory / "lock").exists(), done.stderr

@@ -21,6 +21,7 @@ import functools
 import hashlib
 import os
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -58,11 +59,18 @@ HEADERS = [
 ]
 
 
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+
+
 def build_name() -> str:
-    """The extension's name, with a digest of every source and header: torch's cache rebuilds an extension when a
-    listed source changes, not a header, so a changed header gets a name (and a build) of its own."""
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))).hexdigest()[:12]
-    return f"llmkit_quant_cpu_{digest}"
+    """The extension's name, with a digest of everything its build depends on: every source and header (torch's
+    cache rebuilds an extension when a listed source changes, not a header), the flags, and the Python and torch it
+    is built for (torch's own check counts the include paths, so two environments of the same sources, sharing
+    torch's cache, each rebuilt the one folder in turn, minutes a switch: each gets a build of its own)."""
+    h = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS)))
+    h.update(repr((CFLAGS, LDFLAGS, sys.version, sys.prefix, torch.__version__, torch.__file__)).encode())
+    return f"llmkit_quant_cpu_{h.hexdigest()[:12]}"
 
 
 @functools.cache
@@ -78,8 +86,8 @@ def module() -> Any | None:
             ext = load(
                 name=build_name(),
                 sources=[str(s) for s in SOURCES],
-                extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
+                extra_cflags=list(CFLAGS),  # (copies: torch appends its own flags to the lists it is given)
+                extra_ldflags=list(LDFLAGS),
                 verbose=False,
             )
         ext.select_vnni(_environment("LLMKIT_INTEGER_KERNEL", INTEGER_KERNELS) == "auto")
@@ -104,8 +112,9 @@ def _build_directory(name: str) -> Path | None:
 @contextlib.contextmanager
 def build_lock(name: str) -> Iterator[None]:
     """Hold the build of `name` for this process (every llmkit process takes this lock before torch's). While it is
-    held, a torch lock file in the build directory can only be one a dead process left: it is removed, so that
-    torch builds (or loads) instead of waiting for it forever."""
+    held, a torch lock file in the build directory is one a process left that died while building: once no process
+    works in the directory any more (its ninja and compilers outlive it), it is removed, so that torch builds (or
+    loads) instead of waiting for it forever."""
     directory = _build_directory(name)
     try:
         import fcntl
@@ -119,9 +128,38 @@ def build_lock(name: str) -> Iterator[None]:
         fcntl.flock(held, fcntl.LOCK_EX)  # waits for a live build; released by the OS if its holder dies
         stale = directory / "lock"
         if stale.exists():
+            wait_for_builders(directory)
             print(f"llmkit: removing a lock left by an interrupted build ({stale})", file=sys.stderr, flush=True)
             stale.unlink(missing_ok=True)
         yield
+
+
+def builders(directory: Path) -> list[int]:
+    """The live processes (but this one) working in `directory`, by /proc (Linux): a build's ninja and compiler
+    processes run there, and go on after the process that started them is killed. Empty where /proc is not."""
+    where, found = os.path.realpath(directory), []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if int(entry.name) != os.getpid() and os.readlink(entry / "cwd") == where:
+                found.append(int(entry.name))
+        except (OSError, ValueError):  # gone meanwhile, or not ours to look at
+            continue
+    return found
+
+
+def wait_for_builders(directory: Path, poll: float = 1.0) -> None:
+    """Wait until no process works in `directory` (`builders`), saying so once on stderr."""
+    said = False
+    while pids := builders(directory):
+        if not said:
+            print(
+                f"llmkit: waiting for a build an interrupted process left running in {directory} (pids "
+                f"{', '.join(map(str, pids))})",
+                file=sys.stderr,
+                flush=True,
+            )
+            said = True
+        time.sleep(poll)
 
 
 def announce_build(name: str) -> bool:
