@@ -15,6 +15,7 @@ import threading
 import urllib.error
 import urllib.request
 
+import pydantic
 import pytest
 import torch
 
@@ -22,7 +23,7 @@ import llmkit
 from llmkit.generate import generate
 from llmkit.serve.engine import Engine, EngineConfig
 from llmkit.serve.paged import PagedCache
-from llmkit.serve.protocol import MAX_MESSAGES, MAX_PROMPTS
+from llmkit.serve.protocol import MAX_MESSAGES, MAX_PROMPTS, CompletionRequest, EmbeddingRequest
 from llmkit.serve.request import SamplingParams
 from llmkit.serve.server import ServeOptions, Server
 
@@ -202,6 +203,62 @@ def test_bodies_beyond_the_limits_are_refused_before_they_are_read(tiny):
         code, answer = post(server.url + "/v1/completions", prompts)
         assert (code, answer["error"]["param"]) == (400, "prompt"), answer
         assert post(server.url + "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2})[0] == 200
+
+
+def _nested(depth: int) -> dict:
+    """A JSON schema of objects `depth` deep (two levels of JSON each)."""
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def test_many_small_strings_are_refused_by_their_count_before_each_is_checked(tiny):
+    """`prompt: ["ab"] * 800000` (5 MB) was a 400 after 18-29 s, /health blocked meanwhile: each shape the field may
+    take failed once per item. The count is checked first: one error, whatever the number of items."""
+    for cls, field in ((CompletionRequest, "prompt"), (EmbeddingRequest, "input")):
+        with pytest.raises(pydantic.ValidationError) as e:
+            cls.model_validate({"model": "m", field: ["ab"] * 800_000})
+        assert e.value.error_count() == 1 and "at most 256" in str(e.value), field
+    CompletionRequest.model_validate({"model": "m", "prompt": list(range(2000))})  # one prompt of token ids
+    with _server(tiny) as server:
+        body = json.dumps({"model": "m", "prompt": ["ab"] * 800_000}).encode()
+        code, answer = post(server.url + "/v1/completions", body)
+        assert (code, answer["error"]["param"]) == (400, "prompt"), answer
+        assert "at most 256 prompts in one request, got 800000" in answer["error"]["message"]
+
+
+def test_schemas_nested_too_deep_say_the_limit_and_the_field(tiny):
+    """A schema 500 deep was FastAPI's "There was an error parsing the body" (Python's JSON parser ran out of
+    recursion), one 100 deep the grammar engine's "recursion limit exceeded": both name the limit now."""
+    with _server(tiny) as server:
+        url = server.url + "/v1/chat/completions"
+        ask = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        schema = '{"type": "object", "properties": {"a": ' * 500 + '{"type": "integer"}' + "}}" * 500  # (json.dumps
+        # cannot write it either)
+        deep = json.dumps({**ask, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})
+        code, answer = post(url, deep[:-3].encode() + b', "schema": ' + schema.encode() + b"}}}")
+        assert code == 400 and "nests deeper than 512 levels of JSON" in answer["error"]["message"], answer
+        body = {**ask, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": _nested(100)}}}
+        code, answer = post(url, json.dumps(body).encode())
+        assert (code, answer["error"]["param"]) == (400, "response_format"), answer
+        assert "nests 201 levels deep; the grammar engine takes at most 100" in answer["error"]["message"]
+        body = {**ask, "structured_outputs": {"json": json.dumps(_nested(100))}}  # the schema as JSON text
+        code, answer = post(url, json.dumps(body).encode())
+        assert (code, answer["error"]["param"]) == (400, "structured_outputs"), answer
+        tool = {"type": "function", "function": {"name": "f", "parameters": {**_nested(60), "type": "object"}}}
+        code, answer = post(url, json.dumps({**ask, "tools": [tool]}).encode())
+        assert (code, answer["error"]["param"]) == (400, "tools.0.function.parameters"), answer
+        assert "nests 121 levels deep" in answer["error"]["message"]
+        assert post(url, json.dumps(ask).encode())[0] == 200
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting():
+    from llmkit.serve.limits import MAX_JSON_DEPTH, too_deep
+
+    assert not too_deep(json.dumps({"prompt": "[" * 5000 + '\\"{' * 100}).encode())
+    assert too_deep(b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1))
+    assert not too_deep(b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH)
 
 
 def _raw(server, data: bytes) -> bytes:

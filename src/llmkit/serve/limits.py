@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any
 
 import h11
@@ -52,9 +53,10 @@ class BodyLimits:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.body_timeout
         received, body_done, started = 0, False, False
+        brackets, held = 0, []  # a body with enough brackets to nest past MAX_JSON_DEPTH is checked whole
 
         async def limited_receive() -> Message:
-            nonlocal received, body_done
+            nonlocal received, body_done, brackets
             if body_done:  # after the body: only a disconnect can come, whenever it comes
                 return dict(await receive())
             try:
@@ -62,10 +64,18 @@ class BodyLimits:
             except TimeoutError:
                 raise BodyRefused(408, f"the request body did not arrive within {self.body_timeout:g} s") from None
             if message["type"] == "http.request":
-                received += len(message.get("body", b""))
+                chunk = message.get("body", b"")
+                received += len(chunk)
                 if received > self.max_body:
                     raise BodyRefused(413, self._too_large(received, at_least=True))
+                brackets += chunk.count(b"[") + chunk.count(b"{")
+                held.append(chunk)
                 body_done = not message.get("more_body", False)
+                if body_done:
+                    deep = brackets > MAX_JSON_DEPTH and too_deep(b"".join(held))
+                    held.clear()
+                    if deep:
+                        raise BodyRefused(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels of JSON")
             return message
 
         async def tracked_send(message: Message) -> None:
@@ -85,6 +95,26 @@ class BodyLimits:
             f"the request body is {'more than ' if at_least else ''}{size:,} bytes; this server takes at most "
             f"{self.max_body:,} (llmkit serve --max-body-size)"
         )
+
+
+# Python's JSON parser recurses once a level: past about sys.getrecursionlimit() levels it fails, and FastAPI says
+# only "There was an error parsing the body"
+MAX_JSON_DEPTH = 512
+
+
+def too_deep(body: bytes) -> bool:
+    """Whether the JSON text `body` nests more than MAX_JSON_DEPTH levels (brackets inside strings not counted).
+    Run only on bodies holding that many brackets; a body that is not JSON is FastAPI's to refuse."""
+    depth = 0
+    for token in re.finditer(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]', body):
+        t = token.group()
+        if t in (b"[", b"{"):
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                return True
+        elif t in (b"]", b"}"):
+            depth -= 1
+    return False
 
 
 async def _refuse(send: Any, status: int, message: str) -> None:

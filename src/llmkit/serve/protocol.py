@@ -18,10 +18,20 @@ import json
 from dataclasses import replace
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from llmkit.errors import InputError
 from llmkit.serve.request import MAX_TOP_LOGPROBS, SamplingParams
-from llmkit.serve.structured import Constraint
+from llmkit.serve.structured import Constraint, check_schema_depth
 from llmkit.serve.tools import Function, ToolCall
 
 INT64 = (-(2**63), 2**63 - 1)  # seeds: what torch.Generator.manual_seed takes (with room for seed + n)
@@ -30,6 +40,19 @@ MAX_PROMPTS = 256  # prompts in one completions request (each becomes n sequence
 MAX_MESSAGES = 4096  # messages in one chat request
 MAX_PARTS = 256  # content parts in one message
 MAX_LOGIT_BIAS = 1024  # tokens in one logit_bias map
+
+
+def _several(limit: int, what: str) -> BeforeValidator:
+    """Checked before the shapes are tried: a list of more than `limit` strings or token lists is refused at once
+    (each shape that fails on a list of 800,000 strings gives one error an item, seconds of work on the event loop);
+    one list of token ids is one prompt, whatever its length."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, list) and len(value) > limit and not isinstance(value[0], int):
+            raise ValueError(f"at most {limit} {what} in one request, got {len(value)}")
+        return value
+
+    return BeforeValidator(check)
 
 
 def _scalar_values(text: str) -> str:
@@ -211,12 +234,13 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     """POST /v1/completions. prompt: a string, several, a list of token ids, or several such lists."""
 
-    prompt: (
+    prompt: Annotated[
         Text
         | Annotated[list[Text], Field(max_length=MAX_PROMPTS)]
         | list[int]
-        | Annotated[list[list[int]], Field(max_length=MAX_PROMPTS)]
-    )
+        | Annotated[list[list[int]], Field(max_length=MAX_PROMPTS)],
+        _several(MAX_PROMPTS, "prompts"),
+    ]
     max_tokens: int | None = Field(16, ge=0, le=MAX_INT)  # 0: only the prompt (with echo, its log-probabilities)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # each token's, with this many alternatives
     echo: bool | None = False  # the prompt before the completion, with its log-probabilities when asked for
@@ -331,6 +355,10 @@ class FunctionModel(BaseModel):
             raise ValueError(
                 f'parameters is the JSON schema of an object (type "object"), not of type {json.dumps(kind)}'
             )
+        try:
+            check_schema_depth(parameters)
+        except InputError as e:
+            raise ValueError(str(e)) from None
         return parameters
 
 
@@ -460,12 +488,13 @@ class EmbeddingRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: Text
-    input: (
+    input: Annotated[
         Text
         | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)]
         | Annotated[list[int], Field(min_length=1)]
-        | Annotated[list[list[int]], Field(min_length=1, max_length=MAX_PROMPTS)]
-    )
+        | Annotated[list[list[int]], Field(min_length=1, max_length=MAX_PROMPTS)],
+        _several(MAX_PROMPTS, "inputs"),
+    ]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Unsupported = None  # a shorter embedding: models trained for it only
     user: Text | None = None

@@ -43,6 +43,29 @@ from llmkit.errors import InputError
 from llmkit.tokenizer import Tokenizer
 
 Kind = Literal["json", "regex", "choice", "grammar"]
+# JSON schemas nest at most this many levels: llguidance parses JSON up to 128 (serde_json's limit: "recursion limit
+# exceeded"), and wraps a schema in a few levels of its own (a tool's parameters in a few more: tools.py)
+MAX_SCHEMA_DEPTH = 100
+
+
+def json_depth(value: Any) -> int:
+    """How many levels of arrays and objects `value` nests (0 for a scalar), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def check_schema_depth(schema: Any) -> None:
+    """InputError for a schema that nests deeper than MAX_SCHEMA_DEPTH levels."""
+    if (depth := json_depth(schema)) > MAX_SCHEMA_DEPTH:
+        raise InputError(
+            f"the JSON schema nests {depth} levels deep; the grammar engine takes at most {MAX_SCHEMA_DEPTH}"
+        )
 
 
 @dataclass(frozen=True)
@@ -69,6 +92,7 @@ class Constraint:
                 raise InputError(f"the JSON schema is not valid JSON: {e}") from None
         if not isinstance(schema, dict | bool):
             raise InputError(f"a JSON schema is an object, got {type(schema).__name__}")
+        check_schema_depth(schema)
         return cls("json", json.dumps(schema), whitespace)  # keys in the client's order: properties in schema order
 
     @classmethod
