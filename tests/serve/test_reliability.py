@@ -388,3 +388,55 @@ def test_metrics_and_openapi_need_the_key(tiny):
         ]
         assert [get("/openapi.json"), get("/openapi.json", "scrape"), get("/openapi.json", "k")] == [401, 401, 200]
         assert get("/health") == 200  # load balancers ask without a key
+
+
+def test_a_long_embedding_input_takes_a_step_s_budget_between_steps(tiny, monkeypatch):
+    """An 8,192-token embedding input stalled every stream for 39 s (one forward between two steps): its chunks now
+    take turns with the engine's steps, at most one chunk of at most step_tokens tokens between two steps while
+    requests run, and the embedding equals one forward's."""
+    from llmkit.serve import embeddings
+
+    model, tok = tiny
+    config = EngineConfig(kv_memory=64 << 20, step_tokens=64)
+    with Server(model, tok, ServeOptions("m"), config) as server:
+        stepper = Stepper(server.engine)  # one step at a time: what runs between two steps is observable
+        chunks: list[tuple[int, int]] = []  # per chunk: (tokens, engine steps taken before it)
+        advance = embeddings.Embedding.advance
+
+        def logged(job, tokens):
+            before = job.done
+            try:
+                return advance(job, tokens)
+            finally:
+                chunks.append((job.done - before, server.engine.stats.steps))
+
+        monkeypatch.setattr(embeddings.Embedding, "advance", logged)
+        result: dict[str, object] = {}
+        stream = {"model": "m", "prompt": "to be", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+        ids = [
+            int(t) for t in torch.randint(3, model.cfg.vocab_size, (1000,), generator=torch.Generator().manual_seed(0))
+        ]
+        threads = [
+            threading.Thread(target=lambda: result.setdefault("stream", post(server.url + "/v1/completions", stream))),
+            threading.Thread(
+                target=lambda: result.setdefault(
+                    "embedding", post(server.url + "/v1/embeddings", {"model": "m", "input": ids})
+                )
+            ),
+        ]
+        threads[0].start()
+        wait_for(lambda: server.engine.has_work, what="the stream to be admitted")
+        threads[1].start()
+        while len(chunks) < 16:  # 1,000 tokens in chunks of 64
+            assert stepper.step(), "the engine stopped while the embedding was computed"
+        stepper.release()
+        for thread in threads:
+            thread.join(60)
+    code, answer = result["embedding"]  # type: ignore[misc]
+    assert code == 200, answer
+    assert [n for n, _ in chunks] == [64] * 15 + [40]
+    steps = [s for _, s in chunks]
+    assert steps == sorted(set(steps)), steps  # never two chunks without a step between them
+    whole = embeddings.pool_states(model, ids)
+    torch.testing.assert_close(torch.tensor(answer["data"][0]["embedding"]), whole, atol=1e-5, rtol=0)
+    assert result["stream"][0] == 200  # type: ignore[index]

@@ -29,7 +29,7 @@ from llmkit.models.decoder import DecoderLM
 from llmkit.serve.blocks import BlockPool
 from llmkit.serve.config import EngineConfig, EngineStats
 from llmkit.serve.drafters import speculator
-from llmkit.serve.embeddings import check_input, pooled_embedding
+from llmkit.serve.embeddings import Embedding, OneForward, check_input
 from llmkit.serve.forward import row_of
 from llmkit.serve.lockstep import Lockstep, embed_step, make_cache
 from llmkit.serve.model_runner import NativeRunner, StepPlan, model_runner
@@ -189,12 +189,22 @@ class Engine:
                 seq.status, seq.finish_reason = Status.FINISHED, "abort"
                 self.drafter.forget(seq)
 
-    def embed(self, prompt: list[int]) -> Tensor:
-        """The prompt's pooled embedding (embeddings.py), on every rank of a model split across ranks."""
+    def embedding(self, prompt: list[int]) -> Embedding | OneForward:
+        """The prompt's pooled embedding (embeddings.py) as work to advance a chunk at a time (Refused for a bad
+        prompt, at once); on every rank of a model split across ranks, in one forward."""
         if self.lockstep is None:
-            return pooled_embedding(self.model, prompt)
+            return Embedding(self.model, prompt)
         check_input(self.model, prompt)  # a refusal before any rank starts the forward
-        return self.lockstep.run(embed_step, self.runner, prompt)
+        lockstep = self.lockstep
+        return OneForward(lambda: lockstep.run(embed_step, self.runner, prompt))
+
+    def embed(self, prompt: list[int]) -> Tensor:
+        """The prompt's pooled embedding, computed at once (the engine loop interleaves `embedding`'s chunks with
+        steps instead)."""
+        job = self.embedding(prompt)
+        while (vector := job.advance(self.config.step_tokens)) is None:
+            pass
+        return vector
 
     @property
     def has_work(self) -> bool:

@@ -19,11 +19,11 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 from torch import Tensor
 
 from llmkit.errors import InputError
+from llmkit.serve.embeddings import Embedding, OneForward
 from llmkit.serve.engine import Engine, QueueFull
 from llmkit.serve.lockstep import RanksLost
 from llmkit.serve.metrics import Metrics
@@ -31,7 +31,6 @@ from llmkit.serve.request import Delta, Request, SamplingParams
 from llmkit.serve.structured import Constraint
 
 log = logging.getLogger("llmkit.serve")
-T = TypeVar("T")
 
 OnDelta = Callable[[Delta], None]
 
@@ -56,6 +55,7 @@ class EngineLoop:
         self.metrics = metrics or Metrics()
         self.idle_wait = idle_wait
         self._commands: deque[Callable[[], None]] = deque()
+        self._embeddings: deque[tuple[Embedding | OneForward, Future[Tensor]]] = deque()  # a chunk between steps
         self._flights: dict[str, _Flight] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -143,21 +143,35 @@ class EngineLoop:
         self._wake.set()
         return request_id
 
-    def call(self, fn: Callable[[Engine], T]) -> Future[T]:
-        """Run fn(engine) in the loop, between two steps (the model is the loop's: work outside the batch, such as
-        embeddings, takes its turn there instead of competing for the cores)."""
-        future: Future[T] = Future()
-
-        def run() -> None:
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(self.engine))
-                except Exception as e:  # the caller's to report
-                    future.set_exception(e)
-
-        self._commands.append(run)
+    def embed(self, prompt: list[int]) -> Future[Tensor]:
+        """The prompt's pooled embedding, computed in the loop at most a step's token budget at a time, one chunk
+        between two engine steps (Refused for a bad prompt, at once, in the caller's thread). Cancelling the future
+        drops the rest of the work."""
+        job = self.engine.embedding(prompt)
+        future: Future[Tensor] = Future()
+        self._commands.append(lambda: self._embeddings.append((job, future)))
         self._wake.set()
         return future
+
+    def _embed_chunk(self) -> bool:
+        """One chunk of the oldest embedding still wanted (its future resolved once it is whole); whether one ran."""
+        while self._embeddings and self._embeddings[0][1].cancelled():
+            self._embeddings.popleft()
+        if not self._embeddings:
+            return False
+        job, future = self._embeddings[0]
+        try:
+            vector = job.advance(self.engine.config.step_tokens)
+        except Exception as e:  # the caller's to report
+            self._embeddings.popleft()
+            if future.set_running_or_notify_cancel():
+                future.set_exception(e)
+            return True
+        if vector is not None:
+            self._embeddings.popleft()
+            if future.set_running_or_notify_cancel():
+                future.set_result(vector)
+        return True
 
     def abort(self, request_id: str) -> None:
         """End a request (its client went away); its cache blocks go back to the pool."""
@@ -177,10 +191,12 @@ class EngineLoop:
             if not self._flights and not self._pending:
                 with self._idle:
                     self._idle.notify_all()
+            embedded = self._embed_chunk()  # at most one chunk of a step's budget between two steps
             if not self.engine.has_work:
                 self.metrics.observe_engine(self.engine)
-                self._wake.wait(self.idle_wait)
-                self._wake.clear()
+                if not embedded:
+                    self._wake.wait(self.idle_wait)
+                    self._wake.clear()
                 continue
             try:
                 deltas = self.engine.step()
@@ -271,7 +287,7 @@ class EngineClient:
 
     def embed(self, prompt: list[int]) -> Future[Tensor]:
         """The prompt's pooled embedding, computed between two engine steps (Refused for a bad prompt)."""
-        return self._loop.call(lambda engine: engine.embed(prompt))
+        return self._loop.embed(prompt)
 
     def compile(self, constraint: Constraint) -> None:
         """Compile a structured-output constraint now, in this thread (a large grammar can take a second), so that the
