@@ -9,6 +9,7 @@ matters, and the timeouts under test are the server's own, waited for on a socke
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import socket
 import threading
@@ -440,3 +441,54 @@ def test_a_long_embedding_input_takes_a_step_s_budget_between_steps(tiny, monkey
     whole = embeddings.pool_states(model, ids)
     torch.testing.assert_close(torch.tensor(answer["data"][0]["embedding"]), whole, atol=1e-5, rtol=0)
     assert result["stream"][0] == 200  # type: ignore[index]
+
+
+def test_a_forced_call_among_many_tools_with_n_4_costs_the_others_no_step(tiny, monkeypatch):
+    """100 tools, tool_choice "required", n = 4 once cost every stream 1.37 s a token, with gaps of 29 s: counted in
+    engine steps, a stream running beside such a request gets a token at every step (its prompt's chunks and its
+    four grammars' masks ride in the steps; none is taken without the stream)."""
+    pytest.importorskip("llguidance")
+    from llmkit.serve.engine_loop import EngineLoop
+
+    model, tok = tiny
+    city = {"city": {"type": "string", "maxLength": 4}}  # (short calls: a random model's arguments end soon)
+    parameters = {"type": "object", "properties": city, "required": ["city"], "additionalProperties": False}
+    # (as many tools as the tiny model's context of 1,024 holds with their definitions)
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": parameters}} for i in range(12)]
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    forced = {"model": "m", "messages": ask, "tools": tools, "tool_choice": "required", "n": 4, "max_tokens": 60}
+    victim = {"model": "m", "prompt": "to be", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+    with Server(model, tok, ServeOptions("m"), EngineConfig(kv_memory=64 << 20, step_tokens=64)) as server:
+        stepper = Stepper(server.engine)
+        steps: dict[str, list[int]] = {}  # request id -> the engine step of each of its deltas with tokens
+        deliver = EngineLoop._deliver
+
+        def counted(loop, d):
+            if d.token_ids:
+                steps.setdefault(d.request_id, []).append(server.engine.stats.steps)
+            deliver(loop, d)
+
+        monkeypatch.setattr(EngineLoop, "_deliver", counted)
+        result: dict[str, object] = {}
+
+        def send(name: str, path: str, body: dict) -> threading.Thread:
+            thread = threading.Thread(target=lambda: result.setdefault(name, post(server.url + path, body)))
+            thread.start()
+            return thread
+
+        threads = [send("victim", "/v1/completions", victim)]
+        wait_for(lambda: server.loop.in_flight == 1, what="the stream to be submitted")
+        stepper.step()  # (the loop takes it in, then steps)
+        threads.append(send("forced", "/v1/chat/completions", {**forced, "temperature": 1.0, "seed": 0}))
+        wait_for(lambda: server.loop.in_flight == 2, what="the forced request to be submitted")
+        while "forced" not in result:
+            stepper.step(unless=lambda: "forced" in result)
+        stepper.release()
+        for thread in threads:
+            thread.join(60)
+    code, answer = result["forced"]  # type: ignore[misc]
+    assert code == 200 and all(c["message"].get("tool_calls") for c in answer["choices"]), answer["choices"]
+    victim_id, forced_id = sorted(steps, key=lambda r: int(r[1:]))  # (ids in the order of submission)
+    during = [s for s in steps[victim_id] if s <= max(steps[forced_id])]
+    assert len(during) > len(set(steps[forced_id])), (during, steps[forced_id])
+    assert all(b - a == 1 for a, b in itertools.pairwise(during)), during
