@@ -237,3 +237,22 @@ def test_smollm2_int4_concurrent_requests_each_get_generates_tokens(smollm2_file
     served, _ = engine_outputs(model, prompts, {1, 6, 9, 14}, config, max_tokens=16)
     step = choose_step(model, invariant=True)
     assert served == [generate(model, [p], max_new_tokens=16, step=step).new_tokens[0] for p in prompts]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 2, 64), (8, 2, 64), (2, 1, 128), (4, 4, 64)])
+def test_a_prompt_s_rows_attend_in_tiles_with_each_row_s_own_bits(heads, kv_heads, dim):
+    """The C++ step attends a prompt's rows (of one sequence) a tile at a time, sharing each key's and value's loads:
+    a prompt given one token a step (each row alone) and 200 at a time (in tiles) get the same log-probabilities,
+    to the bit, through the engine; and its tokens and those of `generate` (the whole prompt in one call) agree."""
+    torch.manual_seed(0)
+    base = get_preset("llama2-7b-tiny")
+    attention = dataclasses.replace(base.attention, n_heads=heads, n_kv_heads=kv_heads, head_dim=dim)
+    model = quantize(build_model(dataclasses.replace(base, d_model=256, attention=attention)).eval(), "int8")
+    prompts = [torch.randint(0, model.cfg.vocab_size, (n,)).tolist() for n in (150, 37, 5)]
+    outputs = {}
+    for budget in (1, 200):
+        config = EngineConfig(kv_memory=16 << 20, step_tokens=budget, batch_invariant=True)
+        outputs[budget] = engine_outputs(model, prompts, set(), config, max_tokens=6)
+    assert outputs[1] == outputs[200]
+    step = choose_step(model, invariant=True)
+    assert outputs[1][0] == [generate(model, [p], max_new_tokens=6, step=step).new_tokens[0] for p in prompts]

@@ -31,6 +31,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 
@@ -192,16 +193,24 @@ struct DecodeBlock {
       }
     }
 #pragma omp barrier
-    {  // each (row, query head) pair over the visible slots of its kv head: softmax(q k / sqrt(D)) v
+    {  // each (row, query head) pair over the visible slots of its kv head: softmax(q k / sqrt(D)) v; the rows of
+       // one cache row (a prompt's chunk, a round's drafts) a tile at a time, with the same bits (attend_tile)
       thread_local std::vector<float> p;
       thread_local std::vector<int64_t> seen;
-      const auto [i0, i1] = team.share(M * H);
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t b = i / H, r = rows[b], hh = i % H, g = hh / (H / KH), slot = slots[b];
+      const std::vector<AttentionUnit> units = attention_units(kv, rows, M, S, A);
+      const auto [u0, u1] = team.share(static_cast<int64_t>(units.size()));
+      for (int64_t u = u0; u < u1; ++u) {
+        const AttentionUnit& unit = units[u];
+        if (unit.head < 0) {
+          attend_tile(w.qkv.data(), Nqkv, kv, rows[unit.b0], unit.g, unit.b0, unit.b1, slots, A + rows[unit.b0] * S,
+                      w.att.data());
+          continue;
+        }
+        const int64_t b = unit.b0, r = rows[b], hh = unit.head, g = hh / (H / KH), slot = slots[b];
         const int64_t lo = window > 0 ? std::max<int64_t>(0, slot - window + 1) : 0, n = slot - lo + 1;
         p.resize(n), seen.resize(n);
         const float* q = w.qkv.data() + b * Nqkv + hh * D;
-        float* o = w.att.data() + i * Dv;
+        float* o = w.att.data() + (b * H + hh) * Dv;
         attend(q, kv, r, g, lo, n, A + r * S, p.data(), seen.data(), o);
       }
     }
@@ -238,6 +247,127 @@ struct DecodeBlock {
 #pragma omp barrier
   }
 
+  // What the team's threads share out in attention: one (row, query head) pair (head >= 0), or a tile (head -1):
+  // rows [b0, b1) of one cache row against kv head g, every query head of the group.
+  struct AttentionUnit {
+    int64_t b0, b1, g, head;
+  };
+
+  // Consecutive query rows that read one cache (up to about 32 queries a tile) where there is no window and the
+  // value heads are 64 or 128 wide (weigh_values'); the other rows a pair at a time. The same for every thread.
+  std::vector<AttentionUnit> attention_units(const KVLayout& kv, const int64_t* rows, int64_t M, int64_t S,
+                                             const bool* A) const {
+    const int64_t H = n_heads, KH = n_kv_heads, group = H / KH;
+    const int64_t most = std::max<int64_t>(1, 32 / group);  // rows a tile
+    const bool tiles = window == 0 && (v_head_dim == 64 || v_head_dim == 128);
+    // the same cache: one cache row, or (the serving engine's tokens, each a row of its own) the same blocks and
+    // the same visible slots
+    const auto same = [&](int64_t a, int64_t b) {
+      const int64_t ra = rows[a], rb = rows[b];
+      if (ra == rb) return true;
+      if (kv.table == nullptr) return false;
+      return std::memcmp(kv.table + ra * kv.nb, kv.table + rb * kv.nb, kv.nb * sizeof(int64_t)) == 0 &&
+             std::memcmp(A + ra * S, A + rb * S, S * sizeof(bool)) == 0;
+    };
+    std::vector<AttentionUnit> units;
+    for (int64_t b = 0; b < M;) {
+      int64_t e = b + 1;
+      while (tiles && e < M && e - b < most && same(b, e)) ++e;
+      if (e - b > 1) {
+        for (int64_t g = 0; g < KH; ++g) units.push_back({b, e, g, -1});
+      } else {
+        for (int64_t hh = 0; hh < H; ++hh) units.push_back({b, b + 1, hh / group, hh});
+      }
+      b = e;
+    }
+    return units;
+  }
+
+  // Query rows [b0, b1), all of cache row r, each query head of kv head g: what `attend` gives each (row, head) pair,
+  // to the bit, with each key and value read once for the tile instead of once a query (a prompt's chunk at a long
+  // context read them again for every token, from memory). Each query's scores, maximum, exponentials, sums and
+  // weighted values are computed in attend's order: the tile only shares the loads. Window 0 (lo = 0) and Dv 64 or
+  // 128 (attention_units).
+  void attend_tile(const float* qkv, int64_t Nqkv, const KVLayout& kv, int64_t r, int64_t g, int64_t b0, int64_t b1,
+                   const int64_t* slots, const bool* allowed, float* att) const {
+    const int64_t H = n_heads, D = head_dim, Dv = v_head_dim, group = H / n_kv_heads, Q = (b1 - b0) * group;
+    const float sc = static_cast<float>(scale);
+    thread_local std::vector<int64_t> seen, at;  // visible slots (cache indices, slot numbers), in slot order
+    thread_local std::vector<float> p, acc;
+    thread_local std::vector<int64_t> m;  // per query: how many of them it sees
+    int64_t last = 0;
+    for (int64_t b = b0; b < b1; ++b) last = std::max(last, slots[b]);
+    seen.clear(), at.clear();
+    for (int64_t s = 0; s <= last; ++s)
+      if (allowed[s]) seen.push_back(kv.index(r, g, s)), at.push_back(s);
+    const int64_t n = static_cast<int64_t>(seen.size());
+    p.resize(Q * n), m.resize(Q), acc.assign(Q * Dv, 0.f);
+    const auto query = [&](int64_t i) { return qkv + (b0 + i / group) * Nqkv + (g * group + i % group) * D; };
+    for (int64_t i = 0; i < Q; ++i)
+      m[i] = std::upper_bound(at.begin(), at.end(), slots[b0 + i / group]) - at.begin();
+    constexpr int64_t KEYS = 16;  // keys (then values) in L1 for every query of the tile
+    for (int64_t j0 = 0; j0 < n; j0 += KEYS)
+      for (int64_t i = 0; i < Q; ++i)
+        for (int64_t j = j0; j < std::min(j0 + KEYS, m[i]); ++j)
+          p[i * n + j] = dot(query(i), kv.k + seen[j] * D, D) * sc;
+    std::vector<float> total(Q, 0.f);
+    for (int64_t i = 0; i < Q; ++i) {
+      if (m[i] == 0) continue;  // no visible key: zeros
+      float* pi = p.data() + i * n;
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < m[i]; ++j) top = std::max(top, pi[j]);
+      total[i] = softmax_weights(pi, m[i], top);
+    }
+    for (int64_t j0 = 0; j0 < n; j0 += KEYS)
+      for (int64_t i = 0; i < Q; ++i) {
+        const int64_t j1 = std::min(j0 + KEYS, m[i]);
+        if (Dv == 64)
+          weigh_block<8>(kv, seen.data(), j0, j1, p.data() + i * n, acc.data() + i * Dv);
+        else
+          weigh_block<16>(kv, seen.data(), j0, j1, p.data() + i * n, acc.data() + i * Dv);
+      }
+    const int NV = static_cast<int>(Dv / 8);
+    for (int64_t i = 0; i < Q; ++i) {
+      if (m[i] == 0) continue;
+      const __m256 inv = _mm256_set1_ps(1.f / total[i]);
+      float* o = att + ((b0 + i / group) * H + g * group + i % group) * Dv;
+      const float* a = acc.data() + i * Dv;
+      for (int d = 0; d < NV; ++d) _mm256_storeu_ps(o + 8 * d, _mm256_mul_ps(_mm256_loadu_ps(a + 8 * d), inv));
+    }
+  }
+
+  // a (8 NV) += sum_j p[j] v_j over entries [j0, j1), in order, in registers: weigh_values' operations, resumed
+  template <int NV>
+  static void weigh_block(const KVLayout& kv, const int64_t* seen, int64_t j0, int64_t j1, const float* p, float* a) {
+    if (j0 >= j1) return;
+    __m256 acc[NV];
+    for (int d = 0; d < NV; ++d) acc[d] = _mm256_loadu_ps(a + 8 * d);
+    for (int64_t j = j0; j < j1; ++j) {
+      const __m256 pj = _mm256_set1_ps(p[j]);
+      const float* vr = kv.v + seen[j] * (8 * NV);
+      for (int d = 0; d < NV; ++d) acc[d] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 8 * d), acc[d]);
+    }
+    for (int d = 0; d < NV; ++d) _mm256_storeu_ps(a + 8 * d, acc[d]);
+  }
+
+  // p[j] = exp(p[j] - top) for the m scores; returns their sum (8 lanes, then the rest, then the lanes' sum)
+  static float softmax_weights(float* p, int64_t m, float top) {
+    const __m256 t8 = _mm256_set1_ps(top);
+    __m256 sum8 = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= m; j += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), t8));
+      _mm256_storeu_ps(p + j, e);
+      sum8 = _mm256_add_ps(sum8, e);
+    }
+    float total = 0.f;
+    for (; j < m; ++j) total += (p[j] = std::exp(p[j] - top));
+    alignas(32) float parts[8];
+    _mm256_store_ps(parts, sum8);
+    for (const float v : parts) total += v;
+    return total;
+  }
+
   // o (Dv) = softmax over the slots lo..lo + n - 1 of cache row r, kv head g, that `allowed` (S, the row's mask)
   // lets it see, of q . k / sqrt(D), times their values; p and seen: buffers of n. The visible slots are gathered
   // first, so the arithmetic (which keys share a lane of the vector sums) depends only on the visible keys in order:
@@ -257,19 +387,7 @@ struct DecodeBlock {
       top = std::max(top, p[m++]);
     }
     if (m == 0) return;  // no visible key: zeros
-    const __m256 t8 = _mm256_set1_ps(top);
-    __m256 sum8 = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= m; j += 8) {
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), t8));
-      _mm256_storeu_ps(p + j, e);
-      sum8 = _mm256_add_ps(sum8, e);
-    }
-    float total = 0.f;
-    for (; j < m; ++j) total += (p[j] = std::exp(p[j] - top));
-    alignas(32) float parts[8];
-    _mm256_store_ps(parts, sum8);
-    for (const float v : parts) total += v;
+    const float total = softmax_weights(p, m, top);
     if (Dv == 64) return weigh_values<8>(kv, seen, m, p, total, o);
     if (Dv == 128) return weigh_values<16>(kv, seen, m, p, total, o);
     for (int64_t jj = 0; jj < m; ++jj) {
