@@ -171,6 +171,29 @@ def test_forced_calls_parse_and_validate_streamed_and_not(smol, choice):
     assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
 
 
+def test_a_schema_s_references_move_with_it_and_its_data_does_not():
+    from llmkit.serve.tools import _moved
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "enum": {"$ref": "#/$defs/x"},
+            "c": {"const": {"$ref": "#/data"}},
+            "d": {"enum": [{"$ref": "#"}]},
+        },
+        "$defs": {"x": {"type": "array", "items": {"$ref": "#"}}},
+        "$id": "https://example.com/s",  # (other keys as they are)
+        "additionalProperties": {"$ref": "https://example.com/other.json"},  # not document-local: as it is
+    }
+    moved = _moved(schema, "/$defs/f3")
+    assert moved["properties"]["enum"] == {"$ref": "#/$defs/f3/$defs/x"}  # a property named like a keyword
+    assert moved["$defs"]["x"]["items"] == {"$ref": "#/$defs/f3"}
+    assert (
+        moved["properties"]["c"] == schema["properties"]["c"] and moved["properties"]["d"] == schema["properties"]["d"]
+    )
+    assert moved["additionalProperties"] == schema["additionalProperties"] and moved["$id"] == schema["$id"]
+
+
 # a schema with its own definitions, one of them recursive (refused before: "Pointer '/$defs/n' does not exist",
 # the call's schema holding it under "arguments")
 NESTED = {

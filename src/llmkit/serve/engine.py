@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable, Iterable
 
 import torch
-from torch import Tensor
 
 from llmkit.errors import InputError, LLMKitError
 from llmkit.generate.backend import NATIVE_NEEDS
@@ -197,14 +196,6 @@ class Engine:
         check_input(self.model, prompt)  # a refusal before any rank starts the forward
         lockstep = self.lockstep
         return OneForward(lambda: lockstep.run(embed_step, self.runner, prompt))
-
-    def embed(self, prompt: list[int]) -> Tensor:
-        """The prompt's pooled embedding, computed at once (the engine loop interleaves `embedding`'s chunks with
-        steps instead)."""
-        job = self.embedding(prompt)
-        while (vector := job.advance(self.config.step_tokens)) is None:
-            pass
-        return vector
 
     @property
     def has_work(self) -> bool:

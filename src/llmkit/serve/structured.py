@@ -183,7 +183,7 @@ class Grammars:
         if trial.is_error() or (not ids and not trial.is_accepting()):
             why = f" ({one_line(trial.get_error())})" if trial.is_error() else ""
             raise InputError(f"no text satisfies the {kind}{why}")
-        for token in {ids[0], ids[-1]} if ids else set():
+        for token in sorted({ids[0], ids[-1]}) if ids else []:
             step = trial.deep_copy()
             if not step.consume_token(token):
                 error = one_line(step.get_error())

@@ -159,8 +159,10 @@ def call_constraint(functions: list[Function], fmt: Format, several: bool) -> Co
     return Constraint("grammar", lark)
 
 
-# keywords whose values are data, not schemas: a {"$ref": ...} inside them is not a reference
+# keywords whose values are data, not schemas: a {"$ref": ...} inside them is not a reference; and those whose values
+# map names to schemas (a property called "enum" is a schema)
 _DATA = {"const", "enum", "default", "examples"}
+_NAMED = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
 
 
 def _moved(schema: Any, at: str) -> Any:
@@ -170,10 +172,12 @@ def _moved(schema: Any, at: str) -> Any:
         return [_moved(v, at) for v in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {}
+    out: dict[str, Any] = {}
     for k, v in schema.items():
         if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
             out[k] = "#" + at + v[1:]
+        elif k in _NAMED and isinstance(v, dict):
+            out[k] = {name: _moved(sub, at) for name, sub in v.items()}
         else:
             out[k] = v if k in _DATA else _moved(v, at)
     return out
