@@ -14,7 +14,6 @@ and ends that sequence alone; the other rows get their tokens as if it had not b
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,8 +24,6 @@ from llmkit.generate.sampling import distribution, draw
 from llmkit.serve.request import Sequence, Top
 from llmkit.serve.scheduler import Work
 from llmkit.serve.structured import mask_logits
-
-log = logging.getLogger("llmkit.serve")
 
 
 @dataclass(frozen=True)
@@ -110,7 +107,6 @@ def sample(logits: Tensor, seqs: list[Sequence], allowed: np.ndarray | None = No
     nothing: list[bool] = [not row.any() for row in allowed] if allowed is not None else [False] * len(seqs)
     for row, seq in enumerate(seqs):
         if nothing[row]:  # a grammar in an error state (its matcher is llguidance's): this row ends alone
-            log.error("request %s: its grammar allows no next token; ending that sequence", seq.request.id)
             failed[row] = "the structured-output grammar allows no next token"
             continue
         if _plain_greedy(seq):
@@ -121,8 +117,7 @@ def sample(logits: Tensor, seqs: list[Sequence], allowed: np.ndarray | None = No
                 raise ValueError("its sampling settings leave no token with a finite, positive probability")
             chosen[row] = draw(probs, seq.request.params.sampling.greedy, seq.generator)[0]
         except (RuntimeError, ValueError) as e:  # this row only: the batch goes on without it
-            log.error("request %s: sampling failed (%s); ending that sequence", seq.request.id, e)
-            failed[row] = str(e)
+            failed[row] = f"sampling failed: {e}"
     ids = chosen.tolist()
     lps = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
     top = [top_logprobs(logprobs[row : row + 1], seq.request.params.top_logprobs)[0] for row, seq in enumerate(seqs)]

@@ -154,13 +154,13 @@ class Server:
 
     def _drain(self, grace: float) -> None:
         """Wait up to `grace` seconds (or a second signal) for the requests in flight, then end the rest."""
-        deadline = time.monotonic() + grace
-        while not self._drain_now.is_set() and time.monotonic() < deadline:
-            if self.loop.wait_idle(min(0.1, max(deadline - time.monotonic(), 0.0))):
-                log.warning("shutting down: every request in flight finished")
-                self._server.should_exit = True  # uvicorn: stop listening, close idle connections, wait for the rest
-                return
-        self._server.should_exit = True
+        deadline, finished = time.monotonic() + grace, False
+        while not finished and not self._drain_now.is_set() and time.monotonic() < deadline:
+            finished = self.loop.wait_idle(min(0.1, max(deadline - time.monotonic(), 0.0)))
+        self._server.should_exit = True  # uvicorn: stop listening, close idle connections, wait for the rest
+        if finished:
+            log.warning("shutting down: every request in flight finished")
+            return
         if self.loop.in_flight:
             self.loop.shut_down()  # streams end with an error event and [DONE]; logged by the loop
         if not self.loop.wait_idle(_FLUSH_SECONDS):
