@@ -1,0 +1,150 @@
+"""Attention over a paged cache, read where it lies: the definition (a PyTorch reference that gathers each row's
+keys, written for reading) and the dispatch to the Triton kernel (llmkit.kernels.triton_paged) that computes the
+same thing without copying a key.
+
+A step's queries are packed, row after row, into q (N, H, Dq); row b's q_len[b] queries sit at positions
+start[b] .. start[b] + q_len[b] - 1 and see the keys at positions 0 .. their own (causal), or only the `window` most
+recent of them (a sliding window: position(q) - position(k) < window). Position p of row b lives in the cache at
+block table[b, p // bs], slot p % bs. A decoding row is a row with q_len 1; a prompt chunk one with q_len > 1; a
+mixed step has both.
+
+Keys may come in two parts, concatenated along the head dim: grouped-query attention's keys (K, NB, bs, D) alone,
+or multi-head latent attention's latent c_kv (1, NB, bs, r) and shared rope key k_pe (1, NB, bs, dr), whose
+values are the latent itself (MLA's absorbed form: MQA with one r + dr key, mla.py). Query head h reads kv head
+h // G, G = H / K. Scores are scaled, then soft-capped (Gemma 2: cap * tanh(s / cap)) when a cap is given.
+
+Reductions over keys may be split into fixed chunks of `split_keys` positions (flash-decoding: a long context's
+keys spread over more programs, then the chunks' partial softmaxes combined). The chunks are fixed positions, not a
+share of the row's length, so a query's result does not depend on the other rows of its step nor on its own
+row's length beyond its keys: what the batch-invariant mode needs.
+
+Shapes: N packed queries, B rows, H query heads, K kv heads, G = H / K, Dq = D (+ dr) query/key dim, Dv value dim,
+NB blocks in the pool, bs block size, nb blocks in a row's table.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from llmkit.errors import InputError
+
+
+@dataclass(frozen=True)
+class PagedRows:
+    """Where a step's rows are: table (B, nb) int32 physical blocks of each row; q_start (B,) int32 each row's first
+    packed query; q_len (B,) int32 its queries; start (B,) int32 the position of its first query (its cached keys
+    before this step). max_q_len and max_keys bound q_len and start + q_len over the rows: the kernel's grid is
+    sized by them, so a captured step (CUDA graphs) passes fixed bounds."""
+
+    table: Tensor
+    q_start: Tensor
+    q_len: Tensor
+    start: Tensor
+    max_q_len: int
+    max_keys: int
+
+    @classmethod
+    def of(cls, table: Tensor, starts: list[int], lengths: list[int], device: torch.device) -> PagedRows:
+        """Rows of `lengths` new queries from positions `starts`, packed in that order."""
+        q_start = [0]
+        for n in lengths[:-1]:
+            q_start.append(q_start[-1] + n)
+        i32 = {"device": device, "dtype": torch.int32}
+        return cls(
+            table.to(device=device, dtype=torch.int32),
+            torch.tensor(q_start, **i32),
+            torch.tensor(lengths, **i32),
+            torch.tensor(starts, **i32),
+            max(lengths),
+            max(s + n for s, n in zip(starts, lengths, strict=True)),
+        )
+
+
+def paged_attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    rows: PagedRows,
+    scale: float,
+    softcap: float | None = None,
+    window: int | None = None,
+    k_rope: Tensor | None = None,
+) -> Tensor:
+    """The definition: each row's keys gathered through its table, then softmax(q k^T) v in fp32.
+    q (N, H, Dq), k (K, NB, bs, D), v (K, NB, bs, Dv), k_rope (K, NB, bs, dr) or None (Dq = D + dr) -> (N, H, Dv)."""
+    N, H, _ = q.shape
+    K, _, bs, _ = k.shape
+    out = q.new_zeros(N, H, v.shape[-1])
+    for b, (q0, n, s0) in enumerate(zip(rows.q_start.tolist(), rows.q_len.tolist(), rows.start.tolist(), strict=True)):
+        S = s0 + n
+        pos = torch.arange(S, device=q.device)
+        page = rows.table[b, pos // bs].long()  # (S,)
+        keys = k[:, page, pos % bs]  # (K, S, D)
+        if k_rope is not None:
+            keys = torch.cat((keys, k_rope[:, page, pos % bs]), dim=-1)  # (K, S, D + dr)
+        values = v[:, page, pos % bs].float()  # (K, S, Dv)
+        qb = q[q0 : q0 + n].float().view(n, K, H // K, -1)  # (T, K, G, Dq)
+        scores = torch.einsum("tkgd,ksd->tkgs", qb, keys.float()) * scale  # (T, K, G, S)
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        qpos = (s0 + torch.arange(n, device=q.device))[:, None]  # (T, 1)
+        visible = pos[None, :] <= qpos
+        if window is not None:
+            visible &= qpos - pos[None, :] < window
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        weights = torch.softmax(scores, dim=-1)  # (T, K, G, S)
+        out[q0 : q0 + n] = torch.einsum("tkgs,ksd->tkgd", weights, values).reshape(n, H, -1).to(out.dtype)
+    return out
+
+
+def triton_usable(device: torch.device) -> bool:
+    """Whether the Triton kernel can run on `device`: a CUDA device with Triton installed, or CPU tensors under
+    Triton's interpreter (TRITON_INTERPRET=1, which the tests use)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def paged_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    rows: PagedRows,
+    scale: float,
+    softcap: float | None = None,
+    window: int | None = None,
+    k_rope: Tensor | None = None,
+    split_keys: int | None = None,
+    tile_rows: int | None = None,
+) -> Tensor:
+    """Attention over the paged pools in place (the Triton kernel): the same arguments and result as
+    paged_attention_reference; `split_keys`: reduce over keys in fixed chunks of that many positions (a multiple of
+    the kernel's key tile, 32), combined after; None: one pass over each row's keys. `tile_rows`: score rows
+    (queries x heads of a group) per program, a power of two from 16; None: 16 for a step of decoding rows, 64 for
+    one with prompt chunks. With both fixed, a query's bits depend on its own row alone."""
+    if split_keys is not None and (split_keys <= 0 or split_keys % 32):
+        raise InputError(f"split_keys must be a positive multiple of 32, not {split_keys}")
+    if tile_rows is not None and (tile_rows < 16 or tile_rows & (tile_rows - 1)):
+        raise InputError(f"tile_rows must be a power of two from 16, not {tile_rows}")
+    if q.shape[1] % k.shape[0]:
+        raise InputError(f"{q.shape[1]} query heads cannot share {k.shape[0]} kv heads evenly")
+    from llmkit.kernels.triton_paged import launch
+
+    return launch(q, k, v, rows, scale, softcap, window, k_rope, split_keys, tile_rows)
+
+
+def default_split(max_keys: int, programs: int, target: int = 256) -> int | None:
+    """A key chunk for decoding rows whose `programs` (rows x kv heads) leave a GPU's multiprocessors idle: chunks of
+    256 or more positions (a chunk's partial results cost a write and a read of Dv floats per query head), None
+    when one pass per row is enough."""
+    if programs >= target or max_keys <= 512:
+        return None
+    chunks = max(1, target // max(programs, 1))
+    return max(256, 32 * math.ceil(max_keys / chunks / 32))

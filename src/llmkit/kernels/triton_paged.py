@@ -1,0 +1,235 @@
+"""The Triton kernel behind llmkit.kernels.paged_attention: attention that reads keys and values through each row's
+block table where they lie in the pool (no gather), for decoding rows, prompt chunks and mixed steps alike.
+
+One program computes one tile of a row: BLOCK_M of its queries times the G query heads that share one kv head,
+flattened into BLOCK_M * BLOCK_G score rows, so each key a program loads serves every head that reads it (GQA's
+saving, and MQA's and MLA's). It walks the tile's keys BLOCK_N at a time with the online softmax of FlashAttention
+(Dao et al. 2022, alg. 1): a running maximum m, a running sum l, and an output rescaled by exp(m_old - m_new) as m
+grows. A key tile's positions are looked up in the block table one by one, so any block size works.
+
+    grid = (rows B, query tiles of the longest row, kv heads K x key chunks)
+
+With `split_keys`, program (b, t, k * chunks + c) covers only positions [c * split_keys, (c + 1) * split_keys) and
+writes its unnormalised output with its m and l; `_combine` then merges a query head's chunks (flash-decoding).
+Programs past a row's queries return at once, and chunks past its keys write an empty partial (m = -inf, l = 0),
+so a grid sized by fixed bounds (a captured CUDA graph's) is correct for any rows inside them.
+
+Under TRITON_INTERPRET=1 the same code runs on CPU tensors (numpy underneath): the tests check it against the
+reference there, in fp32 and fp16 (the interpreter's bf16 products are wrong as of Triton 3.9: the GPU check covers
+bf16).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from llmkit.kernels.paged_attention import PagedRows
+
+BLOCK_N = 32  # key positions per inner step; split_keys is a multiple of it
+
+
+@triton.jit
+def _attend_tile(
+    q_ptr, k_ptr, r_ptr, v_ptr, out_ptr, ml_ptr,
+    table_ptr, q_start_ptr, q_len_ptr, start_ptr,
+    scale, softcap, window, split_keys, group, n_chunks, block_size,
+    s_qn, s_qh,
+    s_kh, s_kb, s_ks,
+    s_rh, s_rb, s_rs,
+    s_vh, s_vb, s_vs,
+    s_on, s_oh, s_oc,
+    s_mn, s_mh,
+    s_tb,
+    D: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    tile = tl.program_id(1)
+    kv_head = tl.program_id(2) // n_chunks
+    chunk = tl.program_id(2) % n_chunks
+    q_len = tl.load(q_len_ptr + row)
+    if tile * BLOCK_M >= q_len:
+        return
+    q0 = tl.load(q_start_ptr + row)
+    start = tl.load(start_ptr + row)
+
+    # the tile's score rows: query i of the tile (BLOCK_M) x query head g of the group (BLOCK_G)
+    r = tl.arange(0, BLOCK_M * BLOCK_G)
+    qi = tile * BLOCK_M + r // BLOCK_G  # the query's index in its row
+    g = r % BLOCK_G
+    live = (qi < q_len) & (g < group)
+    head = kv_head * group + g
+    q_pos = start + qi  # (M,) each score row's query position
+    q_row = (q0 + qi) * s_qn + head * s_qh  # (M,) offsets of each score row's query vector
+    d = tl.arange(0, BLOCK_D)
+    q = tl.load(q_ptr + q_row[:, None] + d[None, :], mask=live[:, None] & (d[None, :] < D), other=0.0)  # (M, D)
+    if DR > 0:  # MLA: the rope part of the key, after the latent
+        dr = tl.arange(0, BLOCK_DR)
+        q_rope = tl.load(q_ptr + q_row[:, None] + D + dr[None, :], mask=live[:, None] & (dr[None, :] < DR), other=0.0)
+    dv = tl.arange(0, BLOCK_DV)
+
+    # the keys the tile's queries see: up to its last query; from its first query's window on
+    hi = start + tl.minimum(q_len, (tile + 1) * BLOCK_M)
+    lo = 0
+    if WINDOW:
+        lo = tl.maximum(start + tile * BLOCK_M - window + 1, 0)
+    if SPLIT:
+        lo = tl.maximum(lo, chunk * split_keys)
+        hi = tl.minimum(hi, (chunk + 1) * split_keys)
+
+    m = tl.full([BLOCK_M * BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M * BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_DV], tl.float32)
+    for n0 in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):  # key tiles at fixed positions (multiples of BLOCK_N)
+        pos = n0 + tl.arange(0, BLOCK_N)
+        inside = (pos >= lo) & (pos < hi)
+        page = tl.load(table_ptr + row * s_tb + pos // block_size, mask=inside, other=0)
+        slot = page.to(tl.int64) * s_kb + (pos % block_size) * s_ks  # (N,) where each key lies
+        k = tl.load(
+            k_ptr + kv_head * s_kh + slot[None, :] + d[:, None], mask=inside[None, :] & (d[:, None] < D), other=0.0
+        )  # fmt: skip  (D, N)
+        if IEEE:
+            s = tl.dot(q.to(k.dtype), k, input_precision="ieee")
+        else:
+            s = tl.dot(q.to(k.dtype), k)
+        if DR > 0:
+            r_slot = page.to(tl.int64) * s_rb + (pos % block_size) * s_rs
+            kr = tl.load(
+                r_ptr + kv_head * s_rh + r_slot[None, :] + dr[:, None],
+                mask=inside[None, :] & (dr[:, None] < DR),
+                other=0.0,
+            )  # fmt: skip  (DR, N)
+            if IEEE:
+                s += tl.dot(q_rope.to(kr.dtype), kr, input_precision="ieee")
+            else:
+                s += tl.dot(q_rope.to(kr.dtype), kr)
+        s = s * scale  # (M, N) fp32
+        if SOFTCAP:  # cap * tanh(s / cap), with tanh(x) = 2 sigmoid(2x) - 1
+            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
+        seen = inside[None, :] & (pos[None, :] <= q_pos[:, None])
+        if WINDOW:
+            seen = seen & (q_pos[:, None] - pos[None, :] < window)
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays empty
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        l = l * alpha + tl.sum(p, axis=1)
+        v_slot = page.to(tl.int64) * s_vb + (pos % block_size) * s_vs
+        v = tl.load(
+            v_ptr + kv_head * s_vh + v_slot[:, None] + dv[None, :], mask=inside[:, None] & (dv[None, :] < DV), other=0.0
+        )  # fmt: skip  (N, DV)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+
+    out_row = (q0 + qi) * s_on + head * s_oh
+    keep = live[:, None] & (dv[None, :] < DV)
+    if SPLIT:  # the chunk's unnormalised output, with its m and l, for _combine
+        tl.store(out_ptr + out_row[:, None] + chunk * s_oc + dv[None, :], acc, mask=keep)
+        ml_row = (q0 + qi) * s_mn + head * s_mh + chunk * 2
+        tl.store(ml_ptr + ml_row, m, mask=live)
+        tl.store(ml_ptr + ml_row + 1, l, mask=live)
+    else:
+        out = acc / tl.where(l > 0.0, l, 1.0)[:, None]
+        tl.store(out_ptr + out_row[:, None] + dv[None, :], out.to(out_ptr.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def _combine(
+    part_ptr, ml_ptr, out_ptr, n_chunks,
+    s_pn, s_ph, s_pc, s_mn, s_mh, s_on, s_oh,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """One query head's chunks merged: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c, M = max_c m_c."""
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    c = tl.arange(0, BLOCK_C)
+    dv = tl.arange(0, BLOCK_DV)
+    has = c < n_chunks
+    m = tl.load(ml_ptr + n * s_mn + h * s_mh + c * 2, mask=has, other=float("-inf"))
+    l = tl.load(ml_ptr + n * s_mn + h * s_mh + c * 2 + 1, mask=has, other=0.0)
+    top = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - tl.where(top == float("-inf"), 0.0, top)))  # (C,)
+    acc = tl.load(
+        part_ptr + n * s_pn + h * s_ph + c[:, None] * s_pc + dv[None, :],
+        mask=has[:, None] & (dv[None, :] < DV),
+        other=0.0,
+    )  # fmt: skip  (C, DV)
+    total = tl.sum(w * l, axis=0)
+    out = tl.sum(w[:, None] * acc, axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + n * s_on + h * s_oh + dv, out.to(out_ptr.dtype.element_ty), mask=dv < DV)
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, triton.next_power_of_2(n))
+
+
+def launch(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    rows: PagedRows,
+    scale: float,
+    softcap: float | None,
+    window: int | None,
+    k_rope: Tensor | None,
+    split_keys: int | None,
+    tile_rows: int | None = None,
+) -> Tensor:
+    """paged_attention's kernel launch: q (N, H, D + dr), k (K, NB, bs, D), v (K, NB, bs, Dv) -> (N, H, Dv)."""
+    N, H, Dq = q.shape
+    K, _, bs, D = k.shape
+    DV = v.shape[-1]
+    DR = 0 if k_rope is None else k_rope.shape[-1]
+    assert Dq == D + DR, f"queries of {Dq} dims against keys of {D} + {DR}"
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    for t in (k, v, *([k_rope] if k_rope is not None else [])):
+        assert t.stride(-1) == 1, "the pools' last dim must be contiguous"
+    group = H // K
+    BLOCK_G = _pow2(group, least=1)
+    # decoding tiles hold one query (its group's heads, padded to the 16 rows a product needs); prompt tiles 64 rows;
+    # `tile_rows` fixes them whatever the rows (the batch-invariant mode)
+    rows_wanted = tile_rows or (16 if rows.max_q_len == 1 else 64)
+    BLOCK_M = max(1, rows_wanted // BLOCK_G)
+    chunks = 1 if split_keys is None else triton.cdiv(rows.max_keys, split_keys)
+    out = torch.empty(N, H, DV, device=q.device, dtype=q.dtype)
+    if chunks > 1:
+        part = torch.empty(N, H, chunks, DV, device=q.device, dtype=torch.float32)
+        ml = torch.empty(N, H, chunks, 2, device=q.device, dtype=torch.float32)
+        dest, s_o = part, (part.stride(0), part.stride(1), part.stride(2))
+    else:
+        ml = out  # unused
+        dest, s_o = out, (out.stride(0), out.stride(1), 0)
+    rope = k if k_rope is None else k_rope
+    grid = (rows.table.shape[0], triton.cdiv(rows.max_q_len, BLOCK_M), K * chunks)
+    _attend_tile[grid](
+        q, k, rope, v, dest, ml,
+        rows.table, rows.q_start, rows.q_len, rows.start,
+        scale, softcap or 0.0, window or 0, split_keys or 0, group, chunks, bs,
+        q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), k.stride(2),
+        rope.stride(0), rope.stride(1), rope.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        *s_o,
+        ml.stride(0) if chunks > 1 else 0, ml.stride(1) if chunks > 1 else 0,
+        rows.table.stride(0),
+        D=D, DR=DR, DV=DV,
+        BLOCK_D=_pow2(D), BLOCK_DR=_pow2(max(DR, 1)), BLOCK_DV=_pow2(DV),
+        BLOCK_M=BLOCK_M, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N,
+        SOFTCAP=softcap is not None, WINDOW=window is not None, SPLIT=chunks > 1, IEEE=k.dtype == torch.float32,
+    )  # fmt: skip
+    if chunks > 1:
+        _combine[(N, H)](
+            part, ml, out, chunks,
+            part.stride(0), part.stride(1), part.stride(2), ml.stride(0), ml.stride(1), out.stride(0), out.stride(1),
+            DV=DV, BLOCK_DV=_pow2(DV), BLOCK_C=_pow2(chunks, least=2),
+        )  # fmt: skip
+    return out

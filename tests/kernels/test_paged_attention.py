@@ -1,0 +1,141 @@
+"""The paged-attention kernel (llmkit.kernels.triton_paged) against its reference, on ragged rows whose blocks lie
+scattered through the pool. Without a GPU the kernel runs in Triton's interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1), so every push checks the same code the GPU runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmkit.errors import InputError
+from llmkit.kernels.paged_attention import PagedRows, paged_attention, paged_attention_reference, triton_usable
+
+pytestmark = pytest.mark.skipif(
+    not triton_usable(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
+    reason="Triton is not installed (pip install triton: the interpreter runs its kernels on CPU tensors)",
+)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def scattered_rows(starts: list[int], lens: list[int], bs: int, n_blocks: int, spare: int = 0) -> PagedRows:
+    """Rows whose blocks are drawn at random from the pool (tables with holes), each table padded with its first
+    block to the longest; `spare` widens the grid's bounds beyond the rows (what a captured step passes)."""
+    need = [-(-(s + n) // bs) for s, n in zip(starts, lens, strict=True)]
+    free = torch.randperm(n_blocks).tolist()
+    nb = max(need) + spare
+    tables = []
+    for n in need:
+        t, free = free[:n], free[n:]
+        tables.append(t + t[:1] * (nb - n))
+    rows = PagedRows.of(torch.tensor(tables), starts, lens, DEVICE)
+    if spare:
+        rows = PagedRows(rows.table, rows.q_start, rows.q_len, rows.start, rows.max_q_len + spare, nb * bs)
+    return rows
+
+
+def run_both(
+    heads: int,
+    kv_heads: int,
+    starts: list[int],
+    lens: list[int],
+    dim: int = 16,
+    rope_dim: int = 0,
+    latent: bool = False,
+    bs: int = 4,
+    dtype: torch.dtype = torch.float32,
+    spare: int = 0,
+    **kw: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    n_blocks = sum(-(-(s + n) // bs) for s, n in zip(starts, lens, strict=True)) + 5
+    k = torch.randn(kv_heads, n_blocks, bs, dim, device=DEVICE, dtype=dtype)
+    v = k if latent else torch.randn(kv_heads, n_blocks, bs, dim + 8, device=DEVICE, dtype=dtype)
+    k_rope = torch.randn(kv_heads, n_blocks, bs, rope_dim, device=DEVICE, dtype=dtype) if rope_dim else None
+    rows = scattered_rows(starts, lens, bs, n_blocks, spare)
+    q = torch.randn(sum(lens), heads, dim + rope_dim, device=DEVICE, dtype=dtype)
+    kw.setdefault("scale", (dim + rope_dim) ** -0.5)
+    kernel = paged_attention(q, k, v, rows, k_rope=k_rope, **kw)  # type: ignore[arg-type]
+    reference = paged_attention_reference(
+        q, k, v, rows, k_rope=k_rope, **{a: b for a, b in kw.items() if a not in ("split_keys", "tile_rows")}
+    )  # type: ignore[arg-type]
+    return kernel.float(), reference.float()
+
+
+RAGGED = ([5, 0, 11, 30], [1, 7, 3, 1])  # decoding rows and prompt chunks, one from a prompt's start
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads"), [(4, 4), (4, 2), (8, 2), (6, 1), (3, 3)], ids=["mha", "gqa2", "gqa4", "mqa", "odd"]
+)
+def test_grouped_query_rows_of_every_kind(heads: int, kv_heads: int) -> None:
+    kernel, reference = run_both(heads, kv_heads, *RAGGED)
+    torch.testing.assert_close(kernel, reference, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [1, 3, 9, 100])
+def test_sliding_window(window: int) -> None:
+    kernel, reference = run_both(4, 2, [5, 0, 40], [1, 20, 3], window=window)
+    torch.testing.assert_close(kernel, reference, atol=2e-6, rtol=1e-5)
+
+
+def test_soft_cap() -> None:
+    kernel, reference = run_both(4, 2, *RAGGED, softcap=2.0, scale=1.0)  # scores large enough for the cap to bite
+    torch.testing.assert_close(kernel, reference, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bs", [1, 3, 16, 64])
+def test_block_sizes_below_and_above_the_key_tile(bs: int) -> None:
+    kernel, reference = run_both(4, 2, [70, 0, 33], [1, 45, 2], bs=bs)
+    torch.testing.assert_close(kernel, reference, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("split", [32, 64])
+def test_split_over_keys(split: int) -> None:
+    """Long contexts in fixed chunks of keys, combined after, with windows and caps in the mix."""
+    kernel, reference = run_both(4, 2, [130, 3, 70, 0], [1, 1, 4, 9], split_keys=split)
+    torch.testing.assert_close(kernel, reference, atol=2e-6, rtol=1e-5)
+    kernel, reference = run_both(4, 2, [130, 3, 70], [1, 1, 4], split_keys=split, window=40, softcap=3.0)
+    torch.testing.assert_close(kernel, reference, atol=2e-6, rtol=1e-5)
+
+
+def test_latent_attention_cache() -> None:
+    """MLA's absorbed form: one key head of latent + rope dims, the latent its value (the same pool)."""
+    kernel, reference = run_both(8, 1, [9, 0, 40], [1, 6, 1], dim=32, rope_dim=16, latent=True, split_keys=32)
+    torch.testing.assert_close(kernel, reference, atol=2e-6, rtol=1e-5)
+
+
+def test_half_precision_pools() -> None:
+    kernel, reference = run_both(4, 2, *RAGGED, dtype=torch.float16)
+    torch.testing.assert_close(kernel, reference, atol=2e-3, rtol=2e-3)
+
+
+def test_bounds_wider_than_the_rows() -> None:
+    """A captured step's grid is sized by fixed bounds: the programs past a row's queries and keys change nothing."""
+    kernel, reference = run_both(4, 2, [5, 17], [1, 1], spare=6, split_keys=32)
+    torch.testing.assert_close(kernel, reference, atol=2e-6, rtol=1e-5)
+
+
+def test_a_row_alone_equals_it_among_others_with_fixed_splits_and_tiles() -> None:
+    """Batch invariance: with fixed key chunks and tiles, a row's output has the same bits alone as beside rows of
+    other lengths, prompt chunks included."""
+    bs, n_blocks = 4, 64
+    k = torch.randn(2, n_blocks, bs, 16, device=DEVICE)
+    v = torch.randn(2, n_blocks, bs, 16, device=DEVICE)
+    fixed = {"scale": 0.25, "split_keys": 32, "tile_rows": 64}
+    alone = PagedRows.of(torch.tensor([[3, 9, 4, 60, 7, 2, 8, 1, 30, 31, 40]]), [40], [1], DEVICE)
+    q = torch.randn(1, 4, 16, device=DEVICE)
+    out_alone = paged_attention(q, k, v, alone, **fixed)  # type: ignore[arg-type]
+    table = torch.tensor([[5, 6, 10, 11, 12, 13, 14, 15, 16, 17, 18], [3, 9, 4, 60, 7, 2, 8, 1, 30, 31, 40]])
+    among = PagedRows.of(table, [0, 40], [20, 1], DEVICE)
+    out_among = paged_attention(torch.cat([torch.randn(20, 4, 16, device=DEVICE), q]), k, v, among, **fixed)  # type: ignore[arg-type]
+    assert torch.equal(out_among[20:], out_alone)
+
+
+def test_bad_arguments_are_refused() -> None:
+    rows = PagedRows.of(torch.tensor([[0]]), [0], [1], DEVICE)
+    k = torch.zeros(2, 1, 4, 16, device=DEVICE)
+    with pytest.raises(InputError, match="multiple of 32"):
+        paged_attention(torch.zeros(1, 4, 16, device=DEVICE), k, k, rows, 1.0, split_keys=48)
+    with pytest.raises(InputError, match="share 2 kv heads"):
+        paged_attention(torch.zeros(1, 3, 16, device=DEVICE), k, k, rows, 1.0)
+    with pytest.raises(InputError, match="power of two"):
+        paged_attention(torch.zeros(1, 4, 16, device=DEVICE), k, k, rows, 1.0, tile_rows=24)
