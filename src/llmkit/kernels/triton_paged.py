@@ -46,7 +46,7 @@ def _attend_tile(
     D: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     tile = tl.program_id(1)
@@ -93,10 +93,7 @@ def _attend_tile(
         k = tl.load(
             k_ptr + kv_head * s_kh + slot[None, :] + d[:, None], mask=inside[None, :] & (d[:, None] < D), other=0.0
         )  # fmt: skip  (D, N)
-        if IEEE:
-            s = tl.dot(q.to(k.dtype), k, input_precision="ieee")
-        else:
-            s = tl.dot(q.to(k.dtype), k)
+        s = tl.dot(q.to(k.dtype), k, input_precision=PRECISION)
         if DR > 0:
             r_slot = page.to(tl.int64) * s_rb + (pos % block_size) * s_rs
             kr = tl.load(
@@ -104,10 +101,7 @@ def _attend_tile(
                 mask=inside[None, :] & (dr[:, None] < DR),
                 other=0.0,
             )  # fmt: skip  (DR, N)
-            if IEEE:
-                s += tl.dot(q_rope.to(kr.dtype), kr, input_precision="ieee")
-            else:
-                s += tl.dot(q_rope.to(kr.dtype), kr)
+            s += tl.dot(q_rope.to(kr.dtype), kr, input_precision=PRECISION)
         s = s * scale  # (M, N) fp32
         if SOFTCAP:  # cap * tanh(s / cap), with tanh(x) = 2 sigmoid(2x) - 1
             s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
@@ -124,10 +118,7 @@ def _attend_tile(
         v = tl.load(
             v_ptr + kv_head * s_vh + v_slot[:, None] + dv[None, :], mask=inside[:, None] & (dv[None, :] < DV), other=0.0
         )  # fmt: skip  (N, DV)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
 
     out_row = (q0 + qi) * s_on + head * s_oh
@@ -224,7 +215,8 @@ def launch(
         D=D, DR=DR, DV=DV,
         BLOCK_D=_pow2(D), BLOCK_DR=_pow2(max(DR, 1)), BLOCK_DV=_pow2(DV),
         BLOCK_M=BLOCK_M, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N,
-        SOFTCAP=softcap is not None, WINDOW=window is not None, SPLIT=chunks > 1, IEEE=k.dtype == torch.float32,
+        SOFTCAP=softcap is not None, WINDOW=window is not None, SPLIT=chunks > 1,
+        PRECISION="ieee" if k.dtype == torch.float32 else "tf32",  # fp32 pools exactly; tf32 is only for fp32 inputs
     )  # fmt: skip
     if chunks > 1:
         _combine[(N, H)](
