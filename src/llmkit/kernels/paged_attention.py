@@ -13,10 +13,9 @@ or multi-head latent attention's latent c_kv (1, NB, bs, r) and shared rope key 
 values are the latent itself (MLA's absorbed form: MQA with one r + dr key, mla.py). Query head h reads kv head
 h // G, G = H / K. Scores are scaled, then soft-capped (Gemma 2: cap * tanh(s / cap)) when a cap is given.
 
-Reductions over keys may be split into fixed chunks of `split_keys` positions (flash-decoding: a long context's
-keys spread over more programs, then the chunks' partial softmaxes combined). The chunks are fixed positions, not a
-share of the row's length, so a query's result does not depend on the other rows of its step nor on its own
-row's length beyond its keys: what the batch-invariant mode needs.
+A row's keys may be reduced in `chunks` runs (flash-decoding: a long context's keys spread over more programs, then
+the runs' partial softmaxes combined). The runs are cut by the row's own length, so a query's result does not
+depend on the other rows of its step: what the batch-invariant mode needs, with a fixed `chunks` and tile.
 
 Shapes: N packed queries, B rows, H query heads, K kv heads, G = H / K, Dq = D (+ dr) query/key dim, Dv value dim,
 NB blocks in the pool, bs block size, nb blocks in a row's table.
@@ -121,30 +120,27 @@ def paged_attention(
     softcap: float | None = None,
     window: int | None = None,
     k_rope: Tensor | None = None,
-    split_keys: int | None = None,
+    chunks: int = 1,
     tile_rows: int | None = None,
 ) -> Tensor:
     """Attention over the paged pools in place (the Triton kernel): the same arguments and result as
-    paged_attention_reference; `split_keys`: reduce over keys in fixed chunks of that many positions (a multiple of
-    the kernel's key tile, 32), combined after; None: one pass over each row's keys. `tile_rows`: score rows
+    paged_attention_reference; `chunks`: reduce each row's keys in that many runs, combined after (1: one pass). `tile_rows`: score rows
     (queries x heads of a group) per program, a power of two from 16; None: 16 for a step of decoding rows, 64 for
     one with prompt chunks. With both fixed, a query's bits depend on its own row alone."""
-    if split_keys is not None and (split_keys <= 0 or split_keys % 32):
-        raise InputError(f"split_keys must be a positive multiple of 32, not {split_keys}")
+    if chunks < 1:
+        raise InputError(f"chunks must be at least 1, not {chunks}")
     if tile_rows is not None and (tile_rows < 16 or tile_rows & (tile_rows - 1)):
         raise InputError(f"tile_rows must be a power of two from 16, not {tile_rows}")
     if q.shape[1] % k.shape[0]:
         raise InputError(f"{q.shape[1]} query heads cannot share {k.shape[0]} kv heads evenly")
     from llmkit.kernels.triton_paged import launch
 
-    return launch(q, k, v, rows, scale, softcap, window, k_rope, split_keys, tile_rows)
+    return launch(q, k, v, rows, scale, softcap, window, k_rope, chunks, tile_rows)
 
 
-def default_split(max_keys: int, programs: int, target: int = 256) -> int | None:
-    """A key chunk for decoding rows whose `programs` (rows x kv heads) leave a GPU's multiprocessors idle: chunks of
-    256 or more positions (a chunk's partial results cost a write and a read of Dv floats per query head), None
-    when one pass per row is enough."""
-    if programs >= target or max_keys <= 512:
-        return None
-    chunks = max(1, target // max(programs, 1))
-    return max(256, 32 * math.ceil(max_keys / chunks / 32))
+def chunks_for(rows: int, kv_heads: int, max_keys: int, programs: int = 264) -> int:
+    """How many runs to cut each row's keys into so that rows x kv heads x runs fill about `programs` programs (two
+    waves on an H100's 132 multiprocessors), no run shorter than 256 keys (each run costs a write and a read of its
+    partial output): 1 for short contexts or batches that fill the GPU already."""
+    by_length = max(1, max_keys // 256)
+    return max(1, min(by_length, programs // max(1, rows * kv_heads)))

@@ -9,10 +9,12 @@ grows. A key tile's positions are looked up in the block table one by one, so an
 
     grid = (rows B, query tiles of the longest row, kv heads K x key chunks)
 
-With `split_keys`, program (b, t, k * chunks + c) covers only positions [c * split_keys, (c + 1) * split_keys) and
-writes its unnormalised output with its m and l; `_combine` then merges a query head's chunks (flash-decoding).
-Programs past a row's queries return at once, and chunks past its keys write an empty partial (m = -inf, l = 0),
-so a grid sized by fixed bounds (a captured CUDA graph's) is correct for any rows inside them.
+With `chunks` > 1, program (b, t, k * chunks + c) covers only the c-th of `chunks` equal runs of its row's keys
+(each a whole number of key tiles) and writes its unnormalised output with its m and l; `_combine` then merges a
+query head's chunks (flash-decoding). The runs are cut by the row's own length, so the grid (chunks fixed) does not
+change with the keys, and a row's bits do not change with its neighbours. Programs past a row's queries return at
+once, and empty chunks write an empty partial (m = -inf, l = 0), so a grid sized by fixed bounds (a captured CUDA
+graph's) is correct for any rows inside them.
 
 Under TRITON_INTERPRET=1 the same code runs on CPU tensors (numpy underneath): the tests check it against the
 reference there, in fp32 and fp16 (the interpreter's bf16 products are wrong as of Triton 3.9: the GPU check covers
@@ -28,14 +30,14 @@ from torch import Tensor
 
 from llmkit.kernels.paged_attention import PagedRows
 
-BLOCK_N = 32  # key positions per inner step; split_keys is a multiple of it
+BLOCK_N = 32  # key positions per inner step
 
 
 @triton.jit
 def _attend_tile(
     q_ptr, k_ptr, r_ptr, v_ptr, out_ptr, ml_ptr,
     table_ptr, q_start_ptr, q_len_ptr, start_ptr,
-    scale, softcap, window, split_keys, group, n_chunks, block_size,
+    scale, softcap, window, group, n_chunks, block_size,
     s_qn, s_qh,
     s_kh, s_kb, s_ks,
     s_rh, s_rb, s_rs,
@@ -78,9 +80,10 @@ def _attend_tile(
     lo = 0
     if WINDOW:
         lo = tl.maximum(start + tile * BLOCK_M - window + 1, 0)
-    if SPLIT:
-        lo = tl.maximum(lo, chunk * split_keys)
-        hi = tl.minimum(hi, (chunk + 1) * split_keys)
+    if SPLIT:  # the chunk-th of n_chunks runs of the row's keys, each whole key tiles
+        run = tl.cdiv(tl.cdiv(start + q_len, n_chunks), BLOCK_N) * BLOCK_N
+        lo = tl.maximum(lo, chunk * run)
+        hi = tl.minimum(hi, (chunk + 1) * run)
 
     m = tl.full([BLOCK_M * BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M * BLOCK_G], tl.float32)
@@ -172,7 +175,7 @@ def launch(
     softcap: float | None,
     window: int | None,
     k_rope: Tensor | None,
-    split_keys: int | None,
+    chunks: int,
     tile_rows: int | None = None,
 ) -> Tensor:
     """paged_attention's kernel launch: q (N, H, D + dr), k (K, NB, bs, D), v (K, NB, bs, Dv) -> (N, H, Dv)."""
@@ -190,7 +193,6 @@ def launch(
     # `tile_rows` fixes them whatever the rows (the batch-invariant mode)
     rows_wanted = tile_rows or (16 if rows.max_q_len == 1 else 64)
     BLOCK_M = max(1, rows_wanted // BLOCK_G)
-    chunks = 1 if split_keys is None else triton.cdiv(rows.max_keys, split_keys)
     out = torch.empty(N, H, DV, device=q.device, dtype=q.dtype)
     if chunks > 1:
         part = torch.empty(N, H, chunks, DV, device=q.device, dtype=torch.float32)
@@ -204,7 +206,7 @@ def launch(
     _attend_tile[grid](
         q, k, rope, v, dest, ml,
         rows.table, rows.q_start, rows.q_len, rows.start,
-        scale, softcap or 0.0, window or 0, split_keys or 0, group, chunks, bs,
+        scale, softcap or 0.0, window or 0, group, chunks, bs,
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), k.stride(2),
         rope.stride(0), rope.stride(1), rope.stride(2),

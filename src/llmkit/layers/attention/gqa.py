@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from llmkit.config import Layout, ModelConfig, NormConfig
 from llmkit.errors import check_features
 from llmkit.layers.attention.base import AttentionInputs, SelfAttention, record_weights, wants_weights
-from llmkit.layers.attention.cache import KVCache
+from llmkit.layers.attention.cache import AttendsInPlace, KVCache
 from llmkit.layers.attention.core import PrefillKernel, attend
 from llmkit.layers.extras import Extras
 from llmkit.layers.norm import build_norm
@@ -43,6 +43,7 @@ class GroupedQueryAttention(SelfAttention):
 
     prefill_kernel: PrefillKernel | None = None
     packs_rows = True  # attend() splits a ragged mask's rows (core._attend_ragged)
+    attends_in_place = True
 
     def __init__(
         self,
@@ -106,6 +107,9 @@ class GroupedQueryAttention(SelfAttention):
         if rope is not None and self.rope_dim:
             q = rotate_prefix(q, rope, self.rope_dim, self.rope_layout)
             k = rotate_prefix(k, rope, self.rope_dim, self.rope_layout)
+        if isinstance(cache, AttendsInPlace):  # a paged pool whose kernel reads the keys where they lie
+            out = cache.attend_grouped(q, k, v, self.scale, self.softcap, self.sliding_window)  # (B, T, H, D)
+            return self.wo(out.reshape(B, T, self.n_heads * self.head_dim))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, D)
         if cache is not None:
             assert inputs.slots is not None, "a cached call needs the slots its tokens go to"

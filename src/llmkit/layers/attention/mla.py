@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from llmkit.config import Layout, MLAConfig, ModelConfig
 from llmkit.errors import check_features
 from llmkit.layers.attention.base import AttentionInputs, SelfAttention, record_weights, wants_weights
-from llmkit.layers.attention.cache import LatentCache
+from llmkit.layers.attention.cache import AttendsInPlace, LatentCache
 from llmkit.layers.attention.core import attend, attend_selected
 from llmkit.layers.extras import Extras
 from llmkit.layers.norm import RMSNorm
@@ -83,6 +83,8 @@ class MultiHeadLatentAttention(SelfAttention):
     """MLA. x (B, T, C) -> (B, T, C). `absorb`: None picks, when there is a cache, whichever path costs fewer
     multiply-adds (absorbed for decoding, explicit for a long prefill), and the explicit path without one (training);
     True / False always take one."""
+
+    attends_in_place = True
 
     def __init__(
         self,
@@ -181,6 +183,10 @@ class MultiHeadLatentAttention(SelfAttention):
         if inputs.rope is not None:
             q_pe = apply_rope(q_pe, inputs.rope, self.rope_layout)
         c_kv, k_pe = self.project_latent(x, inputs)
+        if isinstance(cache, AttendsInPlace):  # a paged pool whose kernel reads the latents where they lie
+            q_abs = self.absorb_queries(q_nope, q_pe)  # (B, T, H, r + dr)
+            out = self.expand_values(cache.attend_latent(q_abs, c_kv, k_pe, self.scale))
+            return MLAResult(self.wo(out), None, None, None)
         if cache is not None:
             assert inputs.slots is not None, "a cached call needs the slots its tokens go to"
             c_kv, k_pe = cache.update(inputs.slots, c_kv, k_pe)  # (B, S_max, r), (B, S_max, dr)
@@ -236,21 +242,29 @@ class MultiHeadLatentAttention(SelfAttention):
         )  # (B, H, T, dv)
         return out.transpose(1, 2).reshape(B, T, H * self.dv), weights
 
+    def absorb_queries(self, q_nope: Tensor, q_pe: Tensor) -> Tensor:
+        """W_uk folded into the queries: q_nope (B, T, H, dn), q_pe (B, T, H, dr) -> (B, T, H, r + dr), which score
+        against the cached [c_kv | k_pe] as they stand (q_nope . W_uk c = (W_uk^T q_nope) . c)."""
+        w_uk = self.wkv_b.weight.view(self.n_heads, self.dn + self.dv, self.r)[:, : self.dn]  # (H, dn, r)
+        q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)  # (B, T, H, r)
+        return torch.cat((q_lat, q_pe), dim=-1)
+
+    def expand_values(self, out_lat: Tensor) -> Tensor:
+        """W_uv applied after attending over the latents: (B, T, H, r) -> (B, T, H * dv)."""
+        B, T, H, _ = out_lat.shape
+        w_uv = self.wkv_b.weight.view(H, self.dn + self.dv, self.r)[:, self.dn :]  # (H, dv, r)
+        return torch.einsum("bthr,hvr->bthv", out_lat, w_uv).reshape(B, T, H * self.dv)
+
     def attend_absorbed(
         self, p: Latents, inputs: AttentionInputs, selection: Selection | None, need_weights: bool = False
     ) -> tuple[Tensor, Tensor | None]:
         """Attend over the latents with W_uk folded into the queries and W_uv into the output.
         -> ((B, T, H * dv), weights)."""
-        B, T, H, _ = p.q_nope.shape
-        w = self.wkv_b.weight.view(H, self.dn + self.dv, self.r)
-        w_uk, w_uv = w[:, : self.dn], w[:, self.dn :]  # (H, dn, r), (H, dv, r)
-        q_lat = torch.einsum("bthd,hdr->bhtr", p.q_nope, w_uk)  # (B, H, T, r)
-        q = torch.cat((q_lat, p.q_pe.transpose(1, 2)), dim=-1)  # (B, H, T, r + dr)
+        q = self.absorb_queries(p.q_nope, p.q_pe).transpose(1, 2)  # (B, H, T, r + dr)
         k = torch.cat((p.c_kv, p.k_pe), dim=-1).unsqueeze(1)  # (B, 1, S, r + dr): one key head, as in MQA
         v = p.c_kv.unsqueeze(1)  # (B, 1, S, r)
         out_lat, weights = self._run(q, k, v, inputs, selection, need_weights)  # (B, H, T, r)
-        out = torch.einsum("bhtr,hvr->bthv", out_lat, w_uv)  # (B, T, H, dv)
-        return out.reshape(B, T, H * self.dv), weights
+        return self.expand_values(out_lat.transpose(1, 2)), weights
 
     def new_cache(
         self, batch: int, max_len: int, device: torch.device | None = None, dtype: torch.dtype | None = None

@@ -69,6 +69,8 @@ class DeepSeekSparseAttention(MultiHeadLatentAttention):
     covers every allowed key; "sparse" attends over the selection and the KL covers the selected keys. The loss goes
     to `extras.indexer_losses`."""
 
+    attends_in_place = False  # its keys are chosen per query by the indexer: the kernels attend to every key
+
     def __init__(self, cfg: ModelConfig, absorb: bool | None = None) -> None:
         a = cfg.attention
         assert a.mla is not None and a.indexer is not None
