@@ -116,8 +116,8 @@ def test_bounds_wider_than_the_rows() -> None:
 
 
 def test_a_row_alone_equals_it_among_others_with_fixed_splits_and_tiles() -> None:
-    """Batch invariance: with a fixed number of key runs and fixed tiles, a row's output has the same bits alone as beside rows of
-    other lengths, prompt chunks included."""
+    """Batch invariance: with a fixed number of key runs and fixed tiles, a row's output has the same bits alone as
+    beside rows of other lengths, prompt chunks included."""
     bs, n_blocks = 4, 64
     k = torch.randn(2, n_blocks, bs, 16, device=DEVICE)
     v = torch.randn(2, n_blocks, bs, 16, device=DEVICE)

@@ -23,7 +23,6 @@ NB blocks in the pool, bs block size, nb blocks in a row's table.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -124,9 +123,9 @@ def paged_attention(
     tile_rows: int | None = None,
 ) -> Tensor:
     """Attention over the paged pools in place (the Triton kernel): the same arguments and result as
-    paged_attention_reference; `chunks`: reduce each row's keys in that many runs, combined after (1: one pass). `tile_rows`: score rows
-    (queries x heads of a group) per program, a power of two from 16; None: 16 for a step of decoding rows, 64 for
-    one with prompt chunks. With both fixed, a query's bits depend on its own row alone."""
+    paged_attention_reference. `chunks`: reduce each row's keys in that many runs, combined after (1: one pass).
+    `tile_rows`: score rows (queries x heads of a group) per program, a power of two from 16; None: 16 for a step
+    of decoding rows, 64 for one with prompt chunks. With both fixed, a query's bits depend on its own row alone."""
     if chunks < 1:
         raise InputError(f"chunks must be at least 1, not {chunks}")
     if tile_rows is not None and (tile_rows < 16 or tile_rows & (tile_rows - 1)):

@@ -15,8 +15,6 @@ device. Which slots hold tokens, and which of them a query may see, is the atten
 
 from __future__ import annotations
 
-import abc
-
 import torch
 from torch import Tensor
 
@@ -113,7 +111,7 @@ class LatentCache:
 LayerCache = KVCache | LatentCache
 
 
-class AttendsInPlace(abc.ABC):
+class AttendsInPlace:
     """A cache that attends itself: it stores a step's new keys and computes the attention over every key it holds
     (a serving engine's paged pool read in place by a kernel, llmkit.serve.paged's KernelKV and KernelLatent). A
     layer given one hands it its queries and new keys instead of reading keys back and masking them; the cache
