@@ -7,16 +7,29 @@ import torch
 
 import llmkit
 from llmkit.serve.forward import Row
-from llmkit.serve.model_runner import InvariantRunner, NativeRunner, StepPlan, TorchRunner, model_runner
+from llmkit.kernels.paged_attention import triton_usable
+from llmkit.serve.kernel_runner import KernelRunner
+from llmkit.serve.model_runner import (
+    InvariantRunner,
+    ModelRunner,
+    NativeRunner,
+    StepPlan,
+    TorchRunner,
+    model_runner,
+)
 from llmkit.serve.paged import PagedCache
 
 BS = 4  # slots per cache block
 
 
-def _runner(model: llmkit.DecoderLM, backend: str) -> TorchRunner:
+def _runner(model: llmkit.DecoderLM, backend: str) -> ModelRunner:
     cache = PagedCache(model, 16, BS, model.device, model.dtype)
     if backend == "torch":
         return TorchRunner(model, cache, BS)
+    if backend in ("kernel", "gathered"):  # the GPU's runner: its Triton kernel (interpreted here), or the reference
+        if backend == "kernel" and not triton_usable(model.device):
+            pytest.skip("Triton is not installed")
+        return KernelRunner(model, cache, BS, kernel=backend == "kernel")
     runner = model_runner(model, cache, BS, invariant=backend == "invariant", lockstep=None)
     if not isinstance(runner, NativeRunner):
         pytest.skip("llmkit's C++ step is not available here")
@@ -29,12 +42,22 @@ def _plain(model: llmkit.DecoderLM, tokens: list[int]) -> torch.Tensor:
         return model(torch.tensor([tokens]))[0].float()  # (L, V)
 
 
-@pytest.mark.parametrize("backend", ["torch", "native", "invariant"])
-def test_a_runner_gives_each_row_the_logits_of_a_plain_forward(backend):
+PRESETS = ["llama2-7b-tiny"]
+# the kernel runner on every attention it takes: sliding windows and soft caps (Gemma 2), query/key norms (Qwen 3),
+# latent attention (DeepSeek-V3), MQA (Gemma)
+KERNEL_PRESETS = ["llama2-7b-tiny", "gemma2-2b-tiny", "qwen3-0.6b-tiny", "deepseek-v3-tiny", "gemma-2b-tiny"]
+
+
+@pytest.mark.parametrize(
+    ("backend", "preset"),
+    [(b, p) for b in ("torch", "native", "invariant") for p in PRESETS]
+    + [(b, p) for b in ("kernel", "gathered") for p in KERNEL_PRESETS],
+)
+def test_a_runner_gives_each_row_the_logits_of_a_plain_forward(backend, preset):
     """Two prompts' chunks in one plan, then a decoding row, then a row with drafts: each row's logits (and the
     prompt logits and states it was asked for) are what one uncached forward over its whole text gives."""
     torch.manual_seed(0)
-    model = llmkit.build_model(llmkit.get_preset("llama2-7b-tiny")).eval()
+    model = llmkit.build_model(llmkit.get_preset(preset)).eval()
     runner = _runner(model, backend)
     a, b = [5, 9, 2, 7, 1, 3, 8], [4, 8, 6]
     plain_a, plain_b = _plain(model, a), _plain(model, b)
@@ -78,3 +101,27 @@ def test_a_group_that_fails_is_computed_row_by_row_and_only_the_failing_row_is_m
         out = runner.execute(plan)
     assert calls == [2, 1, 1] and not out.failed(0) and out.failed(1)
     torch.testing.assert_close(out.logits[0], _plain(model, [1, 2, 3])[2], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["kernel", "gathered"])
+@pytest.mark.parametrize("preset", ["gemma3-1b-tiny", "gemma2-2b-tiny"])
+def test_the_kernel_runner_past_the_sliding_window(backend, preset):
+    """A 45-token text, longer than the 16-slot windows of Gemma's local layers, in prompt chunks beside another row
+    and then decoding rows: every row's logits equal an uncached forward's (windows, soft caps, local RoPE)."""
+    torch.manual_seed(0)
+    model = llmkit.build_model(llmkit.get_preset(preset)).eval()
+    runner = _runner(model, backend)
+    text = torch.randint(0, model.cfg.vocab_size, (45,)).tolist()
+    other = [3, 1, 4, 1, 5]
+    plain, plain_other = _plain(model, text), _plain(model, other)
+    table = [15, 2, 9, 4, 11, 0, 7, 13, 1, 5, 8, 12]  # scattered blocks
+    steps = [(0, 20), (20, 40)] + [(n, n + 1) for n in range(40, 45)]
+    for i, (s, e) in enumerate(steps):
+        rows = [Row(text[s:e], s, table[: -(-e // BS)])]
+        if i == 1:
+            rows.append(Row(other, 0, [3, 6]))
+        with torch.inference_mode():
+            out = runner.execute(StepPlan(tuple(rows)))
+        torch.testing.assert_close(out.logits[0], plain[e - 1], atol=1e-4, rtol=1e-4)
+        if i == 1:
+            torch.testing.assert_close(out.logits[1], plain_other[-1], atol=1e-4, rtol=1e-4)

@@ -76,7 +76,8 @@ class Engine:
         n_blocks = config.kv_memory // per_block
         if n_blocks < 1:
             raise InputError(f"kv_memory={config.kv_memory} bytes is less than one block ({per_block} bytes)")
-        self.cache = PagedCache(model, n_blocks, config.block_size, self.device, self.dtype)
+        # on a GPU, a scratch block for the spare rows of captured decoding steps (kernel_runner.DecodeGraphs)
+        self.cache = PagedCache(model, n_blocks, config.block_size, self.device, self.dtype, self.device.type == "cuda")
         if lockstep is not None:  # the other ranks' caches: the same blocks, their own heads
             lockstep.tell(make_cache, n_blocks, config.block_size, self.dtype)
         self.runner = model_runner(model, self.cache, config.block_size, config.batch_invariant, lockstep)

@@ -18,6 +18,8 @@ allow; nothing here is decided again per step:
 - InvariantRunner: every token, prompt tokens too, as a row of its own through the C++ step, the head in
   row-invariant pieces: a row's bits do not depend on the rows beside it (EngineConfig.batch_invariant).
 - LockstepRunner: a TorchRunner whose forwards every rank of a tensor-parallel model runs (lockstep.py).
+- KernelRunner (kernel_runner.py), on a GPU: every row of a step in one forward whose attention reads the pools in
+  place (a Triton kernel), drafts verified in it, decoding steps replayed from CUDA graphs.
 
 When a group of rows' forward raises (out of memory, a kernel refusing a shape), its rows are computed one by one, so
 that the failure is pinned on the rows that cause it: those are missing from the output. Shapes: B rows, V
@@ -35,6 +37,7 @@ from torch import Tensor
 
 from llmkit.errors import InputError
 from llmkit.generate.backend import resolve
+from llmkit.kernels.paged_attention import triton_usable
 from llmkit.layers.attention.base import SelfAttention
 from llmkit.models.decoder import DecoderLM
 from llmkit.quant.native_step import NativeDecoder
@@ -254,7 +257,8 @@ class InvariantRunner(NativeRunner):
 def model_runner(
     model: DecoderLM, cache: PagedCache, block_size: int, invariant: bool | None, lockstep: Lockstep | None
 ) -> ModelRunner:
-    """The runner for `model` over `cache`: the backend `resolve` decides (llmkit.generate.backend: the C++ step,
+    """The runner for `model` over `cache`: on a GPU, the paged-attention kernels' where every layer takes them
+    (Triton installed; not in the batch-invariant mode, which needs the C++ step); else the backend `resolve` decides (llmkit.generate.backend: the C++ step,
     batch-invariant unless `invariant` is False, where the model lowers to it), where the C++ step also reads the
     pools (fp32 caches); else PyTorch, where `invariant` must not be True; a model split across ranks (`lockstep`)
     runs in PyTorch on every rank."""
@@ -262,6 +266,10 @@ def model_runner(
         if invariant:
             raise InputError("a model split across ranks is served without the batch-invariant mode")
         return LockstepRunner(model, cache, block_size, lockstep)
+    if model.device.type == "cuda" and not invariant and attends_in_place(model) and triton_usable(model.device):
+        from llmkit.serve.kernel_runner import KernelRunner  # (it builds on this module)
+
+        return KernelRunner(model, cache, block_size)
     backend = resolve(model, invariant=invariant)
     kv = cache.grouped_query()
     with torch.no_grad():
@@ -273,3 +281,8 @@ def model_runner(
             "the batch-invariant mode runs tokens through llmkit's C++ decode step, which reads fp32 caches"
         )
     return TorchRunner(model, cache, block_size)
+
+
+def attends_in_place(model: DecoderLM) -> bool:
+    """Whether every layer's attention can be handed a pool that attends in place (GQA and MLA; not DSA's selection)."""
+    return all(isinstance(b.attn, SelfAttention) and b.attn.attends_in_place for b in model.blocks)

@@ -11,20 +11,28 @@ more concurrent sequences, in the same memory.
 
 A step's view gathers each row's blocks into one contiguous (B, .., S, ..) tensor of S = blocks x block_size slots
 and writes the new tokens at (physical block, offset); the attention mask hides the slots a row has not filled.
-Shapes: B rows, T new tokens per row, nb blocks per row, N blocks in the pool.
+The kernel views (KernelKV, KernelLatent) instead attend where the blocks lie (llmkit.kernels.paged_attention):
+the layer hands them its queries, and nothing is gathered. Shapes: B rows, T new tokens per row, nb blocks per row,
+N blocks in the pool, n a step's new tokens (packed).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
 import torch
 from torch import Tensor
 
+from llmkit.kernels.paged_attention import PagedRows
 from llmkit.layers.attention import SelfAttention
-from llmkit.layers.attention.cache import KVCache, LatentCache, LayerCache
+from llmkit.layers.attention.cache import AttendsInPlace, KVCache, LatentCache, LayerCache
 from llmkit.models.decoder import DecoderLM
+
+# paged attention over pools read in place: paged_attention's arguments (q, k, v, rows, scale, softcap, window,
+# k_rope) -> (n, H, Dv); llmkit.kernels.paged_attention's kernel or its reference
+PagedAttention = Callable[..., Tensor]
 
 
 @dataclass(frozen=True)
@@ -136,15 +144,72 @@ def _latent_rows(pool: Tensor, table: Tensor) -> Tensor:
     return pool.index_select(0, table.reshape(-1)).view(B, nb * pool.shape[1], pool.shape[2])
 
 
+@dataclass(frozen=True)
+class Placement:
+    """A packed step's rows for the kernel views: `rows` (PagedRows) for attention, and for each new token (n,) its
+    physical block and the offset inside it."""
+
+    rows: PagedRows
+    block: Tensor
+    offset: Tensor
+
+
+class KernelKV(AttendsInPlace):
+    """A grouped-query layer's pool for one step, attended in place by `attention`."""
+
+    def __init__(self, store: KVPool, at: Placement, attention: PagedAttention) -> None:
+        self.store, self.at, self.attention = store, at, attention
+
+    def attend_grouped(
+        self, q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: float | None, window: int | None
+    ) -> Tensor:
+        """q (B, T, H, D), k (B, T, K, D), v (B, T, K, Dv), B T = n packed row after row -> (B, T, H, Dv)."""
+        B, T, H, D = q.shape
+        pool, at = self.store, self.at
+        pool.k[:, at.block, at.offset] = k.reshape(B * T, -1, D).transpose(0, 1).to(pool.k.dtype)  # (K, n, D)
+        pool.v[:, at.block, at.offset] = v.reshape(B * T, -1, v.shape[-1]).transpose(0, 1).to(pool.v.dtype)
+        out = self.attention(q.reshape(B * T, H, D).to(pool.k.dtype), pool.k, pool.v, at.rows, scale, softcap, window)
+        return out.view(B, T, H, -1).to(q.dtype)
+
+
+class KernelLatent(AttendsInPlace):
+    """A latent-attention layer's pool for one step, attended in place by `attention` (one key head: the latent and
+    the rope key; the latent its value)."""
+
+    def __init__(self, store: LatentPool, at: Placement, attention: PagedAttention) -> None:
+        self.store, self.at, self.attention = store, at, attention
+
+    def attend_latent(self, q: Tensor, c_kv: Tensor, k_pe: Tensor, scale: float) -> Tensor:
+        """q (B, T, H, r + dr), c_kv (B, T, r), k_pe (B, T, dr) -> (B, T, H, r)."""
+        B, T, H, _ = q.shape
+        pool, at = self.store, self.at
+        pool.c_kv[at.block, at.offset] = c_kv.reshape(B * T, -1).to(pool.c_kv.dtype)
+        pool.k_pe[at.block, at.offset] = k_pe.reshape(B * T, -1).to(pool.k_pe.dtype)
+        latent = pool.c_kv.unsqueeze(0)  # (1, N, bs, r): one kv head
+        out = self.attention(
+            q.reshape(B * T, H, -1).to(latent.dtype), latent, latent, at.rows, scale, k_rope=pool.k_pe.unsqueeze(0)
+        )  # (n, H, r)
+        return out.view(B, T, H, -1).to(q.dtype)
+
+
 class PagedCache:
-    """Every layer's pool of `n_blocks` blocks of `block_size` slots."""
+    """Every layer's pool of `n_blocks` blocks of `block_size` slots (and a scratch block, when asked for)."""
 
     def __init__(
-        self, model: DecoderLM, n_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype
+        self,
+        model: DecoderLM,
+        n_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        scratch: bool = False,
     ) -> None:
         self.n_blocks, self.block_size = n_blocks, block_size
+        # `scratch`: one block more, never handed out, that the padding rows of a captured step write to
+        self.scratch = n_blocks if scratch else None
+        total = n_blocks + int(scratch)
         self.layers: list[Pool] = [
-            _pool(_attention(b).new_cache(n_blocks, block_size, device, dtype)) for b in model.blocks
+            _pool(_attention(b).new_cache(total, block_size, device, dtype)) for b in model.blocks
         ]
 
     @staticmethod
@@ -159,6 +224,12 @@ class PagedCache:
     def views(self, pages: Pages) -> list[object]:
         """Each layer's view of its pool for one step over `pages`."""
         return [PagedKV(c, pages) if isinstance(c, KVPool) else PagedLatent(c, pages) for c in self.layers]
+
+    def kernel_views(self, at: Placement, attention: PagedAttention) -> list[object]:
+        """Each layer's pool attended in place by `attention` for one step placed `at`."""
+        return [
+            KernelKV(c, at, attention) if isinstance(c, KVPool) else KernelLatent(c, at, attention) for c in self.layers
+        ]
 
     def grouped_query(self) -> tuple[list[Tensor], list[Tensor]] | None:
         """Every layer's keys and values (K, N, bs, D) when all the layers are grouped-query (what the C++ step

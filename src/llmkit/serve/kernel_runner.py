@@ -1,0 +1,214 @@
+"""The GPU's model runner: every row of a step in one forward whose attention reads the paged pools where they lie,
+and decoding steps replayed from CUDA graphs.
+
+    StepPlan ─► pack: tokens (1, n), positions, each row's table / first query / queries / first position (PagedRows)
+             ─► model.run with KernelKV / KernelLatent views (llmkit.serve.paged): each layer writes its new keys
+                into their blocks and calls the paged-attention kernel (llmkit.kernels.paged_attention), which reads
+                every row's keys through its table: nothing is gathered and no mask is built
+             ─► logits at each row's last token, or at its token and each of its drafts (verified in the same pass)
+
+Decoding rows, prompt chunks and rows with drafts are all rows of some length to the kernel, so a step of any mix is
+one forward: the scheduler's plan goes through as it is.
+
+CUDA graphs (DecodeGraphs): a step of decoding rows only launches a few hundred small kernels, and on a GPU their
+launches, not the bytes they read, bound it (llmkit decoded a 125M model at 1% of an H100's bandwidth eagerly). So
+such a step is captured once per batch-size bucket, as vLLM and SGLang do, with every input in a static buffer (the
+tokens, positions, block tables padded to the model's context, each token's block and offset) and replayed: the
+rows are copied into the buffers, the bucket's spare rows point at the cache's scratch block. The kernel's grid is
+sized by the bucket and the table's width, which the captured launch keeps, and a row's keys are cut into a fixed
+number of runs by its own length, so the replay is right for any rows that fit. The model is not touched: capture is
+applied from outside, as compilation is.
+
+Shapes: B rows, n packed tokens, C model dim, V vocabulary, nb blocks per row.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from llmkit.kernels.paged_attention import PagedRows, chunks_for, paged_attention, paged_attention_reference
+from llmkit.layers.attention.mask import AttentionMask
+from llmkit.models.cache import Step
+from llmkit.models.decoder import DecoderLM
+from llmkit.serve.forward import Forward, Row, prompt_logits
+from llmkit.serve.model_runner import ModelRunner, StepPlan
+from llmkit.serve.paged import PagedAttention, PagedCache, Placement
+
+log = logging.getLogger("llmkit.serve")
+
+# batch sizes captured as CUDA graphs: a step of B decoding rows replays the smallest bucket >= B
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A step's rows packed for one forward: tokens and positions (1, n), where each goes (Placement), and how many
+    tokens each row has (its token and drafts, or its chunk)."""
+
+    tokens: Tensor
+    positions: Tensor
+    at: Placement
+    lengths: list[int]
+
+
+def pack(rows: list[Row], block_size: int, device: torch.device) -> Packed:
+    """`rows` packed row after row, each row's drafts after its token."""
+    ids = [[*r.tokens, *r.drafts] for r in rows]
+    lengths = [len(t) for t in ids]
+    nb = max(len(r.table) for r in rows)
+    table = torch.tensor([r.table + r.table[:1] * (nb - len(r.table)) for r in rows])  # (B, nb), padded
+    positions = torch.cat([torch.arange(r.start, r.start + n) for r, n in zip(rows, lengths, strict=True)])  # (n,)
+    row = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(lengths))  # (n,) each token's row
+    block = table[row, positions // block_size]
+    rows_ = PagedRows.of(table, [r.start for r in rows], lengths, device)
+    at = Placement(rows_, block.to(device), (positions % block_size).to(device))
+    tokens = torch.tensor([t for row_ids in ids for t in row_ids], device=device)[None]
+    return Packed(tokens, positions.to(device)[None], at, lengths)
+
+
+def outputs(model: DecoderLM, rows: list[Row], h: Tensor, lengths: list[int]) -> Forward:
+    """Per row, from the packed states h (n, C): its states, its logits ((V,) after its last token; (1 + k, V) after
+    its token and each of its k drafts) and the logits of its prompt tokens that were asked for."""
+    hidden = list(h.split(lengths))
+    wanted = [s[-(1 + len(r.drafts)) :] for r, s in zip(rows, hidden, strict=True)]
+    logits = model.logits(model.norm(torch.cat(wanted))).split([len(w) for w in wanted])
+    per_row = [x if r.drafts else x[0] for r, x in zip(rows, logits, strict=True)]
+    return Forward(hidden, per_row, prompt_logits(model, hidden, [r.prompt_n for r in rows]))
+
+
+class KernelRunner(ModelRunner):
+    """Every row of a step in one forward over the pools read in place; drafts verified in the same forward;
+    decoding steps from CUDA graphs where the cache has a scratch block and the device is a GPU (`graphs`).
+    `kernel`: the Triton kernel (False: its PyTorch reference, which gathers: for checking this runner on a CPU)."""
+
+    runs_tokens = True
+
+    def __init__(
+        self, model: DecoderLM, cache: PagedCache, block_size: int, kernel: bool = True, graphs: bool = True
+    ) -> None:
+        super().__init__(model, cache, block_size)
+        self.kernel = kernel
+        self.kv_heads = max(getattr(b.attn, "n_kv_heads", 1) for b in model.blocks)
+        self.graphs = DecodeGraphs(self) if graphs and kernel and model.device.type == "cuda" else None
+
+    def groups(self, plan: StepPlan) -> list[list[int]]:
+        return [list(range(len(plan.rows)))]
+
+    def attention(self, rows: int, max_keys: int) -> PagedAttention:
+        """The attention of a step of `rows` rows of up to `max_keys` keys: the kernel, its keys cut into runs where
+        the rows alone would leave the GPU idle."""
+        if not self.kernel:
+            return paged_attention_reference
+        return functools.partial(paged_attention, chunks=chunks_for(rows, self.kv_heads, max_keys))
+
+    def forward(self, rows: list[Row]) -> Forward:
+        if self.graphs is not None and self.graphs.takes(rows):
+            return self.graphs.run(rows)
+        p = pack(rows, self.block_size, self.model.device)
+        views = self.cache.kernel_views(p.at, self.attention(len(rows), p.at.rows.max_keys))
+        h = self.model.run(p.tokens, Step(p.positions, AttentionMask(), p.positions), views)  # (1, n, C)
+        return outputs(self.model, rows, h[0], p.lengths)
+
+
+@dataclass
+class Captured:
+    """One bucket's graph and its static buffers: inputs written before each replay, outputs read after."""
+
+    graph: torch.cuda.CUDAGraph
+    tokens: Tensor  # (1, S)
+    positions: Tensor  # (1, S)
+    rows: PagedRows  # table (S, width), q_start, q_len, start
+    block: Tensor  # (S,)
+    offset: Tensor  # (S,)
+    hidden: Tensor  # (S, C)
+    logits: Tensor  # (S, V)
+
+
+class DecodeGraphs:
+    """Steps of decoding rows replayed from CUDA graphs, one captured per bucket on first use (BUCKETS)."""
+
+    def __init__(self, runner: KernelRunner) -> None:
+        self.runner = runner
+        model, cache = runner.model, runner.cache
+        self.width = -(-model.max_seq_len // runner.block_size)  # table columns: the longest row's blocks
+        self.scratch = cache.scratch
+        self.captured: dict[int, Captured] = {}
+        self.memory = torch.cuda.graph_pool_handle()  # the graphs share one pool of memory
+
+    def takes(self, rows: list[Row]) -> bool:
+        """Whether a step of `rows` replays a graph: decoding rows only (one token, no drafts, no prompt logits), as
+        many as the largest bucket, on a cache with a scratch block for the spare rows."""
+        return (
+            self.scratch is not None
+            and len(rows) <= BUCKETS[-1]
+            and all(len(r.tokens) == 1 and not r.drafts and r.prompt_n == 0 for r in rows)
+        )
+
+    def run(self, rows: list[Row]) -> Forward:
+        B = len(rows)
+        size = next(b for b in BUCKETS if b >= B)
+        c = self.captured.get(size) or self._capture(size)
+        self._fill(c, rows)
+        c.graph.replay()
+        h = c.hidden[:B].clone()  # (B, C): the buffers are overwritten by the next replay
+        return Forward(list(h[:, None]), list(c.logits[:B].clone()), [None] * B)
+
+    def _fill(self, c: Captured, rows: list[Row]) -> None:
+        """Copy `rows` into the static inputs; the spare rows read and write the scratch block's first slot."""
+        bs, S, B = self.runner.block_size, c.tokens.shape[1], len(rows)
+        assert self.scratch is not None
+        starts = [r.start for r in rows] + [0] * (S - B)
+        nb = max(len(r.table) for r in rows)
+        table = torch.full((S, nb), self.scratch, dtype=torch.int32)
+        for i, r in enumerate(rows):
+            table[i, : len(r.table)] = torch.tensor(r.table, dtype=torch.int32)
+        start = torch.tensor(starts, dtype=torch.int32)
+        c.tokens.copy_(torch.tensor([r.tokens[0] for r in rows] + [0] * (S - B))[None], non_blocking=True)
+        c.positions.copy_(start.long()[None], non_blocking=True)
+        c.rows.table[:, :nb].copy_(table, non_blocking=True)  # columns past nb are never read: keys stop at start
+        c.rows.start.copy_(start, non_blocking=True)
+        c.block.copy_(table[torch.arange(S), start.long() // bs].long(), non_blocking=True)
+        c.offset.copy_(start.long() % bs, non_blocking=True)
+
+    def _forward(self, c: Captured) -> tuple[Tensor, Tensor]:
+        model, runner = self.runner.model, self.runner
+        at = Placement(c.rows, c.block, c.offset)
+        views = runner.cache.kernel_views(at, runner.attention(c.tokens.shape[1], c.rows.max_keys))
+        h = model.run(c.tokens, Step(c.positions, AttentionMask(), c.positions), views)[0]  # (S, C)
+        return h, model.logits(model.norm(h))
+
+    def _capture(self, size: int) -> Captured:
+        """Capture the step of `size` rows: warm up on a side stream (Triton compiles its kernels on first call,
+        which a capture must not see), then record one forward of spare rows."""
+        dev = self.runner.model.device
+        assert self.scratch is not None
+        i32 = {"device": dev, "dtype": torch.int32}
+        rows = PagedRows(
+            torch.full((size, self.width), self.scratch, **i32),  # type: ignore[arg-type]
+            torch.arange(size, **i32),  # type: ignore[arg-type]
+            torch.ones(size, **i32),  # type: ignore[arg-type]
+            torch.zeros(size, **i32),  # type: ignore[arg-type]
+            max_q_len=1,
+            max_keys=self.width * self.runner.block_size,
+        )
+        zeros = functools.partial(torch.zeros, size, device=dev, dtype=torch.long)
+        c = Captured(
+            torch.cuda.CUDAGraph(), zeros()[None], zeros()[None], rows, torch.full_like(zeros(), self.scratch),
+            zeros(), torch.empty(0), torch.empty(0),
+        )  # fmt: skip
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._forward(c)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(c.graph, pool=self.memory):
+            c.hidden, c.logits = self._forward(c)
+        log.info("captured the decoding step of %d rows as a CUDA graph", size)
+        self.captured[size] = c
+        return c
