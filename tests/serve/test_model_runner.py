@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import llmkit
-from llmkit.serve.forward import Row
 from llmkit.kernels.paged_attention import triton_usable
+from llmkit.serve.forward import Row
 from llmkit.serve.kernel_runner import KernelRunner
 from llmkit.serve.model_runner import (
     InvariantRunner,

@@ -52,12 +52,15 @@ class PagedRows:
         q_start = [0]
         for n in lengths[:-1]:
             q_start.append(q_start[-1] + n)
-        i32 = {"device": device, "dtype": torch.int32}
+
+        def i32(values: list[int]) -> Tensor:
+            return torch.tensor(values, device=device, dtype=torch.int32)
+
         return cls(
             table.to(device=device, dtype=torch.int32),
-            torch.tensor(q_start, **i32),
-            torch.tensor(lengths, **i32),
-            torch.tensor(starts, **i32),
+            i32(q_start),
+            i32(lengths),
+            i32(starts),
             max(lengths),
             max(s + n for s, n in zip(starts, lengths, strict=True)),
         )

@@ -187,12 +187,12 @@ class DecodeGraphs:
         which a capture must not see), then record one forward of spare rows."""
         dev = self.runner.model.device
         assert self.scratch is not None
-        i32 = {"device": dev, "dtype": torch.int32}
+        i32 = torch.int32
         rows = PagedRows(
-            torch.full((size, self.width), self.scratch, **i32),  # type: ignore[arg-type]
-            torch.arange(size, **i32),  # type: ignore[arg-type]
-            torch.ones(size, **i32),  # type: ignore[arg-type]
-            torch.zeros(size, **i32),  # type: ignore[arg-type]
+            torch.full((size, self.width), self.scratch, device=dev, dtype=i32),
+            torch.arange(size, device=dev, dtype=i32),
+            torch.ones(size, device=dev, dtype=i32),
+            torch.zeros(size, device=dev, dtype=i32),
             max_q_len=1,
             max_keys=self.width * self.runner.block_size,
         )

@@ -257,11 +257,11 @@ class InvariantRunner(NativeRunner):
 def model_runner(
     model: DecoderLM, cache: PagedCache, block_size: int, invariant: bool | None, lockstep: Lockstep | None
 ) -> ModelRunner:
-    """The runner for `model` over `cache`: on a GPU, the paged-attention kernels' where every layer takes them
-    (Triton installed; not in the batch-invariant mode, which needs the C++ step); else the backend `resolve` decides (llmkit.generate.backend: the C++ step,
-    batch-invariant unless `invariant` is False, where the model lowers to it), where the C++ step also reads the
-    pools (fp32 caches); else PyTorch, where `invariant` must not be True; a model split across ranks (`lockstep`)
-    runs in PyTorch on every rank."""
+    """The runner for `model` over `cache`. On a GPU, the paged-attention kernels' (KernelRunner) where every layer
+    takes them and Triton is installed, outside the batch-invariant mode (which needs the C++ step). Else the backend
+    `resolve` decides (llmkit.generate.backend: the C++ step, batch-invariant unless `invariant` is False, where the
+    model lowers to it), where the C++ step also reads the pools (fp32 caches); else PyTorch, where `invariant` must
+    not be True; a model split across ranks (`lockstep`) runs in PyTorch on every rank."""
     if lockstep is not None:
         if invariant:
             raise InputError("a model split across ranks is served without the batch-invariant mode")
