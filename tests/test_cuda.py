@@ -141,6 +141,70 @@ def test_gpu_serving_engine_equals_generate(name):
         expected = generate(gpu, torch.tensor([prompt], device="cuda"), max_new_tokens=12).tokens[0, len(prompt) :]
         assert out.token_ids == expected.tolist()
     assert engine.pool.used == 0 and not any(engine.pool.refs)
+    from llmkit.serve.kernel_runner import KernelRunner
+    from llmkit.serve.model_runner import attends_in_place
+
+    # the paged-attention kernels and CUDA graphs wherever every layer takes them (all but DSA's selection)
+    assert isinstance(engine.runner, KernelRunner) == attends_in_place(gpu)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_gpu_paged_attention_kernel_equals_its_reference(dtype, chunks):
+    """The Triton kernel compiled for the GPU (the CPU tests run it interpreted, where bf16 products are wrong)
+    against the reference: GQA with windows and caps, and MLA's two-part keys."""
+    from llmkit.kernels.paged_attention import PagedRows, paged_attention, paged_attention_reference
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    rows = PagedRows.of(torch.randperm(64)[:48].view(4, 12), [5, 0, 40, 17], [1, 30, 1, 8], dev)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    k, v = (torch.randn(2, 64, 4, 64, device=dev, dtype=dtype) for _ in range(2))
+    q = torch.randn(40, 8, 64, device=dev, dtype=dtype)
+    for window, softcap in [(None, None), (9, 30.0)]:
+        got = paged_attention(q, k, v, rows, 0.125, softcap, window, chunks=chunks)
+        want = paged_attention_reference(q, k, v, rows, 0.125, softcap, window)
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+    latent, rope = (
+        torch.randn(1, 64, 4, 128, device=dev, dtype=dtype),
+        torch.randn(1, 64, 4, 32, device=dev, dtype=dtype),
+    )
+    q = torch.randn(40, 16, 160, device=dev, dtype=dtype)
+    got = paged_attention(q, latent, latent, rows, 0.1, k_rope=rope, chunks=chunks)
+    want = paged_attention_reference(q, latent, latent, rows, 0.1, k_rope=rope)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+@pytest.mark.parametrize("name", ["llama2-70b-tiny", "gemma2-2b-tiny", "deepseek-v3-tiny"])
+def test_gpu_cuda_graph_replay_equals_the_eager_step(name):
+    """Decoding steps of 1, 3 and 5 rows (buckets 1, 4 and 8, spare rows on the scratch block) replayed from CUDA
+    graphs give the eager kernel runner's logits, and leave the rows' blocks as the eager steps leave them."""
+    from llmkit.serve.forward import Row
+    from llmkit.serve.kernel_runner import KernelRunner
+    from llmkit.serve.model_runner import StepPlan
+    from llmkit.serve.paged import PagedCache
+
+    _, gpu = pair(name)
+    runners = []
+    for graphs in (True, False):
+        cache = PagedCache(gpu, 32, 4, gpu.device, gpu.dtype, scratch=True)
+        runners.append(KernelRunner(gpu, cache, 4, graphs=graphs))
+    graphed, eager = runners
+    prompts = [list(range(3 + i, 10 + 2 * i)) for i in range(5)]
+    tables = [[5 * i + j for j in range(5)] for i in range(5)]
+    with torch.inference_mode():
+        for r in runners:  # the prompts, eagerly
+            r.execute(StepPlan(tuple(Row(p, 0, t) for p, t in zip(prompts, tables, strict=True))))
+        for step, n in enumerate([1, 3, 5, 5]):
+            rows = tuple(Row([step + i], len(prompts[i]) + step, tables[i]) for i in range(n))
+            a, b = graphed.execute(StepPlan(rows)), eager.execute(StepPlan(rows))
+            for i in range(n):
+                torch.testing.assert_close(a.logits[i], b.logits[i], atol=1e-4, rtol=1e-4)
+    assert graphed.graphs is not None and sorted(graphed.graphs.captured) == [1, 4, 8]
+    for x, y in zip(graphed.cache.layers, eager.cache.layers, strict=True):
+        for name_ in ("k", "v", "c_kv", "k_pe"):
+            if hasattr(x, name_):
+                torch.testing.assert_close(getattr(x, name_)[:32], getattr(y, name_)[:32], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])

@@ -10,8 +10,10 @@ import llmkit
 from llmkit.config.presets import PRESETS
 from llmkit.errors import InputError
 from llmkit.generate import generate
+from llmkit.kernels.paged_attention import triton_usable
 from llmkit.serve.blocks import BlockPool
 from llmkit.serve.engine import Engine, EngineConfig, QueueFull
+from llmkit.serve.kernel_runner import KernelRunner
 from llmkit.serve.model_runner import TorchRunner
 from llmkit.serve.paged import PagedCache
 from llmkit.serve.request import Completion, SamplingParams
@@ -72,6 +74,27 @@ def test_paged_cache_gives_the_logits_of_the_contiguous_cache(name):
         expected = lp.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=1e-4)
         assert out.finish_reason == "length"
+
+
+# learned positions and MHA; GQA; windows and soft caps; latent attention; mixture of experts
+@pytest.mark.parametrize(
+    "name", ["gpt2-tiny", "llama2-70b-tiny", "gemma2-2b-tiny", "deepseek-v3-tiny", "mixtral-8x7b-tiny"]
+)
+def test_the_gpu_runner_gives_the_tokens_of_generate(name):
+    """The GPU's runner (every row in one forward, attention by the Triton kernel: interpreted here) in the engine,
+    with prefix-cache hits and preemption: each request's greedy tokens are `generate`'s."""
+    model = _model(name)
+    if not triton_usable(model.device):
+        pytest.skip("Triton is not installed")
+    prompts = _prompts(model, [5, 17, 30, 3, 9], prefix=8)
+    engine = _engine(model, blocks=24)
+    engine.runner = KernelRunner(model, engine.cache, engine.pool.block_size)
+    expected = [_reference(model, p, 10) for p in prompts]
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == expected
+    assert engine.scheduler.preemptions > 0  # 24 blocks of 4 slots for five rows of up to 48 tokens
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == expected  # prefix hits now
+    assert engine.scheduler.prefix.hit > 0
+    _assert_pool_empty(engine)
 
 
 @pytest.mark.parametrize("name", ["llama2-70b-tiny", "deepseek-v3.2-tiny"])

@@ -8,7 +8,7 @@ import torch
 import llmkit
 from llmkit.kernels.paged_attention import triton_usable
 from llmkit.serve.forward import Row
-from llmkit.serve.kernel_runner import KernelRunner
+from llmkit.serve.kernel_runner import KernelRunner, StaticStep
 from llmkit.serve.model_runner import (
     InvariantRunner,
     ModelRunner,
@@ -125,3 +125,35 @@ def test_the_kernel_runner_past_the_sliding_window(backend, preset):
         torch.testing.assert_close(out.logits[0], plain[e - 1], atol=1e-4, rtol=1e-4)
         if i == 1:
             torch.testing.assert_close(out.logits[1], plain_other[-1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "gathered"])
+@pytest.mark.parametrize("preset", ["llama2-7b-tiny", "deepseek-v3-tiny"])
+def test_a_captured_steps_buffers_give_the_eager_steps_logits(preset, kernel):
+    """What a CUDA graph replays, run as it is: 3 decoding rows filled into a step of 4 (the spare row on the scratch
+    block, tables padded to the model's context) give each row the logits and cache writes of the eager runner."""
+    torch.manual_seed(0)
+    model = llmkit.build_model(llmkit.get_preset(preset)).eval()
+    if kernel and not triton_usable(model.device):
+        pytest.skip("Triton is not installed")
+    runners = [
+        KernelRunner(model, PagedCache(model, 16, BS, model.device, model.dtype, scratch=True), BS, kernel)
+        for _ in range(2)
+    ]
+    step_runner, eager = runners
+    prompts, tables = [[5, 9, 2, 7, 1], [4, 8, 6], [1, 2, 3, 4, 5, 6, 7, 8]], [[3, 0], [7], [2, 12, 9]]
+    with torch.inference_mode():
+        for r in runners:
+            r.execute(StepPlan(tuple(Row(p, 0, t) for p, t in zip(prompts, tables, strict=True))))
+        rows = [Row([11 + i], len(p), t) for i, (p, t) in enumerate(zip(prompts, tables, strict=True))]
+        step = StaticStep(step_runner, 4, width=-(-model.max_seq_len // BS), scratch=16)
+        step.fill(rows)
+        _, logits = step.forward()
+        want = eager.execute(StepPlan(tuple(rows)))
+    for i in range(3):
+        torch.testing.assert_close(logits[i], want.logits[i], atol=1e-5, rtol=1e-5)
+    for a, b in zip(step_runner.cache.layers, eager.cache.layers, strict=True):  # the same blocks written
+        for x, y in zip(vars(a).values(), vars(b).values(), strict=True):
+            if isinstance(x, torch.Tensor):  # every block but the scratch one: (K, N, bs, D) or (N, bs, r)
+                blocks = 1 if x.dim() == 4 else 0
+                torch.testing.assert_close(x.narrow(blocks, 0, 16), y.narrow(blocks, 0, 16), atol=1e-6, rtol=1e-6)

@@ -115,18 +115,55 @@ class KernelRunner(ModelRunner):
         return outputs(self.model, rows, h[0], p.lengths)
 
 
-@dataclass
-class Captured:
-    """One bucket's graph and its static buffers: inputs written before each replay, outputs read after."""
+class StaticStep:
+    """A decoding step of `size` rows over static buffers: the inputs `fill` writes (tokens, positions, block
+    tables `width` blocks wide, each token's block and offset) and the outputs `forward` computes (states (size, C),
+    logits (size, V)). The rows past the real ones read and write the first slot of the `scratch` block. Captured as
+    a CUDA graph by DecodeGraphs; it also runs as it is (which is how the tests check it without a GPU)."""
 
-    graph: torch.cuda.CUDAGraph
-    tokens: Tensor  # (1, S)
-    positions: Tensor  # (1, S)
-    rows: PagedRows  # table (S, width), q_start, q_len, start
-    block: Tensor  # (S,)
-    offset: Tensor  # (S,)
-    hidden: Tensor  # (S, C)
-    logits: Tensor  # (S, V)
+    def __init__(self, runner: KernelRunner, size: int, width: int, scratch: int) -> None:
+        self.runner, self.scratch = runner, scratch
+        dev, i32 = runner.model.device, torch.int32
+        self.rows = PagedRows(
+            torch.full((size, width), scratch, device=dev, dtype=i32),  # table
+            torch.arange(size, device=dev, dtype=i32),  # q_start: one query a row
+            torch.ones(size, device=dev, dtype=i32),  # q_len
+            torch.zeros(size, device=dev, dtype=i32),  # start
+            max_q_len=1,
+            max_keys=width * runner.block_size,
+        )
+        self.tokens = torch.zeros(1, size, device=dev, dtype=torch.long)
+        self.positions = torch.zeros(1, size, device=dev, dtype=torch.long)
+        self.block = torch.full((size,), scratch, device=dev, dtype=torch.long)
+        self.offset = torch.zeros(size, device=dev, dtype=torch.long)
+        self.hidden = self.logits = torch.empty(0)
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[1]
+
+    def fill(self, rows: list[Row]) -> None:
+        """Copy `rows` (one token each) into the inputs; the spare rows go to the scratch block's first slot."""
+        bs, S, B = self.runner.block_size, self.size, len(rows)
+        nb = max(len(r.table) for r in rows)
+        table = torch.full((S, nb), self.scratch, dtype=torch.int32)
+        for i, r in enumerate(rows):
+            table[i, : len(r.table)] = torch.tensor(r.table, dtype=torch.int32)
+        start = torch.tensor([r.start for r in rows] + [0] * (S - B))
+        self.tokens.copy_(torch.tensor([r.tokens[0] for r in rows] + [0] * (S - B))[None], non_blocking=True)
+        self.positions.copy_(start[None], non_blocking=True)
+        self.rows.table[:, :nb].copy_(table, non_blocking=True)  # columns past nb are never read: keys stop at start
+        self.rows.start.copy_(start.to(torch.int32), non_blocking=True)
+        self.block.copy_(table[torch.arange(S), start // bs].long(), non_blocking=True)
+        self.offset.copy_(start % bs, non_blocking=True)
+
+    def forward(self) -> tuple[Tensor, Tensor]:
+        """The model over the inputs -> states (size, C), logits (size, V)."""
+        model, runner = self.runner.model, self.runner
+        at = Placement(self.rows, self.block, self.offset)
+        views = runner.cache.kernel_views(at, runner.attention(self.size, self.rows.max_keys))
+        h = model.run(self.tokens, Step(self.positions, AttentionMask(), self.positions), views)[0]  # (size, C)
+        return h, model.logits(model.norm(h))
 
 
 class DecodeGraphs:
@@ -134,10 +171,9 @@ class DecodeGraphs:
 
     def __init__(self, runner: KernelRunner) -> None:
         self.runner = runner
-        model, cache = runner.model, runner.cache
-        self.width = -(-model.max_seq_len // runner.block_size)  # table columns: the longest row's blocks
-        self.scratch = cache.scratch
-        self.captured: dict[int, Captured] = {}
+        self.width = -(-runner.model.max_seq_len // runner.block_size)  # table columns: the longest row's blocks
+        self.scratch = runner.cache.scratch
+        self.captured: dict[int, tuple[torch.cuda.CUDAGraph, StaticStep]] = {}
         self.memory = torch.cuda.graph_pool_handle()  # the graphs share one pool of memory
 
     def takes(self, rows: list[Row]) -> bool:
@@ -152,63 +188,26 @@ class DecodeGraphs:
     def run(self, rows: list[Row]) -> Forward:
         B = len(rows)
         size = next(b for b in BUCKETS if b >= B)
-        c = self.captured.get(size) or self._capture(size)
-        self._fill(c, rows)
-        c.graph.replay()
-        h = c.hidden[:B].clone()  # (B, C): the buffers are overwritten by the next replay
-        return Forward(list(h[:, None]), list(c.logits[:B].clone()), [None] * B)
+        graph, step = self.captured.get(size) or self._capture(size)
+        step.fill(rows)
+        graph.replay()
+        h = step.hidden[:B].clone()  # (B, C): the buffers are overwritten by the next replay
+        return Forward(list(h[:, None]), list(step.logits[:B].clone()), [None] * B)
 
-    def _fill(self, c: Captured, rows: list[Row]) -> None:
-        """Copy `rows` into the static inputs; the spare rows read and write the scratch block's first slot."""
-        bs, S, B = self.runner.block_size, c.tokens.shape[1], len(rows)
-        assert self.scratch is not None
-        starts = [r.start for r in rows] + [0] * (S - B)
-        nb = max(len(r.table) for r in rows)
-        table = torch.full((S, nb), self.scratch, dtype=torch.int32)
-        for i, r in enumerate(rows):
-            table[i, : len(r.table)] = torch.tensor(r.table, dtype=torch.int32)
-        start = torch.tensor(starts, dtype=torch.int32)
-        c.tokens.copy_(torch.tensor([r.tokens[0] for r in rows] + [0] * (S - B))[None], non_blocking=True)
-        c.positions.copy_(start.long()[None], non_blocking=True)
-        c.rows.table[:, :nb].copy_(table, non_blocking=True)  # columns past nb are never read: keys stop at start
-        c.rows.start.copy_(start, non_blocking=True)
-        c.block.copy_(table[torch.arange(S), start.long() // bs].long(), non_blocking=True)
-        c.offset.copy_(start.long() % bs, non_blocking=True)
-
-    def _forward(self, c: Captured) -> tuple[Tensor, Tensor]:
-        model, runner = self.runner.model, self.runner
-        at = Placement(c.rows, c.block, c.offset)
-        views = runner.cache.kernel_views(at, runner.attention(c.tokens.shape[1], c.rows.max_keys))
-        h = model.run(c.tokens, Step(c.positions, AttentionMask(), c.positions), views)[0]  # (S, C)
-        return h, model.logits(model.norm(h))
-
-    def _capture(self, size: int) -> Captured:
+    def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, StaticStep]:
         """Capture the step of `size` rows: warm up on a side stream (Triton compiles its kernels on first call,
         which a capture must not see), then record one forward of spare rows."""
-        dev = self.runner.model.device
         assert self.scratch is not None
-        i32 = torch.int32
-        rows = PagedRows(
-            torch.full((size, self.width), self.scratch, device=dev, dtype=i32),
-            torch.arange(size, device=dev, dtype=i32),
-            torch.ones(size, device=dev, dtype=i32),
-            torch.zeros(size, device=dev, dtype=i32),
-            max_q_len=1,
-            max_keys=self.width * self.runner.block_size,
-        )
-        zeros = functools.partial(torch.zeros, size, device=dev, dtype=torch.long)
-        c = Captured(
-            torch.cuda.CUDAGraph(), zeros()[None], zeros()[None], rows, torch.full_like(zeros(), self.scratch),
-            zeros(), torch.empty(0), torch.empty(0),
-        )  # fmt: skip
+        step = StaticStep(self.runner, size, self.width, self.scratch)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._forward(c)
+                step.forward()
         torch.cuda.current_stream().wait_stream(side)
-        with torch.cuda.graph(c.graph, pool=self.memory):
-            c.hidden, c.logits = self._forward(c)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.memory):
+            step.hidden, step.logits = step.forward()
         log.info("captured the decoding step of %d rows as a CUDA graph", size)
-        self.captured[size] = c
-        return c
+        self.captured[size] = (graph, step)
+        return graph, step
