@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo translate finetune eval-bench serve-bench test test-fast lint typecheck pytest pytest-fast clean
+.PHONY: demo translate finetune eval-bench serve-bench gpu-check test test-fast lint typecheck pytest pytest-fast clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,11 @@ finetune: $(STAMP)
 # there) scored by llmkit eval's pieces, and llmkit eval's speed against lm-evaluation-harness's hf model (~20 min).
 eval-bench: $(STAMP)
 	$(BIN)/python bench/eval_bench.py
+
+# on a machine with a CUDA GPU (its own python3 with PyTorch and transformers, no .venv): the CUDA tests, then
+# bench/gpu_bench.py against transformers, in under 8 minutes (docs/gpu.md)
+gpu-check:
+	bash bench/gpu_check.sh
 
 # serving against llama.cpp's server and vLLM's CPU backend (each built or installed on first use, ~10 minutes)
 serve-bench: $(STAMP)

@@ -1,0 +1,250 @@
+"""llmkit on a GPU against transformers in its fastest form (static cache + torch.compile), the same random weights at
+published shapes, in one run, with the card's HBM read bandwidth and bf16 matmul peak measured in the same run.
+
+    python3 bench/gpu_bench.py [--shapes llama-3.2-1b,llama-3.1-8b] [--new 128] [--json]
+    python3 bench/gpu_bench.py --device cpu --shapes tiny      # the bench's own code, on a CPU, in seconds
+
+For each shape (bf16, built on the device: transformers' model with its random initialisation, llmkit's converted
+from its state dict through llmkit's key map):
+- decode at batch 1, 8 and 64: llmkit's serving engine (KernelRunner: paged-attention kernels, CUDA graphs) with
+  B requests of a 32-token prompt, output tokens/s after the first token, and the fraction of the bandwidth ceiling
+  (bytes of weights and cache each step reads, over the measured bandwidth); the model step alone (the runner's
+  replay) beside it; transformers' `generate` with a static cache and its forward compiled (batch 1 and 8);
+- prefill of 512 and 2,048 tokens: llmkit's runner over one prompt chunk against transformers' forward, each as a
+  fraction of the measured bf16 peak (2 x parameters x tokens + the causal attention's products);
+- the serving engine at concurrency 1, 16 and 64 (512-token prompts, --new tokens each, all sent at once): output
+  tokens/s and time to first token p50 / p95.
+Each part prints its row as it finishes, so a run cut short by its time limit keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# published shapes (each model's config.json)
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.2-1b": dict(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, vocab=128256, tied=True),
+    "qwen2.5-1.5b": dict(hidden=1536, layers=28, heads=12, kv_heads=2, ffn=8960, vocab=151936, tied=True),
+    "llama-3.1-8b": dict(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256, tied=False),
+    "tiny": dict(hidden=128, layers=2, heads=4, kv_heads=2, ffn=256, vocab=512, tied=False),  # the bench's own check
+}
+
+
+@dataclass
+class Pair:
+    """transformers' model and llmkit's, the same weights on the same device."""
+
+    hf: Any
+    ours: Any
+    params: int  # parameters every decoding step reads (all but the embedding rows not looked up)
+    shape: dict[str, Any]
+
+
+def build(shape: str, device: str, dtype: torch.dtype) -> Pair:
+    import transformers
+
+    from llmkit import build_model
+    from llmkit.interop.hf import config_from_hf, state_dict_from_hf
+
+    s = SHAPES[shape]
+    fields = dict(
+        hidden_size=s["hidden"], intermediate_size=s["ffn"], num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], vocab_size=s["vocab"],
+        max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=s["tied"], rms_norm_eps=1e-5,
+    )  # fmt: skip
+    config = transformers.LlamaConfig(**fields)  # (rope_theta: a field before transformers 5, a kwarg it converts)
+    torch.manual_seed(0)
+    with torch.device(device):
+        try:
+            hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+        except TypeError:  # transformers before 4.56 names it torch_dtype
+            hf = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype).eval()
+    hf_config = {**config.to_dict(), "model_type": "llama"}
+    ours = build_model(config_from_hf(hf_config), device=device, dtype=dtype).eval()
+    ours.load_state_dict(state_dict_from_hf(hf.state_dict(), hf_config))
+    embed = s["vocab"] * s["hidden"]
+    params = sum(p.numel() for p in ours.parameters()) - (0 if s["tied"] else embed)
+    return Pair(hf, ours, params, s)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def limits(device: str) -> dict[str, float]:
+    from llmkit.machine.perf import matmul_flops, memory_bandwidth
+
+    if device == "cuda":
+        return {
+            "bf16_tflops": matmul_flops(torch.bfloat16, device, n=8192, seconds=1.0) / 1e12,
+            "read_gbs": memory_bandwidth(device, mib=4096, seconds=1.0) / 1e9,
+        }
+    return {"bf16_tflops": matmul_flops(torch.bfloat16, device, n=1024, seconds=0.5) / 1e12,
+            "read_gbs": memory_bandwidth(device, seconds=0.5) / 1e9}  # fmt: skip
+
+
+def engine_for(pair: Pair, max_batch: int) -> Any:
+    from llmkit.serve.engine import Engine, EngineConfig
+
+    free = torch.cuda.mem_get_info()[0] if pair.ours.device.type == "cuda" else 1 << 30
+    config = EngineConfig(kv_memory=min(int(free * 0.5), 40 << 30), max_batch=max_batch, step_tokens=4096)
+    return Engine(pair.ours, None, config)
+
+
+def run_engine(engine: Any, prompts: list[list[int]], new: int, device: str) -> dict[str, float]:
+    """All prompts sent at once, stepped to the end: output tokens/s over the whole run and after each request's
+    first token, time to first token p50 / p95, and the mean time of a step of decoding rows only."""
+    from llmkit.serve.request import SamplingParams
+
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    sync(device)
+    t0 = time.perf_counter()
+    ids = [engine.add(p, params) for p in prompts]
+    first: dict[str, float] = {}
+    decode_steps: list[float] = []
+    while engine.has_work:
+        s0 = time.perf_counter()
+        deltas = engine.step()
+        now = time.perf_counter()
+        if len(first) == len(ids):  # every request has its first token: this was a decoding step
+            decode_steps.append(now - s0)
+        for d in deltas:
+            first.setdefault(d.request_id, now - t0)
+    total = time.perf_counter() - t0
+    ttft = sorted(first[i] for i in ids)
+    after_first = total - max(ttft)
+    return {
+        "tok_s": len(prompts) * new / total,
+        "decode_tok_s": len(prompts) * (new - 1) / max(after_first, 1e-9) if new > 1 else 0.0,
+        "ttft_p50": statistics.median(ttft),
+        "ttft_p95": ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))],
+        "step_ms": 1e3 * statistics.median(decode_steps) if decode_steps else 0.0,
+    }
+
+
+def hf_decode(pair: Pair, batch: int, prompt_len: int, new: int, device: str) -> float:
+    """transformers' greedy generate with a static cache, which its `generate` compiles on a GPU (torch.compile's
+    "reduce-overhead": CUDA graphs): output tokens/s after a warm-up call (which compiles)."""
+    hf = pair.hf
+    hf.generation_config.cache_implementation = "static"
+    prompt = torch.randint(0, pair.shape["vocab"], (batch, prompt_len), device=device)
+
+    def once() -> None:
+        with torch.no_grad():
+            hf.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+
+    once()
+    sync(device)
+    t0 = time.perf_counter()
+    once()
+    sync(device)
+    return batch * new / (time.perf_counter() - t0)
+
+
+def prefill(pair: Pair, T: int, device: str) -> dict[str, float]:
+    """One prompt of T tokens through llmkit's runner (a fresh table) and through transformers' forward."""
+    from llmkit.serve.forward import Row
+    from llmkit.serve.model_runner import StepPlan
+
+    engine = engine_for(pair, 1)
+    bs = engine.pool.block_size
+    tokens = torch.randint(0, pair.shape["vocab"], (T,)).tolist()
+    plan = StepPlan((Row(tokens, 0, list(range(-(-T // bs)))),))
+    x = torch.tensor([tokens], device=device)
+
+    def ours() -> None:
+        with torch.inference_mode():
+            engine.runner.execute(plan)
+
+    def theirs() -> None:
+        with torch.inference_mode():
+            pair.hf(x, use_cache=False)
+
+    out = {}
+    for name, fn in (("llmkit", ours), ("transformers", theirs)):
+        fn()
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            fn()
+        sync(device)
+        out[name] = (time.perf_counter() - t0) / 3
+    s = pair.shape
+    attention = 2 * 2 * s["layers"] * s["hidden"] * T * T / 2  # q k^T and p v, causal half
+    flops = 2 * pair.params * T + attention
+    return {"tokens": T, "flops": flops, "llmkit_s": out["llmkit"], "transformers_s": out["transformers"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="llama-3.2-1b,llama-3.1-8b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--new", type=int, default=128, help="tokens generated per request")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    device, dtype = args.device, torch.bfloat16
+    lim = limits(device)
+    card = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    emit: Callable[[dict[str, Any]], None] = (
+        (lambda row: print(json.dumps(row), flush=True)) if args.json else (lambda row: print(_line(row), flush=True))
+    )
+    emit({"part": "machine", "card": card, **lim, "torch": torch.__version__})
+    for shape in args.shapes.split(","):
+        t0 = time.perf_counter()
+        pair = build(shape, device, dtype)
+        weight_bytes = pair.params * 2
+        s = pair.shape
+        kv_bytes_per_token = 2 * s["layers"] * s["kv_heads"] * (s["hidden"] // s["heads"]) * 2
+        emit({"part": "build", "shape": shape, "params_b": pair.params / 1e9, "s": time.perf_counter() - t0})
+        for batch in (1, 8, 64):
+            engine = engine_for(pair, max(batch, 8))
+            prompts = [torch.randint(0, pair.shape["vocab"], (32,)).tolist() for _ in range(batch)]
+            run_engine(engine, prompts, 8, device)  # warm-up: compiles the kernels, captures the graphs
+            r = run_engine(engine, prompts, args.new, device)
+            # steps/s if a step took only the time to read the weights and the rows' keys and values once (the
+            # rows' mean context: the prompt and half the new tokens)
+            cache_bytes = batch * (32 + args.new / 2) * kv_bytes_per_token
+            ceiling = lim["read_gbs"] * 1e9 / (weight_bytes + cache_bytes)
+            step_s = r["step_ms"] / 1e3
+            row = {"part": "decode", "shape": shape, "batch": batch, "llmkit_tok_s": r["decode_tok_s"],
+                   "step_ms": r["step_ms"], "of_bandwidth": (1 / step_s) / ceiling if step_s else 0.0}  # fmt: skip
+            if batch in (1, 8):
+                row["transformers_tok_s"] = hf_decode(pair, batch, 32, args.new, device)
+                row["ratio"] = row["llmkit_tok_s"] / row["transformers_tok_s"]
+            emit(row)
+            del engine
+        for T in (512, 2048):
+            p = prefill(pair, T, device)
+            peak = lim["bf16_tflops"] * 1e12
+            emit({"part": "prefill", "shape": shape, "tokens": T,
+                  "llmkit_tok_s": T / p["llmkit_s"], "llmkit_of_peak": p["flops"] / p["llmkit_s"] / peak,
+                  "transformers_tok_s": T / p["transformers_s"],
+                  "transformers_of_peak": p["flops"] / p["transformers_s"] / peak})  # fmt: skip
+        for concurrency in (1, 16, 64):
+            engine = engine_for(pair, max(concurrency, 8))
+            prompts = [torch.randint(0, pair.shape["vocab"], (512,)).tolist() for _ in range(concurrency)]
+            run_engine(engine, prompts[:1], 4, device)  # warm-up
+            r = run_engine(engine, prompts, args.new, device)
+            emit({"part": "serve", "shape": shape, "concurrency": concurrency, "tok_s": r["tok_s"],
+                  "ttft_p50": r["ttft_p50"], "ttft_p95": r["ttft_p95"]})  # fmt: skip
+            del engine
+        del pair
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _line(row: dict[str, Any]) -> str:
+    return "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
+
+
+if __name__ == "__main__":
+    main()
