@@ -8,9 +8,9 @@ import torch
 from helpers import tiny_tokenizer
 
 from llmkit.serve.config import EngineStats
-from llmkit.serve.model_runner import RunnerOutput
 from llmkit.serve.output_processor import OutputProcessor
 from llmkit.serve.request import FinishReason, Request, SamplingParams, Sequence, Status
+from llmkit.serve.runner_base import RunnerOutput
 from llmkit.serve.scheduler import Work
 from llmkit.serve.speculation import Drafts, NoDrafts
 from llmkit.serve.text import TextOutput

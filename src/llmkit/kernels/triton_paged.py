@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from llmkit.kernels.paged_attention import PagedRows
+from llmkit.kernels.paged_rows import PagedRows
 
 BLOCK_N = 32  # key positions per inner step
 
@@ -36,22 +36,15 @@ BLOCK_N = 32  # key positions per inner step
 @triton.jit
 def _attend_tile(
     q_ptr, k_ptr, r_ptr, v_ptr, out_ptr, ml_ptr,
-    table_ptr, q_start_ptr, q_len_ptr, start_ptr,
-    scale, softcap, window, group, n_chunks, block_size,
-    s_qn, s_qh,
-    s_kh, s_kb, s_ks,
-    s_rh, s_rb, s_rs,
-    s_vh, s_vb, s_vs,
-    s_on, s_oh, s_oc,
-    s_mn, s_mh,
-    s_tb,
-    D: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
+    table_ptr, q_start_ptr, q_len_ptr, start_ptr, scale, softcap, window, group, n_chunks, block_size,
+    s_qn, s_qh, s_kh, s_kb, s_ks, s_rh, s_rb, s_rs, s_vh, s_vb, s_vs,  # strides: q; the pools (head, block, slot)
+    s_on, s_oh, s_oc, s_mn, s_mh, s_tb,  # out (query, head, chunk), m and l (query, head), table (row)
+    D: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
-    tile = tl.program_id(1)
+    row, tile = tl.program_id(0), tl.program_id(1)
     kv_head = tl.program_id(2) // n_chunks
     chunk = tl.program_id(2) % n_chunks
     q_len = tl.load(q_len_ptr + row)
@@ -70,70 +63,100 @@ def _attend_tile(
     q_row = (q0 + qi) * s_qn + head * s_qh  # (M,) offsets of each score row's query vector
     d = tl.arange(0, BLOCK_D)
     q = tl.load(q_ptr + q_row[:, None] + d[None, :], mask=live[:, None] & (d[None, :] < D), other=0.0)  # (M, D)
-    if DR > 0:  # MLA: the rope part of the key, after the latent
-        dr = tl.arange(0, BLOCK_DR)
-        q_rope = tl.load(q_ptr + q_row[:, None] + D + dr[None, :], mask=live[:, None] & (dr[None, :] < DR), other=0.0)
+    dr = tl.arange(0, BLOCK_DR)  # MLA: the rope part of the key, after the latent (DR = 0: none, nothing read)
+    q_rope = tl.load(q_ptr + q_row[:, None] + D + dr[None, :], mask=live[:, None] & (dr[None, :] < DR), other=0.0)
     dv = tl.arange(0, BLOCK_DV)
 
-    # the keys the tile's queries see: up to its last query; from its first query's window on
-    hi = start + tl.minimum(q_len, (tile + 1) * BLOCK_M)
-    lo = 0
-    if WINDOW:
-        lo = tl.maximum(start + tile * BLOCK_M - window + 1, 0)
-    if SPLIT:  # the chunk-th of n_chunks runs of the row's keys, each whole key tiles
-        run = tl.cdiv(tl.cdiv(start + q_len, n_chunks), BLOCK_N) * BLOCK_N
-        lo = tl.maximum(lo, chunk * run)
-        hi = tl.minimum(hi, (chunk + 1) * run)
+    lo, hi = _key_range(start, q_len, tile, chunk, n_chunks, window, BLOCK_M, BLOCK_N, WINDOW, SPLIT)
 
-    m = tl.full([BLOCK_M * BLOCK_G], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M * BLOCK_G], tl.float32)
+    m, l = tl.full([BLOCK_M * BLOCK_G], float("-inf"), tl.float32), tl.zeros([BLOCK_M * BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_DV], tl.float32)
     for n0 in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):  # key tiles at fixed positions (multiples of BLOCK_N)
         pos = n0 + tl.arange(0, BLOCK_N)
         inside = (pos >= lo) & (pos < hi)
-        page = tl.load(table_ptr + row * s_tb + pos // block_size, mask=inside, other=0)
-        slot = page.to(tl.int64) * s_kb + (pos % block_size) * s_ks  # (N,) where each key lies
-        k = tl.load(
-            k_ptr + kv_head * s_kh + slot[None, :] + d[:, None], mask=inside[None, :] & (d[:, None] < D), other=0.0
-        )  # fmt: skip  (D, N)
-        s = tl.dot(q.to(k.dtype), k, input_precision=PRECISION)
-        if DR > 0:
-            r_slot = page.to(tl.int64) * s_rb + (pos % block_size) * s_rs
-            kr = tl.load(
-                r_ptr + kv_head * s_rh + r_slot[None, :] + dr[:, None],
-                mask=inside[None, :] & (dr[:, None] < DR),
-                other=0.0,
-            )  # fmt: skip  (DR, N)
-            s += tl.dot(q_rope.to(kr.dtype), kr, input_precision=PRECISION)
-        s = s * scale  # (M, N) fp32
-        if SOFTCAP:  # cap * tanh(s / cap), with tanh(x) = 2 sigmoid(2x) - 1
-            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
-        seen = inside[None, :] & (pos[None, :] <= q_pos[:, None])
-        if WINDOW:
-            seen = seen & (q_pos[:, None] - pos[None, :] < window)
-        s = tl.where(seen, s, float("-inf"))
+        page = tl.load(table_ptr + row * s_tb + pos // block_size, mask=inside, other=0).to(tl.int64)
+        s = _scores(
+            q,
+            q_rope,
+            k_ptr + kv_head * s_kh + page * s_kb + (pos % block_size) * s_ks,
+            r_ptr + kv_head * s_rh + page * s_rb + (pos % block_size) * s_rs,
+            inside,
+            pos,
+            q_pos,
+            scale,
+            softcap,
+            window,
+            D,
+            DR,
+            BLOCK_D,
+            BLOCK_DR,
+            SOFTCAP,
+            WINDOW,
+            PRECISION,
+        )  # fmt: skip  (M, N) fp32
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays empty
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
         l = l * alpha + tl.sum(p, axis=1)
-        v_slot = page.to(tl.int64) * s_vb + (pos % block_size) * s_vs
+        v_slot = page * s_vb + (pos % block_size) * s_vs
         v = tl.load(
             v_ptr + kv_head * s_vh + v_slot[:, None] + dv[None, :], mask=inside[:, None] & (dv[None, :] < DV), other=0.0
         )  # fmt: skip  (N, DV)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
 
-    out_row = (q0 + qi) * s_on + head * s_oh
     keep = live[:, None] & (dv[None, :] < DV)
     if SPLIT:  # the chunk's unnormalised output, with its m and l, for _combine
-        tl.store(out_ptr + out_row[:, None] + chunk * s_oc + dv[None, :], acc, mask=keep)
-        ml_row = (q0 + qi) * s_mn + head * s_mh + chunk * 2
-        tl.store(ml_ptr + ml_row, m, mask=live)
-        tl.store(ml_ptr + ml_row + 1, l, mask=live)
+        tl.store(out_ptr + ((q0 + qi) * s_on + head * s_oh + chunk * s_oc)[:, None] + dv[None, :], acc, mask=keep)
+        ml = ml_ptr + ((q0 + qi) * s_mn + head * s_mh + chunk * 2)[:, None] + tl.arange(0, 2)[None, :]
+        tl.store(ml, tl.join(m, l), mask=live[:, None])
     else:
-        out = acc / tl.where(l > 0.0, l, 1.0)[:, None]
-        tl.store(out_ptr + out_row[:, None] + dv[None, :], out.to(out_ptr.dtype.element_ty), mask=keep)
+        out = (acc / tl.where(l > 0.0, l, 1.0)[:, None]).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + ((q0 + qi) * s_on + head * s_oh)[:, None] + dv[None, :], out, mask=keep)
+
+
+@triton.jit
+def _key_range(
+    start, q_len, tile, chunk, n_chunks, window,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """The positions [lo, hi) of the keys a tile's queries see: up to its last query's, from its first query's
+    window on, within the chunk-th of n_chunks runs of the row's keys (each a whole number of key tiles)."""
+    hi = start + tl.minimum(q_len, (tile + 1) * BLOCK_M)
+    lo = 0
+    if WINDOW:
+        lo = tl.maximum(start + tile * BLOCK_M - window + 1, 0)
+    if SPLIT:
+        run = tl.cdiv(tl.cdiv(start + q_len, n_chunks), BLOCK_N) * BLOCK_N
+        lo = tl.maximum(lo, chunk * run)
+        hi = tl.minimum(hi, (chunk + 1) * run)
+    return lo, hi
+
+
+@triton.jit
+def _scores(
+    q, q_rope, k_at, r_at, inside, pos, q_pos, scale, softcap, window,
+    D: tl.constexpr, DR: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr,
+    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One key tile's scores (M, N) in fp32: q . k (plus the rope parts' product), scaled, soft-capped, and -inf where
+    a query does not see the key. k_at, r_at (N,): where each key's first element lies (in the key pool, the rope
+    pool)."""
+    d = tl.arange(0, BLOCK_D)
+    k = tl.load(k_at[None, :] + d[:, None], mask=inside[None, :] & (d[:, None] < D), other=0.0)  # (D, N)
+    s = tl.dot(q.to(k.dtype), k, input_precision=PRECISION)
+    if DR > 0:
+        dr = tl.arange(0, BLOCK_DR)
+        kr = tl.load(r_at[None, :] + dr[:, None], mask=inside[None, :] & (dr[:, None] < DR), other=0.0)  # (DR, N)
+        s += tl.dot(q_rope.to(kr.dtype), kr, input_precision=PRECISION)
+    s = s * scale
+    if SOFTCAP:  # cap * tanh(s / cap), with tanh(x) = 2 sigmoid(2x) - 1
+        s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
+    seen = inside[None, :] & (pos[None, :] <= q_pos[:, None])
+    if WINDOW:
+        seen = seen & (q_pos[:, None] - pos[None, :] < window)
+    return tl.where(seen, s, float("-inf"))
 
 
 @triton.jit

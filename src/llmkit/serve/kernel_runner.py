@@ -36,8 +36,8 @@ from llmkit.layers.attention.mask import AttentionMask
 from llmkit.models.cache import Step
 from llmkit.models.decoder import DecoderLM
 from llmkit.serve.forward import Forward, Row, prompt_logits
-from llmkit.serve.model_runner import ModelRunner, StepPlan
 from llmkit.serve.paged import PagedAttention, PagedCache, Placement
+from llmkit.serve.runner_base import ModelRunner, StepPlan
 
 log = logging.getLogger("llmkit.serve")
 

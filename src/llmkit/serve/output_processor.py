@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 
 from llmkit.serve.config import EngineStats
-from llmkit.serve.model_runner import RunnerOutput
 from llmkit.serve.request import Delta, FinishReason, Sequence, Top
+from llmkit.serve.runner_base import RunnerOutput
 from llmkit.serve.sampler import sample
 from llmkit.serve.scheduler import Work
 from llmkit.serve.speculation import Drafter, Drafts, judge

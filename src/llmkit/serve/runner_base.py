@@ -1,0 +1,102 @@
+"""What every model runner takes and gives (model_runner.py has the CPU's runners and the choice between them,
+kernel_runner.py the GPU's): a frozen plan of rows in, typed logits out, and the grouping of rows into forwards
+with a failing group retried row by row. Shapes: B rows, V vocabulary, C model dim, k a row's drafts."""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from llmkit.models.decoder import DecoderLM
+from llmkit.serve.forward import Forward, Row
+from llmkit.serve.lockstep import RanksLost
+from llmkit.serve.paged import PagedCache
+
+log = logging.getLogger("llmkit.serve")
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The rows one step computes, in the scheduler's order (decoding rows first, then prompt chunks)."""
+
+    rows: tuple[Row, ...]
+
+    @property
+    def decoding(self) -> list[int]:
+        """The rows of one new token (with or without drafts)."""
+        return [i for i, r in enumerate(self.rows) if len(r.tokens) == 1]
+
+    @property
+    def chunks(self) -> list[int]:
+        """The rows of several new tokens: prompt chunks."""
+        return [i for i, r in enumerate(self.rows) if len(r.tokens) > 1]
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    """What a step's forward gave, by row index of the plan: `logits` (V,) after the last token of each row without
+    drafts; `verified` (1 + k, V) after the token of each row with k drafts and after each draft; `hidden` the
+    last-block states (n, C) of every token the row computed, drafts included; `prompt` the logits (prompt_n, V) of
+    the prompt tokens whose log-probabilities the row's request asked for. A row in neither `logits` nor
+    `verified` failed (its forward raised even alone)."""
+
+    logits: dict[int, Tensor] = field(default_factory=dict)
+    verified: dict[int, Tensor] = field(default_factory=dict)
+    hidden: dict[int, Tensor] = field(default_factory=dict)
+    prompt: dict[int, Tensor | None] = field(default_factory=dict)
+
+    def failed(self, i: int) -> bool:
+        return i not in self.logits and i not in self.verified
+
+
+class ModelRunner(ABC):
+    """A model over a paged cache, with the backend its constructor chose. `execute` runs a plan; subclasses say how
+    the plan's rows are grouped into forwards (`groups`) and how one group runs (`forward`)."""
+
+    def __init__(self, model: DecoderLM, cache: PagedCache, block_size: int) -> None:
+        self.model, self.cache, self.block_size = model, cache, block_size
+
+    runs_tokens = False  # whether rows with drafts can be verified here (speculation needs it)
+    invariant = False  # whether a row's bits do not depend on the rows beside it (nor on the prompt's chunking)
+    # whether a generated token's keys and values are the ones a prompt holding it would get, so that the blocks
+    # holding them may serve later prompts from the prefix cache
+    shares_generated = True
+
+    @abstractmethod
+    def groups(self, plan: StepPlan) -> list[list[int]]:
+        """The plan's rows (indices) grouped into forwards."""
+
+    @abstractmethod
+    def forward(self, rows: list[Row]) -> Forward:
+        """The model over `rows`, writing their keys and values into the cache."""
+
+    def execute(self, plan: StepPlan) -> RunnerOutput:
+        out = RunnerOutput()
+        for group in (g for g in self.groups(plan) if g):
+            try:
+                self._add(out, plan, group, self.forward([plan.rows[i] for i in group]))
+            except RanksLost:
+                raise  # the ranks are out of step: nothing is retried
+            except Exception as e:
+                if len(group) == 1:
+                    log.error("request %s failed: %s: %s; ending it", plan.rows[group[0]].request, type(e).__name__, e)
+                    continue
+                log.warning("a batch of %d rows failed (%s: %s); computing them one by one", len(group),
+                            type(e).__name__, e)  # fmt: skip
+                for i in group:
+                    try:
+                        self._add(out, plan, [i], self.forward([plan.rows[i]]))
+                    except RanksLost:
+                        raise
+                    except Exception as e:
+                        log.error("request %s failed: %s: %s; ending it", plan.rows[i].request, type(e).__name__, e)
+        return out
+
+    @staticmethod
+    def _add(out: RunnerOutput, plan: StepPlan, group: list[int], f: Forward) -> None:
+        for j, i in enumerate(group):
+            (out.verified if plan.rows[i].drafts else out.logits)[i] = f.logits[j]
+            out.hidden[i], out.prompt[i] = f.hidden[j], f.prompt[j]
