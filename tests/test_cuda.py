@@ -323,3 +323,31 @@ def test_gpu_gguf_file_decodes_the_cpu_s_tokens(tmp_path):
         torch.testing.assert_close(gpu(tokens.cuda()).cpu(), cpu(tokens), rtol=1e-4, atol=1e-4)
     out = generate(gpu, tokens.cuda(), max_new_tokens=8).tokens.cpu()
     assert torch.equal(out, generate(cpu, tokens, max_new_tokens=8).tokens)
+
+
+def test_gpu_speculative_serving_equals_plain_serving():
+    """A draft model on the GPU runner (drafts verified in the packed step): greedy output equals the plain engine's,
+    and the model drafting for itself keeps every draft."""
+    from llmkit.serve.drafters import ModelSpeculator
+    from llmkit.serve.engine import Engine, EngineConfig
+    from llmkit.serve.paged import PagedCache
+    from llmkit.serve.request import SamplingParams
+
+    _, gpu = pair("llama2-70b-tiny")
+    torch.manual_seed(1)
+    weak = build_model(dataclasses.replace(get_preset("llama2-70b-tiny"), n_layers=1), device="cuda").eval()
+    prompts = [[7, 8, 9, 10, 11, 12, 13, 14, *p] for p in PROMPTS]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+
+    def engine(draft: DecoderLM | None) -> Engine:
+        per_block = 2 * PagedCache.bytes_per_block(gpu, 4, torch.float32)
+        config = EngineConfig(kv_memory=per_block * 64, block_size=4, step_tokens=8, draft_tokens=3 if draft else 0)
+        return Engine(gpu, None, config, draft=draft)
+
+    plain = [o.token_ids for o in engine(None).generate(prompts, greedy)]
+    for draft in (weak, gpu):
+        e = engine(draft)
+        assert isinstance(e.drafter, ModelSpeculator)
+        e.drafter.drafts_for = lambda rows: 3  # type: ignore[method-assign]
+        assert [o.token_ids for o in e.generate(prompts, greedy)] == plain
+    assert e.drafter.accepted == e.drafter.drafted > 0

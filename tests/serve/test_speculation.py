@@ -18,6 +18,7 @@ from llmkit.models.cache import whole_sequence
 from llmkit.quant.native_step import NativeDecoder
 from llmkit.serve.drafters import ModelSpeculator, MTPSpeculator
 from llmkit.serve.engine import Engine, EngineConfig
+from llmkit.serve.kernel_runner import KernelRunner
 from llmkit.serve.paged import PagedCache
 from llmkit.serve.request import SamplingParams
 from llmkit.serve.speculation import Costs
@@ -439,7 +440,7 @@ def test_a_draft_models_state_survives_preemption_and_shared_prefixes(monkeypatc
     for prompt, slot, out in seen:
         tokens = torch.tensor([[*prompt, *plain[tuple(prompt)]]])
         with torch.no_grad():
-            full = draft.norm(draft.run(tokens, whole_sequence(tokens.shape[1], None, tokens.device)))[0]
+            full = draft.run(tokens, whole_sequence(tokens.shape[1], None, tokens.device))[0]  # last-block states
         torch.testing.assert_close(out, full[slot], atol=1e-4, rtol=1e-4)
 
 
@@ -447,3 +448,25 @@ def test_a_draft_model_must_share_the_vocabulary():
     model = _model()
     with pytest.raises(InputError, match="vocabulary"):
         Engine(model, None, EngineConfig(kv_memory=1 << 22, draft_tokens=2), draft=_model(vocab_size=300))
+
+
+def test_a_draft_model_on_the_gpu_runner_gives_the_plain_output(monkeypatch):
+    """The GPU's runner as the engine's and as the draft's: drafts verified as rows of 1 + k queries in the step's
+    packed forward; the greedy output is the plain engine's on the same runner, and the model drafting for itself
+    keeps every draft. (Its attention here is the kernel's reference, which tests/kernels and test_model_runner
+    check the kernel against: interpreted, the speculator's cost measurements take minutes.)"""
+    import llmkit.serve.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "model_runner", lambda m, c, bs, *_: KernelRunner(m, c, bs, kernel=False))
+    model = _model()
+    prompts = _prompts([1, 3, 9, 17])
+    plain = [o.token_ids for o in _engine(model).generate(prompts, GREEDY)]
+    engine = _drafted_engine(model, _model(seed=1, n_layers=1, mtp_depth=0), 3)
+    assert isinstance(engine.runner, KernelRunner) and isinstance(engine.drafter, ModelSpeculator)
+    assert isinstance(engine.drafter.runner, KernelRunner)
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == plain
+    itself = _drafted_engine(model, _model(), 3)
+    assert [o.token_ids for o in itself.generate(prompts, GREEDY)] == plain
+    assert itself.drafter is not None and itself.drafter.accepted == itself.drafter.drafted > 0
+    with pytest.raises(InputError, match="MTP module runs on llmkit's C"):
+        _engine(model, 2)  # the MTP drafter needs the C++ step

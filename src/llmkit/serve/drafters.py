@@ -11,8 +11,9 @@ block tables:
                              target keys do): sequences sharing a cached block write the same values into it
 
 ModelSpeculator drafts with a smaller model that shares the tokenizer (Leviathan et al. 2023; `llmkit generate
---draft`), run by its own C++ step over pools of its own under the same block tables: its keys in slot i depend on
-the tokens up to i, so prefix sharing and preemption need nothing more.
+--draft`), run by a model runner of its own (the C++ step's on a CPU, the paged-attention kernels' on a GPU) over
+pools of its own under the same block tables: its keys in slot i depend on the tokens up to i, so prefix sharing and
+preemption need nothing more. The MTP module runs on the C++ step only.
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ from llmkit.layers.attention.cache import KVCache
 from llmkit.models.decoder import DecoderLM
 from llmkit.quant.native_step import NativeDecoder
 from llmkit.serve.config import EngineConfig
+from llmkit.serve.kernel_runner import KernelRunner
 from llmkit.serve.kv_manager import KVCacheManager
+from llmkit.serve.model_runner import NativeRunner
 from llmkit.serve.paged import KVPool, PagedCache
+from llmkit.serve.runner_base import ModelRunner
 from llmkit.serve.scheduler import Work
 from llmkit.serve.speculation import Costs, Speculator
 
@@ -37,23 +41,18 @@ class MTPSpeculator(Speculator):
     int8 / int4 copy of the head and of the module's block (cheaper drafts, the same output)."""
 
     def __init__(
-        self,
-        model: DecoderLM,
-        native: NativeDecoder,
-        kv: KVCacheManager,
-        pools: tuple[list[Tensor], list[Tensor]],
-        k: int,
-        head_bits: int | None = None,
+        self, model: DecoderLM, target: NativeRunner, kv: KVCacheManager, k: int, head_bits: int | None = None
     ) -> None:
-        """pools: the engine's keys and values of every layer (KH, N, bs, D), all blocks free yet (Costs.measure
-        writes into block 0)."""
+        """target: the engine's runner on the C++ step, its pools' blocks all free yet (Costs.measure writes into
+        block 0)."""
         if not len(model.mtp):
             raise InputError(
                 "speculative serving drafts with the model's multi-token-prediction module, and this model has none "
                 "(graft one with `llmkit graft-mtp`)"
             )
-        n_blocks, block_size = pools[0][0].shape[1], pools[0][0].shape[2]
-        super().__init__(model, native, kv, block_size, k)
+        super().__init__(model, target, kv, k)
+        n_blocks, block_size, native = target.cache.n_blocks, target.block_size, target.native
+        self.native = native
         self.draft = MTPDraft(model, native, head_bits)
         if self.draft.block is None:
             raise InputError(
@@ -67,7 +66,7 @@ class MTPSpeculator(Speculator):
         self.keys, self.values = pool.k, pool.v  # (KH, N, bs, D)
         self.hidden = torch.zeros(n_blocks, block_size, model.cfg.d_model, device=device, dtype=dtype)
         with torch.no_grad():
-            self.costs = Costs.measure(self, *pools)  # what steps and drafts cost here
+            self.costs = Costs.measure(self)  # what steps and drafts cost here
 
     @property
     def nbytes(self) -> int:
@@ -140,50 +139,30 @@ class MTPSpeculator(Speculator):
 
 
 class ModelSpeculator(Speculator):
-    """Drafts with `draft`, a smaller model with the target's vocabulary, run by its own C++ step (NativeDecoder)
-    over paged pools of its own (its keys in slot i: token i's, as the target's), under the engine's block tables."""
+    """Drafts with `draft`, a smaller model with the target's vocabulary, run by a model runner of its own over paged
+    pools of its own (its keys in slot i: token i's, as the target's), under the engine's block tables."""
 
     first_slot = 0
 
-    def __init__(
-        self,
-        model: DecoderLM,
-        native: NativeDecoder,
-        kv: KVCacheManager,
-        pools: tuple[list[Tensor], list[Tensor]],
-        k: int,
-        draft: DecoderLM,
-    ) -> None:
-        """pools: the engine's keys and values of every layer (KH, N, bs, D), all blocks free yet."""
+    def __init__(self, model: DecoderLM, target: ModelRunner, kv: KVCacheManager, k: int, draft: DecoderLM) -> None:
+        """target: the engine's runner, its pools' blocks all free yet."""
         if draft.cfg.vocab_size != model.cfg.vocab_size:
             raise InputError(
                 f"the draft's vocabulary ({draft.cfg.vocab_size}) differs from the model's ({model.cfg.vocab_size}): "
                 "they must share a tokenizer"
             )
-        n_blocks, block_size = pools[0][0].shape[1], pools[0][0].shape[2]
-        super().__init__(model, native, kv, block_size, k)
+        super().__init__(model, target, kv, k)
         self.draft = draft.eval()
-        self.draft_native = step = NativeDecoder.of(draft)
-        self.cache = PagedCache(draft, n_blocks, block_size, draft.device, draft.dtype)
-        pooled = self.cache.grouped_query()
-        with torch.no_grad():  # (how the engine's steps run)
-            runs = step is not None and pooled is not None and step.applies_paged(1, pooled[0])
-        if not runs or pooled is None:
-            raise InputError(
-                "the draft model does not run in llmkit's C++ step, which speculative serving needs (a grouped-query "
-                "decoder in fp32 or int4/int8 on an x86 CPU)"
-            )
-        self.keys, self.values = pooled
+        self.runner = draft_runner(draft, target)
         with torch.no_grad():
-            self.costs = Costs.measure(self, *pools)
+            self.costs = Costs.measure(self)
 
     @property
     def nbytes(self) -> int:
-        return self.cache.nbytes
+        return self.runner.cache.nbytes
 
     def head(self, out: Tensor) -> Tensor:
-        assert self.draft_native is not None
-        return self.draft_native.logits(out)
+        return self.runner.token_logits(out, invariant=False)  # (a draft's rounding changes nothing it yields)
 
     def _catch_up(self, rows: list[Work]) -> Tensor:
         works, slots, last = self._spans(rows)
@@ -199,36 +178,42 @@ class ModelSpeculator(Speculator):
 
     def _run(self, works: list[Work], slots: Tensor, ids: Tensor) -> Tensor:
         """The draft model over tokens ids (M,) in slots (M,) of the works' sequences, one row each, writing its keys
-        -> its final-normed states (M, C')."""
-        assert self.draft_native is not None
-        dev = self.draft.device
-        table = self._tables(works, dev)  # (M, nb)
-        slots = slots.to(dev)
-        allowed = torch.arange(table.shape[1] * self.bs, device=dev)[None] <= slots[:, None]  # (M, S)
-        h = self.draft_native.run_tokens(
-            ids.to(dev), positions=slots, table=table, allowed=allowed, keys=self.keys, values=self.values
-        )
-        return self.draft.norm(h)
+        -> its last-block states (M, C')."""
+        return self.runner.token_states(ids, slots, self._tables(works, self.draft.device))
 
     def draft_scratch(self, slots: Tensor, table: Tensor, allowed: Tensor) -> Tensor:
-        assert self.draft_native is not None
-        tokens = torch.zeros_like(slots)
-        h = self.draft_native.run_tokens(
-            tokens, positions=slots, table=table, allowed=allowed, keys=self.keys, values=self.values
+        return self.head(self.runner.token_states(torch.zeros_like(slots), slots, table))
+
+
+def draft_runner(draft: DecoderLM, target: ModelRunner) -> ModelRunner:
+    """A runner for the draft model over pools of its own with the target's blocks: the paged-attention kernels'
+    beside a GPU runner, else the C++ step's."""
+    n_blocks, bs = target.cache.n_blocks, target.block_size
+    cache = PagedCache(draft, n_blocks, bs, draft.device, draft.dtype)
+    if isinstance(target, KernelRunner):
+        return KernelRunner(draft, cache, bs, kernel=target.kernel, graphs=False)
+    step = NativeDecoder.of(draft)
+    pooled = cache.grouped_query()
+    with torch.no_grad():  # (how the engine's steps run)
+        runs = step is not None and pooled is not None and step.applies_paged(1, pooled[0])
+    if step is None or not runs:
+        raise InputError(
+            "the draft model does not run in llmkit's C++ step, which speculative serving on a CPU needs (a "
+            "grouped-query decoder in fp32 or int4/int8 on an x86 CPU)"
         )
-        return self.head(self.draft.norm(h))
+    return NativeRunner(draft, cache, bs, step)
 
 
 def speculator(
-    model: DecoderLM,
-    native: NativeDecoder,
-    kv: KVCacheManager,
-    pools: tuple[list[Tensor], list[Tensor]],
-    config: EngineConfig,
-    draft: DecoderLM | None,
+    model: DecoderLM, target: ModelRunner, kv: KVCacheManager, config: EngineConfig, draft: DecoderLM | None
 ) -> Speculator:
     """The engine's drafter of config.draft_tokens (> 0) drafts a step: `draft` when given, else the model's MTP
-    module. native and pools: the engine's C++ step and its pools."""
+    module (on the C++ step). target: the engine's runner, which verifies the drafts."""
     if draft is not None:
-        return ModelSpeculator(model, native, kv, pools, config.draft_tokens, draft)
-    return MTPSpeculator(model, native, kv, pools, config.draft_tokens, config.draft_head_bits)
+        return ModelSpeculator(model, target, kv, config.draft_tokens, draft)
+    if not isinstance(target, NativeRunner):
+        raise InputError(
+            "drafting with the MTP module runs on llmkit's C++ decode step (an x86 CPU, fp32 caches); here, draft "
+            "with a small model instead (--draft)"
+        )
+    return MTPSpeculator(model, target, kv, config.draft_tokens, config.draft_head_bits)

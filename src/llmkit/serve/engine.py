@@ -31,7 +31,7 @@ from llmkit.serve.drafters import speculator
 from llmkit.serve.embeddings import Embedding, OneForward, check_input
 from llmkit.serve.forward import row_of
 from llmkit.serve.lockstep import Lockstep, embed_step, make_cache
-from llmkit.serve.model_runner import NativeRunner, StepPlan, model_runner
+from llmkit.serve.model_runner import StepPlan, model_runner
 from llmkit.serve.output_processor import OutputProcessor
 from llmkit.serve.paged import PagedCache
 from llmkit.serve.request import Completion, Delta, FinishReason, Refused, Request, SamplingParams, Sequence, Status
@@ -81,17 +81,17 @@ class Engine:
         if lockstep is not None:  # the other ranks' caches: the same blocks, their own heads
             lockstep.tell(make_cache, n_blocks, config.block_size, self.dtype)
         self.runner = model_runner(model, self.cache, config.block_size, config.batch_invariant, lockstep)
-        if config.draft_tokens and not isinstance(self.runner, NativeRunner):
+        if config.draft_tokens and not self.runner.runs_tokens:
             raise InputError(
-                f"speculation runs tokens through llmkit's C++ decode step: it needs {NATIVE_NEEDS}, fp32 caches"
+                "speculation verifies drafts in llmkit's C++ decode step or its GPU runner: it needs a CUDA GPU, or "
+                f"{NATIVE_NEEDS}, fp32 caches"
             )
         self.pool = BlockPool(n_blocks, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_batch, config.step_tokens, self.runner.shares_generated)
         # drafts for the decoding rows (config.draft_tokens): `draft`'s, or the model's MTP module's (drafters.py)
         self.drafter: Drafter = NoDrafts()
-        if isinstance(self.runner, NativeRunner) and config.draft_tokens:
-            pools = (self.runner.keys, self.runner.values)
-            self.drafter = speculator(model, self.runner.native, self.scheduler.kv, pools, config, draft)
+        if config.draft_tokens:
+            self.drafter = speculator(model, self.runner, self.scheduler.kv, config, draft)
         self.max_len = model.max_seq_len
         self.eos_ids = {tokenizer.eos_id} if tokenizer is not None and tokenizer.eos_id is not None else set()
         # structured outputs: constraints compiled against the tokenizer's vocabulary (needs the tokenizer)

@@ -109,10 +109,19 @@ class KernelRunner(ModelRunner):
     def forward(self, rows: list[Row]) -> Forward:
         if self.graphs is not None and self.graphs.takes(rows):
             return self.graphs.run(rows)
+        return outputs(self.model, rows, self._states(rows), [len(r.tokens) + len(r.drafts) for r in rows])
+
+    def token_states(self, tokens: Tensor, slots: Tensor, table: Tensor) -> Tensor:
+        """Each token a row of one query; a sequence's tokens in the same call see each other's keys, since every
+        layer writes the step's keys before it attends."""
+        tables = table.tolist()
+        return self._states([Row([t], s, tb) for t, s, tb in zip(tokens.tolist(), slots.tolist(), tables, strict=True)])
+
+    def _states(self, rows: list[Row]) -> Tensor:
+        """The model over `rows` packed -> the last-block states of every token (n, C)."""
         p = pack(rows, self.block_size, self.model.device)
         views = self.cache.kernel_views(p.at, self.attention(len(rows), p.at.rows.max_keys))
-        h = self.model.run(p.tokens, Step(p.positions, AttentionMask(), p.positions), views)  # (1, n, C)
-        return outputs(self.model, rows, h[0], p.lengths)
+        return self.model.run(p.tokens, Step(p.positions, AttentionMask(), p.positions), views)[0]  # (n, C)
 
 
 class StaticStep:

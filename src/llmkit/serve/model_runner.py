@@ -109,6 +109,17 @@ class NativeRunner(TorchRunner):
         logits = self.model.logits(self.model.norm(h[:, -1]))  # (B, V)
         return Forward(hidden, list(logits), prompt_logits(self.model, hidden, [r.prompt_n for r in rows]))
 
+    def token_states(self, tokens: Tensor, slots: Tensor, table: Tensor) -> Tensor:
+        dev, S = self.model.device, table.shape[1] * self.block_size
+        allowed = torch.arange(S, device=dev)[None] <= slots.to(dev)[:, None]  # (N, S)
+        return self.native.run_tokens(
+            tokens.to(dev), positions=slots.to(dev), table=table.to(dev), allowed=allowed, keys=self.keys,
+            values=self.values,
+        )  # fmt: skip
+
+    def token_logits(self, h: Tensor, invariant: bool = True) -> Tensor:
+        return self.native.logits(self.model.norm(h), invariant=invariant)
+
     def _tables(self, rows: list[Row]) -> tuple[Tensor, Tensor]:
         """Each row's block table (B, nb), padded with its first block, and the slots it may attend to when its
         last token (or draft) is in place (B, nb * block_size)."""

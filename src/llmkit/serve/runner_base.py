@@ -73,6 +73,17 @@ class ModelRunner(ABC):
     def forward(self, rows: list[Row]) -> Forward:
         """The model over `rows`, writing their keys and values into the cache."""
 
+    def token_states(self, tokens: Tensor, slots: Tensor, table: Tensor) -> Tensor:
+        """Tokens (N,), each a row of its own: token n in slot slots[n] of the sequence whose blocks are table[n]
+        (N, nb), seeing its slots up to its own, writing its keys -> last-block states (N, C). What speculation
+        drafts and verifies with (runs_tokens)."""
+        raise NotImplementedError(f"{type(self).__name__} does not run tokens as rows of their own")
+
+    def token_logits(self, h: Tensor, invariant: bool = True) -> Tensor:
+        """token_states' states (N, C) -> logits (N, V), as a verified row's are computed (`invariant`: each row's
+        bits its own, where the runner's head can)."""
+        return self.model.logits(self.model.norm(h))
+
     def execute(self, plan: StepPlan) -> RunnerOutput:
         out = RunnerOutput()
         for group in (g for g in self.groups(plan) if g):

@@ -1,19 +1,21 @@
 """Speculative decoding in the serving engine: every decoding sequence drafts up to k tokens with the model's own
 multi-token-prediction module (DeepSeek-V3 §2.2, as `llmkit generate --mtp` does for one generation), and the target
-checks all the sequences' drafts in the step's one C++ call.
+checks all the sequences' drafts in the step's one forward (the C++ step's, or the GPU runner's).
 
     draft    the drafter over each sequence's slots `next` .. n: the ones it has not yet computed from true inputs,
              then `cur` (the newest token, in slot n) -> d1; chained at n + 1 .. -> d2 .. dk
     verify   the target over cur, d1 .. dk of every sequence, each token a row of the C++ step
              (NativeDecoder.run_tokens: the same arithmetic as a plain decoding row, so greedy output is the plain
-             engine's token for token), with the head in row-invariant pieces
+             engine's token for token), with the head in row-invariant pieces; on a GPU, a row of 1 + k queries in the
+             step's packed forward (kernel_runner.py)
     accept   greedy: the drafts while they are the target's argmax, then its token; sampled: the rule of Leviathan
              et al. (llmkit.generate.speculative.accept), which gives every token the target's distribution
 
 The drafters (serve/drafters.py): the model's MTP module (MTPSpeculator) or a smaller model (ModelSpeculator).
 
-How many drafts (0 .. k) is decided each step by Costs, which the speculator measures when it is made (the C++ step
-with the head, and a chained draft, at 1 to 64 rows) and completes with the engine's per-step overhead it learns,
+How many drafts (0 .. k) is decided each step by Costs, which the speculator measures when it is made (the target's
+verifying step with the head, and a chained draft, at 1 to 64 rows) and completes with the engine's per-step
+overhead it learns,
 and by the acceptance it keeps per draft depth: drafts where a step is bound by reading the weights, none where each
 row costs its arithmetic (drafts_for).
 
@@ -38,9 +40,9 @@ from llmkit.errors import InputError
 from llmkit.generate.sampling import distribution, draw
 from llmkit.generate.speculative import accept, accept_greedy
 from llmkit.models.decoder import DecoderLM
-from llmkit.quant.native_step import NativeDecoder
 from llmkit.serve.kv_manager import KVCacheManager
 from llmkit.serve.request import Sequence, Top
+from llmkit.serve.runner_base import ModelRunner
 from llmkit.serve.sampler import logit_biased, top_logprobs
 from llmkit.serve.scheduler import Work
 
@@ -97,9 +99,9 @@ class Costs:
 
     @classmethod
     @torch.inference_mode()
-    def measure(cls, speculator: Speculator, keys: list[Tensor], values: list[Tensor]) -> Costs:
-        """Time the target's C++ step with its head and a chained draft (median of 3) over dummy tokens written into
-        block 0 of the pools `keys` and `values` and of the drafter's (made before any sequence holds a block)."""
+    def measure(cls, speculator: Speculator) -> Costs:
+        """Time the target's verifying step with its head and a chained draft (median of 3) over dummy tokens
+        written into block 0 of the target's pools and of the drafter's (made before any sequence holds a block)."""
         sp = speculator
         dev = sp.model.device
         verifying, drafting = [], []
@@ -109,7 +111,7 @@ class Costs:
             allowed = torch.arange(sp.bs, device=dev)[None] <= slots[:, None]
             tokens = torch.zeros(n, dtype=torch.long, device=dev)
             runs = 3 if n <= 8 else 1  # (a large model's many rows take long, and vary less)
-            verifying.append(_seconds(sp.verify_rows, tokens, slots, table, allowed, keys, values, runs=runs))
+            verifying.append(_seconds(sp.verify_rows, tokens, slots, table, runs=runs))
             drafting.append(_seconds(sp.draft_scratch, slots, table, allowed, runs=runs))
         return cls(tuple(verifying), tuple(drafting))
 
@@ -141,14 +143,14 @@ class Speculator(ABC):
     per depth), the drafting loop (propose), the verdicts (judge). A drafter says where its drafting starts
     (first_slot), and gives _catch_up (its state at each row's cur, from its true inputs), _step (one chained draft),
     head (state -> logits), _record (what it keeps of the target's states) and draft_scratch (a timed draft).
-    `k`: the most drafts a sequence gets in a step."""
+    `target`: the engine's model runner, which verifies; `k`: the most drafts a sequence gets in a step."""
 
     first_slot = 1
 
-    def __init__(self, model: DecoderLM, native: NativeDecoder, kv: KVCacheManager, block_size: int, k: int) -> None:
+    def __init__(self, model: DecoderLM, target: ModelRunner, kv: KVCacheManager, k: int) -> None:
         if not isinstance(k, int) or k < 1:
             raise InputError(f"draft tokens k={k!r} must be an int >= 1")
-        self.model, self.native, self.kv, self.k, self.bs = model, native, kv, k, block_size
+        self.model, self.target, self.kv, self.k, self.bs = model, target, kv, k, target.block_size
         self.states: dict[tuple[str, int], _State] = {}
         self.drafted = self.accepted = 0  # over all verified rows
         # the chance that the draft at each depth is kept, given the ones before it were (which sets k: drafts_for):
@@ -351,13 +353,10 @@ class Speculator(ABC):
         q = distribution(x.unsqueeze(0), sampling)[0]
         return draw(q, False, seq.generator), q
 
-    def verify_rows(
-        self, tokens: Tensor, slots: Tensor, table: Tensor, allowed: Tensor, keys: list[Tensor], values: list[Tensor]
-    ) -> Tensor:
-        """What a verifying step computes for tokens (N,), each a row (NativeDecoder.run_tokens), with the head
-        in row-invariant pieces -> logits (N, V)."""
-        h = self.native.run_tokens(tokens, positions=slots, table=table, allowed=allowed, keys=keys, values=values)
-        return self.native.logits(self.model.norm(h), invariant=True)
+    def verify_rows(self, tokens: Tensor, slots: Tensor, table: Tensor) -> Tensor:
+        """What a verifying step computes for tokens (N,), each a row (the target's token_states and token_logits:
+        on the C++ step, the head in row-invariant pieces) -> logits (N, V)."""
+        return self.target.token_logits(self.target.token_states(tokens, slots, table))
 
     # ---- verifying
 
