@@ -86,6 +86,7 @@ class KernelRunner(ModelRunner):
     decoding steps from CUDA graphs where the cache has a scratch block and the device is a GPU (`graphs`).
     `kernel`: the Triton kernel (False: its PyTorch reference, which gathers: for checking this runner on a CPU)."""
 
+    kind = "the paged-attention kernels (Triton), decoding steps from CUDA graphs"
     runs_tokens = True
 
     def __init__(

@@ -65,6 +65,8 @@ class LockstepRunner(TorchRunner):
     """A TorchRunner over this rank's part of a tensor-parallel model: every rank runs each forward with the same
     rows (lockstep.py), since each holds part of every layer."""
 
+    kind = "PyTorch on every rank"
+
     def __init__(self, model: DecoderLM, cache: PagedCache, block_size: int, lockstep: Lockstep) -> None:
         super().__init__(model, cache, block_size)
         self.lockstep = lockstep
@@ -77,6 +79,7 @@ class NativeRunner(TorchRunner):
     """The decoding rows through llmkit's C++ step over the paged pools; prompt chunks through PyTorch; rows with
     drafts token by token through the C++ step."""
 
+    kind = "llmkit's C++ decode step (prompt chunks in PyTorch)"
     runs_tokens = True
 
     def __init__(self, model: DecoderLM, cache: PagedCache, block_size: int, native: NativeDecoder) -> None:
@@ -167,6 +170,7 @@ class InvariantRunner(NativeRunner):
     depend on the rows beside it. Given and generated tokens are multiplied differently (run_tokens), so only the
     blocks of prompts go to the prefix cache."""
 
+    kind = "llmkit's C++ decode step, every token a row of its own"
     shares_generated = False
     invariant = True
 

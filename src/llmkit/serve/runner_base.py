@@ -59,6 +59,7 @@ class ModelRunner(ABC):
     def __init__(self, model: DecoderLM, cache: PagedCache, block_size: int) -> None:
         self.model, self.cache, self.block_size = model, cache, block_size
 
+    kind = "PyTorch"  # what runs the steps, in words (the server says it when it starts)
     runs_tokens = False  # whether rows with drafts can be verified here (speculation needs it)
     invariant = False  # whether a row's bits do not depend on the rows beside it (nor on the prompt's chunking)
     # whether a generated token's keys and values are the ones a prompt holding it would get, so that the blocks
