@@ -56,6 +56,12 @@ def grouped_mm_applies(x: Tensor, dtype: torch.dtype) -> bool:
     return x.device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
 
 
+def traced() -> bool:
+    """Whether this forward is being compiled or captured as a CUDA graph: then nothing may be read back to the host."""
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return torch.compiler.is_compiling() or capturing
+
+
 @dataclass(frozen=True)
 class Routing:
     """A router's decision for N tokens."""
@@ -182,9 +188,9 @@ class GroupedExperts(nn.Module):
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         if not grouped_mm_applies(x, dtype):
             # a few assignments (decoding): each with its own expert's weights; many: one matmul per expert, which
-            # reads the counts back to the host, so a compiled step gathers as long as the copies stay small
+            # reads the counts back to the host, so a compiled or captured step gathers while the copies stay small
             few = x.shape[0] <= self.w1.shape[0]
-            if few or (torch.compiler.is_compiling() and x.shape[0] * self.expert_elements() <= GATHER_LIMIT):
+            if few or (traced() and x.shape[0] * self.expert_elements() <= GATHER_LIMIT):
                 return self._gathered(x, counts)
             return self._one_by_one(x, counts)
         offsets = counts.cumsum(0).to(torch.int32)  # (E,) where each expert's slice ends

@@ -108,8 +108,8 @@ class KernelRunner(ModelRunner):
         return functools.partial(paged_attention, chunks=chunks_for(rows, self.kv_heads, max_keys))
 
     def forward(self, rows: list[Row]) -> Forward:
-        if self.graphs is not None and self.graphs.takes(rows):
-            return self.graphs.run(rows)
+        if self.graphs is not None and self.graphs.takes(rows) and (replayed := self.graphs.run(rows)) is not None:
+            return replayed
         return outputs(self.model, rows, self._states(rows), [len(r.tokens) + len(r.drafts) for r in rows])
 
     def token_states(self, tokens: Tensor, slots: Tensor, table: Tensor) -> Tensor:
@@ -184,21 +184,33 @@ class DecodeGraphs:
         self.width = -(-runner.model.max_seq_len // runner.block_size)  # table columns: the longest row's blocks
         self.scratch = runner.cache.scratch
         self.captured: dict[int, tuple[torch.cuda.CUDAGraph, StaticStep]] = {}
+        self.failed = False  # a capture failed (a layer reads back to the host): every step runs eagerly
         self.memory = torch.cuda.graph_pool_handle()  # the graphs share one pool of memory
 
     def takes(self, rows: list[Row]) -> bool:
         """Whether a step of `rows` replays a graph: decoding rows only (one token, no drafts, no prompt logits), as
-        many as the largest bucket, on a cache with a scratch block for the spare rows."""
+        many as the largest bucket, on a cache with a scratch block for the spare rows, where capturing works."""
         return (
             self.scratch is not None
+            and not self.failed
             and len(rows) <= BUCKETS[-1]
             and all(len(r.tokens) == 1 and not r.drafts and r.prompt_n == 0 for r in rows)
         )
 
-    def run(self, rows: list[Row]) -> Forward:
+    def run(self, rows: list[Row]) -> Forward | None:
+        """The step of `rows` from its bucket's graph, or None where capturing it failed (then the runner steps
+        eagerly from now on)."""
         B = len(rows)
         size = next(b for b in BUCKETS if b >= B)
-        graph, step = self.captured.get(size) or self._capture(size)
+        if size not in self.captured:
+            try:
+                self._capture(size)
+            except Exception as e:  # (a model whose forward reads back to the host cannot be captured)
+                log.warning("capturing the decoding step as a CUDA graph failed (%s: %s); steps run eagerly",
+                            type(e).__name__, e)  # fmt: skip
+                self.failed = True
+                return None
+        graph, step = self.captured[size]
         step.fill(rows)
         graph.replay()
         h = step.hidden[:B].clone()  # (B, C): the buffers are overwritten by the next replay
