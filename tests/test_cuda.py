@@ -351,3 +351,30 @@ def test_gpu_speculative_serving_equals_plain_serving():
         e.drafter.drafts_for = lambda rows: 3  # type: ignore[method-assign]
         assert [o.token_ids for o in e.generate(prompts, greedy)] == plain
     assert e.drafter.accepted == e.drafter.drafted > 0
+
+
+def test_gpu_mtp_speculation_equals_plain_serving():
+    """The MTP module drafting on the GPU (its block through the paged-attention kernel, keys from slot 1): greedy
+    output equals the plain engine's."""
+    from llmkit.serve.drafters import MTPSpeculator
+    from llmkit.serve.engine import Engine, EngineConfig
+    from llmkit.serve.paged import PagedCache
+    from llmkit.serve.request import SamplingParams
+
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(get_preset("llama2-70b-tiny"), mtp_depth=1)
+    gpu = build_model(cfg, device="cuda").eval()
+    prompts = [[7, 8, 9, 10, 11, 12, 13, 14, *p] for p in PROMPTS]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    per_block = PagedCache.bytes_per_block(gpu, 4, torch.float32)
+
+    def engine(k: int) -> Engine:
+        config = EngineConfig(kv_memory=per_block * 64, block_size=4, step_tokens=8, draft_tokens=k)
+        return Engine(gpu, None, config)
+
+    plain = [o.token_ids for o in engine(0).generate(prompts, greedy)]
+    spec = engine(3)
+    assert isinstance(spec.drafter, MTPSpeculator) and spec.drafter.native is None
+    spec.drafter.drafts_for = lambda rows: 3  # type: ignore[method-assign]
+    assert [o.token_ids for o in spec.generate(prompts, greedy)] == plain
+    assert spec.drafter.drafted > 0

@@ -468,5 +468,46 @@ def test_a_draft_model_on_the_gpu_runner_gives_the_plain_output(monkeypatch):
     itself = _drafted_engine(model, _model(), 3)
     assert [o.token_ids for o in itself.generate(prompts, GREEDY)] == plain
     assert itself.drafter is not None and itself.drafter.accepted == itself.drafter.drafted > 0
-    with pytest.raises(InputError, match="MTP module runs on llmkit's C"):
-        _engine(model, 2)  # the MTP drafter needs the C++ step
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_the_mtp_module_on_the_gpu_runner_gives_the_plain_output(monkeypatch, k):
+    """The MTP module drafting beside the GPU's runner (its block as one-query rows of the paged-attention kernel
+    over its own pool, its keys from slot 1), drafts verified in the step's packed forward: greedy tokens and their
+    log-probabilities are the plain engine's on the same runner, with preemption and shared prefixes."""
+    import llmkit.serve.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "model_runner", lambda m, c, bs, *_: KernelRunner(m, c, bs, kernel=False))
+    model = _model()
+    prompts = _prompts([1, 3, 9, 17, 30], prefix=8)
+    plain = _engine(model, blocks=24).generate(prompts, GREEDY)
+    engine = _engine(model, k, blocks=24, drafts=k)
+    assert isinstance(engine.drafter, MTPSpeculator) and engine.drafter.native is None
+    spec = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    for s, p in zip(spec, plain, strict=True):
+        torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(p.logprobs), atol=1e-4, rtol=1e-4)
+    assert engine.drafter.drafted > 0 and engine.scheduler.preemptions > 0
+
+
+def test_mtp_states_on_the_gpu_runner_equal_the_cpp_steps():
+    """The module's block as kernel rows computes what its C++ step computes: the same drafts' logits at each
+    step, from the same keys (one engine of each, the same requests)."""
+    model = _model()
+    prompts = _prompts([5, 12])
+    outs = {}
+    for name in ("cpp", "kernel"):
+        engine = _engine(model, 2, drafts=2)
+        if name == "kernel":
+            engine.runner = KernelRunner(model, engine.cache, 4, kernel=False)
+            engine.drafter = MTPSpeculator(model, engine.runner, engine.scheduler.kv, 2)
+            engine.drafter.drafts_for = lambda rows: 2  # type: ignore[method-assign]
+            engine.processor.drafter = engine.drafter
+        heads = []
+        real = engine.drafter.head
+        engine.drafter.head = lambda out, real=real, heads=heads: heads.append(real(out)) or heads[-1]  # type: ignore[method-assign]
+        engine.generate(prompts, GREEDY)
+        outs[name] = heads
+    assert len(outs["cpp"]) == len(outs["kernel"]) > 0
+    for a, b in zip(outs["cpp"], outs["kernel"], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)

@@ -3,8 +3,9 @@ keys, written for reading) and the dispatch to the Triton kernel (llmkit.kernels
 same thing without copying a key.
 
 A step's queries are packed, row after row, into q (N, H, Dq); row b's q_len[b] queries sit at positions
-start[b] .. start[b] + q_len[b] - 1 and see the keys at positions 0 .. their own (causal), or only the `window` most
-recent of them (a sliding window: position(q) - position(k) < window). Position p of row b lives in the cache at
+start[b] .. start[b] + q_len[b] - 1 and see the keys at positions 0 .. their own (causal; from rows.first_key
+instead of 0 where given), or only the `window` most recent of them (a sliding window: position(q) - position(k) <
+window). Position p of row b lives in the cache at
 block table[b, p // bs], slot p % bs. A decoding row is a row with q_len 1; a prompt chunk one with q_len > 1; a
 mixed step has both.
 
@@ -62,11 +63,12 @@ def paged_attention_reference(
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
         qpos = (s0 + torch.arange(n, device=q.device))[:, None]  # (T, 1)
-        visible = pos[None, :] <= qpos
+        visible = (pos[None, :] <= qpos) & (pos[None, :] >= rows.first_key)
         if window is not None:
             visible &= qpos - pos[None, :] < window
         scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
         weights = torch.softmax(scores, dim=-1)  # (T, K, G, S)
+        weights = weights.masked_fill(~visible.any(-1)[:, None, None, None], 0.0)  # a query seeing nothing: zeros
         out[q0 : q0 + n] = torch.einsum("tkgs,ksd->tkgd", weights, values).reshape(n, H, -1).to(out.dtype)
     return out
 

@@ -14,7 +14,8 @@ class PagedRows:
     """Where a step's rows are: table (B, nb) int32 physical blocks of each row; q_start (B,) int32 each row's first
     packed query; q_len (B,) int32 its queries; start (B,) int32 the position of its first query (its cached keys
     before this step). max_q_len and max_keys bound q_len and start + q_len over the rows: the kernel's grid is
-    sized by them, so a captured step (CUDA graphs) passes fixed bounds."""
+    sized by them, so a captured step (CUDA graphs) passes fixed bounds. first_key: the lowest position any query
+    sees (an MTP module's keys start at slot 1: position j is kept in slot j + 1)."""
 
     table: Tensor
     q_start: Tensor
@@ -22,6 +23,7 @@ class PagedRows:
     start: Tensor
     max_q_len: int
     max_keys: int
+    first_key: int = 0
 
     @classmethod
     def of(cls, table: Tensor, starts: list[int], lengths: list[int], device: torch.device) -> PagedRows:

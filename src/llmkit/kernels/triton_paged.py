@@ -36,7 +36,7 @@ BLOCK_N = 32  # key positions per inner step
 @triton.jit
 def _attend_tile(
     q_ptr, k_ptr, r_ptr, v_ptr, out_ptr, ml_ptr,
-    table_ptr, q_start_ptr, q_len_ptr, start_ptr, scale, softcap, window, group, n_chunks, block_size,
+    table_ptr, q_start_ptr, q_len_ptr, start_ptr, scale, softcap, window, group, n_chunks, block_size, first_key,
     s_qn, s_qh, s_kh, s_kb, s_ks, s_rh, s_rb, s_rs, s_vh, s_vb, s_vs,  # strides: q; the pools (head, block, slot)
     s_on, s_oh, s_oc, s_mn, s_mh, s_tb,  # out (query, head, chunk), m and l (query, head), table (row)
     D: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr,
@@ -67,7 +67,7 @@ def _attend_tile(
     q_rope = tl.load(q_ptr + q_row[:, None] + D + dr[None, :], mask=live[:, None] & (dr[None, :] < DR), other=0.0)
     dv = tl.arange(0, BLOCK_DV)
 
-    lo, hi = _key_range(start, q_len, tile, chunk, n_chunks, window, BLOCK_M, BLOCK_N, WINDOW, SPLIT)
+    lo, hi = _key_range(start, q_len, tile, chunk, n_chunks, window, first_key, BLOCK_M, BLOCK_N, WINDOW, SPLIT)
 
     m, l = tl.full([BLOCK_M * BLOCK_G], float("-inf"), tl.float32), tl.zeros([BLOCK_M * BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_DV], tl.float32)
@@ -118,13 +118,13 @@ def _attend_tile(
 
 @triton.jit
 def _key_range(
-    start, q_len, tile, chunk, n_chunks, window,
+    start, q_len, tile, chunk, n_chunks, window, first_key,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """The positions [lo, hi) of the keys a tile's queries see: up to its last query's, from its first query's
-    window on, within the chunk-th of n_chunks runs of the row's keys (each a whole number of key tiles)."""
+    """The positions [lo, hi) of the keys a tile's queries see: up to its last query's, from first_key and its
+    first query's window on, within the chunk-th of n_chunks runs of the row's keys (each whole key tiles)."""
     hi = start + tl.minimum(q_len, (tile + 1) * BLOCK_M)
-    lo = 0
+    lo = first_key
     if WINDOW:
         lo = tl.maximum(start + tile * BLOCK_M - window + 1, 0)
     if SPLIT:
@@ -229,7 +229,7 @@ def launch(
     _attend_tile[grid](
         q, k, rope, v, dest, ml,
         rows.table, rows.q_start, rows.q_len, rows.start,
-        scale, softcap or 0.0, window or 0, group, chunks, bs,
+        scale, softcap or 0.0, window or 0, group, chunks, bs, rows.first_key,
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), k.stride(2),
         rope.stride(0), rope.stride(1), rope.stride(2),

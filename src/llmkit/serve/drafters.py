@@ -13,7 +13,7 @@ block tables:
 ModelSpeculator drafts with a smaller model that shares the tokenizer (Leviathan et al. 2023; `llmkit generate
 --draft`), run by a model runner of its own (the C++ step's on a CPU, the paged-attention kernels' on a GPU) over
 pools of its own under the same block tables: its keys in slot i depend on the tokens up to i, so prefix sharing and
-preemption need nothing more. The MTP module runs on the C++ step only.
+preemption need nothing more.
 """
 
 from __future__ import annotations
@@ -23,14 +23,17 @@ from torch import Tensor
 
 from llmkit.errors import InputError
 from llmkit.generate.drafters import MTPDraft
+from llmkit.kernels.paged_rows import PagedRows
 from llmkit.layers.attention.cache import KVCache
+from llmkit.layers.attention.mask import AttentionMask
+from llmkit.models.cache import Step
 from llmkit.models.decoder import DecoderLM
 from llmkit.quant.native_step import NativeDecoder
 from llmkit.serve.config import EngineConfig
 from llmkit.serve.kernel_runner import KernelRunner
 from llmkit.serve.kv_manager import KVCacheManager
 from llmkit.serve.model_runner import NativeRunner
-from llmkit.serve.paged import KVPool, PagedCache
+from llmkit.serve.paged import KernelKV, KVPool, PagedCache, Placement
 from llmkit.serve.runner_base import ModelRunner
 from llmkit.serve.scheduler import Work
 from llmkit.serve.speculation import Costs, Speculator
@@ -41,26 +44,28 @@ class MTPSpeculator(Speculator):
     int8 / int4 copy of the head and of the module's block (cheaper drafts, the same output)."""
 
     def __init__(
-        self, model: DecoderLM, target: NativeRunner, kv: KVCacheManager, k: int, head_bits: int | None = None
+        self, model: DecoderLM, target: ModelRunner, kv: KVCacheManager, k: int, head_bits: int | None = None
     ) -> None:
-        """target: the engine's runner on the C++ step, its pools' blocks all free yet (Costs.measure writes into
-        block 0)."""
+        """target: the engine's runner (the C++ step's, or the GPU's kernel runner), its pools' blocks all free yet
+        (Costs.measure writes into block 0)."""
         if not len(model.mtp):
             raise InputError(
                 "speculative serving drafts with the model's multi-token-prediction module, and this model has none "
                 "(graft one with `llmkit graft-mtp`)"
             )
         super().__init__(model, target, kv, k)
-        n_blocks, block_size, native = target.cache.n_blocks, target.block_size, target.native
-        self.native = native
-        self.draft = MTPDraft(model, native, head_bits)
-        if self.draft.block is None:
+        n_blocks, block_size = target.cache.n_blocks, target.block_size
+        # the module's block runs on the C++ step beside a C++ runner, else through the GPU runner's kernel
+        self.native = target.native if isinstance(target, NativeRunner) else None
+        self.kernels = target if isinstance(target, KernelRunner) else None
+        self.draft = MTPDraft(model, self.native, head_bits)
+        if self.native is not None and self.draft.block is None:
             raise InputError(
                 "the MTP module's block does not run in llmkit's C++ step, which speculative serving needs"
             )
         device, dtype = model.device, model.dtype
         cache = self.draft.module.block.attn.new_cache(n_blocks, block_size, device, dtype)
-        if not isinstance(cache, KVCache):  # (the C++ step takes grouped-query blocks only)
+        if not isinstance(cache, KVCache):  # (the C++ step and KernelKV take grouped-query blocks only)
             raise InputError("speculative serving needs an MTP module with grouped-query attention")
         pool = KVPool.of(cache)
         self.keys, self.values = pool.k, pool.v  # (KH, N, bs, D)
@@ -93,7 +98,7 @@ class MTPSpeculator(Speculator):
 
     def draft_scratch(self, slots: Tensor, table: Tensor, allowed: Tensor) -> Tensor:
         x = torch.zeros(slots.shape[0], self.model.cfg.d_model, device=self.hidden.device, dtype=self.hidden.dtype)
-        return self.draft_logits(x, slots, table, allowed, self.native._rope(slots[:, None]))
+        return self.draft.head(self.draft.module.norm(self.block_rows(x, slots, table)))
 
     def _catch_up(self, rows: list[Work]) -> Tensor:
         """MTP over every row's slots from its mtp_next to its cur (slot w.start), from the target's true states;
@@ -118,24 +123,31 @@ class MTPSpeculator(Speculator):
         model, module = self.model, self.draft.module
         dev = self.hidden.device
         slots, ids = slots.to(dev), ids.to(dev)
-        positions = slots - 1  # MTP position j lives in slot j + 1 (and attends at j, as in training)
         emb = model.inputs(model.embed, ids[:, None], slots[:, None])[:, 0]  # (M, C): token j + 1 at its own position
         x = module.combine(h.to(emb.dtype), emb).contiguous()
-        table = self._tables(works, dev)  # (M, nb)
-        s = torch.arange(table.shape[1] * self.bs, device=dev)
-        allowed = (s[None] <= slots[:, None]) & (s[None] >= 1)  # (M, S)
-        rope = self.native._rope(positions[:, None])
-        return module.norm(self.draft_rows(x, slots.contiguous(), table, allowed, rope))
+        return module.norm(self.block_rows(x, slots, self._tables(works, dev)))
 
-    def draft_rows(self, x: Tensor, slots: Tensor, table: Tensor, allowed: Tensor, rope: tuple) -> Tensor:
-        """The MTP block's C++ step over rows x (M, C), row m into its slots[m] through table[m] (M, nb), seeing
-        allowed[m] (M, S), with RoPE tables rope (cos, sin) -> (M, C)."""
-        ext = self.native.ext
-        return ext.decode_paged([self.draft.block], x, [self.keys], [self.values], table, slots, allowed, *rope)
-
-    def draft_logits(self, x: Tensor, slots: Tensor, table: Tensor, allowed: Tensor, rope: tuple) -> Tensor:
-        """A chained draft's work (what Costs times): the block over x, its norm and the draft head -> (M, V)."""
-        return self.draft.head(self.draft.module.norm(self.draft_rows(x, slots, table, allowed, rope)))
+    def block_rows(self, x: Tensor, slots: Tensor, table: Tensor) -> Tensor:
+        """The MTP block over rows x (M, C), row m into its slots[m] through table[m] (M, nb), seeing its sequence's
+        MTP slots 1 .. slots[m], at RoPE position slots[m] - 1 -> (M, C): on the C++ step, or as one-query rows of
+        the GPU runner's kernel over the module's pool."""
+        dev, bs = x.device, self.bs
+        slots, table = slots.to(dev).contiguous(), table.to(dev)
+        positions = slots - 1  # MTP position j lives in slot j + 1 (and attends at j, as in training)
+        if self.native is not None:
+            s = torch.arange(table.shape[1] * bs, device=dev)
+            allowed = (s[None] <= slots[:, None]) & (s[None] >= 1)  # (M, S)
+            rope = self.native._rope(positions[:, None])
+            ext = self.native.ext
+            return ext.decode_paged([self.draft.block], x, [self.keys], [self.values], table, slots, allowed, *rope)
+        assert self.kernels is not None
+        M = len(slots)
+        one = torch.ones(M, device=dev, dtype=torch.int32)
+        rows = PagedRows(table.int(), one.cumsum(0) - 1, one, slots.int(), 1, table.shape[1] * bs, first_key=1)
+        at = Placement(rows, table.gather(1, (slots // bs)[:, None])[:, 0], slots % bs)
+        view = KernelKV(KVPool(self.keys, self.values), at, self.kernels.attention(M, rows.max_keys))
+        inputs = self.model.attention_inputs(Step(positions[None], AttentionMask(), slots[None]))
+        return self.draft.module.block(x[None], inputs, view)[0]
 
 
 class ModelSpeculator(Speculator):
@@ -208,12 +220,12 @@ def speculator(
     model: DecoderLM, target: ModelRunner, kv: KVCacheManager, config: EngineConfig, draft: DecoderLM | None
 ) -> Speculator:
     """The engine's drafter of config.draft_tokens (> 0) drafts a step: `draft` when given, else the model's MTP
-    module (on the C++ step). target: the engine's runner, which verifies the drafts."""
+    module. target: the engine's runner, which verifies the drafts."""
     if draft is not None:
         return ModelSpeculator(model, target, kv, config.draft_tokens, draft)
-    if not isinstance(target, NativeRunner):
+    if not isinstance(target, NativeRunner | KernelRunner):
         raise InputError(
-            "drafting with the MTP module runs on llmkit's C++ decode step (an x86 CPU, fp32 caches); here, draft "
-            "with a small model instead (--draft)"
+            "drafting with the MTP module runs on llmkit's C++ decode step (an x86 CPU, fp32 caches) or a GPU; here, "
+            "draft with a small model instead (--draft)"
         )
     return MTPSpeculator(model, target, kv, config.draft_tokens, config.draft_head_bits)
