@@ -378,3 +378,19 @@ def test_gpu_mtp_speculation_equals_plain_serving():
     spec.drafter.drafts_for = lambda rows: 3  # type: ignore[method-assign]
     assert [o.token_ids for o in spec.generate(prompts, greedy)] == plain
     assert spec.drafter.drafted > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("width", [224, 8960])  # not a multiple of 128 (torch's int4 kernel refuses): Triton's
+def test_gpu_int4_layers_of_any_width_take_the_triton_kernel(width, dtype):
+    from llmkit.quant.linear import Int4Linear
+
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(width, 96, bias=True)
+    layer = Int4Linear.from_linear(dense, group_size=32).to("cuda")
+    x = torch.randn(5, width, device="cuda", dtype=dtype)
+    want = x.float() @ layer.dequantize(torch.float32).T + layer.bias.float()
+    got = layer(x)
+    assert got.dtype == dtype
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(got.float(), want, atol=tol * width**0.5, rtol=tol)

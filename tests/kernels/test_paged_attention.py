@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from llmkit.errors import InputError
-from llmkit.kernels.paged_attention import PagedRows, paged_attention, paged_attention_reference, triton_usable
+from llmkit.kernels import triton_usable
+from llmkit.kernels.paged_attention import PagedRows, paged_attention, paged_attention_reference
 
 pytestmark = pytest.mark.skipif(
     not triton_usable(torch.device("cuda" if torch.cuda.is_available() else "cpu")),

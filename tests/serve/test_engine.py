@@ -10,7 +10,7 @@ import llmkit
 from llmkit.config.presets import PRESETS
 from llmkit.errors import InputError
 from llmkit.generate import generate
-from llmkit.kernels.paged_attention import triton_usable
+from llmkit.kernels import triton_usable
 from llmkit.serve.blocks import BlockPool
 from llmkit.serve.engine import Engine, EngineConfig, QueueFull
 from llmkit.serve.kernel_runner import KernelRunner

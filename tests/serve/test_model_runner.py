@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import llmkit
-from llmkit.kernels.paged_attention import triton_usable
+from llmkit.kernels import triton_usable
 from llmkit.serve.forward import Row
 from llmkit.serve.kernel_runner import KernelRunner, StaticStep
 from llmkit.serve.model_runner import (

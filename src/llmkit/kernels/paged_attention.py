@@ -24,15 +24,13 @@ NB blocks in the pool, bs block size, nb blocks in a row's table.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
 from llmkit.errors import InputError
 from llmkit.kernels.paged_rows import PagedRows
 
-__all__ = ["PagedRows", "chunks_for", "paged_attention", "paged_attention_reference", "triton_usable"]
+__all__ = ["PagedRows", "chunks_for", "paged_attention", "paged_attention_reference"]
 
 
 def paged_attention_reference(
@@ -71,16 +69,6 @@ def paged_attention_reference(
         weights = weights.masked_fill(~visible.any(-1)[:, None, None, None], 0.0)  # a query seeing nothing: zeros
         out[q0 : q0 + n] = torch.einsum("tkgs,ksd->tkgd", weights, values).reshape(n, H, -1).to(out.dtype)
     return out
-
-
-def triton_usable(device: torch.device) -> bool:
-    """Whether the Triton kernel can run on `device`: a CUDA device with Triton installed, or CPU tensors under
-    Triton's interpreter (TRITON_INTERPRET=1, which the tests use)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def paged_attention(

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llmkit.errors import InputError
+from llmkit.kernels import triton_usable
 from llmkit.layers.precision import FP32Buffers
 from llmkit.quant import kernels, native
 from llmkit.quant.formats import dequantize_int4, dequantize_int8, groups_of, quantize_int4, quantize_int8
@@ -320,4 +321,11 @@ class Int4Linear(QuantizedLinear):
         if kernel == "int4-wo" and self._prepared is not None and ok_dtype:
             w, sz = self._prepared
             return kernels.int4_weight_only(x, w, sz, self.group_size or 32, self.bias)
+        if x.device.type == "cuda" and self.kernel != "dequant" and triton_usable(x.device):
+            # any width, any float dtype (torch's kernel wants bf16 and widths of 128s): llmkit's Triton kernel
+            from llmkit.kernels.int4_matmul import int4_matmul
+
+            y = int4_matmul(x.reshape(-1, self.in_features), self.qweight, self.scales, self.zeros)
+            y = y.view(*x.shape[:-1], self.out_features)
+            return y + self.bias.to(y.dtype) if self.bias is not None else y
         return kernels.dequantized(x, self.dequantize(x.dtype), self.bias)

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from llmkit.errors import InputError
 from llmkit.generate.backend import resolve
-from llmkit.kernels.paged_attention import triton_usable
+from llmkit.kernels import triton_usable
 from llmkit.layers.attention.base import SelfAttention
 from llmkit.models.decoder import DecoderLM
 from llmkit.quant.native_step import NativeDecoder
