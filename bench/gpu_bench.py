@@ -8,8 +8,9 @@ For each shape (bf16, built on the device: transformers' model with its random i
 from its state dict through llmkit's key map):
 - decode at batch 1, 8 and 64: llmkit's serving engine (KernelRunner: paged-attention kernels, CUDA graphs) with
   B requests of a 32-token prompt, output tokens/s after the first token, and the fraction of the bandwidth ceiling
-  (bytes of weights and cache each step reads, over the measured bandwidth); the model step alone (the runner's
-  replay) beside it; transformers' `generate` with a static cache and its forward compiled (batch 1 and 8);
+  (bytes of weights and cache each step reads, over the measured bandwidth), with the engine's median step time;
+  transformers' `generate` with a static cache, which it compiles (--hf-batches, batch 1 by default: each batch
+  compiles for a minute or more, so these rows come last);
 - prefill of 512 and 2,048 tokens: llmkit's runner over one prompt chunk against transformers' forward, each as a
   fraction of the measured bf16 peak (2 x parameters x tokens + the causal attention's products);
 - the serving engine at concurrency 1, 16 and 64 (512-token prompts, --new tokens each, all sent at once): output
@@ -20,6 +21,7 @@ Each part prints its row as it finishes, so a run cut short by its time limit ke
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -189,6 +191,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="llama-3.2-1b,llama-3.1-8b")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--new", type=int, default=128, help="tokens generated per request")
+    ap.add_argument("--hf-batches", default="1", help="batches of the transformers comparison (each compiles)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     device, dtype = args.device, torch.bfloat16
@@ -204,6 +207,7 @@ def main() -> None:
         weight_bytes = pair.params * 2
         s = pair.shape
         kv_bytes_per_token = 2 * s["layers"] * s["kv_heads"] * (s["hidden"] // s["heads"]) * 2
+        decoded: dict[int, float] = {}
         emit({"part": "build", "shape": shape, "params_b": pair.params / 1e9, "s": time.perf_counter() - t0})
         for batch in (1, 8, 64):
             engine = engine_for(pair, max(batch, 8))
@@ -217,11 +221,9 @@ def main() -> None:
             step_s = r["step_ms"] / 1e3
             row = {"part": "decode", "shape": shape, "batch": batch, "llmkit_tok_s": r["decode_tok_s"],
                    "step_ms": r["step_ms"], "of_bandwidth": (1 / step_s) / ceiling if step_s else 0.0}  # fmt: skip
-            if batch in (1, 8):
-                row["transformers_tok_s"] = hf_decode(pair, batch, 32, args.new, device)
-                row["ratio"] = row["llmkit_tok_s"] / row["transformers_tok_s"]
             emit(row)
-            del engine
+            decoded[batch] = r["decode_tok_s"]
+            release(engine)
         for T in (512, 2048):
             p = prefill(pair, T, device)
             peak = lim["bf16_tflops"] * 1e12
@@ -236,10 +238,22 @@ def main() -> None:
             r = run_engine(engine, prompts, args.new, device)
             emit({"part": "serve", "shape": shape, "concurrency": concurrency, "tok_s": r["tok_s"],
                   "ttft_p50": r["ttft_p50"], "ttft_p95": r["ttft_p95"]})  # fmt: skip
-            del engine
+            release(engine)
+        # last, as it compiles for minutes: a run cut short by its time limit loses only these rows
+        for batch in (int(b) for b in args.hf_batches.split(",") if b):
+            theirs = hf_decode(pair, batch, 32, args.new, device)
+            emit({"part": "decode vs transformers", "shape": shape, "batch": batch, "llmkit_tok_s": decoded[batch],
+                  "transformers_tok_s": theirs, "ratio": decoded[batch] / theirs})  # fmt: skip
         del pair
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        release(None)
+
+
+def release(engine: Any) -> None:
+    """Let an engine's cache and graphs go before the next part sizes its own from the free memory."""
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _line(row: dict[str, Any]) -> str:

@@ -33,7 +33,7 @@ git log -1 --format='commit %h %cs' 2>/dev/null | tee -a "$OUT/gpu.txt"
 
 status=0
 echo "== CUDA tests (the paged-attention kernel compiled for the card, CUDA graphs, the engine on the GPU runner)"
-timeout 150 python3 -m pytest -q -p no:cacheprovider -n 4 --durations=5 tests/test_cuda.py tests/kernels \
+timeout 200 python3 -m pytest -q -p no:cacheprovider -n 8 --durations=5 tests/test_cuda.py tests/kernels \
     tests/train/test_cuda_finetune.py 2>&1 | tee "$OUT/tests.log" | tail -40
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
@@ -42,7 +42,7 @@ timeout 60 python3 bench/paged_attention_bench.py 2>&1 | tee "$OUT/paged_attenti
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
 echo "== llmkit against transformers (static cache, compiled) at Llama-3.1-8B's and Llama-3.2-1B's shapes, bf16"
-timeout 250 python3 bench/gpu_bench.py --shapes llama-3.1-8b,llama-3.2-1b 2>&1 | tee "$OUT/gpu_bench.txt" \
+timeout 200 python3 bench/gpu_bench.py --shapes llama-3.1-8b,llama-3.2-1b 2>&1 | tee "$OUT/gpu_bench.txt" \
     | grep -v Warning
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 exit $status

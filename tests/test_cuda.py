@@ -381,7 +381,7 @@ def test_gpu_mtp_speculation_equals_plain_serving():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("width", [224, 8960])  # not a multiple of 128 (torch's int4 kernel refuses): Triton's
+@pytest.mark.parametrize("width", [224, 576, 8992])  # not multiples of 128 (torch's int4 kernel refuses): Triton's
 def test_gpu_int4_layers_of_any_width_take_the_triton_kernel(width, dtype):
     from llmkit.quant.linear import Int4Linear
 
@@ -390,6 +390,7 @@ def test_gpu_int4_layers_of_any_width_take_the_triton_kernel(width, dtype):
     layer = Int4Linear.from_linear(dense, group_size=32).to("cuda")
     x = torch.randn(5, width, device="cuda", dtype=dtype)
     want = x.float() @ layer.dequantize(torch.float32).T + layer.bias.float()
+    assert layer._prepared is None  # torch's int4 layout was not made: the Triton kernel runs
     got = layer(x)
     assert got.dtype == dtype
     tol = 1e-3 if dtype == torch.float32 else 5e-2

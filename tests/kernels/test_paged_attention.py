@@ -78,19 +78,21 @@ def test_sliding_window(window: int) -> None:
     torch.testing.assert_close(kernel, reference, atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("chunks", [1, 2])
-def test_keys_from_a_first_position(chunks: int) -> None:
-    """An MTP module's keys start at slot 1: with first_key, no query sees the positions before it."""
+@pytest.mark.parametrize(("chunks", "window"), [(1, None), (2, None), (1, 8), (2, 100)])
+def test_keys_from_a_first_position(chunks: int, window: int | None) -> None:
+    """An MTP module's keys start at slot 1: with first_key, no query sees the positions before it (within a sliding
+    window too)."""
     bs, n_blocks = 4, 40
     k, v = torch.randn(2, n_blocks, bs, 16, device=DEVICE), torch.randn(2, n_blocks, bs, 16, device=DEVICE)
     rows = scattered_rows([0, 5, 60], [1, 4, 1], bs, n_blocks)
     rows = PagedRows(rows.table, rows.q_start, rows.q_len, rows.start, rows.max_q_len, rows.max_keys, first_key=1)
     q = torch.randn(6, 4, 16, device=DEVICE)
-    got = paged_attention(q, k, v, rows, 0.25, chunks=chunks)
-    torch.testing.assert_close(got, paged_attention_reference(q, k, v, rows, 0.25), atol=2e-6, rtol=1e-5)
+    got = paged_attention(q, k, v, rows, 0.25, window=window, chunks=chunks)
+    want = paged_attention_reference(q, k, v, rows, 0.25, window=window)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
     assert torch.equal(got[0], torch.zeros_like(got[0]))  # position 0 alone, before the first key: nothing seen
     full = PagedRows(rows.table, rows.q_start, rows.q_len, rows.start, rows.max_q_len, rows.max_keys)
-    assert not torch.allclose(got[1:], paged_attention_reference(q, k, v, full, 0.25)[1:])
+    assert not torch.allclose(got[1:], paged_attention_reference(q, k, v, full, 0.25, window=window)[1:])
 
 
 def test_soft_cap() -> None:

@@ -3,8 +3,8 @@ its codes, never whole.
 
 llmkit's int4 layout (llmkit.quant.formats): codes (N, K / 2) uint8, two per byte (even columns in the low nibble),
 and per group of `group` inputs a scale and a zero (N, K / group) in fp32: w = code * scale + zero. torch's
-weight-only int4 kernel needs its own packing, bf16 inputs and K a multiple of 128 (Qwen2.5-1.5B's 8,960-wide
-down-projection is not), so llmkit.quant.linear.Int4Linear takes this kernel where torch's does not apply.
+weight-only int4 kernel needs its own packing, bf16 inputs and K a multiple of 128 (SmolLM2-135M's 576-wide
+layers are not), so llmkit.quant.linear.Int4Linear takes this kernel where torch's does not apply.
 
 One program computes a BLOCK_M x BLOCK_N tile of y, walking K in BLOCK_K steps: it loads the x tile, the bytes that
 hold the tile's codes (each byte twice, once for its low nibble's column and once for its high one's: they come

@@ -45,7 +45,7 @@ def _attend_tile(
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     row, tile = tl.program_id(0), tl.program_id(1)
-    kv_head = tl.program_id(2) // n_chunks
+    kv_head = (tl.program_id(2) // n_chunks).to(tl.int64)  # (a pool past 2^31 elements: 64-bit offsets)
     chunk = tl.program_id(2) % n_chunks
     q_len = tl.load(q_len_ptr + row)
     if tile * BLOCK_M >= q_len:
@@ -126,7 +126,7 @@ def _key_range(
     hi = start + tl.minimum(q_len, (tile + 1) * BLOCK_M)
     lo = first_key
     if WINDOW:
-        lo = tl.maximum(start + tile * BLOCK_M - window + 1, 0)
+        lo = tl.maximum(start + tile * BLOCK_M - window + 1, first_key)
     if SPLIT:
         run = tl.cdiv(tl.cdiv(start + q_len, n_chunks), BLOCK_N) * BLOCK_N
         lo = tl.maximum(lo, chunk * run)

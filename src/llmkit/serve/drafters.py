@@ -143,7 +143,8 @@ class MTPSpeculator(Speculator):
         assert self.kernels is not None
         M = len(slots)
         one = torch.ones(M, device=dev, dtype=torch.int32)
-        rows = PagedRows(table.int(), one.cumsum(0) - 1, one, slots.int(), 1, table.shape[1] * bs, first_key=1)
+        first = torch.arange(M, device=dev, dtype=torch.int32)  # each row's query
+        rows = PagedRows(table.int(), first, one, slots.int(), 1, table.shape[1] * bs, first_key=1)
         at = Placement(rows, table.gather(1, (slots // bs)[:, None])[:, 0], slots % bs)
         view = KernelKV(KVPool(self.keys, self.values), at, self.kernels.attention(M, rows.max_keys))
         inputs = self.model.attention_inputs(Step(positions[None], AttentionMask(), slots[None]))

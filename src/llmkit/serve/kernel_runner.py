@@ -100,12 +100,14 @@ class KernelRunner(ModelRunner):
     def groups(self, plan: StepPlan) -> list[list[int]]:
         return [list(range(len(plan.rows)))]
 
-    def attention(self, rows: int, max_keys: int) -> PagedAttention:
-        """The attention of a step of `rows` rows of up to `max_keys` keys: the kernel, its keys cut into runs where
-        the rows alone would leave the GPU idle."""
+    def attention(self, rows: int, max_keys: int, max_queries: int = 1) -> PagedAttention:
+        """The attention of a step of `rows` rows of up to `max_keys` keys and `max_queries` queries: the kernel,
+        a step of decoding rows with its keys cut into runs where the rows alone would leave the GPU idle (a prompt
+        chunk's query tiles fill it)."""
         if not self.kernel:
             return paged_attention_reference
-        return functools.partial(paged_attention, chunks=chunks_for(rows, self.kv_heads, max_keys))
+        chunks = chunks_for(rows, self.kv_heads, max_keys) if max_queries == 1 else 1
+        return functools.partial(paged_attention, chunks=chunks)
 
     def forward(self, rows: list[Row]) -> Forward:
         if self.graphs is not None and self.graphs.takes(rows) and (replayed := self.graphs.run(rows)) is not None:
@@ -121,7 +123,7 @@ class KernelRunner(ModelRunner):
     def _states(self, rows: list[Row]) -> Tensor:
         """The model over `rows` packed -> the last-block states of every token (n, C)."""
         p = pack(rows, self.block_size, self.model.device)
-        views = self.cache.kernel_views(p.at, self.attention(len(rows), p.at.rows.max_keys))
+        views = self.cache.kernel_views(p.at, self.attention(len(rows), p.at.rows.max_keys, p.at.rows.max_q_len))
         return self.model.run(p.tokens, Step(p.positions, AttentionMask(), p.positions), views)[0]  # (n, C)
 
 
@@ -184,7 +186,7 @@ class DecodeGraphs:
         self.width = -(-runner.model.max_seq_len // runner.block_size)  # table columns: the longest row's blocks
         self.scratch = runner.cache.scratch
         self.captured: dict[int, tuple[torch.cuda.CUDAGraph, StaticStep]] = {}
-        self.failed = False  # a capture failed (a layer reads back to the host): every step runs eagerly
+        self.failed: set[int] = set()  # buckets whose capture failed (a layer read back to the host): run eagerly
         self.memory = torch.cuda.graph_pool_handle()  # the graphs share one pool of memory
 
     def takes(self, rows: list[Row]) -> bool:
@@ -192,23 +194,29 @@ class DecodeGraphs:
         many as the largest bucket, on a cache with a scratch block for the spare rows, where capturing works."""
         return (
             self.scratch is not None
-            and not self.failed
             and len(rows) <= BUCKETS[-1]
-            and all(len(r.tokens) == 1 and not r.drafts and r.prompt_n == 0 for r in rows)
+            and self.bucket(len(rows)) not in self.failed
+            and all(
+                len(r.tokens) == 1 and not r.drafts and r.prompt_n == 0 and len(r.table) <= self.width for r in rows
+            )
         )
+
+    @staticmethod
+    def bucket(rows: int) -> int:
+        return next(b for b in BUCKETS if b >= rows)
 
     def run(self, rows: list[Row]) -> Forward | None:
         """The step of `rows` from its bucket's graph, or None where capturing it failed (then the runner steps
-        eagerly from now on)."""
+        of that bucket run eagerly from now on)."""
         B = len(rows)
-        size = next(b for b in BUCKETS if b >= B)
+        size = self.bucket(B)
         if size not in self.captured:
             try:
                 self._capture(size)
-            except Exception as e:  # (a model whose forward reads back to the host cannot be captured)
-                log.warning("capturing the decoding step as a CUDA graph failed (%s: %s); steps run eagerly",
-                            type(e).__name__, e)  # fmt: skip
-                self.failed = True
+            except Exception as e:  # (a forward that reads back to the host cannot be captured)
+                log.warning("capturing the decoding step of %d rows as a CUDA graph failed (%s: %s); such steps run "
+                            "eagerly", size, type(e).__name__, e)  # fmt: skip
+                self.failed.add(size)
                 return None
         graph, step = self.captured[size]
         step.fill(rows)

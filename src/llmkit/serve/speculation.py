@@ -117,12 +117,16 @@ class Costs:
 
 
 def _seconds(fn: Callable[..., object], *args: object, runs: int = 3) -> float:
-    """The median of `runs` timings of fn(*args), after one to warm up."""
+    """The median of `runs` timings of fn(*args), after one to warm up (on a GPU, waiting for its work each time:
+    its launches return before they run)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else (lambda: None)
     fn(*args)
     times = []
     for _ in range(runs):
+        sync()
         start = time.perf_counter()
         fn(*args)
+        sync()
         times.append(time.perf_counter() - start)
     return sorted(times)[runs // 2]
 
