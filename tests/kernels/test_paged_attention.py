@@ -158,3 +158,12 @@ def test_bad_arguments_are_refused() -> None:
         paged_attention(torch.zeros(1, 3, 16, device=DEVICE), k, k, rows, 1.0)
     with pytest.raises(InputError, match="power of two"):
         paged_attention(torch.zeros(1, 4, 16, device=DEVICE), k, k, rows, 1.0, tile_rows=24)
+
+
+def test_key_runs_fill_the_gpu_only_where_the_rows_do_not() -> None:
+    from llmkit.kernels.paged_attention import chunks_for
+
+    assert chunks_for(1, 8, 8192, programs=264) == 32  # one row, 8 kv heads: 33 runs would fill; 256-key runs: 32
+    assert chunks_for(4, 8, 8192, programs=264) == 8
+    assert chunks_for(64, 8, 8192, programs=264) == 1  # 512 programs already
+    assert chunks_for(1, 8, 300, programs=264) == 1  # too short to cut into 256-key runs

@@ -95,6 +95,10 @@ class KernelRunner(ModelRunner):
         super().__init__(model, cache, block_size)
         self.kernel = kernel
         self.kv_heads = max(getattr(b.attn, "n_kv_heads", 1) for b in model.blocks)
+        # programs that fill the GPU: two waves over its multiprocessors (an H100's 132 where there is none)
+        dev = model.device
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
+        self.programs = 2 * sms
         self.graphs = DecodeGraphs(self) if graphs and kernel and model.device.type == "cuda" else None
 
     def groups(self, plan: StepPlan) -> list[list[int]]:
@@ -106,7 +110,7 @@ class KernelRunner(ModelRunner):
         chunk's query tiles fill it)."""
         if not self.kernel:
             return paged_attention_reference
-        chunks = chunks_for(rows, self.kv_heads, max_keys) if max_queries == 1 else 1
+        chunks = chunks_for(rows, self.kv_heads, max_keys, self.programs) if max_queries == 1 else 1
         return functools.partial(paged_attention, chunks=chunks)
 
     def forward(self, rows: list[Row]) -> Forward:
