@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from llmkit.errors import InputError
+from llmkit.generate.backend import NATIVE_NEEDS
 from llmkit.generate.drafters import MTPDraft
 from llmkit.kernels.paged_rows import PagedRows
 from llmkit.layers.attention.cache import KVCache
@@ -34,7 +35,7 @@ from llmkit.serve.kernel_runner import KernelRunner
 from llmkit.serve.kv_manager import KVCacheManager
 from llmkit.serve.model_runner import NativeRunner
 from llmkit.serve.paged import KernelKV, KVPool, PagedCache, Placement
-from llmkit.serve.runner_base import ModelRunner
+from llmkit.serve.runner_base import ModelRunner, TokenRunner
 from llmkit.serve.scheduler import Work
 from llmkit.serve.speculation import Costs, Speculator
 
@@ -44,7 +45,7 @@ class MTPSpeculator(Speculator):
     int8 / int4 copy of the head and of the module's block (cheaper drafts, the same output)."""
 
     def __init__(
-        self, model: DecoderLM, target: ModelRunner, kv: KVCacheManager, k: int, head_bits: int | None = None
+        self, model: DecoderLM, target: TokenRunner, kv: KVCacheManager, k: int, head_bits: int | None = None
     ) -> None:
         """target: the engine's runner (the C++ step's, or the GPU's kernel runner), its pools' blocks all free yet
         (Costs.measure writes into block 0)."""
@@ -58,6 +59,10 @@ class MTPSpeculator(Speculator):
         # the module's block runs on the C++ step beside a C++ runner, else through the GPU runner's kernel
         self.native = target.native if isinstance(target, NativeRunner) else None
         self.kernels = target if isinstance(target, KernelRunner) else None
+        if self.native is None and self.kernels is None:
+            raise InputError(
+                f"the MTP module's block runs on the C++ step or the GPU runner, not {type(target).__name__}"
+            )
         self.draft = MTPDraft(model, self.native, head_bits)
         if self.native is not None and self.draft.block is None:
             raise InputError(
@@ -157,7 +162,7 @@ class ModelSpeculator(Speculator):
 
     first_slot = 0
 
-    def __init__(self, model: DecoderLM, target: ModelRunner, kv: KVCacheManager, k: int, draft: DecoderLM) -> None:
+    def __init__(self, model: DecoderLM, target: TokenRunner, kv: KVCacheManager, k: int, draft: DecoderLM) -> None:
         """target: the engine's runner, its pools' blocks all free yet."""
         if draft.cfg.vocab_size != model.cfg.vocab_size:
             raise InputError(
@@ -198,7 +203,7 @@ class ModelSpeculator(Speculator):
         return self.head(self.runner.token_states(torch.zeros_like(slots), slots, table))
 
 
-def draft_runner(draft: DecoderLM, target: ModelRunner) -> ModelRunner:
+def draft_runner(draft: DecoderLM, target: TokenRunner) -> TokenRunner:
     """A runner for the draft model over pools of its own with the target's blocks: the paged-attention kernels'
     beside a GPU runner, else the C++ step's."""
     n_blocks, bs = target.cache.n_blocks, target.block_size
@@ -221,12 +226,12 @@ def speculator(
     model: DecoderLM, target: ModelRunner, kv: KVCacheManager, config: EngineConfig, draft: DecoderLM | None
 ) -> Speculator:
     """The engine's drafter of config.draft_tokens (> 0) drafts a step: `draft` when given, else the model's MTP
-    module. target: the engine's runner, which verifies the drafts."""
+    module. target: the engine's runner, which verifies the drafts: one that runs tokens as rows (TokenRunner)."""
+    if not isinstance(target, TokenRunner):
+        raise InputError(
+            "speculation verifies drafts in llmkit's C++ decode step or its GPU runner: it needs a CUDA GPU, or "
+            f"{NATIVE_NEEDS}, fp32 caches"
+        )
     if draft is not None:
         return ModelSpeculator(model, target, kv, config.draft_tokens, draft)
-    if not isinstance(target, NativeRunner | KernelRunner):
-        raise InputError(
-            "drafting with the MTP module runs on llmkit's C++ decode step (an x86 CPU, fp32 caches) or a GPU; here, "
-            "draft with a small model instead (--draft)"
-        )
     return MTPSpeculator(model, target, kv, config.draft_tokens, config.draft_head_bits)

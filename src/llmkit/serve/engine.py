@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterable
 import torch
 
 from llmkit.errors import InputError, LLMKitError
-from llmkit.generate.backend import NATIVE_NEEDS
 from llmkit.models.decoder import DecoderLM
 from llmkit.serve.blocks import BlockPool
 from llmkit.serve.config import EngineConfig, EngineStats
@@ -81,11 +80,6 @@ class Engine:
         if lockstep is not None:  # the other ranks' caches: the same blocks, their own heads
             lockstep.tell(make_cache, n_blocks, config.block_size, self.dtype)
         self.runner = model_runner(model, self.cache, config.block_size, config.batch_invariant, lockstep)
-        if config.draft_tokens and not self.runner.runs_tokens:
-            raise InputError(
-                "speculation verifies drafts in llmkit's C++ decode step or its GPU runner: it needs a CUDA GPU, or "
-                f"{NATIVE_NEEDS}, fp32 caches"
-            )
         self.pool = BlockPool(n_blocks, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_batch, config.step_tokens, self.runner.shares_generated)
         # drafts for the decoding rows (config.draft_tokens): `draft`'s, or the model's MTP module's (drafters.py)

@@ -37,7 +37,7 @@ from llmkit.models.cache import Step
 from llmkit.models.decoder import DecoderLM
 from llmkit.serve.forward import Forward, Row, prompt_logits
 from llmkit.serve.paged import PagedAttention, PagedCache, Placement
-from llmkit.serve.runner_base import ModelRunner, StepPlan
+from llmkit.serve.runner_base import StepPlan, TokenRunner
 
 log = logging.getLogger("llmkit.serve")
 
@@ -81,13 +81,12 @@ def outputs(model: DecoderLM, rows: list[Row], h: Tensor, lengths: list[int]) ->
     return Forward(hidden, per_row, prompt_logits(model, hidden, [r.prompt_n for r in rows]))
 
 
-class KernelRunner(ModelRunner):
+class KernelRunner(TokenRunner):
     """Every row of a step in one forward over the pools read in place; drafts verified in the same forward;
     decoding steps from CUDA graphs where the cache has a scratch block and the device is a GPU (`graphs`).
     `kernel`: the Triton kernel (False: its PyTorch reference, which gathers: for checking this runner on a CPU)."""
 
     kind = "the paged-attention kernels (Triton), decoding steps from CUDA graphs"
-    runs_tokens = True
 
     def __init__(
         self, model: DecoderLM, cache: PagedCache, block_size: int, kernel: bool = True, graphs: bool = True

@@ -41,7 +41,7 @@ from llmkit.serve.forward import Forward, Row, prompt_logits, run_rows
 from llmkit.serve.kernel_runner import KernelRunner
 from llmkit.serve.lockstep import Lockstep, forward_step
 from llmkit.serve.paged import PagedCache
-from llmkit.serve.runner_base import ModelRunner, StepPlan
+from llmkit.serve.runner_base import ModelRunner, StepPlan, TokenRunner
 
 
 class TorchRunner(ModelRunner):
@@ -75,12 +75,11 @@ class LockstepRunner(TorchRunner):
         return self.lockstep.run(forward_step, self, self.block_size, rows)
 
 
-class NativeRunner(TorchRunner):
+class NativeRunner(TorchRunner, TokenRunner):
     """The decoding rows through llmkit's C++ step over the paged pools; prompt chunks through PyTorch; rows with
     drafts token by token through the C++ step."""
 
     kind = "llmkit's C++ decode step (prompt chunks in PyTorch)"
-    runs_tokens = True
 
     def __init__(self, model: DecoderLM, cache: PagedCache, block_size: int, native: NativeDecoder) -> None:
         super().__init__(model, cache, block_size)

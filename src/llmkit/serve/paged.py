@@ -27,7 +27,7 @@ from torch import Tensor
 
 from llmkit.kernels.paged_attention import PagedRows
 from llmkit.layers.attention import SelfAttention
-from llmkit.layers.attention.cache import AttendsInPlace, KVCache, LatentCache, LayerCache
+from llmkit.layers.attention.cache import GroupedInPlace, KVCache, LatentCache, LatentInPlace, LayerCache
 from llmkit.models.decoder import DecoderLM
 
 # paged attention over pools read in place: paged_attention's arguments (q, k, v, rows, scale, softcap, window,
@@ -154,7 +154,7 @@ class Placement:
     offset: Tensor
 
 
-class KernelKV(AttendsInPlace):
+class KernelKV(GroupedInPlace):
     """A grouped-query layer's pool for one step, attended in place by `attention`."""
 
     def __init__(self, store: KVPool, at: Placement, attention: PagedAttention) -> None:
@@ -172,7 +172,7 @@ class KernelKV(AttendsInPlace):
         return out.view(B, T, H, -1).to(q.dtype)
 
 
-class KernelLatent(AttendsInPlace):
+class KernelLatent(LatentInPlace):
     """A latent-attention layer's pool for one step, attended in place by `attention` (one key head: the latent and
     the rope key; the latent its value)."""
 

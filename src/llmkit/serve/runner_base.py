@@ -60,7 +60,6 @@ class ModelRunner(ABC):
         self.model, self.cache, self.block_size = model, cache, block_size
 
     kind = "PyTorch"  # what runs the steps, in words (the server says it when it starts)
-    runs_tokens = False  # whether rows with drafts can be verified here (speculation needs it)
     invariant = False  # whether a row's bits do not depend on the rows beside it (nor on the prompt's chunking)
     # whether a generated token's keys and values are the ones a prompt holding it would get, so that the blocks
     # holding them may serve later prompts from the prefix cache
@@ -73,17 +72,6 @@ class ModelRunner(ABC):
     @abstractmethod
     def forward(self, rows: list[Row]) -> Forward:
         """The model over `rows`, writing their keys and values into the cache."""
-
-    def token_states(self, tokens: Tensor, slots: Tensor, table: Tensor) -> Tensor:
-        """Tokens (N,), each a row of its own: token n in slot slots[n] of the sequence whose blocks are table[n]
-        (N, nb), seeing its slots up to its own, writing its keys -> last-block states (N, C). What speculation
-        drafts and verifies with (runs_tokens)."""
-        raise NotImplementedError(f"{type(self).__name__} does not run tokens as rows of their own")
-
-    def token_logits(self, h: Tensor, invariant: bool = True) -> Tensor:
-        """token_states' states (N, C) -> logits (N, V), as a verified row's are computed (`invariant`: each row's
-        bits its own, where the runner's head can)."""
-        return self.model.logits(self.model.norm(h))
 
     def execute(self, plan: StepPlan) -> RunnerOutput:
         out = RunnerOutput()
@@ -112,3 +100,18 @@ class ModelRunner(ABC):
         for j, i in enumerate(group):
             (out.verified if plan.rows[i].drafts else out.logits)[i] = f.logits[j]
             out.hidden[i], out.prompt[i] = f.hidden[j], f.prompt[j]
+
+
+class TokenRunner(ModelRunner):
+    """A runner that also runs tokens as rows of their own and verifies rows with drafts (their 1 + k tokens in the
+    step): what speculation drafts and verifies with (the C++ step's runners, the GPU's kernel runner)."""
+
+    @abstractmethod
+    def token_states(self, tokens: Tensor, slots: Tensor, table: Tensor) -> Tensor:
+        """Tokens (N,), each a row of its own: token n in slot slots[n] of the sequence whose blocks are table[n]
+        (N, nb), seeing its slots up to its own, writing its keys -> last-block states (N, C)."""
+
+    def token_logits(self, h: Tensor, invariant: bool = True) -> Tensor:
+        """token_states' states (N, C) -> logits (N, V), as a verified row's are computed (`invariant`: each row's
+        bits its own, where the runner's head can)."""
+        return self.model.logits(self.model.norm(h))

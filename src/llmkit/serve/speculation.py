@@ -42,7 +42,7 @@ from llmkit.generate.speculative import accept, accept_greedy
 from llmkit.models.decoder import DecoderLM
 from llmkit.serve.kv_manager import KVCacheManager
 from llmkit.serve.request import Sequence, Top
-from llmkit.serve.runner_base import ModelRunner
+from llmkit.serve.runner_base import TokenRunner
 from llmkit.serve.sampler import logit_biased, top_logprobs
 from llmkit.serve.scheduler import Work
 
@@ -151,7 +151,7 @@ class Speculator(ABC):
 
     first_slot = 1
 
-    def __init__(self, model: DecoderLM, target: ModelRunner, kv: KVCacheManager, k: int) -> None:
+    def __init__(self, model: DecoderLM, target: TokenRunner, kv: KVCacheManager, k: int) -> None:
         if not isinstance(k, int) or k < 1:
             raise InputError(f"draft tokens k={k!r} must be an int >= 1")
         self.model, self.target, self.kv, self.k, self.bs = model, target, kv, k, target.block_size

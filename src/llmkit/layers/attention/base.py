@@ -35,7 +35,8 @@ class AttentionInputs:
 class SelfAttention(nn.Module, abc.ABC):
     """Base class of self-attention variants. `packs_rows`: the variant attends to rows of different lengths packed
     into one (AttentionMask.ragged), so a serving step can run its rows as one forward. `attends_in_place`: given a
-    cache that attends itself (cache.AttendsInPlace), the variant hands it its queries and new keys."""
+    cache that attends itself (cache.GroupedInPlace, cache.LatentInPlace), the variant hands it its queries and new
+    keys."""
 
     packs_rows: ClassVar[bool] = False
     attends_in_place: ClassVar[bool] = False

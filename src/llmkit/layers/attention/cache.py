@@ -15,6 +15,8 @@ device. Which slots hold tokens, and which of them a query may see, is the atten
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 from torch import Tensor
 
@@ -111,20 +113,23 @@ class LatentCache:
 LayerCache = KVCache | LatentCache
 
 
-class AttendsInPlace:
-    """A cache that attends itself: it stores a step's new keys and computes the attention over every key it holds
-    (a serving engine's paged pool read in place by a kernel, llmkit.serve.paged's KernelKV and KernelLatent). A
-    layer given one hands it its queries and new keys instead of reading keys back and masking them; the cache
-    knows each query's row and position, so the layer's mask is not consulted. Only the method of the layer's own
-    variant is called."""
+class GroupedInPlace(ABC):
+    """A grouped-query layer's cache that attends itself: it stores a step's new keys and computes the attention over
+    every key it holds (a serving engine's paged pool read in place by a kernel: llmkit.serve.paged.KernelKV). A
+    layer given one hands it its queries and new keys instead of reading keys back and masking them; the cache knows
+    each query's row and position, so the layer's mask is not consulted."""
 
+    @abstractmethod
     def attend_grouped(
         self, q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: float | None, window: int | None
     ) -> Tensor:
-        """Grouped-query attention: q (B, T, H, D), new k (B, T, K, D), v (B, T, K, Dv) -> (B, T, H, Dv)."""
-        raise NotImplementedError(f"{type(self).__name__} holds no grouped-query keys")
+        """q (B, T, H, D), new k (B, T, K, D), v (B, T, K, Dv) -> (B, T, H, Dv)."""
 
+
+class LatentInPlace(ABC):
+    """A latent-attention layer's cache that attends itself (llmkit.serve.paged.KernelLatent), as GroupedInPlace."""
+
+    @abstractmethod
     def attend_latent(self, q: Tensor, c_kv: Tensor, k_pe: Tensor, scale: float) -> Tensor:
-        """Latent attention's absorbed form (one key head of r + dr dims, the latent its value): q (B, T, H, r + dr),
-        new c_kv (B, T, r), k_pe (B, T, dr) -> (B, T, H, r)."""
-        raise NotImplementedError(f"{type(self).__name__} holds no latent keys")
+        """The absorbed form (one key head of r + dr dims, the latent its value): q (B, T, H, r + dr), new c_kv
+        (B, T, r), k_pe (B, T, dr) -> (B, T, H, r)."""

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from llmkit.config import Layout, ModelConfig, NormConfig
 from llmkit.errors import check_features
 from llmkit.layers.attention.base import AttentionInputs, SelfAttention, record_weights, wants_weights
-from llmkit.layers.attention.cache import AttendsInPlace, KVCache
+from llmkit.layers.attention.cache import GroupedInPlace, KVCache
 from llmkit.layers.attention.core import PrefillKernel, attend
 from llmkit.layers.extras import Extras
 from llmkit.layers.norm import build_norm
@@ -107,7 +107,7 @@ class GroupedQueryAttention(SelfAttention):
         if rope is not None and self.rope_dim:
             q = rotate_prefix(q, rope, self.rope_dim, self.rope_layout)
             k = rotate_prefix(k, rope, self.rope_dim, self.rope_layout)
-        if isinstance(cache, AttendsInPlace):  # a paged pool whose kernel reads the keys where they lie
+        if isinstance(cache, GroupedInPlace):  # a paged pool whose kernel reads the keys where they lie
             out = cache.attend_grouped(q, k, v, self.scale, self.softcap, self.sliding_window)  # (B, T, H, D)
             return self.wo(out.reshape(B, T, self.n_heads * self.head_dim))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, D)

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from llmkit.config import Layout, MLAConfig, ModelConfig
 from llmkit.errors import check_features
 from llmkit.layers.attention.base import AttentionInputs, SelfAttention, record_weights, wants_weights
-from llmkit.layers.attention.cache import AttendsInPlace, LatentCache
+from llmkit.layers.attention.cache import LatentCache, LatentInPlace
 from llmkit.layers.attention.core import attend, attend_selected
 from llmkit.layers.extras import Extras
 from llmkit.layers.norm import RMSNorm
@@ -183,7 +183,7 @@ class MultiHeadLatentAttention(SelfAttention):
         if inputs.rope is not None:
             q_pe = apply_rope(q_pe, inputs.rope, self.rope_layout)
         c_kv, k_pe = self.project_latent(x, inputs)
-        if isinstance(cache, AttendsInPlace):  # a paged pool whose kernel reads the latents where they lie
+        if isinstance(cache, LatentInPlace):  # a paged pool whose kernel reads the latents where they lie
             q_abs = self.absorb_queries(q_nope, q_pe)  # (B, T, H, r + dr)
             out = self.expand_values(cache.attend_latent(q_abs, c_kv, k_pe, self.scale))
             return MLAResult(self.wo(out), None, None, None)
