@@ -14,7 +14,10 @@ from its state dict through llmkit's key map):
 - prefill of 512 and 2,048 tokens: llmkit's runner over one prompt chunk against transformers' forward, each as a
   fraction of the measured bf16 peak (2 x parameters x tokens + the causal attention's products);
 - the serving engine at concurrency 1, 16 and 64 (512-token prompts, --new tokens each, all sent at once): output
-  tokens/s and time to first token p50 / p95.
+  tokens/s and time to first token p50 / p95;
+- on a GPU, the batch-invariant mode's cost (`--batch-invariant`: llmkit.kernels.invariant's products and norms,
+  attention without key splits): decoding at batch 1 and serving 16 512-token prompts, as a fraction of the
+  default mode's figures above.
 Each part prints its row as it finishes, so a run cut short by its time limit keeps what it measured.
 """
 
@@ -94,11 +97,13 @@ def limits(device: str) -> dict[str, float]:
             "read_gbs": memory_bandwidth(device, seconds=0.5) / 1e9}  # fmt: skip
 
 
-def engine_for(pair: Pair, max_batch: int) -> Any:
+def engine_for(pair: Pair, max_batch: int, invariant: bool = False) -> Any:
     from llmkit.serve.engine import Engine, EngineConfig
 
     free = torch.cuda.mem_get_info()[0] if pair.ours.device.type == "cuda" else 1 << 30
-    config = EngineConfig(kv_memory=min(int(free * 0.5), 40 << 30), max_batch=max_batch, step_tokens=4096)
+    config = EngineConfig(
+        kv_memory=min(int(free * 0.5), 40 << 30), max_batch=max_batch, step_tokens=4096, batch_invariant=invariant
+    )
     return Engine(pair.ours, None, config)
 
 
@@ -231,6 +236,7 @@ def main() -> None:
                   "llmkit_tok_s": T / p["llmkit_s"], "llmkit_of_peak": p["flops"] / p["llmkit_s"] / peak,
                   "transformers_tok_s": T / p["transformers_s"],
                   "transformers_of_peak": p["flops"] / p["transformers_s"] / peak})  # fmt: skip
+        served: dict[int, float] = {}
         for concurrency in (1, 16, 64):
             engine = engine_for(pair, max(concurrency, 8))
             prompts = [torch.randint(0, pair.shape["vocab"], (512,)).tolist() for _ in range(concurrency)]
@@ -238,7 +244,19 @@ def main() -> None:
             r = run_engine(engine, prompts, args.new, device)
             emit({"part": "serve", "shape": shape, "concurrency": concurrency, "tok_s": r["tok_s"],
                   "ttft_p50": r["ttft_p50"], "ttft_p95": r["ttft_p95"]})  # fmt: skip
+            served[concurrency] = r["tok_s"]
             release(engine)
+        if device == "cuda":  # the batch-invariant mode's cost: decoding alone, and serving 16 512-token prompts
+            for concurrency, prompt_len, before in ((1, 32, decoded[1]), (16, 512, served[16])):
+                engine = engine_for(pair, max(concurrency, 8), invariant=True)
+                prompts = [torch.randint(0, pair.shape["vocab"], (prompt_len,)).tolist() for _ in range(concurrency)]
+                run_engine(engine, prompts, 8, device)  # warm-up: compiles the kernels, captures the graphs
+                r = run_engine(engine, prompts, args.new, device)
+                tok_s = r["decode_tok_s"] if concurrency == 1 else r["tok_s"]
+                emit({"part": "batch-invariant", "shape": shape, "concurrency": concurrency,
+                      "prompt": prompt_len, "tok_s": tok_s, "of_default": tok_s / before,
+                      "ttft_p50": r["ttft_p50"]})  # fmt: skip
+                release(engine)
         # last, as it compiles for minutes: a run cut short by its time limit loses only these rows
         for batch in (int(b) for b in args.hf_batches.split(",") if b):
             theirs = hf_decode(pair, batch, 32, args.new, device)

@@ -395,3 +395,44 @@ def test_gpu_int4_layers_of_any_width_take_the_triton_kernel(width, dtype):
     assert got.dtype == dtype
     tol = 1e-3 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(got.float(), want, atol=tol * width**0.5, rtol=tol)
+
+
+@pytest.mark.parametrize("name", ["llama2-70b-tiny", "gpt2-tiny", "gemma2-2b-tiny"])
+def test_gpu_batch_invariant_engine_answers_each_request_as_alone(name):
+    """The batch-invariant mode on the GPU runner (llmkit.kernels.invariant's products and norms, attention in one
+    pass, CUDA graphs): 16 concurrent requests in bf16, sampled with seeds, each get the tokens and log-probabilities
+    they get alone, bit for bit."""
+    from llmkit.serve.engine import Engine, EngineConfig
+    from llmkit.serve.kernel_runner import KernelRunner
+    from llmkit.serve.paged import PagedCache
+    from llmkit.serve.request import SamplingParams
+
+    _, gpu = pair(name, torch.bfloat16)
+    torch.manual_seed(2)
+    prompts = [torch.randint(0, 256, (int(n),)).tolist() for n in torch.randint(3, 40, (16,))]
+    per_block = PagedCache.bytes_per_block(gpu, 4, torch.bfloat16)
+
+    def engine() -> Engine:
+        config = EngineConfig(kv_memory=per_block * 400, block_size=4, step_tokens=64, batch_invariant=True)
+        e = Engine(gpu, None, config)
+        assert isinstance(e.runner, KernelRunner) and e.runner.invariant
+        return e
+
+    params = SamplingParams(max_tokens=16, temperature=0.8, seed=5)
+    together = engine().generate(prompts, params)
+    for prompt, out in zip(prompts, together, strict=True):
+        alone = engine().generate([prompt], params)[0]
+        assert (alone.token_ids, alone.logprobs) == (out.token_ids, out.logprobs)
+
+
+def test_gpu_batch_invariant_products_give_a_row_its_bits_whatever_the_batch():
+    """llmkit's invariant product in bf16 on the GPU: rows alone and among 1 .. 300 others have the same bits."""
+    from llmkit.kernels.invariant import mm
+
+    torch.manual_seed(0)
+    x = torch.randn(300, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
+    full = mm(x, w.t())
+    torch.testing.assert_close(full.float(), (x @ w.t()).float(), atol=0.5, rtol=2e-2)
+    for m in (1, 7, 64, 65, 299):
+        assert torch.equal(mm(x[:m], w.t()), full[:m])

@@ -149,6 +149,24 @@ def test_a_row_alone_equals_it_among_others_with_fixed_splits_and_tiles() -> Non
     assert torch.equal(out_among[20:], out_alone)
 
 
+@pytest.mark.parametrize("window", [None, 7])
+def test_a_querys_bits_do_not_depend_on_the_chunk_it_came_in(window: int | None) -> None:
+    """The batch-invariant mode's attention (one pass over the keys, one tile shape): the query at position 40
+    has the same bits as a decoding row, as the last query of a prompt chunk and in the middle of one, since the
+    key tiles its tile reads past it (or before its window) leave its softmax as it was."""
+    bs, n_blocks = 4, 64
+    k = torch.randn(2, n_blocks, bs, 16, device=DEVICE)
+    v = torch.randn(2, n_blocks, bs, 16, device=DEVICE)
+    table = torch.tensor([[3, 9, 4, 60, 7, 2, 8, 1, 30, 31, 40, 41, 42]])
+    fixed = {"scale": 0.25, "chunks": 1, "tile_rows": 64, "window": window}
+    q = torch.randn(20, 4, 16, device=DEVICE)  # the queries of positions 30 .. 49
+    outs = []
+    for start, n in [(40, 1), (30, 11), (35, 10), (33, 17)]:  # position 40 is query 40 - start
+        rows = PagedRows.of(table, [start], [n], DEVICE)
+        outs.append(paged_attention(q[start - 30 : start - 30 + n], k, v, rows, **fixed)[40 - start])  # type: ignore[arg-type]
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
 def test_bad_arguments_are_refused() -> None:
     rows = PagedRows.of(torch.tensor([[0]]), [0], [1], DEVICE)
     k = torch.zeros(2, 1, 4, 16, device=DEVICE)

@@ -97,6 +97,27 @@ def test_the_gpu_runner_gives_the_tokens_of_generate(name):
     _assert_pool_empty(engine)
 
 
+def test_the_batch_invariant_gpu_runner_answers_each_request_as_alone():
+    """The GPU runner in its batch-invariant mode (interpreted here), in the engine: six sampled requests run
+    together, their prompts cut into chunks beside each other's decoding rows, each get the tokens and
+    log-probabilities they get alone, bit for bit."""
+    model = _model("llama2-70b-tiny")
+    if not triton_usable(model.device):
+        pytest.skip("Triton is not installed")
+    prompts = _prompts(model, [5, 23, 30, 3, 9, 14])
+    params = SamplingParams(max_tokens=6, temperature=0.9, seed=3)
+
+    def engine() -> Engine:
+        e = _engine(model)
+        e.runner = KernelRunner(model, e.cache, e.pool.block_size, invariant=True)
+        return e
+
+    together = engine().generate(prompts, params)
+    for prompt, out in zip(prompts, together, strict=True):
+        alone = engine().generate([prompt], params)[0]
+        assert (alone.token_ids, alone.logprobs) == (out.token_ids, out.logprobs)
+
+
 @pytest.mark.parametrize("name", ["llama2-70b-tiny", "deepseek-v3.2-tiny"])
 def test_prefix_cache_hits_give_the_output_of_misses(name):
     model = _model(name)

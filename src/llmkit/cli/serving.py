@@ -54,8 +54,10 @@ class EngineOptions:
     no_prefix_cache: do not reuse the cache blocks of shared prompt prefixes.
     batch_invariant: require the batch-invariant mode, the default wherever the C++ decode step runs (AVX2 CPU,
       fp32 or int4/int8 weights): every token through the C++ step as a row of its own, so that a request's tokens
-      and log-probabilities do not depend on what else is running, and equal `llmkit generate`'s. An error where
-      the step cannot run (bf16 weights, a GPU, latent attention), which serve through PyTorch without it.
+      and log-probabilities do not depend on what else is running, and equal `llmkit generate`'s. On a GPU (not
+      the default there) the GPU runner with batch-invariant Triton products, norms and attention (docs/gpu.md).
+      An error where neither can run (a CPU with bf16 weights or latent attention; mixture-of-experts or quantized
+      layers on a GPU), which serve through PyTorch without it.
     no_batch_invariant: prompts through PyTorch instead, as one batch (about 11% more output tokens a second on
       mixed prompts with AVX512-VNNI, much more without it; see BENCHMARKS.md); answers then depend on the load.
     """

@@ -15,8 +15,10 @@ class EngineConfig:
     waiting before new ones are refused; prefix_caching: reuse cached blocks of shared prompt prefixes;
     batch_invariant: every token through the C++ step as a row of its own (prompt tokens too, in integer panels
     where the weights are GGUF blocks and the CPU has AVX512-VNNI), so that a request's tokens and log-probabilities
-    do not depend on what else runs, and equal `generate`'s; None (the default): wherever the model runs on the C++
-    step, True: required (an error where it cannot run), False: off (prompts through PyTorch, a little faster);
+    do not depend on what else runs, and equal `generate`'s; on a GPU, the kernel runner with batch-invariant
+    products, norms and attention (llmkit.kernels.invariant); None (the default): wherever the model runs on the C++
+    step (never on a GPU), True: required (an error where it cannot run), False: off (prompts through PyTorch, a
+    little faster);
     draft_tokens: with k > 0, each decoding sequence drafts up to k tokens a step with the model's MTP module and the
     target verifies them (serve/speculation.py; 0: no speculation); draft_head_bits 4 / 8: the drafts read an int4
     / int8 copy of the output head and of the module's block (None: the model's own; a quantized head is always

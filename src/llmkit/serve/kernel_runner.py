@@ -19,11 +19,17 @@ sized by the bucket and the table's width, which the captured launch keeps, and 
 number of runs by its own length, so the replay is right for any rows that fit. The model is not touched: capture is
 applied from outside, as compilation is.
 
+The batch-invariant mode (`invariant`): every sum a row takes part in is taken in an order that does not depend on
+the other rows of the step nor on how its prompt was chunked: products and norms by llmkit.kernels.invariant's
+kernels (installed around each step by a dispatch mode, the captured graphs included), attention in one pass over
+each row's keys with one tile shape.
+
 Shapes: B rows, n packed tokens, C model dim, V vocabulary, nb blocks per row.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from dataclasses import dataclass
@@ -31,8 +37,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from llmkit.errors import InputError
 from llmkit.kernels.paged_attention import PagedRows, chunks_for, paged_attention, paged_attention_reference
 from llmkit.layers.attention.mask import AttentionMask
+from llmkit.layers.moe import MoE
 from llmkit.models.cache import Step
 from llmkit.models.decoder import DecoderLM
 from llmkit.serve.forward import Forward, Row, prompt_logits
@@ -43,6 +51,8 @@ log = logging.getLogger("llmkit.serve")
 
 # batch sizes captured as CUDA graphs: a step of B decoding rows replays the smallest bucket >= B
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# the batch-invariant mode's attention tiles: score rows per program, the same for decoding rows and prompt chunks
+INVARIANT_TILE_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -84,15 +94,27 @@ def outputs(model: DecoderLM, rows: list[Row], h: Tensor, lengths: list[int]) ->
 class KernelRunner(TokenRunner):
     """Every row of a step in one forward over the pools read in place; drafts verified in the same forward;
     decoding steps from CUDA graphs where the cache has a scratch block and the device is a GPU (`graphs`).
-    `kernel`: the Triton kernel (False: its PyTorch reference, which gathers: for checking this runner on a CPU)."""
-
-    kind = "the paged-attention kernels (Triton), decoding steps from CUDA graphs"
+    `kernel`: the Triton kernel (False: its PyTorch reference, which gathers: for checking this runner on a CPU).
+    `invariant`: the batch-invariant mode (a row's bits do not depend on the rows beside it nor on how its prompt
+    was cut into chunks): products and norms by llmkit.kernels.invariant's kernels, attention in one pass over a
+    row's keys with one tile shape (no key splits, whose number follows the batch)."""
 
     def __init__(
-        self, model: DecoderLM, cache: PagedCache, block_size: int, kernel: bool = True, graphs: bool = True
+        self,
+        model: DecoderLM,
+        cache: PagedCache,
+        block_size: int,
+        kernel: bool = True,
+        graphs: bool = True,
+        invariant: bool = False,
     ) -> None:
         super().__init__(model, cache, block_size)
-        self.kernel = kernel
+        if invariant:
+            _check_invariant(model)
+        self.kernel, self.invariant = kernel, invariant
+        self.kind = "the paged-attention kernels (Triton), decoding steps from CUDA graphs" + (
+            "; batch-invariant products, norms and attention (Triton)" if invariant else ""
+        )
         self.kv_heads = max(getattr(b.attn, "n_kv_heads", 1) for b in model.blocks)
         # programs that fill the GPU: two waves over its multiprocessors (an H100's 132 where there is none)
         dev = model.device
@@ -106,28 +128,62 @@ class KernelRunner(TokenRunner):
     def attention(self, rows: int, max_keys: int, max_queries: int = 1) -> PagedAttention:
         """The attention of a step of `rows` rows of up to `max_keys` keys and `max_queries` queries: the kernel,
         a step of decoding rows with its keys cut into runs where the rows alone would leave the GPU idle (a prompt
-        chunk's query tiles fill it)."""
+        chunk's query tiles fill it); in the batch-invariant mode one pass and one tile shape for every step."""
         if not self.kernel:
             return paged_attention_reference
+        if self.invariant:
+            return functools.partial(paged_attention, chunks=1, tile_rows=INVARIANT_TILE_ROWS)
         chunks = chunks_for(rows, self.kv_heads, max_keys, self.programs) if max_queries == 1 else 1
         return functools.partial(paged_attention, chunks=chunks)
 
+    def products(self) -> contextlib.AbstractContextManager[object]:
+        """Where the model's products and norms run: llmkit's batch-invariant kernels in that mode, else torch's."""
+        if not self.invariant:
+            return contextlib.nullcontext()
+        from llmkit.kernels.invariant import BatchInvariant
+
+        return BatchInvariant(self.model.device.type)
+
     def forward(self, rows: list[Row]) -> Forward:
-        if self.graphs is not None and self.graphs.takes(rows) and (replayed := self.graphs.run(rows)) is not None:
-            return replayed
-        return outputs(self.model, rows, self._states(rows), [len(r.tokens) + len(r.drafts) for r in rows])
+        with self.products():
+            if self.graphs is not None and self.graphs.takes(rows) and (replayed := self.graphs.run(rows)) is not None:
+                return replayed
+            return outputs(self.model, rows, self._states(rows), [len(r.tokens) + len(r.drafts) for r in rows])
 
     def token_states(self, tokens: Tensor, slots: Tensor, table: Tensor) -> Tensor:
         """Each token a row of one query; a sequence's tokens in the same call see each other's keys, since every
         layer writes the step's keys before it attends."""
         tables = table.tolist()
-        return self._states([Row([t], s, tb) for t, s, tb in zip(tokens.tolist(), slots.tolist(), tables, strict=True)])
+        rows = [Row([t], s, tb) for t, s, tb in zip(tokens.tolist(), slots.tolist(), tables, strict=True)]
+        with self.products():
+            return self._states(rows)
+
+    def token_logits(self, h: Tensor, invariant: bool = True) -> Tensor:
+        with self.products():
+            return self.model.logits(self.model.norm(h))
 
     def _states(self, rows: list[Row]) -> Tensor:
         """The model over `rows` packed -> the last-block states of every token (n, C)."""
         p = pack(rows, self.block_size, self.model.device)
         views = self.cache.kernel_views(p.at, self.attention(len(rows), p.at.rows.max_keys, p.at.rows.max_q_len))
         return self.model.run(p.tokens, Step(p.positions, AttentionMask(), p.positions), views)[0]  # (n, C)
+
+
+def _check_invariant(model: DecoderLM) -> None:
+    """Refuse, before the first request, the layers the batch-invariant mode has no kernels for."""
+    from llmkit.quant.linear import QuantizedLinear
+
+    for name, module in model.named_modules():
+        if isinstance(module, MoE):
+            raise InputError(
+                f"the batch-invariant mode on a GPU does not take mixture-of-experts layers ({name}): their tokens "
+                "are scattered back to the rows with atomic adds, whose order follows the batch"
+            )
+        if isinstance(module, QuantizedLinear):
+            raise InputError(
+                f"the batch-invariant mode on a GPU does not take quantized layers ({name}): serve the model in "
+                "bf16 or fp16, or without --batch-invariant"
+            )
 
 
 class StaticStep:

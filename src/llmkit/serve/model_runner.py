@@ -19,7 +19,8 @@ allow; nothing here is decided again per step:
   row-invariant pieces: a row's bits do not depend on the rows beside it (EngineConfig.batch_invariant).
 - LockstepRunner: a TorchRunner whose forwards every rank of a tensor-parallel model runs (lockstep.py).
 - KernelRunner (kernel_runner.py), on a GPU: every row of a step in one forward whose attention reads the pools in
-  place (a Triton kernel), drafts verified in it, decoding steps replayed from CUDA graphs.
+  place (a Triton kernel), drafts verified in it, decoding steps replayed from CUDA graphs; batch-invariant on
+  request, with llmkit's own products and norms (llmkit.kernels.invariant).
 
 When a group of rows' forward raises (out of memory, a kernel refusing a shape), its rows are computed one by one, so
 that the failure is pinned on the rows that cause it: those are missing from the output. Shapes: B rows, V
@@ -184,7 +185,7 @@ def model_runner(
     model: DecoderLM, cache: PagedCache, block_size: int, invariant: bool | None, lockstep: Lockstep | None
 ) -> ModelRunner:
     """The runner for `model` over `cache`. On a GPU, the paged-attention kernels' (KernelRunner) where every layer
-    takes them and Triton is installed, outside the batch-invariant mode (which needs the C++ step). Else the backend
+    takes them and Triton is installed, batch-invariant when `invariant` is True. Else the backend
     `resolve` decides (llmkit.generate.backend: the C++ step, batch-invariant unless `invariant` is False, where the
     model lowers to it), where the C++ step also reads the pools (fp32 caches); else PyTorch, where `invariant` must
     not be True; a model split across ranks (`lockstep`) runs in PyTorch on every rank."""
@@ -192,8 +193,14 @@ def model_runner(
         if invariant:
             raise InputError("a model split across ranks is served without the batch-invariant mode")
         return LockstepRunner(model, cache, block_size, lockstep)
-    if model.device.type == "cuda" and not invariant and attends_in_place(model) and triton_usable(model.device):
-        return KernelRunner(model, cache, block_size)
+    if model.device.type == "cuda":
+        if attends_in_place(model) and triton_usable(model.device):
+            return KernelRunner(model, cache, block_size, invariant=bool(invariant))
+        if invariant:
+            raise InputError(
+                "on a GPU the batch-invariant mode runs on llmkit's Triton kernels, which need Triton installed and "
+                "attention that reads the cache in place (not DeepSeek's sparse attention)"
+            )
     backend = resolve(model, invariant=invariant)
     kv = cache.grouped_query()
     with torch.no_grad():
