@@ -173,6 +173,27 @@ def test_gpu_paged_attention_kernel_equals_its_reference(dtype, chunks):
     got = paged_attention(q, latent, latent, rows, 0.1, k_rope=rope, chunks=chunks)
     want = paged_attention_reference(q, latent, latent, rows, 0.1, k_rope=rope)
     torch.testing.assert_close(got.float(), want.float(), **tol)
+    select = torch.randint(-1, 40, (40, 24), device=dev)  # sparse attention's chosen keys (-1: none)
+    got = paged_attention(q, latent, latent, rows, 0.1, k_rope=rope, chunks=chunks, select=select)
+    want = paged_attention_reference(q, latent, latent, rows, 0.1, k_rope=rope, select=select)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_index_scores_kernel_equals_its_reference(dtype):
+    """The lightning indexer's scores over a paged pool, compiled for the card, against the reference."""
+    from llmkit.kernels.index_scores import index_scores, index_scores_reference
+    from llmkit.kernels.paged_attention import PagedRows
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    rows = PagedRows.of(torch.randperm(64)[:48].view(4, 12), [5, 0, 40, 17], [1, 30, 1, 8], dev)
+    keys = torch.randn(64, 4, 128, device=dev, dtype=dtype)
+    q, w = torch.randn(40, 64, 128, device=dev, dtype=dtype), torch.randn(40, 64, device=dev)
+    got, want = index_scores(q, w, keys, rows, 128**-0.5), index_scores_reference(q, w, keys, rows, 128**-0.5)
+    assert torch.equal(got.isinf(), want.isinf())
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(got[want.isfinite()], want[want.isfinite()], atol=tol * 10, rtol=tol)
 
 
 @pytest.mark.parametrize("name", ["llama2-70b-tiny", "gemma2-2b-tiny", "deepseek-v3-tiny"])

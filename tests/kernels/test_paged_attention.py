@@ -185,3 +185,29 @@ def test_key_runs_fill_the_gpu_only_where_the_rows_do_not() -> None:
     assert chunks_for(4, 8, 8192, programs=264) == 8
     assert chunks_for(64, 8, 8192, programs=264) == 1  # 512 programs already
     assert chunks_for(1, 8, 300, programs=264) == 1  # too short to cut into 256-key runs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_latent_attention_over_each_querys_selected_keys(dtype: torch.dtype) -> None:
+    """DeepSeek's sparse attention: each query sees only the positions listed for it (-1 pads a list; a list may
+    name a position past the query, which it still does not see), decoding rows and prompt chunks alike."""
+    starts, lens = [9, 0, 30], [1, 12, 5]
+    bs, n = 4, 6
+    n_blocks = sum(-(-(s + q) // bs) for s, q in zip(starts, lens, strict=True)) + 5
+    latent = torch.randn(1, n_blocks, bs, 32, device=DEVICE, dtype=dtype)
+    rope = torch.randn(1, n_blocks, bs, 8, device=DEVICE, dtype=dtype)
+    rows = scattered_rows(starts, lens, bs, n_blocks)
+    q = torch.randn(sum(lens), 4, 40, device=DEVICE, dtype=dtype)
+    positions = torch.cat([torch.arange(s, s + q) for s, q in zip(starts, lens, strict=True)])
+    select = torch.full((len(positions), n), -1)
+    for i, p in enumerate(positions.tolist()):
+        chosen = torch.randperm(p + 3)[:n]  # some past the query (even past its row's blocks)
+        select[i, : len(chosen)] = chosen
+    select[::3, -2:] = -1
+    kw = {"scale": 0.2, "k_rope": rope, "select": select.to(DEVICE)}
+    kernel = paged_attention(q, latent, latent, rows, chunks=3, **kw)  # type: ignore[arg-type]
+    reference = paged_attention_reference(q, latent, latent, rows, **kw)  # type: ignore[arg-type]
+    tol = {"atol": 2e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-3, "rtol": 2e-3}
+    torch.testing.assert_close(kernel.float(), reference.float(), **tol)
+    dense = paged_attention_reference(q, latent, latent, rows, 0.2, k_rope=rope)
+    assert not torch.allclose(reference, dense, atol=1e-3)  # the selection matters

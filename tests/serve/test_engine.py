@@ -76,9 +76,10 @@ def test_paged_cache_gives_the_logits_of_the_contiguous_cache(name):
         assert out.finish_reason == "length"
 
 
-# learned positions and MHA; GQA; windows and soft caps; latent attention; mixture of experts
+# learned positions and MHA; GQA; windows and soft caps; latent attention; sparse attention; mixture of experts
 @pytest.mark.parametrize(
-    "name", ["gpt2-tiny", "llama2-70b-tiny", "gemma2-2b-tiny", "deepseek-v3-tiny", "mixtral-8x7b-tiny"]
+    "name",
+    ["gpt2-tiny", "llama2-70b-tiny", "gemma2-2b-tiny", "deepseek-v3-tiny", "deepseek-v3.2-tiny", "mixtral-8x7b-tiny"],
 )
 def test_the_gpu_runner_gives_the_tokens_of_generate(name):
     """The GPU's runner (every row in one forward, attention by the Triton kernel: interpreted here) in the engine,

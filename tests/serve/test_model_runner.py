@@ -48,8 +48,15 @@ def _plain(model: llmkit.DecoderLM, tokens: list[int]) -> torch.Tensor:
 
 PRESETS = ["llama2-7b-tiny"]
 # the kernel runner on every attention it takes: sliding windows and soft caps (Gemma 2), query/key norms (Qwen 3),
-# latent attention (DeepSeek-V3), MQA (Gemma)
-KERNEL_PRESETS = ["llama2-7b-tiny", "gemma2-2b-tiny", "qwen3-0.6b-tiny", "deepseek-v3-tiny", "gemma-2b-tiny"]
+# latent attention (DeepSeek-V3), sparse attention's top-k keys (DeepSeek-V3.2: 8 of them), MQA (Gemma)
+KERNEL_PRESETS = [
+    "llama2-7b-tiny",
+    "gemma2-2b-tiny",
+    "qwen3-0.6b-tiny",
+    "deepseek-v3-tiny",
+    "deepseek-v3.2-tiny",
+    "gemma-2b-tiny",
+]
 
 
 @pytest.mark.parametrize(
@@ -108,10 +115,11 @@ def test_a_group_that_fails_is_computed_row_by_row_and_only_the_failing_row_is_m
 
 
 @pytest.mark.parametrize("backend", ["kernel", "gathered"])
-@pytest.mark.parametrize("preset", ["gemma3-1b-tiny", "gemma2-2b-tiny"])
+@pytest.mark.parametrize("preset", ["gemma3-1b-tiny", "gemma2-2b-tiny", "deepseek-v3.2-tiny"])
 def test_the_kernel_runner_past_the_sliding_window(backend, preset):
-    """A 45-token text, longer than the 16-slot windows of Gemma's local layers, in prompt chunks beside another row
-    and then decoding rows: every row's logits equal an uncached forward's (windows, soft caps, local RoPE)."""
+    """A 45-token text, longer than the 16-slot windows of Gemma's local layers and than the 8 keys DeepSeek-V3.2's
+    indexer picks, in prompt chunks beside another row and then decoding rows: every row's logits equal an uncached
+    forward's (windows, soft caps, local RoPE; each query's top-k keys scored and attended in place)."""
     torch.manual_seed(0)
     model = llmkit.build_model(llmkit.get_preset(preset)).eval()
     runner = _runner(model, backend)

@@ -14,6 +14,9 @@ or multi-head latent attention's latent c_kv (1, NB, bs, r) and shared rope key 
 values are the latent itself (MLA's absorbed form: MQA with one r + dr key, mla.py). Query head h reads kv head
 h // G, G = H / K. Scores are scaled, then soft-capped (Gemma 2: cap * tanh(s / cap)) when a cap is given.
 
+With `select` (N, n) a query sees only the positions listed for it (DeepSeek's sparse attention: its indexer's top-k
+keys; -1 pads a list), still causally: each such query is a tile of its own in the kernel.
+
 A row's keys may be reduced in `chunks` runs (flash-decoding: a long context's keys spread over more programs, then
 the runs' partial softmaxes combined). The runs are cut by the row's own length, so a query's result does not
 depend on the other rows of its step: what the batch-invariant mode needs, with a fixed `chunks` and tile.
@@ -42,9 +45,11 @@ def paged_attention_reference(
     softcap: float | None = None,
     window: int | None = None,
     k_rope: Tensor | None = None,
+    select: Tensor | None = None,
 ) -> Tensor:
     """The definition: each row's keys gathered through its table, then softmax(q k^T) v in fp32.
-    q (N, H, Dq), k (K, NB, bs, D), v (K, NB, bs, Dv), k_rope (K, NB, bs, dr) or None (Dq = D + dr) -> (N, H, Dv)."""
+    q (N, H, Dq), k (K, NB, bs, D), v (K, NB, bs, Dv), k_rope (K, NB, bs, dr) or None (Dq = D + dr), select (N, n)
+    or None -> (N, H, Dv)."""
     N, H, _ = q.shape
     K, _, bs, _ = k.shape
     out = q.new_zeros(N, H, v.shape[-1])
@@ -64,6 +69,8 @@ def paged_attention_reference(
         visible = (pos[None, :] <= qpos) & (pos[None, :] >= rows.first_key)
         if window is not None:
             visible &= qpos - pos[None, :] < window
+        if select is not None:  # (T, S): the positions listed for each query
+            visible &= (select[q0 : q0 + n, :, None].long() == pos[None, None, :]).any(dim=1)
         scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
         weights = torch.softmax(scores, dim=-1)  # (T, K, G, S)
         weights = weights.masked_fill(~visible.any(-1)[:, None, None, None], 0.0)  # a query seeing nothing: zeros
@@ -82,9 +89,11 @@ def paged_attention(
     k_rope: Tensor | None = None,
     chunks: int = 1,
     tile_rows: int | None = None,
+    select: Tensor | None = None,
 ) -> Tensor:
     """Attention over the paged pools in place (the Triton kernel): the same arguments and result as
-    paged_attention_reference. `chunks`: reduce each row's keys in that many runs, combined after (1: one pass).
+    paged_attention_reference. `chunks`: reduce each row's keys in that many runs, combined after (1: one pass; a
+    query with a selection reads its keys in one pass whatever `chunks` says: they are few).
     `tile_rows`: score rows (queries x heads of a group) per program, a power of two from 16; None: 16 for a step
     of decoding rows, 64 for one with prompt chunks. With both fixed, a query's bits depend on its own row alone."""
     if chunks < 1:
@@ -95,7 +104,7 @@ def paged_attention(
         raise InputError(f"{q.shape[1]} query heads cannot share {k.shape[0]} kv heads evenly")
     from llmkit.kernels.triton_paged import launch
 
-    return launch(q, k, v, rows, scale, softcap, window, k_rope, chunks, tile_rows)
+    return launch(q, k, v, rows, scale, softcap, window, k_rope, chunks, tile_rows, select)
 
 
 def chunks_for(rows: int, kv_heads: int, max_keys: int, programs: int = 264) -> int:

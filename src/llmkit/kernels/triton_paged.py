@@ -35,14 +35,15 @@ BLOCK_N = 32  # key positions per inner step
 
 @triton.jit
 def _attend_tile(
-    q_ptr, k_ptr, r_ptr, v_ptr, out_ptr, ml_ptr,
+    q_ptr, k_ptr, r_ptr, v_ptr, out_ptr, ml_ptr, sel_ptr,
     table_ptr, q_start_ptr, q_len_ptr, start_ptr, scale, softcap, window, group, n_chunks, block_size, first_key,
+    n_select,
     s_qn, s_qh, s_kh, s_kb, s_ks, s_rh, s_rb, s_rs, s_vh, s_vb, s_vs,  # strides: q; the pools (head, block, slot)
-    s_on, s_oh, s_oc, s_mn, s_mh, s_tb,  # out (query, head, chunk), m and l (query, head), table (row)
+    s_on, s_oh, s_oc, s_mn, s_mh, s_tb, s_sn,  # out (query, head, chunk), m and l (query, head), table, selection
     D: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr, SELECT: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     row, tile = tl.program_id(0), tl.program_id(1)
     kv_head = (tl.program_id(2) // n_chunks).to(tl.int64)  # (a pool past 2^31 elements: 64-bit offsets)
@@ -67,13 +68,23 @@ def _attend_tile(
     q_rope = tl.load(q_ptr + q_row[:, None] + D + dr[None, :], mask=live[:, None] & (dr[None, :] < DR), other=0.0)
     dv = tl.arange(0, BLOCK_DV)
 
-    lo, hi = _key_range(start, q_len, tile, chunk, n_chunks, window, first_key, BLOCK_M, BLOCK_N, WINDOW, SPLIT)
+    if SELECT:  # the tile's one query sees the positions chosen for it (-1: none), BLOCK_N at a time
+        lo, hi = 0, 0
+        first, last = 0, n_select
+    else:
+        lo, hi = _key_range(start, q_len, tile, chunk, n_chunks, window, first_key, BLOCK_M, BLOCK_N, WINDOW, SPLIT)
+        first, last = (lo // BLOCK_N) * BLOCK_N, hi  # key tiles at fixed positions (multiples of BLOCK_N)
 
     m, l = tl.full([BLOCK_M * BLOCK_G], float("-inf"), tl.float32), tl.zeros([BLOCK_M * BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_DV], tl.float32)
-    for n0 in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):  # key tiles at fixed positions (multiples of BLOCK_N)
-        pos = n0 + tl.arange(0, BLOCK_N)
-        inside = (pos >= lo) & (pos < hi)
+    for n0 in range(first, last, BLOCK_N):
+        if SELECT:
+            j = n0 + tl.arange(0, BLOCK_N)
+            pos = tl.load(sel_ptr + (q0 + tile) * s_sn + j, mask=j < n_select, other=-1)
+            inside = (pos >= 0) & (pos <= start + tile)  # (a position past the query is not looked up)
+        else:
+            pos = n0 + tl.arange(0, BLOCK_N)
+            inside = (pos >= lo) & (pos < hi)
         page = tl.load(table_ptr + row * s_tb + pos // block_size, mask=inside, other=0).to(tl.int64)
         s = _scores(
             q,
@@ -200,8 +211,10 @@ def launch(
     k_rope: Tensor | None,
     chunks: int,
     tile_rows: int | None = None,
+    select: Tensor | None = None,
 ) -> Tensor:
-    """paged_attention's kernel launch: q (N, H, D + dr), k (K, NB, bs, D), v (K, NB, bs, Dv) -> (N, H, Dv)."""
+    """paged_attention's kernel launch: q (N, H, D + dr), k (K, NB, bs, D), v (K, NB, bs, Dv), select (N, n) or None
+    -> (N, H, Dv)."""
     N, H, Dq = q.shape
     K, _, bs, D = k.shape
     DV = v.shape[-1]
@@ -215,7 +228,10 @@ def launch(
     # decoding tiles hold one query (its group's heads, padded to the 16 rows a product needs); prompt tiles 64 rows;
     # `tile_rows` fixes them whatever the rows (the batch-invariant mode)
     rows_wanted = tile_rows or (16 if rows.max_q_len == 1 else 64)
-    BLOCK_M = max(1, rows_wanted // BLOCK_G)
+    # with a selection each query has keys of its own: a tile is one query, and its keys are few (no runs)
+    BLOCK_M = 1 if select is not None else max(1, rows_wanted // BLOCK_G)
+    chunks = 1 if select is not None else chunks
+    sel = select.to(torch.int32).contiguous() if select is not None else rows.q_len  # (unused without a selection)
     out = torch.empty(N, H, DV, device=q.device, dtype=q.dtype)
     if chunks > 1:
         part = torch.empty(N, H, chunks, DV, device=q.device, dtype=torch.float32)
@@ -227,20 +243,21 @@ def launch(
     rope = k if k_rope is None else k_rope
     grid = (rows.table.shape[0], triton.cdiv(rows.max_q_len, BLOCK_M), K * chunks)
     _attend_tile[grid](
-        q, k, rope, v, dest, ml,
+        q, k, rope, v, dest, ml, sel,
         rows.table, rows.q_start, rows.q_len, rows.start,
         scale, softcap or 0.0, window or 0, group, chunks, bs, rows.first_key,
+        select.shape[1] if select is not None else 0,
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), k.stride(2),
         rope.stride(0), rope.stride(1), rope.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         *s_o,
         ml.stride(0) if chunks > 1 else 0, ml.stride(1) if chunks > 1 else 0,
-        rows.table.stride(0),
+        rows.table.stride(0), sel.stride(0),
         D=D, DR=DR, DV=DV,
         BLOCK_D=_pow2(D), BLOCK_DR=_pow2(max(DR, 1)), BLOCK_DV=_pow2(DV),
         BLOCK_M=BLOCK_M, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N,
-        SOFTCAP=softcap is not None, WINDOW=window is not None, SPLIT=chunks > 1,
+        SOFTCAP=softcap is not None, WINDOW=window is not None, SPLIT=chunks > 1, SELECT=select is not None,
         PRECISION="ieee" if k.dtype == torch.float32 else "tf32",  # fp32 pools exactly; tf32 is only for fp32 inputs
     )  # fmt: skip
     if chunks > 1:

@@ -38,13 +38,14 @@ import torch
 from torch import Tensor
 
 from llmkit.errors import InputError
+from llmkit.kernels.index_scores import index_scores, index_scores_reference
 from llmkit.kernels.paged_attention import PagedRows, chunks_for, paged_attention, paged_attention_reference
 from llmkit.layers.attention.mask import AttentionMask
 from llmkit.layers.moe import MoE
 from llmkit.models.cache import Step
 from llmkit.models.decoder import DecoderLM
 from llmkit.serve.forward import Forward, Row, prompt_logits
-from llmkit.serve.paged import PagedAttention, PagedCache, Placement
+from llmkit.serve.paged import IndexScores, PagedAttention, PagedCache, Placement
 from llmkit.serve.runner_base import StepPlan, TokenRunner
 
 log = logging.getLogger("llmkit.serve")
@@ -120,6 +121,13 @@ class KernelRunner(TokenRunner):
         dev = model.device
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
         self.programs = 2 * sms
+        # sparse attention's indexer scores: the kernel (its key tiles dealt out to fill the GPU), or the reference
+        tiles = INVARIANT_TILE_ROWS if invariant else None
+        self.index_scores: IndexScores = (
+            functools.partial(index_scores, programs=self.programs, tile_rows=tiles)
+            if kernel
+            else index_scores_reference
+        )
         self.graphs = DecodeGraphs(self) if graphs and kernel and model.device.type == "cuda" else None
 
     def groups(self, plan: StepPlan) -> list[list[int]]:
@@ -165,7 +173,8 @@ class KernelRunner(TokenRunner):
     def _states(self, rows: list[Row]) -> Tensor:
         """The model over `rows` packed -> the last-block states of every token (n, C)."""
         p = pack(rows, self.block_size, self.model.device)
-        views = self.cache.kernel_views(p.at, self.attention(len(rows), p.at.rows.max_keys, p.at.rows.max_q_len))
+        attention = self.attention(len(rows), p.at.rows.max_keys, p.at.rows.max_q_len)
+        views = self.cache.kernel_views(p.at, attention, self.index_scores)
         return self.model.run(p.tokens, Step(p.positions, AttentionMask(), p.positions), views)[0]  # (n, C)
 
 
@@ -232,7 +241,7 @@ class StaticStep:
         """The model over the inputs -> states (size, C), logits (size, V)."""
         model, runner = self.runner.model, self.runner
         at = Placement(self.rows, self.block, self.offset)
-        views = runner.cache.kernel_views(at, runner.attention(self.size, self.rows.max_keys))
+        views = runner.cache.kernel_views(at, runner.attention(self.size, self.rows.max_keys), runner.index_scores)
         h = model.run(self.tokens, Step(self.positions, AttentionMask(), self.positions), views)[0]  # (size, C)
         return h, model.logits(model.norm(h))
 

@@ -198,8 +198,7 @@ def model_runner(
             return KernelRunner(model, cache, block_size, invariant=bool(invariant))
         if invariant:
             raise InputError(
-                "on a GPU the batch-invariant mode runs on llmkit's Triton kernels, which need Triton installed and "
-                "attention that reads the cache in place (not DeepSeek's sparse attention)"
+                "on a GPU the batch-invariant mode runs on llmkit's Triton kernels, which need Triton installed"
             )
     backend = resolve(model, invariant=invariant)
     kv = cache.grouped_query()
@@ -215,5 +214,5 @@ def model_runner(
 
 
 def attends_in_place(model: DecoderLM) -> bool:
-    """Whether every layer's attention can be handed a pool that attends in place (GQA and MLA; not DSA's selection)."""
+    """Whether every layer's attention can be handed a pool that attends in place (GQA, MLA and DSA do)."""
     return all(isinstance(b.attn, SelfAttention) and b.attn.attends_in_place for b in model.blocks)

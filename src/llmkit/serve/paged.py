@@ -27,12 +27,22 @@ from torch import Tensor
 
 from llmkit.kernels.paged_attention import PagedRows
 from llmkit.layers.attention import SelfAttention
-from llmkit.layers.attention.cache import GroupedInPlace, KVCache, LatentCache, LatentInPlace, LayerCache
+from llmkit.layers.attention.cache import (
+    GroupedInPlace,
+    IndexQueries,
+    KVCache,
+    LatentCache,
+    LayerCache,
+    SelectedInPlace,
+)
 from llmkit.models.decoder import DecoderLM
 
 # paged attention over pools read in place: paged_attention's arguments (q, k, v, rows, scale, softcap, window,
-# k_rope) -> (n, H, Dv); llmkit.kernels.paged_attention's kernel or its reference
+# k_rope, select) -> (n, H, Dv); llmkit.kernels.paged_attention's kernel or its reference
 PagedAttention = Callable[..., Tensor]
+# a lightning indexer's scores over an index-key pool read in place: index_scores' arguments (q, w, keys, rows,
+# scale) -> (n, S); llmkit.kernels.index_scores' kernel or its reference
+IndexScores = Callable[[Tensor, Tensor, Tensor, PagedRows, float], Tensor]
 
 
 @dataclass(frozen=True)
@@ -172,22 +182,44 @@ class KernelKV(GroupedInPlace):
         return out.view(B, T, H, -1).to(q.dtype)
 
 
-class KernelLatent(LatentInPlace):
+class KernelLatent(SelectedInPlace):
     """A latent-attention layer's pool for one step, attended in place by `attention` (one key head: the latent and
-    the rope key; the latent its value)."""
+    the rope key; the latent its value); with an indexer's queries, over the keys `scores` rank highest."""
 
-    def __init__(self, store: LatentPool, at: Placement, attention: PagedAttention) -> None:
-        self.store, self.at, self.attention = store, at, attention
+    def __init__(self, store: LatentPool, at: Placement, attention: PagedAttention, scores: IndexScores) -> None:
+        self.store, self.at, self.attention, self.scores = store, at, attention, scores
 
     def attend_latent(self, q: Tensor, c_kv: Tensor, k_pe: Tensor, scale: float) -> Tensor:
         """q (B, T, H, r + dr), c_kv (B, T, r), k_pe (B, T, dr) -> (B, T, H, r)."""
+        return self._attend(q, c_kv, k_pe, scale, None)
+
+    def attend_selected(self, q: Tensor, c_kv: Tensor, k_pe: Tensor, scale: float, index: IndexQueries) -> Tensor:
+        """The step's index keys written, every key a query sees scored (n, S), its index.topk best kept (a stable
+        sort: ties go to the earlier key, as DeepSeekSparseAttention.select breaks them), and attended."""
+        B, T, J, Di = index.q.shape
+        pool, at = self.store.index_k, self.at
+        assert pool is not None, "this pool was made for a layer without an indexer"
+        pool[at.block, at.offset] = index.k.reshape(B * T, Di).to(pool.dtype)
+        scores = self.scores(index.q.reshape(B * T, J, Di), index.w.reshape(B * T, J), pool, at.rows, index.scale)
+        best = scores.sort(dim=-1, descending=True, stable=True)
+        keep = min(index.topk, scores.shape[1])
+        chosen = torch.where(best.values[:, :keep] > float("-inf"), best.indices[:, :keep], -1)  # (n, topk)
+        return self._attend(q, c_kv, k_pe, scale, chosen)
+
+    def _attend(self, q: Tensor, c_kv: Tensor, k_pe: Tensor, scale: float, select: Tensor | None) -> Tensor:
         B, T, H, _ = q.shape
         pool, at = self.store, self.at
         pool.c_kv[at.block, at.offset] = c_kv.reshape(B * T, -1).to(pool.c_kv.dtype)
         pool.k_pe[at.block, at.offset] = k_pe.reshape(B * T, -1).to(pool.k_pe.dtype)
         latent = pool.c_kv.unsqueeze(0)  # (1, N, bs, r): one kv head
         out = self.attention(
-            q.reshape(B * T, H, -1).to(latent.dtype), latent, latent, at.rows, scale, k_rope=pool.k_pe.unsqueeze(0)
+            q.reshape(B * T, H, -1).to(latent.dtype),
+            latent,
+            latent,
+            at.rows,
+            scale,
+            k_rope=pool.k_pe.unsqueeze(0),
+            **({"select": select} if select is not None else {}),
         )  # (n, H, r)
         return out.view(B, T, H, -1).to(q.dtype)
 
@@ -225,10 +257,12 @@ class PagedCache:
         """Each layer's view of its pool for one step over `pages`."""
         return [PagedKV(c, pages) if isinstance(c, KVPool) else PagedLatent(c, pages) for c in self.layers]
 
-    def kernel_views(self, at: Placement, attention: PagedAttention) -> list[object]:
-        """Each layer's pool attended in place by `attention` for one step placed `at`."""
+    def kernel_views(self, at: Placement, attention: PagedAttention, scores: IndexScores) -> list[object]:
+        """Each layer's pool attended in place by `attention` for one step placed `at` (sparse attention's keys
+        ranked by `scores`)."""
         return [
-            KernelKV(c, at, attention) if isinstance(c, KVPool) else KernelLatent(c, at, attention) for c in self.layers
+            KernelKV(c, at, attention) if isinstance(c, KVPool) else KernelLatent(c, at, attention, scores)
+            for c in self.layers
         ]
 
     def grouped_query(self) -> tuple[list[Tensor], list[Tensor]] | None:

@@ -16,6 +16,7 @@ device. Which slots hold tokens, and which of them a query may see, is the atten
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -133,3 +134,28 @@ class LatentInPlace(ABC):
     def attend_latent(self, q: Tensor, c_kv: Tensor, k_pe: Tensor, scale: float) -> Tensor:
         """The absorbed form (one key head of r + dr dims, the latent its value): q (B, T, H, r + dr), new c_kv
         (B, T, r), k_pe (B, T, dr) -> (B, T, H, r)."""
+
+
+@dataclass(frozen=True)
+class IndexQueries:
+    """What a lightning indexer (DeepSeek sparse attention, llmkit.layers.attention.sparse) brings to a step: its
+    queries q (B, T, J, Di), the step's new index keys k (B, T, Di), per-head weights w (B, T, J) (already scaled by
+    J^-1/2) and the score scale (Di^-1/2), for I(t, s) = sum_j w(t, j) * ReLU(q(t, j) . k(s)) * scale; and topk, how
+    many of the highest-scoring keys each query attends to."""
+
+    q: Tensor
+    k: Tensor
+    w: Tensor
+    scale: float
+    topk: int
+
+
+class SelectedInPlace(LatentInPlace):
+    """A latent cache that attends itself over the keys an indexer picks for each query (llmkit.serve.paged's
+    KernelLatent): it stores the step's new index keys, scores every key a query sees, keeps the top-k (ties to the
+    earlier key) and attends over those."""
+
+    @abstractmethod
+    def attend_selected(self, q: Tensor, c_kv: Tensor, k_pe: Tensor, scale: float, index: IndexQueries) -> Tensor:
+        """As attend_latent, each query over its index.topk best keys (all it sees, where it sees no more):
+        q (B, T, H, r + dr) -> (B, T, H, r)."""

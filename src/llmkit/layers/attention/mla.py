@@ -185,7 +185,7 @@ class MultiHeadLatentAttention(SelfAttention):
         c_kv, k_pe = self.project_latent(x, inputs)
         if isinstance(cache, LatentInPlace):  # a paged pool whose kernel reads the latents where they lie
             q_abs = self.absorb_queries(q_nope, q_pe)  # (B, T, H, r + dr)
-            out = self.expand_values(cache.attend_latent(q_abs, c_kv, k_pe, self.scale))
+            out = self.expand_values(self.attend_in_place(cache, x, q_latent, inputs, q_abs, c_kv, k_pe))
             return MLAResult(self.wo(out), None, None, None)
         if cache is not None:
             assert inputs.slots is not None, "a cached call needs the slots its tokens go to"
@@ -196,6 +196,20 @@ class MultiHeadLatentAttention(SelfAttention):
         attend_fn = self.attend_absorbed if absorbed else self.attend_explicit
         out, weights = attend_fn(Latents(q_nope, q_pe, c_kv, k_pe), inputs, selection, need_weights)
         return MLAResult(self.wo(out), weights, selection, scores)
+
+    def attend_in_place(
+        self,
+        cache: LatentInPlace,
+        x: Tensor,
+        q_latent: Tensor | None,
+        inputs: AttentionInputs,
+        q_abs: Tensor,
+        c_kv: Tensor,
+        k_pe: Tensor,
+    ) -> Tensor:
+        """The absorbed queries (B, T, H, r + dr) over a cache that attends itself, every key -> (B, T, H, r).
+        (Sparse attention hands it its indexer's queries too.)"""
+        return cache.attend_latent(q_abs, c_kv, k_pe, self.scale)
 
     def absorb_cheaper(self, T: int, S: int) -> bool:
         """Whether the absorbed path costs fewer multiply-adds than the explicit one for T queries over S keys.

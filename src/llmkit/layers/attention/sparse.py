@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from llmkit.config import ModelConfig
 from llmkit.layers.attention.base import AttentionInputs, record_weights, wants_weights
-from llmkit.layers.attention.cache import LatentCache
+from llmkit.layers.attention.cache import IndexQueries, LatentCache, LatentInPlace, SelectedInPlace
 from llmkit.layers.attention.gqa import rotate_prefix
 from llmkit.layers.attention.mla import MLAResult, MultiHeadLatentAttention, Selection
 from llmkit.layers.extras import Extras
@@ -46,18 +46,24 @@ class LightningIndexer(nn.Module):
             k = rotate_prefix(k, inputs.rope, self.rope_dim, "half")
         return k.squeeze(2)
 
-    def forward(self, x: Tensor, q_in: Tensor, inputs: AttentionInputs, cache: LatentCache | None = None) -> Tensor:
+    def project(self, x: Tensor, q_in: Tensor, inputs: AttentionInputs, topk: int) -> IndexQueries:
+        """The step's indexer queries (B, T, J, Di), keys (B, T, Di) and head weights (B, T, J), before any key is
+        scored (what a cache that scores in place needs)."""
         B, T, _ = x.shape
         q = self.wq(q_in).view(B, T, self.n_heads, self.head_dim)  # (B, T, J, Di)
         if inputs.rope is not None:
             q = rotate_prefix(q, inputs.rope, self.rope_dim, "half")
-        k = self.keys(x, inputs)  # (B, T, Di)
+        w = self.w_heads(x).float() * self.n_heads**-0.5  # (B, T, J)
+        return IndexQueries(q, self.keys(x, inputs), w, self.head_dim**-0.5, topk)
+
+    def forward(self, x: Tensor, q_in: Tensor, inputs: AttentionInputs, cache: LatentCache | None = None) -> Tensor:
+        p = self.project(x, q_in, inputs, topk=0)
+        k = p.k  # (B, T, Di)
         if cache is not None:
             assert inputs.slots is not None, "a cached call needs the slots its tokens go to"
             k = cache.update_index(inputs.slots, k)  # (B, S_max, Di)
-        w = self.w_heads(x).float() * self.n_heads**-0.5  # (B, T, J)
-        scores = F.relu(torch.einsum("btjd,bsd->btjs", q.float(), k.float())) * self.head_dim**-0.5  # (B, T, J, S)
-        return torch.einsum("btjs,btj->bts", scores, w)  # (B, T, S)
+        scores = F.relu(torch.einsum("btjd,bsd->btjs", p.q.float(), k.float())) * p.scale  # (B, T, J, S)
+        return torch.einsum("btjs,btj->bts", scores, p.w)  # (B, T, S)
 
 
 class DeepSeekSparseAttention(MultiHeadLatentAttention):
@@ -69,7 +75,7 @@ class DeepSeekSparseAttention(MultiHeadLatentAttention):
     covers every allowed key; "sparse" attends over the selection and the KL covers the selected keys. The loss goes
     to `extras.indexer_losses`."""
 
-    attends_in_place = False  # its keys are chosen per query by the indexer: the kernels attend to every key
+    attends_in_place = True  # given a cache that also scores and selects in place (SelectedInPlace)
 
     def __init__(self, cfg: ModelConfig, absorb: bool | None = None) -> None:
         a = cfg.attention
@@ -93,6 +99,22 @@ class DeepSeekSparseAttention(MultiHeadLatentAttention):
         if extras is not None and train_indexer:
             extras.indexer_losses.append(self.indexer_kl(result, inputs))
         return result.out
+
+    def attend_in_place(
+        self,
+        cache: LatentInPlace,
+        x: Tensor,
+        q_latent: Tensor | None,
+        inputs: AttentionInputs,
+        q_abs: Tensor,
+        c_kv: Tensor,
+        k_pe: Tensor,
+    ) -> Tensor:
+        """Each query over its top-k keys, scored, chosen and attended where the cache lies -> (B, T, H, r)."""
+        if not isinstance(cache, SelectedInPlace):
+            raise TypeError(f"sparse attention needs a cache that selects keys in place, not {type(cache).__name__}")
+        q_in = q_latent if q_latent is not None else x
+        return cache.attend_selected(q_abs, c_kv, k_pe, self.scale, self.indexer.project(x, q_in, inputs, self.topk))
 
     def indexer_kl(self, result: MLAResult, inputs: AttentionInputs) -> Tensor:
         """KL(p || softmax(I)) over the keys attention used, averaged over queries. p (B, T, S) is the attention
