@@ -457,3 +457,22 @@ def test_gpu_batch_invariant_products_give_a_row_its_bits_whatever_the_batch():
     torch.testing.assert_close(full.float(), (x @ w.t()).float(), atol=0.5, rtol=2e-2)
     for m in (1, 7, 64, 65, 299):
         assert torch.equal(mm(x[:m], w.t()), full[:m])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("width", [224, 576, 4096])
+def test_gpu_int8_layers_with_grouped_scales_take_the_triton_kernel(width, dtype, monkeypatch):
+    """int8 with a scale per 32 inputs (torch's int8 kernel takes one a row): llmkit's Triton kernel, any width."""
+    from llmkit.kernels import weight_matmul
+    from llmkit.quant.linear import Int8Linear
+
+    torch.manual_seed(0)
+    layer = Int8Linear.from_linear(torch.nn.Linear(width, 96, bias=True), group_size=32).to("cuda")
+    x = torch.randn(5, width, device="cuda", dtype=dtype)
+    want = x.float() @ layer.dequantize(torch.float32).T + layer.bias.float()
+    calls, real = [], weight_matmul._launch
+    monkeypatch.setattr(weight_matmul, "_launch", lambda *a: calls.append(a[-1]) or real(*a))
+    got = layer(x)
+    assert calls == [8] and got.dtype == dtype
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(got.float(), want, atol=tol * width**0.5, rtol=tol)

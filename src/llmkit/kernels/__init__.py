@@ -1,9 +1,8 @@
 """llmkit's GPU kernels, in Triton, each beside the PyTorch computation it must equal: paged_attention (attention
-that reads a paged KV cache in place, over every key or each query's selected ones), index_scores (sparse attention's
-indexer scores over a paged pool), int4_matmul (products with int4 weights at any width) and invariant (products and
-norms whose rows' bits do not depend on the batch). Triton is imported
-only where a kernel runs; its interpreter runs the same kernels on CPU tensors (TRITON_INTERPRET=1), which is how
-CI checks them."""
+that reads a paged KV cache in place, over every key or each query's selected ones), index_scores (sparse
+attention's indexer scores over a paged pool), weight_matmul (products with int4 and int8 weights at any width) and
+invariant (products and norms whose rows' bits do not depend on the batch). Triton is imported only where a kernel
+runs; its interpreter runs the same kernels on CPU tensors (TRITON_INTERPRET=1), which is how CI checks them."""
 
 from __future__ import annotations
 

@@ -236,6 +236,13 @@ class Int8Linear(QuantizedLinear):
             return kernels.int8_dynamic(x, self._prepared)
         if kernel == "int8-wo" and self.group_size is None:
             return kernels.int8_weight_only(x, self.qweight, self.scales, self.bias)
+        if x.device.type == "cuda" and self.kernel != "dequant" and triton_usable(x.device):
+            # grouped scales (torch's int8 kernel takes one scale a row): llmkit's Triton kernel
+            from llmkit.kernels.weight_matmul import int8_matmul
+
+            y = int8_matmul(x.reshape(-1, self.in_features), self.qweight, self.scales)
+            y = y.view(*x.shape[:-1], self.out_features)
+            return y + self.bias.to(y.dtype) if self.bias is not None else y
         return kernels.dequantized(x, self.dequantize(x.dtype), self.bias)
 
 
@@ -323,7 +330,7 @@ class Int4Linear(QuantizedLinear):
             return kernels.int4_weight_only(x, w, sz, self.group_size or 32, self.bias)
         if x.device.type == "cuda" and self.kernel != "dequant" and triton_usable(x.device):
             # any width, any float dtype (torch's kernel wants bf16 and widths of 128s): llmkit's Triton kernel
-            from llmkit.kernels.int4_matmul import int4_matmul
+            from llmkit.kernels.weight_matmul import int4_matmul
 
             y = int4_matmul(x.reshape(-1, self.in_features), self.qweight, self.scales, self.zeros)
             y = y.view(*x.shape[:-1], self.out_features)

@@ -1,0 +1,46 @@
+"""The int4 and int8 products for the GPU (llmkit.kernels.weight_matmul) against the dequantized weight, at widths
+torch's int4 kernel refuses (not multiples of 128), with grouped int8 scales (which torch's int8 kernel refuses) and
+at ragged row counts; in Triton's interpreter without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmkit.kernels import triton_usable
+from llmkit.quant.formats import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(not triton_usable(DEVICE), reason="Triton is not installed")
+
+
+@pytest.mark.parametrize(
+    ("M", "K", "N", "group"), [(1, 96, 40, 32), (5, 160, 70, 32), (17, 192, 64, 64), (3, 224, 33, 32)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_int4_product_equals_the_dequantized_weights(M, K, N, group, dtype):
+    from llmkit.kernels.weight_matmul import int4_matmul
+
+    codes, scales, zeros = quantize_int4(torch.randn(N, K), group)
+    x = torch.randn(M, K).to(DEVICE, dtype)
+    codes, scales, zeros = codes.to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE)
+    got = int4_matmul(x, codes, scales, zeros)
+    want = x.float() @ dequantize_int4(codes, scales, zeros).T
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    assert got.dtype == dtype and got.shape == (M, N)
+    torch.testing.assert_close(got.float(), want, **tol)
+
+
+@pytest.mark.parametrize(("M", "K", "N", "group"), [(1, 96, 40, 32), (5, 160, 70, None), (17, 576, 64, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_int8_product_equals_the_dequantized_weights(M, K, N, group, dtype):
+    from llmkit.kernels.weight_matmul import int8_matmul
+
+    codes, scales = quantize_int8(torch.randn(N, K), group)  # group None: one scale per row
+    x = torch.randn(M, K).to(DEVICE, dtype)
+    codes, scales = codes.to(DEVICE), scales.to(DEVICE)
+    got = int8_matmul(x, codes, scales)
+    want = x.float() @ dequantize_int8(codes, scales).T
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    assert got.dtype == dtype and got.shape == (M, N)
+    torch.testing.assert_close(got.float(), want, **tol)
