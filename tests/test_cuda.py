@@ -473,6 +473,31 @@ def test_gpu_int8_layers_with_grouped_scales_take_the_triton_kernel(width, dtype
     calls, real = [], weight_matmul._launch
     monkeypatch.setattr(weight_matmul, "_launch", lambda *a: calls.append(a[-1]) or real(*a))
     got = layer(x)
-    assert calls == [8] and got.dtype == dtype
+    assert calls == ["int8"] and got.dtype == dtype
     tol = 1e-3 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(got.float(), want, atol=tol * width**0.5, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_fp8_layers_take_the_triton_kernel(dtype, monkeypatch):
+    """fp8 (E4M3) weights on the GPU: llmkit's Triton kernel decodes the bytes (any card), equal to the product with
+    the dequantized weights; a whole model quantized to fp8 decodes the tokens its CPU copy decodes."""
+    from llmkit.kernels import weight_matmul
+    from llmkit.quant import quantize
+    from llmkit.quant.linear import Fp8Linear
+
+    torch.manual_seed(0)
+    layer = Fp8Linear.from_linear(torch.nn.Linear(576, 96, bias=True), group_size=32).to("cuda")
+    x = torch.randn(5, 576, device="cuda", dtype=dtype)
+    want = x.float() @ layer.dequantize(torch.float32).T + layer.bias.float()
+    calls, real = [], weight_matmul._launch
+    monkeypatch.setattr(weight_matmul, "_launch", lambda *a: calls.append(a[-1]) or real(*a))
+    got = layer(x)
+    assert calls == ["fp8"] and got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, atol=5e-2 * 576**0.5, rtol=5e-2)
+    cpu, _ = pair("llama2-7b-tiny")
+    quantize(cpu, "fp8")
+    gpu = __import__("copy").deepcopy(cpu).to("cuda")
+    tokens = torch.tensor([PROMPTS[0]])
+    out = generate(gpu, tokens.cuda(), max_new_tokens=6).tokens.cpu()
+    assert torch.equal(out, generate(cpu, tokens, max_new_tokens=6).tokens)

@@ -1,4 +1,4 @@
-"""The int4 and int8 products for the GPU (llmkit.kernels.weight_matmul) against the dequantized weight, at widths
+"""The int4, int8 and fp8 products for the GPU (llmkit.kernels.weight_matmul) against the dequantized weight, at widths
 torch's int4 kernel refuses (not multiples of 128), with grouped int8 scales (which torch's int8 kernel refuses) and
 at ragged row counts; in Triton's interpreter without a GPU."""
 
@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from llmkit.kernels import triton_usable
-from llmkit.quant.formats import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+from llmkit.quant.formats import (
+    dequantize_fp8,
+    dequantize_int4,
+    dequantize_int8,
+    quantize_fp8,
+    quantize_int4,
+    quantize_int8,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not triton_usable(DEVICE), reason="Triton is not installed")
@@ -41,6 +48,35 @@ def test_int8_product_equals_the_dequantized_weights(M, K, N, group, dtype):
     codes, scales = codes.to(DEVICE), scales.to(DEVICE)
     got = int8_matmul(x, codes, scales)
     want = x.float() @ dequantize_int8(codes, scales).T
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    assert got.dtype == dtype and got.shape == (M, N)
+    torch.testing.assert_close(got.float(), want, **tol)
+
+
+def test_fp8_codes_decode_to_their_e4m3_numbers_exactly():
+    """Every byte but E4M3's two NaNs (0x7f, 0xff), decoded by the kernel's integer arithmetic: one-hot rows of x
+    read the weights back exactly as float8_e4m3fn's own cast gives them (normal, subnormal, zero, -0)."""
+    from llmkit.kernels.weight_matmul import fp8_matmul
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[codes == 0x7F] = 0
+    codes[codes == 0xFF] = 0
+    codes = torch.stack([codes, codes.flip(0)]).to(DEVICE)  # (2, 256)
+    scales = torch.tensor([[1.0], [0.5]], device=DEVICE)
+    got = fp8_matmul(torch.eye(256, device=DEVICE), codes, scales)  # (256, 2): w^T
+    assert torch.equal(got.T, dequantize_fp8(codes, scales))
+
+
+@pytest.mark.parametrize(("M", "K", "N", "group"), [(1, 96, 40, 32), (5, 160, 70, None), (17, 576, 64, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_product_equals_the_dequantized_weights(M, K, N, group, dtype):
+    from llmkit.kernels.weight_matmul import fp8_matmul
+
+    codes, scales = quantize_fp8(torch.randn(N, K), group)
+    x = torch.randn(M, K).to(DEVICE, dtype)
+    codes, scales = codes.to(DEVICE), scales.to(DEVICE)
+    got = fp8_matmul(x, codes, scales)
+    want = x.float() @ dequantize_fp8(codes, scales).T
     tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
     assert got.dtype == dtype and got.shape == (M, N)
     torch.testing.assert_close(got.float(), want, **tol)

@@ -22,6 +22,7 @@ from llmkit.interop.weights import materialize_buffers
 from llmkit.layers.moe import GroupedExperts
 from llmkit.models import DecoderLM, EncoderDecoder
 from llmkit.quant import (
+    Fp8Linear,
     Int4Linear,
     Int8Linear,
     KernelChoice,
@@ -36,9 +37,11 @@ from llmkit.quant import (
 )
 from llmkit.quant.embedding import QuantizedEmbedding
 from llmkit.quant.formats import (
+    dequantize_fp8,
     dequantize_int4,
     dequantize_int8,
     pack_int4,
+    quantize_fp8,
     quantize_int4,
     quantize_int8,
     unpack_int4,
@@ -78,6 +81,36 @@ def test_int4_round_trip_is_within_half_a_step(group):
     deq = dequantize_int4(packed, s, z).reshape(40, 256 // group, -1)
     g = w.reshape(40, 256 // group, -1)
     torch.testing.assert_close(deq.amin(-1), g.amin(-1))
+
+
+@pytest.mark.parametrize("group", [None, 32])
+def test_fp8_round_trip_is_each_weight_rounded_to_the_nearest_e4m3_number(group):
+    """Each group's largest magnitude maps to 448; every weight is the nearest E4M3 number times its scale (within
+    half a step: 2^-4 of its magnitude for normal numbers), and the codes are float8_e4m3fn's bytes."""
+    w = torch.randn(48, 128) * torch.logspace(-2, 1, 48)[:, None]
+    q, s = quantize_fp8(w, group)
+    assert q.dtype == torch.uint8 and s.shape == (48, 1 if group is None else 128 // group)
+    deq = dequantize_fp8(q, s).reshape(48, s.shape[1], -1)
+    g = w.reshape(48, s.shape[1], -1)
+    assert torch.equal(deq.abs().amax(-1), 448 * s)  # the largest magnitude is 448 times the scale
+    err = (deq - g).abs()
+    assert (err <= g.abs() / 16 + s[..., None] * 2**-10).all()  # half a step (normal) or of a subnormal step
+    assert torch.equal(
+        q.view(torch.float8_e4m3fn).float(),
+        (w.reshape(48, s.shape[1], -1) / s[..., None]).reshape(48, 128).to(torch.float8_e4m3fn).float(),
+    )
+
+
+def test_fp8_layers_keep_their_codes_when_the_model_is_cast():
+    """The codes are uint8 bytes: model.to(torch.bfloat16) casts the bias and the compute dtype, not them."""
+    layer = Fp8Linear.from_linear(torch.nn.Linear(64, 32, bias=True))
+    codes = layer.qweight.clone()
+    layer.to(torch.bfloat16)
+    assert torch.equal(layer.qweight, codes) and layer.scales.dtype == torch.float32
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.dequantize(torch.bfloat16), layer.bias))
+    with pytest.raises(InputError, match="fp8 layers run"):
+        Fp8Linear(64, 32, kernel="avx2")
 
 
 def test_int4_packing_is_invertible_and_low_nibble_first():
@@ -162,7 +195,7 @@ def test_weight_reads_back_the_dequantized_matrix_in_the_compute_dtype():
 # ---- models
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
 @pytest.mark.parametrize("name", TINY)
 def test_every_tiny_preset_quantizes_and_its_cache_matches_its_uncached_forward(name, method):
     model = tiny(name)
@@ -191,7 +224,13 @@ def test_every_tiny_preset_quantizes_and_its_cache_matches_its_uncached_forward(
 
 @pytest.mark.parametrize(
     ("name", "method", "group", "head"),
-    [("llama2-7b-tiny", "int8", None, True), ("gpt2-tiny", "int4", 32, True), ("mixtral-8x7b-tiny", "int4", 16, False)],
+    [
+        ("llama2-7b-tiny", "int8", None, True),
+        ("gpt2-tiny", "int4", 32, True),
+        ("mixtral-8x7b-tiny", "int4", 16, False),
+        ("llama2-70b-tiny", "fp8", 32, True),
+        ("mixtral-8x7b-tiny", "fp8", None, False),
+    ],
 )
 def test_quantize_save_load_gives_identical_outputs(tmp_path, name, method, group, head):
     model = quantize(tiny(name), method, group_size=group, include_head=head)
@@ -292,9 +331,12 @@ def test_the_quantize_command_writes_a_checkpoint_every_command_loads(tmp_path, 
     assert main(["inspect", str(tmp_path / "q4"), "--json"]) == 0  # inspect reads checkpoints, bytes as loaded
     report = __import__("json").loads(capsys.readouterr().out)
     assert report["quantization"]["method"] == "int4" and report["weight_bytes_loaded"] == weight_bytes(loaded)
+    assert main(["quantize", str(tmp_path / "float"), str(tmp_path / "fp8"), "--to", "fp8"]) == 0
+    assert "fp8: 14 layers" in capsys.readouterr().out
+    assert isinstance(load_llmkit(tmp_path / "fp8").model.blocks[1].attn.wo, Fp8Linear)
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
 def test_quantized_experts_read_only_their_own_rows_of_the_stacks(method, monkeypatch):
     """Each expert that received rows multiplies them by its own rows of the stacked codes: the whole stacks are never
     dequantized, and the output is the float experts' on the dequantized weights (within the kernel's rounding of the

@@ -298,8 +298,8 @@ def _convert_to_gguf(
 
 # what `llmkit quantize --to` takes: llmkit's group formats, then llama.cpp's mixtures and block types
 QuantTarget = Literal[
-    "int8", "int4", "q4_k_m", "q4_k_s", "q5_k_m", "q5_k_s", "q3_k_m", "q3_k_s", "q3_k_l", "q2_k", "iq4_xs", "iq4_nl",
-    "q8_0", "q6_k", "q5_k", "q4_k", "q3_k", "q4_0", "q4_1", "q5_0", "q5_1", "bf16", "f16",
+    "int8", "int4", "fp8", "q4_k_m", "q4_k_s", "q5_k_m", "q5_k_s", "q3_k_m", "q3_k_s", "q3_k_l", "q2_k", "iq4_xs",
+    "iq4_nl", "q8_0", "q6_k", "q5_k", "q4_k", "q3_k", "q4_0", "q4_1", "q5_0", "q5_1", "bf16", "f16",
 ]  # fmt: skip
 
 
@@ -319,12 +319,13 @@ def quantize(
 
     checkpoint: a Hugging Face directory, a .gguf file (dequantized first), an llmkit checkpoint or a run folder.
     out: the directory to write (built beside it and renamed into place when complete).
-    to: int8 (one scale per output row, or per group with --group-size), int4 (groups, default 32), or one of
+    to: int8 (one scale per output row, or per group with --group-size), int4 (groups, default 32), fp8 (E4M3
+        numbers, one scale per output row or per group: read by llmkit's Triton kernel on a GPU), or one of
         llama.cpp's block types (q8_0, q6_k, q4_k, q4_0, ...: llama.cpp's quantization rules, the bytes its
         llama-quantize writes; bf16 / f16: the weights rounded to that width and held by llmkit's kernels), or one
         of its mixtures (q4_k_m, q4_k_s, q5_k_m, q5_k_s, q3_k_m, q3_k_s, q3_k_l, q2_k, iq4_xs, iq4_nl: each layer,
         the output head and the embedding table in the block type llama.cpp gives them).
-    group_size: inputs per scale for int8 / int4: 32, 64, 128 or 256 (must divide every layer's input width).
+    group_size: inputs per scale for int8 / int4 / fp8: 32, 64, 128 or 256 (must divide every layer's input width).
     include_head: quantize the output head too (a tied head gets a quantized copy of the embedding); a mixture
         always does.
     imatrix: weigh each layer's quantization by how large its inputs are on real text, as llama-quantize --imatrix
@@ -345,9 +346,9 @@ def quantize(
 
     source = resolve_checkpoint(checkpoint, averaged=False)
     output = claim(out, "checkpoint", inputs=[checkpoint, source], overwrite=overwrite)
-    method = to if to in ("int8", "int4") else to.upper()  # a GGUF type or mixture, as llmkit names them
+    method = to if to in ("int8", "int4", "fp8") else to.upper()  # a GGUF type or mixture, as llmkit names them
     if method != to and group_size is not None:
-        raise LLMKitError(f"--group-size is for int8 and int4; {to} has blocks of its own")
+        raise LLMKitError(f"--group-size is for int8, int4 and fp8; {to} has blocks of its own")
     if imatrix is not None and method == to:
         raise LLMKitError(f"--imatrix weighs llama.cpp's block types and mixtures, not {to}")
     importance = None

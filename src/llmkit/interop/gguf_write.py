@@ -143,7 +143,7 @@ def _tensors(model: nn.Module, cfg: ModelConfig, arch: str) -> dict[str, tuple[T
             return module
         if isinstance(module, QuantizedLinear):
             raise ConfigError(
-                f"{layer} is quantized to llmkit's int{module.bits}, which GGUF has no type for: quantize the float "
+                f"{layer} is quantized to llmkit's {module.method}, which GGUF has no type for: quantize the float "
                 "model to a GGUF type instead (llmkit convert ... --quant q4_k_m, or q8_0, ...)"
             )
         return None

@@ -23,6 +23,8 @@ bf16).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -200,6 +202,21 @@ def _pow2(n: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(n))
 
 
+@functools.cache
+def _shared_memory(device_index: int) -> int:
+    """The shared memory one program may use on this GPU (bytes: 227 KiB on an H100), as Triton checks it."""
+    return int(triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
+
+
+def _stages(device: torch.device, fixed: int, per_stage: int) -> dict[str, int]:
+    """num_stages for a launch holding `fixed` bytes of shared memory plus `per_stage` for each pipeline stage: up
+    to 3 (Triton's default), as many as fit in 85% of the card's (an estimate: Triton places the tiles itself)."""
+    if device.type != "cuda":
+        return {}
+    budget = 0.85 * _shared_memory(device.index if device.index is not None else torch.cuda.current_device())
+    return {"num_stages": int(max(1, min(3, (budget - fixed) // per_stage)))}
+
+
 def launch(
     q: Tensor,
     k: Tensor,
@@ -241,6 +258,15 @@ def launch(
         ml = out  # unused
         dest, s_o = out, (out.stride(0), out.stride(1), 0)
     rope = k if k_rope is None else k_rope
+    BLOCK_D, BLOCK_DR, BLOCK_DV = _pow2(D), _pow2(max(DR, 1)), _pow2(DV)
+    # a tile's queries stay in shared memory and each pipeline stage holds a key tile: as many stages as fit (MLA's
+    # 128 heads x 576 dims fit one), and twice the warps where the accumulator is large (fewer registers spilled)
+    size = q.element_size()
+    fixed, per_stage = BLOCK_M * BLOCK_G * (BLOCK_D + BLOCK_DR) * size, BLOCK_N * (BLOCK_D + BLOCK_DR + BLOCK_DV) * size
+    launch_options = {
+        "num_warps": 8 if BLOCK_M * BLOCK_G * BLOCK_DV >= 32768 else 4,
+        **_stages(q.device, fixed, per_stage),
+    }
     grid = (rows.table.shape[0], triton.cdiv(rows.max_q_len, BLOCK_M), K * chunks)
     _attend_tile[grid](
         q, k, rope, v, dest, ml, sel,
@@ -255,10 +281,11 @@ def launch(
         ml.stride(0) if chunks > 1 else 0, ml.stride(1) if chunks > 1 else 0,
         rows.table.stride(0), sel.stride(0),
         D=D, DR=DR, DV=DV,
-        BLOCK_D=_pow2(D), BLOCK_DR=_pow2(max(DR, 1)), BLOCK_DV=_pow2(DV),
+        BLOCK_D=BLOCK_D, BLOCK_DR=BLOCK_DR, BLOCK_DV=BLOCK_DV,
         BLOCK_M=BLOCK_M, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N,
         SOFTCAP=softcap is not None, WINDOW=window is not None, SPLIT=chunks > 1, SELECT=select is not None,
         PRECISION="ieee" if k.dtype == torch.float32 else "tf32",  # fp32 pools exactly; tf32 is only for fp32 inputs
+        **launch_options,
     )  # fmt: skip
     if chunks > 1:
         _combine[(N, H)](

@@ -20,7 +20,7 @@ from llmkit.errors import InputError
 from llmkit.parts import cut, cut_parameter
 from llmkit.quant.block_linear import BlockLinear
 from llmkit.quant.embedding import BlockEmbedding
-from llmkit.quant.linear import Int4Linear, Int8Linear, QuantizedLinear
+from llmkit.quant.linear import Fp8Linear, Int4Linear, Int8Linear, QuantizedLinear
 
 Linear = nn.Linear | QuantizedLinear
 
@@ -57,10 +57,10 @@ def take_columns(layer: Linear, a: int, b: int, keep_bias: bool) -> None:
     bias must be added once)."""
     if isinstance(layer, nn.Linear):
         layer.weight = cut_parameter(layer.weight, 1, a, b)
-    elif isinstance(layer, (Int8Linear, Int4Linear)):
+    elif isinstance(layer, (Int8Linear, Int4Linear, Fp8Linear)):
         g = layer.group_size
         if g is not None and (a % g or b % g):
-            raise InputError(f"inputs [{a}, {b}) of an int{layer.bits} layer cut its groups of {g}")
+            raise InputError(f"inputs [{a}, {b}) of an {layer.method} layer cut its groups of {g}")
         if isinstance(layer, Int4Linear):
             layer._buffers["qweight"] = cut(layer.qweight, 1, a // 2, b // 2)  # two codes a byte, in input order
         else:

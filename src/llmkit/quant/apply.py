@@ -27,7 +27,7 @@ from llmkit.quant.blocks import FLOAT_TYPES, TYPES
 from llmkit.quant.embedding import BlockEmbedding, QuantizedEmbedding
 from llmkit.quant.experts import QuantizedExperts
 from llmkit.quant.kernels import Kernel
-from llmkit.quant.linear import Int4Linear, Int8Linear, QuantizedLinear
+from llmkit.quant.linear import LAYERS, QuantizedLinear
 from llmkit.quant.mixtures import MIXTURES, mixture_spec
 from llmkit.quant.spec import Method, QuantSpec, embedding_table, quantized_spec, targets
 
@@ -60,7 +60,7 @@ def quantize(
         raise InputError("the model is already quantized (quantize a float model, or load the float checkpoint)")
     spec = spec_for(model, method, group_size, include_head, importance=importance is not None)
     rows = dict(importance or {})
-    if rows and spec.method in ("int8", "int4") and not spec.layers:
+    if rows and spec.method in LAYERS and not spec.layers:
         raise InputError(f"an importance matrix weighs llama.cpp's block types, not llmkit's {spec.method}")
     for name, module in targets(model, spec):
         _set(model, name, _quantized(module, spec, name, kernel, rows.get(name)))
@@ -137,7 +137,7 @@ def _quantized(
 
 
 def _layer_class(method: str) -> type[QuantizedLinear]:
-    return Int8Linear if method == "int8" else Int4Linear
+    return LAYERS[method]
 
 
 def _shell(method: str, inputs: int, outputs: int, bias: bool, group: int | None, device: Any) -> QuantizedLinear:
@@ -208,7 +208,7 @@ def describe(model: nn.Module) -> str:
             kinds[module.block.name] = kinds.get(module.block.name, 0) + 1
         elif isinstance(module, QuantizedLinear):
             g = "" if module.group_size is None else f" g{module.group_size}"
-            key = f"int{module.bits}{g}"
+            key = f"{module.method}{g}"
             kinds[key] = kinds.get(key, 0) + 1
     floats = {str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()}
     parts = [f"{k}: {n} layer{'s' if n > 1 else ''}" for k, n in kinds.items()] or sorted(floats)

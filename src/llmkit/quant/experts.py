@@ -17,13 +17,13 @@ from torch import Tensor, nn
 from llmkit.errors import InputError
 from llmkit.layers.moe import ACTIVATIONS, GroupedExperts
 from llmkit.quant.kernels import Kernel
-from llmkit.quant.linear import Int4Linear, Int8Linear, QuantizedLinear
+from llmkit.quant.linear import LAYERS, Int4Linear, QuantizedLinear
 
 
 def _stack(method: str, rows: int, cols: int, group: int | None, device: torch.device | str | None) -> QuantizedLinear:
-    if method == "int8":
-        return Int8Linear(cols, rows, False, group, kernel="dequant", device=device)
-    return Int4Linear(cols, rows, False, group or 32, kernel="dequant", device=device)
+    if method == "int4":
+        return Int4Linear(cols, rows, False, group or 32, kernel="dequant", device=device)
+    return LAYERS[method](cols, rows, False, group, kernel="dequant", device=device)
 
 
 class QuantizedExperts(GroupedExperts):
@@ -105,4 +105,4 @@ class QuantizedExperts(GroupedExperts):
 
     def extra_repr(self) -> str:
         E, hidden, dim = self.shape
-        return f"n_experts={E}, dim={dim}, hidden={hidden}, kind={self.kind}, int{self.q1.bits}, kernel={self.kernel}"
+        return f"n_experts={E}, dim={dim}, hidden={hidden}, kind={self.kind}, {self.q1.method}, kernel={self.kernel}"

@@ -1,10 +1,14 @@
-"""Weight formats: how a float matrix becomes int8 or int4 codes with scales, and back. Pure tensor functions.
+"""Weight formats: how a float matrix becomes int8, int4 or fp8 codes with scales, and back. Pure tensor functions.
 
 int8, symmetric:   w[n, k] ~= q[n, k] * scale[n, g(k)]               q in [-127, 127]
 int4, asymmetric:  w[n, k] ~= q[n, k] * scale[n, g(k)] + zero[n, g(k)]    q in [0, 15]
+fp8, symmetric:    w[n, k] ~= f[n, k] * scale[n, g(k)]               f an fp8 E4M3 number, |f| <= 448
 
 g(k) = k // group_size is the group of column k; group_size None means one group per output row (per-channel).
-int4 codes are stored two to a byte, (N, K // 2) uint8: column 2j in the low nibble, 2j + 1 in the high one.
+int4 codes are stored two to a byte, (N, K // 2) uint8: column 2j in the low nibble, 2j + 1 in the high one. fp8
+codes are the bytes of torch.float8_e4m3fn numbers (OCP FP8's E4M3: 1 sign bit, 4 exponent bits of bias 7, 3
+mantissa bits, no infinities; the format H100-class GPUs multiply), held as uint8 so that casting a model to bf16
+leaves them alone.
 
 llama.cpp's own block formats (a GGUF file's Q4_0 ... Q6_K) are held as stored instead: llmkit.quant.blocks.
 """
@@ -47,6 +51,26 @@ def dequantize_int8(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32
     """codes (N, K) int8, scales (N, G) -> (N, K) in `dtype`."""
     N, K = q.shape
     return (q.float().reshape(N, scale.shape[1], -1) * scale[..., None]).reshape(N, K).to(dtype)
+
+
+FP8_MAX = 448.0  # the largest E4M3 number
+
+
+def quantize_fp8(w: Tensor, group_size: int | None = None) -> tuple[Tensor, Tensor]:
+    """(N, K) float -> codes (N, K) uint8 (the bytes of float8_e4m3fn numbers) and scales (N, G) float32: each
+    group's largest magnitude mapped to 448, every weight rounded to the nearest E4M3 number (ties to even)."""
+    g = _grouped(w, group_size)
+    scale = g.abs().amax(-1) / FP8_MAX  # (N, G)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    f = (g / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return f.view(torch.uint8).reshape(w.shape), scale
+
+
+def dequantize_fp8(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """codes (N, K) uint8 (float8_e4m3fn bytes), scales (N, G) -> (N, K) in `dtype`."""
+    N, K = q.shape
+    f = q.contiguous().view(torch.float8_e4m3fn).float()
+    return (f.reshape(N, scale.shape[1], -1) * scale[..., None]).reshape(N, K).to(dtype)
 
 
 def quantize_int4(w: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:

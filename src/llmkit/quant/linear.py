@@ -1,8 +1,9 @@
 """Linear layers with quantized weights: nn.Linear's interface (in_features, out_features, bias, forward(x), and a
-`weight` that reads back the dequantized matrix), weights held as int8 or int4 codes with fp32 scales.
+`weight` that reads back the dequantized matrix), weights held as int8, int4 or fp8 codes with fp32 scales.
 
     Int8Linear(in, out, bias, group_size=None)   qweight (N, K) int8, scales (N, G)
     Int4Linear(in, out, bias, group_size=32)     qweight (N, K // 2) uint8, scales and zeros (N, G)
+    Fp8Linear(in, out, bias, group_size=None)    qweight (N, K) uint8 (fp8 E4M3 bytes), scales (N, G)
 
 The state dict holds exactly those tensors (and bias), so a quantized model saves and loads like any other. The
 forms a kernel wants (FBGEMM's packed int8, torch's int4 tile layout) are derived, never saved: they are rebuilt
@@ -22,7 +23,15 @@ from llmkit.errors import InputError
 from llmkit.kernels import triton_usable
 from llmkit.layers.precision import FP32Buffers
 from llmkit.quant import kernels, native
-from llmkit.quant.formats import dequantize_int4, dequantize_int8, groups_of, quantize_int4, quantize_int8
+from llmkit.quant.formats import (
+    dequantize_fp8,
+    dequantize_int4,
+    dequantize_int8,
+    groups_of,
+    quantize_fp8,
+    quantize_int4,
+    quantize_int8,
+)
 from llmkit.quant.kernels import Kernel
 
 
@@ -76,6 +85,11 @@ class QuantizedLinear(FP32Buffers, abc.ABC):
         # (llmkit.quant.apply.set_kernel_choice), the process's default until then
         self.kernel_choice: native.KernelChoice = native.default_choice()
         self.register_load_state_dict_post_hook(lambda module, _: module.prepare())
+
+    @property
+    @abc.abstractmethod
+    def method(self) -> str:
+        """The QuantSpec method that rebuilds this layer: int8, int4, fp8 (a block type's name for BlockLinear)."""
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -187,6 +201,7 @@ class Int8Linear(QuantizedLinear):
     """int8 codes, symmetric, one scale per output row (group_size None) or per group of inputs."""
 
     bits = 8
+    method = "int8"
     default_group_size = None  # one scale per output row
 
     def __init__(
@@ -266,6 +281,7 @@ class Int4Linear(QuantizedLinear):
     """int4 codes, asymmetric, a scale and a zero per group of `group_size` inputs."""
 
     bits = 4
+    method = "int4"
     default_group_size = 32
 
     def __init__(
@@ -336,3 +352,64 @@ class Int4Linear(QuantizedLinear):
             y = y.view(*x.shape[:-1], self.out_features)
             return y + self.bias.to(y.dtype) if self.bias is not None else y
         return kernels.dequantized(x, self.dequantize(x.dtype), self.bias)
+
+
+class Fp8Linear(QuantizedLinear):
+    """fp8 codes (E4M3, the format H100-class GPUs compute in), symmetric, one scale per output row (group_size
+    None) or per group of inputs: half the bytes of bf16, read by llmkit's Triton kernel on a GPU (which decodes the
+    bytes itself, so any card takes them); elsewhere dequantized."""
+
+    bits = 8
+    method = "fp8"
+    default_group_size = None  # one scale per output row
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        group_size: int | None = None,
+        kernel: Kernel = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias, group_size, kernel, device, dtype)
+        if kernel not in ("auto", "dequant"):
+            raise InputError(
+                f"fp8 layers run kernel='auto' (llmkit's Triton kernel on a GPU) or 'dequant', not {kernel!r}"
+            )
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.uint8, device=device))
+        self.register_buffer("scales", torch.ones(out_features, self.n_groups, device=device))
+        self.zeros: Tensor | None = None
+        if self.qweight.device.type != "meta":
+            self.prepare()
+
+    def _encode(self, w: Tensor) -> dict[str, Tensor]:
+        q, s = quantize_fp8(w, self.group_size)
+        return {"qweight": q, "scales": s}
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        return dequantize_fp8(self.qweight, self.scales, dtype)
+
+    def _native_rows(self, x: Tensor, start: int, end: int) -> Tensor:
+        raise RuntimeError("llmkit's C++ kernels do not read fp8 codes")  # (rows_product then dequantizes)
+
+    def _dequantize_rows(self, start: int, end: int, dtype: torch.dtype) -> Tensor:
+        return dequantize_fp8(self.qweight[start:end], self.scales[start:end], dtype)
+
+    def prepare(self) -> None:
+        self._prepared = None
+        self.resolved = "dequant"
+
+    def _forward(self, x: Tensor) -> Tensor:
+        if x.device.type == "cuda" and self.kernel != "dequant" and triton_usable(x.device):
+            from llmkit.kernels.weight_matmul import fp8_matmul
+
+            y = fp8_matmul(x.reshape(-1, self.in_features), self.qweight, self.scales)
+            y = y.view(*x.shape[:-1], self.out_features)
+            return y + self.bias.to(y.dtype) if self.bias is not None else y
+        return kernels.dequantized(x, self.dequantize(x.dtype), self.bias)
+
+
+# the layer class of each of llmkit's own methods (QuantSpec.method)
+LAYERS: dict[str, type[QuantizedLinear]] = {"int8": Int8Linear, "int4": Int4Linear, "fp8": Fp8Linear}

@@ -15,15 +15,15 @@ from llmkit.layers.moe import GroupedExperts
 from llmkit.quant.blocks import TYPES
 from llmkit.quant.experts import QuantizedExperts
 
-Method = str  # "int8", "int4", or a GGUF block type (llmkit.quant.blocks.TYPES: "Q4_K", "Q8_0", ...)
-METHODS: tuple[str, ...] = ("int8", "int4", *TYPES)
+Method = str  # "int8", "int4", "fp8", or a GGUF block type (llmkit.quant.blocks.TYPES: "Q4_K", "Q8_0", ...)
+METHODS: tuple[str, ...] = ("int8", "int4", "fp8", *TYPES)
 GROUP_SIZES = (32, 64, 128, 256)  # the ones torch's int4 kernels take; other sizes run dequantized
 
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """method: "int8", "int4" or a GGUF block type ("Q4_K", ...: llmkit.quant.blocks); group_size: inputs per
-    scale (None: one per output row, int8 only; block types have their own); include_head: the output head too;
+    """method: "int8", "int4", "fp8" or a GGUF block type ("Q4_K", ...: llmkit.quant.blocks); group_size: inputs
+    per scale (None: one per output row, int8 and fp8; block types have their own); include_head: the output head too;
     layers: when given, exactly the layers quantized, each with its own [method, group size] (a GGUF file's: the
     tensors it stores quantized, each in its block type), overriding method and group_size; embedding_from_head: a
     tied model's embedding reads its rows from the quantized head's codes (QuantizedEmbedding) instead of keeping a
