@@ -3,6 +3,8 @@ without a GPU) against the reference, and the reference against the indexer's ow
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,10 +26,12 @@ def _case(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tenso
     return q, w, keys, rows
 
 
+@pytest.mark.parametrize("first_key", [0, 1])  # 1: an MTP module's pool, whose position j is in slot j + 1
 @pytest.mark.parametrize("programs", [1, 100])  # every key tile in one program, or dealt out among several
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_the_kernel_equals_the_reference(programs, dtype):
+def test_the_kernel_equals_the_reference(programs, dtype, first_key):
     q, w, keys, rows = _case(dtype)
+    rows = dataclasses.replace(rows, first_key=first_key)
     got = index_scores(q, w, keys, rows, 0.25, programs=programs)
     want = index_scores_reference(q, w, keys, rows, 0.25)
     assert got.shape == (18, 24) and torch.equal(got.isinf(), want.isinf())  # -inf exactly where unseen

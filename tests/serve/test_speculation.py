@@ -19,7 +19,7 @@ from llmkit.quant.native_step import NativeDecoder
 from llmkit.serve.drafters import ModelSpeculator, MTPSpeculator
 from llmkit.serve.engine import Engine, EngineConfig
 from llmkit.serve.kernel_runner import KernelRunner
-from llmkit.serve.paged import PagedCache
+from llmkit.serve.paged import LatentPool, PagedCache
 from llmkit.serve.request import SamplingParams
 from llmkit.serve.speculation import Costs
 
@@ -488,6 +488,32 @@ def test_the_mtp_module_on_the_gpu_runner_gives_the_plain_output(monkeypatch, k)
     for s, p in zip(spec, plain, strict=True):
         torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(p.logprobs), atol=1e-4, rtol=1e-4)
     assert engine.drafter.drafted > 0 and engine.scheduler.preemptions > 0
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v3-tiny", "deepseek-v3.2-tiny"])
+def test_a_latent_attention_mtp_module_on_the_gpu_runner_gives_the_plain_output(monkeypatch, preset):
+    """DeepSeek's own MTP module (its block with latent attention, and with sparse attention's top-k keys) drafting
+    beside the GPU's runner over a latent pool of its own (keys from slot 1): the plain engine's greedy tokens, and
+    the module's state at each drafting step equals the training-time MTP forward over the whole text."""
+    import llmkit.serve.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "model_runner", lambda m, c, bs, *_: KernelRunner(m, c, bs, kernel=False))
+    cfg = llmkit.get_preset(preset)
+    moe = dataclasses.replace(cfg.moe, capacity_factor=None)  # capacity would couple a step's tokens
+    torch.manual_seed(0)
+    model = llmkit.build_model(dataclasses.replace(cfg, mtp_depth=1, moe=moe)).eval()
+    prompts = _prompts([1, 3, 9, 17], prefix=8)
+    plain = _engine(model).generate(prompts, GREEDY)
+    engine = _engine(model, 2, drafts=2)
+    assert isinstance(engine.drafter, MTPSpeculator) and isinstance(engine.drafter.pool, LatentPool)
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == [o.token_ids for o in plain]
+    assert engine.drafter.drafted > 0
+    seen = _spy(monkeypatch)
+    out = _engine(model, 2, drafts=2).generate([prompts[3]], GREEDY)[0]  # 25 tokens: past the top-k of 8
+    full = _training_mtp(model, prompts[3] + out.token_ids)
+    assert len(seen) >= 3
+    for _, slot, o in seen:
+        torch.testing.assert_close(o, full[slot - 1], atol=1e-4, rtol=1e-4)
 
 
 def test_mtp_states_on_the_gpu_runner_equal_the_cpp_steps():

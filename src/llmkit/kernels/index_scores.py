@@ -2,7 +2,8 @@
 read where the index keys lie: the definition (a PyTorch reference that gathers each row's keys) and the dispatch to
 the Triton kernel (llmkit.kernels.triton_index).
 
-    I(t, s) = sum_j  w(t, j) * ReLU(q(t, j) . k(s)) * scale       for every position s that query t sees (s <= t)
+    I(t, s) = sum_j  w(t, j) * ReLU(q(t, j) . k(s)) * scale       for every position s that query t sees
+                                                                   (rows.first_key <= s <= t)
 
 The queries are packed as paged_attention's are (PagedRows: row b's q_len[b] queries at positions start[b] ..);
 position p of row b lives at block table[b, p // bs], slot p % bs of the index-key pool. The result has a column per
@@ -29,7 +30,7 @@ def index_scores_reference(q: Tensor, w: Tensor, keys: Tensor, rows: PagedRows, 
         k = keys[rows.table[b, pos // bs].long(), pos % bs].float()  # (S_b, Di)
         scores = F.relu(torch.einsum("tjd,sd->tjs", q[q0 : q0 + n].float(), k)) * scale  # (T, J, S_b)
         index = torch.einsum("tjs,tj->ts", scores, w[q0 : q0 + n].float())  # (T, S_b)
-        seen = pos[None, :] <= (s0 + torch.arange(n, device=q.device))[:, None]
+        seen = (pos[None, :] <= (s0 + torch.arange(n, device=q.device))[:, None]) & (pos[None, :] >= rows.first_key)
         out[q0 : q0 + n, : s0 + n] = index.masked_fill(~seen, float("-inf"))
     return out
 

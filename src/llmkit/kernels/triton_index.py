@@ -26,7 +26,7 @@ BLOCK_N = 32  # key positions per step
 @triton.jit
 def _index_tile(
     q_ptr, w_ptr, k_ptr, out_ptr, table_ptr, q_start_ptr, q_len_ptr, start_ptr,
-    scale, heads, block_size, n_split,
+    scale, heads, block_size, n_split, first_key,
     s_qn, s_qj, s_wn, s_kb, s_ks, s_on, s_tb,
     DI: tl.constexpr, BLOCK_DI: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -58,7 +58,7 @@ def _index_tile(
         k = tl.load(k_at, mask=inside[None, :] & (d[:, None] < DI), other=0.0)  # (DI, N)
         s = tl.maximum(tl.dot(q.to(k.dtype), k, input_precision=PRECISION), 0.0) * scale * w[:, None]  # (MJ, N)
         index = tl.sum(tl.reshape(s, (BLOCK_M, BLOCK_J, BLOCK_N)), axis=1)  # (M, N): summed over the heads
-        seen = inside[None, :] & (pos[None, :] <= q_pos[:, None])
+        seen = inside[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] >= first_key)
         at = out_ptr + (q0 + m).to(tl.int64)[:, None] * s_on + pos[None, :]
         tl.store(at, tl.where(seen, index, float("-inf")), mask=(m < q_len)[:, None] & inside[None, :])
 
@@ -79,7 +79,7 @@ def launch(
     n_split = max(1, min(triton.cdiv(rows.max_keys, 256), programs // max(1, B * tiles)))
     _index_tile[(B, tiles, n_split)](
         q, w, keys, out, rows.table, rows.q_start, rows.q_len, rows.start,
-        scale, J, bs, n_split,
+        scale, J, bs, n_split, rows.first_key,
         q.stride(0), q.stride(1), w.stride(0), keys.stride(0), keys.stride(1), out.stride(0), rows.table.stride(0),
         DI=DI, BLOCK_DI=max(16, triton.next_power_of_2(DI)), BLOCK_M=BLOCK_M, BLOCK_J=BLOCK_J, BLOCK_N=BLOCK_N,
         PRECISION="ieee" if keys.dtype == torch.float32 else "tf32",

@@ -83,7 +83,7 @@ def _attend_tile(
         if SELECT:
             j = n0 + tl.arange(0, BLOCK_N)
             pos = tl.load(sel_ptr + (q0 + tile) * s_sn + j, mask=j < n_select, other=-1)
-            inside = (pos >= 0) & (pos <= start + tile)  # (a position past the query is not looked up)
+            inside = (pos >= first_key) & (pos <= start + tile)  # (-1 pads; a position past the query is not read)
         else:
             pos = n0 + tl.arange(0, BLOCK_N)
             inside = (pos >= lo) & (pos < hi)

@@ -34,7 +34,7 @@ from llmkit.serve.config import EngineConfig
 from llmkit.serve.kernel_runner import KernelRunner
 from llmkit.serve.kv_manager import KVCacheManager
 from llmkit.serve.model_runner import NativeRunner
-from llmkit.serve.paged import KernelKV, KVPool, PagedCache, Placement
+from llmkit.serve.paged import KernelKV, KernelLatent, KVPool, LatentPool, PagedCache, Placement
 from llmkit.serve.runner_base import ModelRunner, TokenRunner
 from llmkit.serve.scheduler import Work
 from llmkit.serve.speculation import Costs, Speculator
@@ -70,17 +70,20 @@ class MTPSpeculator(Speculator):
             )
         device, dtype = model.device, model.dtype
         cache = self.draft.module.block.attn.new_cache(n_blocks, block_size, device, dtype)
-        if not isinstance(cache, KVCache):  # (the C++ step and KernelKV take grouped-query blocks only)
-            raise InputError("speculative serving needs an MTP module with grouped-query attention")
-        pool = KVPool.of(cache)
-        self.keys, self.values = pool.k, pool.v  # (KH, N, bs, D)
+        if not isinstance(cache, KVCache) and self.native is not None:  # (the C++ step runs grouped-query blocks)
+            raise InputError(
+                "the MTP module's block has latent attention, which llmkit's C++ step does not run: speculative "
+                "serving with it needs the GPU runner"
+            )
+        # the module's own pool: keys and values (KH, N, bs, D), or latent attention's latents (N, bs, r) ...
+        self.pool = KVPool.of(cache) if isinstance(cache, KVCache) else LatentPool.of(cache)
         self.hidden = torch.zeros(n_blocks, block_size, model.cfg.d_model, device=device, dtype=dtype)
         with torch.no_grad():
             self.costs = Costs.measure(self)  # what steps and drafts cost here
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.hidden))
+        return self.pool.nbytes + self.hidden.numel() * self.hidden.element_size()
 
     def _record(self, rows: list[Work], hidden: list[Tensor], counts: list[int]) -> None:
         """The target's states into the hidden pool at the rows' slots (MTP slot i reads h_(i-1))."""
@@ -144,14 +147,20 @@ class MTPSpeculator(Speculator):
             allowed = (s[None] <= slots[:, None]) & (s[None] >= 1)  # (M, S)
             rope = self.native._rope(positions[:, None])
             ext = self.native.ext
-            return ext.decode_paged([self.draft.block], x, [self.keys], [self.values], table, slots, allowed, *rope)
+            assert isinstance(self.pool, KVPool)
+            return ext.decode_paged([self.draft.block], x, [self.pool.k], [self.pool.v], table, slots, allowed, *rope)
         assert self.kernels is not None
         M = len(slots)
         one = torch.ones(M, device=dev, dtype=torch.int32)
         first = torch.arange(M, device=dev, dtype=torch.int32)  # each row's query
         rows = PagedRows(table.int(), first, one, slots.int(), 1, table.shape[1] * bs, first_key=1)
         at = Placement(rows, table.gather(1, (slots // bs)[:, None])[:, 0], slots % bs)
-        view = KernelKV(KVPool(self.keys, self.values), at, self.kernels.attention(M, rows.max_keys))
+        attention = self.kernels.attention(M, rows.max_keys)
+        view: KernelKV | KernelLatent = (
+            KernelKV(self.pool, at, attention)
+            if isinstance(self.pool, KVPool)
+            else KernelLatent(self.pool, at, attention, self.kernels.index_scores)
+        )
         inputs = self.model.attention_inputs(Step(positions[None], AttentionMask(), slots[None]))
         return self.draft.module.block(x[None], inputs, view)[0]
 
