@@ -374,16 +374,19 @@ def test_gpu_speculative_serving_equals_plain_serving():
     assert e.drafter.accepted == e.drafter.drafted > 0
 
 
-def test_gpu_mtp_speculation_equals_plain_serving():
-    """The MTP module drafting on the GPU (its block through the paged-attention kernel, keys from slot 1): greedy
-    output equals the plain engine's."""
+@pytest.mark.parametrize("name", ["llama2-70b-tiny", "deepseek-v3-tiny", "deepseek-v3.2-tiny"])
+def test_gpu_mtp_speculation_equals_plain_serving(name):
+    """The MTP module drafting on the GPU (its block through the paged-attention kernel, keys from slot 1; DeepSeek's
+    own with latent and sparse attention): greedy output equals the plain engine's."""
     from llmkit.serve.drafters import MTPSpeculator
     from llmkit.serve.engine import Engine, EngineConfig
     from llmkit.serve.paged import PagedCache
     from llmkit.serve.request import SamplingParams
 
     torch.manual_seed(0)
-    cfg = dataclasses.replace(get_preset("llama2-70b-tiny"), mtp_depth=1)
+    cfg = dataclasses.replace(get_preset(name), mtp_depth=1)
+    if cfg.moe is not None:  # route every token: capacity limits would couple tokens across the batch
+        cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, capacity_factor=None))
     gpu = build_model(cfg, device="cuda").eval()
     prompts = [[7, 8, 9, 10, 11, 12, 13, 14, *p] for p in PROMPTS]
     greedy = SamplingParams(max_tokens=12, temperature=0.0)
