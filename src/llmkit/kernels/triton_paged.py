@@ -208,13 +208,24 @@ def _shared_memory(device_index: int) -> int:
     return int(triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
 
 
-def _stages(device: torch.device, fixed: int, per_stage: int) -> dict[str, int]:
-    """num_stages for a launch holding `fixed` bytes of shared memory plus `per_stage` for each pipeline stage: up
-    to 3 (Triton's default), as many as fit in 85% of the card's (an estimate: Triton places the tiles itself)."""
+def _options(
+    device: torch.device, score_rows: int, dims: tuple[int, int, int], size: int, split: bool
+) -> dict[str, int]:
+    """num_warps and num_stages for a launch of `score_rows` x (BLOCK_D, BLOCK_DR, BLOCK_DV) tiles of `size`-byte
+    elements. A tile's queries stay in shared memory and each pipeline stage holds a key tile: as many stages as fit
+    in 85% of the card's shared memory, up to Triton's default 3 (an estimate: Triton places the tiles itself; MLA's
+    128 heads x 576 dims fit one). Large accumulators get 8 warps (fewer registers spilled), except where a split's
+    fp32 partial output would not fit the shared memory 8 warps convert it through in one piece (MLA's 128 heads x
+    512: 256 KiB, measured on compiles for sm_90)."""
+    d, dr, dv = dims
+    warps = 8 if score_rows * dv >= 32768 else 4
     if device.type != "cuda":
-        return {}
+        return {"num_warps": warps}
     budget = 0.85 * _shared_memory(device.index if device.index is not None else torch.cuda.current_device())
-    return {"num_stages": int(max(1, min(3, (budget - fixed) // per_stage)))}
+    if split and score_rows * dv * 4 > budget:
+        warps = 4
+    fixed, per_stage = score_rows * (d + dr) * size, BLOCK_N * (d + dr + dv) * size
+    return {"num_warps": warps, "num_stages": int(max(1, min(3, (budget - fixed) // per_stage)))}
 
 
 def launch(
@@ -259,14 +270,8 @@ def launch(
         dest, s_o = out, (out.stride(0), out.stride(1), 0)
     rope = k if k_rope is None else k_rope
     BLOCK_D, BLOCK_DR, BLOCK_DV = _pow2(D), _pow2(max(DR, 1)), _pow2(DV)
-    # a tile's queries stay in shared memory and each pipeline stage holds a key tile: as many stages as fit (MLA's
-    # 128 heads x 576 dims fit one), and twice the warps where the accumulator is large (fewer registers spilled)
-    size = q.element_size()
-    fixed, per_stage = BLOCK_M * BLOCK_G * (BLOCK_D + BLOCK_DR) * size, BLOCK_N * (BLOCK_D + BLOCK_DR + BLOCK_DV) * size
-    launch_options = {
-        "num_warps": 8 if BLOCK_M * BLOCK_G * BLOCK_DV >= 32768 else 4,
-        **_stages(q.device, fixed, per_stage),
-    }
+    dims = (BLOCK_D, BLOCK_DR, BLOCK_DV)
+    launch_options = _options(q.device, BLOCK_M * BLOCK_G, dims, q.element_size(), chunks > 1)
     grid = (rows.table.shape[0], triton.cdiv(rows.max_q_len, BLOCK_M), K * chunks)
     _attend_tile[grid](
         q, k, rope, v, dest, ml, sel,
