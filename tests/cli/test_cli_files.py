@@ -229,7 +229,7 @@ def test_quantize_to_a_gguf_block_type_writes_a_checkpoint_of_blocks(ck, tmp_pat
     model = load_model(out).model
     assert isinstance(model.blocks[0].ffn.w2, BlockLinear) and model.head.block.name == "Q4_0"
     assert main(["quantize", str(ck), str(tmp_path / "q8"), "--to", "q8_0", "--group-size", "64"]) == 2
-    assert "--group-size is for int8 and int4" in one_line_error(capsys.readouterr().err)
+    assert "--group-size is for int8, int4 and fp8" in one_line_error(capsys.readouterr().err)
     # llama.cpp's Q4_K_M mixture; this model's rows (64 wide) are not whole 256-weight super-blocks, so each type
     # falls back as llama.cpp's does: Q4_K to Q5_0, Q6_K to Q8_0
     assert main(["quantize", str(ck), str(tmp_path / "q4km"), "--to", "q4_k_m"]) == 0

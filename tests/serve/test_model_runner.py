@@ -180,7 +180,9 @@ def _dense(preset: str) -> llmkit.DecoderLM:
 
 
 # MHA with learned positions and LayerNorm; GQA with RMSNorm; windows and soft caps; latent and sparse attention
-@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama2-7b-tiny", "gemma2-2b-tiny", "deepseek-v3-tiny", "deepseek-v3.2-tiny"])
+@pytest.mark.parametrize(
+    "preset", ["gpt2-tiny", "llama2-7b-tiny", "gemma2-2b-tiny", "deepseek-v3-tiny", "deepseek-v3.2-tiny"]
+)
 def test_the_batch_invariant_kernel_runner_gives_a_row_its_bits_whatever_the_rows_beside_it(preset):
     """A text's logits, bit for bit, whether its prompt runs alone in two chunks and decodes alone, or in one chunk
     beside another prompt's chunk and then decodes beside other rows (products, norms and attention each by one

@@ -88,25 +88,12 @@ def _attend_tile(
             pos = n0 + tl.arange(0, BLOCK_N)
             inside = (pos >= lo) & (pos < hi)
         page = tl.load(table_ptr + row * s_tb + pos // block_size, mask=inside, other=0).to(tl.int64)
+        # the key tile's scores (M, N) in fp32
         s = _scores(
-            q,
-            q_rope,
-            k_ptr + kv_head * s_kh + page * s_kb + (pos % block_size) * s_ks,
-            r_ptr + kv_head * s_rh + page * s_rb + (pos % block_size) * s_rs,
-            inside,
-            pos,
-            q_pos,
-            scale,
-            softcap,
-            window,
-            D,
-            DR,
-            BLOCK_D,
-            BLOCK_DR,
-            SOFTCAP,
-            WINDOW,
-            PRECISION,
-        )  # fmt: skip  (M, N) fp32
+            q, q_rope, k_ptr + kv_head * s_kh + page * s_kb + (pos % block_size) * s_ks,
+            r_ptr + kv_head * s_rh + page * s_rb + (pos % block_size) * s_rs, inside, pos, q_pos, scale, softcap,
+            window, D, DR, BLOCK_D, BLOCK_DR, SOFTCAP, WINDOW, PRECISION,
+        )  # fmt: skip
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays empty
         p = tl.exp(s - m_safe[:, None])
