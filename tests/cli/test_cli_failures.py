@@ -132,9 +132,10 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(ck):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--speculate", "2"], "--speculate applies with --mtp or --draft, --draft-head-bits with --mtp"),
+        (["--speculate", "2"], "--speculate applies with --mtp, --draft or --ngram, --draft-head-bits with --mtp"),
         (["--draft", "X", "--draft-head-bits", "8"], "--draft-head-bits with --mtp"),
-        (["--mtp", "--draft", "X"], "--mtp and --draft are two drafters: give one"),
+        (["--mtp", "--draft", "X"], "--mtp, --draft and --ngram are three drafters: give one"),
+        (["--ngram", "--mtp"], "--mtp, --draft and --ngram are three drafters: give one"),
         (["--mtp", "--speculate", "40"], "--speculate 40 is out of range: it must be 1 to 16"),
         (["--mtp", "--draft-head-bits", "3"], "--draft-head-bits 3 is out of range"),
         (["--mtp"], "speculative serving drafts with the model's multi-token-prediction module, and this model has"),

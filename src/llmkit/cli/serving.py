@@ -82,23 +82,27 @@ class SpeculationOptions:
       C++ step.
     draft: draft with this smaller model (a checkpoint sharing the model's tokenizer, e.g. one made by `llmkit
       distill-draft`), loaded like the model; as --mtp otherwise.
-    speculate: with --mtp or --draft, the most tokens a sequence drafts per step.
+    ngram: draft from each sequence's own text (prompt lookup: what followed the last few tokens where they
+      occurred before, in the prompt or the output): any model, no second one; pays where answers copy their
+      prompt (code edits, quotes, summaries). As --mtp otherwise.
+    speculate: with --mtp, --draft or --ngram, the most tokens a sequence drafts per step.
     draft_head_bits: with --mtp, draft from an int4 (4) or int8 (8) copy of the output head and of the module's
       block (0: their own weights): cheaper drafts, the same output.
     """
 
     mtp: bool = False
     draft: str | None = None
+    ngram: bool = False
     speculate: int = 3
     draft_head_bits: int = 4
 
     def draft_tokens(self) -> int:
         """EngineConfig.draft_tokens: the most drafts a step (0: no speculation); a clear error for a bad mix."""
-        if self.mtp and self.draft is not None:
-            raise LLMKitError("--mtp and --draft are two drafters: give one")
-        drafting = self.mtp or self.draft is not None
+        if self.mtp + (self.draft is not None) + self.ngram > 1:
+            raise LLMKitError("--mtp, --draft and --ngram are three drafters: give one")
+        drafting = self.mtp or self.draft is not None or self.ngram
         if (not drafting and self.speculate != 3) or (not self.mtp and self.draft_head_bits != 4):
-            raise LLMKitError("--speculate applies with --mtp or --draft, --draft-head-bits with --mtp")
+            raise LLMKitError("--speculate applies with --mtp, --draft or --ngram, --draft-head-bits with --mtp")
         if not 1 <= self.speculate <= 16:
             raise LLMKitError(f"--speculate {self.speculate} is out of range: it must be 1 to 16")
         if self.draft_head_bits not in (0, 4, 8):
@@ -128,7 +132,7 @@ def serve(
     no_verify: load an llmkit checkpoint without checking its files against the checksums saved with them.
     tensor_parallel: split the model across this many processes, started by torchrun --nproc_per_node N: each
       holds about 1/N of the weights and of the KV cache; rank 0 serves HTTP and schedules, every rank runs each
-      step (see docs/parallelism.md). Not with --mtp, --draft or --batch-invariant.
+      step (see docs/parallelism.md). Not with --mtp, --draft, --ngram or --batch-invariant.
     """
     try:
         from llmkit.serve.engine import EngineConfig
@@ -158,9 +162,10 @@ def serve(
         invariance(engine.batch_invariant, engine.no_batch_invariant),
         draft_tokens=drafts,
         draft_head_bits=speculation.draft_head_bits or None,
+        ngram=speculation.ngram,
     )
     if tensor_parallel > 1 and (drafts or engine.batch_invariant):
-        raise LLMKitError("--tensor-parallel serves without --mtp, --draft or --batch-invariant")
+        raise LLMKitError("--tensor-parallel serves without --mtp, --draft, --ngram or --batch-invariant")
     from llmkit.parallel import launch
 
     ranks = launch.start(tensor_parallel, device)

@@ -22,7 +22,9 @@ class EngineConfig:
     draft_tokens: with k > 0, each decoding sequence drafts up to k tokens a step with the model's MTP module and the
     target verifies them (serve/speculation.py; 0: no speculation); draft_head_bits 4 / 8: the drafts read an int4
     / int8 copy of the output head and of the module's block (None: the model's own; a quantized head is always
-    its own). The copies make drafts cheaper (SmolLM2: 0.6 against 1.6 ms a row), never change the output."""
+    its own). The copies make drafts cheaper (SmolLM2: 0.6 against 1.6 ms a row), never change the output;
+    ngram: with draft_tokens, draft from each sequence's own text (prompt lookup, serve/ngram.py) instead of the MTP
+    module: any model, no second one."""
 
     kv_memory: int = 1 << 30
     block_size: int = 16
@@ -33,6 +35,7 @@ class EngineConfig:
     batch_invariant: bool | None = None
     draft_tokens: int = 0
     draft_head_bits: int | None = 4
+    ngram: bool = False
 
     def __post_init__(self) -> None:
         for name in ("kv_memory", "block_size", "max_batch", "step_tokens", "max_queue"):
@@ -42,6 +45,8 @@ class EngineConfig:
             raise InputError(f"draft_tokens={self.draft_tokens} must be >= 0")
         if self.draft_head_bits not in (None, 4, 8):
             raise InputError(f"draft_head_bits={self.draft_head_bits!r} must be 4, 8 or None")
+        if self.ngram and not self.draft_tokens:
+            raise InputError("ngram drafting needs draft_tokens >= 1 (how many drafts a sequence may get a step)")
 
 
 @dataclass

@@ -37,10 +37,10 @@ from llmkit.serve.model_runner import NativeRunner
 from llmkit.serve.paged import KernelKV, KernelLatent, KVPool, LatentPool, PagedCache, Placement
 from llmkit.serve.runner_base import ModelRunner, TokenRunner
 from llmkit.serve.scheduler import Work
-from llmkit.serve.speculation import Costs, Speculator
+from llmkit.serve.speculation import Costs, ModelDrafting, Speculator
 
 
-class MTPSpeculator(Speculator):
+class MTPSpeculator(ModelDrafting):
     """Drafts with `model`'s first MTP module for the engine's decoding rows. head_bits 8 / 4: draft through an
     int8 / int4 copy of the head and of the module's block (cheaper drafts, the same output)."""
 
@@ -165,7 +165,7 @@ class MTPSpeculator(Speculator):
         return self.draft.module.block(x[None], inputs, view)[0]
 
 
-class ModelSpeculator(Speculator):
+class ModelSpeculator(ModelDrafting):
     """Drafts with `draft`, a smaller model with the target's vocabulary, run by a model runner of its own over paged
     pools of its own (its keys in slot i: token i's, as the target's), under the engine's block tables."""
 
@@ -234,13 +234,20 @@ def draft_runner(draft: DecoderLM, target: TokenRunner) -> TokenRunner:
 def speculator(
     model: DecoderLM, target: ModelRunner, kv: KVCacheManager, config: EngineConfig, draft: DecoderLM | None
 ) -> Speculator:
-    """The engine's drafter of config.draft_tokens (> 0) drafts a step: `draft` when given, else the model's MTP
-    module. target: the engine's runner, which verifies the drafts: one that runs tokens as rows (TokenRunner)."""
+    """The engine's drafter of config.draft_tokens (> 0) drafts a step: `draft` when given, the sequences' own text
+    with config.ngram, else the model's MTP module. target: the engine's runner, which verifies the drafts: one that
+    runs tokens as rows (TokenRunner)."""
     if not isinstance(target, TokenRunner):
         raise InputError(
             "speculation verifies drafts in llmkit's C++ decode step or its GPU runner: it needs a CUDA GPU, or "
             f"{NATIVE_NEEDS}, fp32 caches"
         )
+    if draft is not None and config.ngram:
+        raise InputError("a draft model and n-gram drafting are two drafters: give one")
     if draft is not None:
         return ModelSpeculator(model, target, kv, config.draft_tokens, draft)
+    if config.ngram:
+        from llmkit.serve.ngram import NgramSpeculator
+
+        return NgramSpeculator(model, target, kv, config.draft_tokens)
     return MTPSpeculator(model, target, kv, config.draft_tokens, config.draft_head_bits)

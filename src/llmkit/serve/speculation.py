@@ -11,7 +11,8 @@ checks all the sequences' drafts in the step's one forward (the C++ step's, or t
     accept   greedy: the drafts while they are the target's argmax, then its token; sampled: the rule of Leviathan
              et al. (llmkit.generate.speculative.accept), which gives every token the target's distribution
 
-The drafters (serve/drafters.py): the model's MTP module (MTPSpeculator) or a smaller model (ModelSpeculator).
+The drafters (serve/drafters.py): models (ModelDrafting: the model's MTP module, MTPSpeculator, or a smaller model,
+ModelSpeculator), or the sequence's own text (NgramSpeculator: prompt lookup).
 
 How many drafts (0 .. k) is decided each step by Costs, which the speculator measures when it is made (the target's
 verifying step with the head, and a chained draft, at 1 to 64 rows) and completes with the engine's per-step
@@ -112,7 +113,7 @@ class Costs:
             tokens = torch.zeros(n, dtype=torch.long, device=dev)
             runs = 3 if n <= 8 else 1  # (a large model's many rows take long, and vary less)
             verifying.append(_seconds(sp.verify_rows, tokens, slots, table, runs=runs))
-            drafting.append(_seconds(sp.draft_scratch, slots, table, allowed, runs=runs))
+            drafting.append(sp.draft_seconds(slots, table, allowed, runs))
         return cls(tuple(verifying), tuple(drafting))
 
 
@@ -144,10 +145,10 @@ class Verdict:
 
 class Speculator(ABC):
     """What every drafter shares: which rows draft and how many tokens (drafts_for, from Costs and the acceptance
-    per depth), the drafting loop (propose), the verdicts (judge). A drafter says where its drafting starts
-    (first_slot), and gives _catch_up (its state at each row's cur, from its true inputs), _step (one chained draft),
-    head (state -> logits), _record (what it keeps of the target's states) and draft_scratch (a timed draft).
-    `target`: the engine's model runner, which verifies; `k`: the most drafts a sequence gets in a step."""
+    per depth), the choice of rows (propose), the verdicts (judge). A drafter gives _draft (the chosen rows' drafts),
+    and may cap a row's drafts by what it has to offer (_available), keep what it reads of the target's states
+    (_record) and say what a draft costs (draft_seconds). `target`: the engine's model runner, which verifies; `k`:
+    the most drafts a sequence gets in a step."""
 
     first_slot = 1
 
@@ -168,46 +169,38 @@ class Speculator(ABC):
     # ---- a drafter's part
 
     @abstractmethod
-    def _catch_up(self, rows: list[Work]) -> Tensor:
-        """The drafter over every row's slots from its state's `next` to its cur (slot w.start), from true inputs;
-        returns its state at each row's cur (R, C'), which `head` turns into logits."""
+    def _draft(self, chosen: list[tuple[Work, int]]) -> list[Drafts]:
+        """Drafts for each chosen row (its Work, how many drafts it gets: at least 1)."""
 
-    @abstractmethod
-    def _step(self, works: list[Work], slots: Tensor, ids: Tensor, out: Tensor) -> Tensor:
-        """One chained draft: each work's token ids (M,) in slots (M,), after states out (M, C') -> states (M, C')."""
+    def _available(self, w: Work, k: int) -> int:
+        """How many of k drafts the drafter has for row w (a model always has k)."""
+        return k
 
-    @abstractmethod
-    def head(self, out: Tensor) -> Tensor:
-        """The drafter's states (M, C') -> logits (M, V)."""
-
-    @abstractmethod
-    def draft_scratch(self, slots: Tensor, table: Tensor, allowed: Tensor) -> Tensor:
-        """A chained draft of dummy rows in slots (M,) through table (M, nb), seeing allowed (M, S) (Costs)."""
+    def draft_seconds(self, slots: Tensor, table: Tensor, allowed: Tensor, runs: int) -> float:
+        """Seconds a chained draft of dummy rows in slots (M,) through table (M, nb), seeing allowed (M, S), takes
+        (Costs.measure); 0 for a drafter that runs no model."""
+        return 0.0
 
     @abstractmethod
     def _record(self, rows: list[Work], hidden: list[Tensor], counts: list[int]) -> None:
         """Keep what the drafter reads of the target's last-block states (n_i, C) of a forward."""
 
-    def _spans(self, rows: list[Work]) -> tuple[list[Work], list[int], list[int]]:
-        """What _catch_up computes: every row's slots from its state's `next` to its cur, one entry per slot (the
-        slot's Work, the slot), and where each row's cur is among them; the states move on past cur."""
-        works: list[Work] = []
-        slots: list[int] = []
-        last: list[int] = []
-        for w in rows:
-            state = self.states[w.seq.key]
-            span = range(state.next, w.start + 1)
-            works += [w] * len(span)
-            slots += span
-            last.append(len(slots) - 1)
-            state.next = w.start + 1
-        return works, slots, last
+    # ---- verifying
 
-    def _tables(self, works: list[Work], device: torch.device) -> Tensor:
-        """The works' block tables, one row each, padded with a valid block (M, nb)."""
-        tables = [self.kv.table(w.seq) for w in works]
-        nb = max(len(t) for t in tables)
-        return torch.tensor([t + t[:1] * (nb - len(t)) for t in tables], device=device)
+    def verify_rows(self, tokens: Tensor, slots: Tensor, table: Tensor) -> Tensor:
+        """What a verifying step computes for tokens (N,), each a row (the target's token_states and token_logits:
+        on the C++ step, the head in row-invariant pieces) -> logits (N, V)."""
+        return self.target.token_logits(self.target.token_states(tokens, slots, table))
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """A verified row kept `accepted` of its `drafted` drafts: the acceptance per depth (which sets k) moves."""
+        self.drafted += drafted
+        self.accepted += accepted
+        for depth in range(min(accepted + 1, drafted)):  # depths 1 .. a were kept, depth a + 1 (if drafted) was not
+            self._tried[depth] = 0.99 * self._tried[depth] + 1
+            self._kept[depth] = 0.99 * self._kept[depth] + (depth < accepted)
+
+    # ---- bookkeeping
 
     @property
     def acceptance(self) -> list[float]:
@@ -307,11 +300,47 @@ class Speculator(ABC):
             left = seq.request.params.max_tokens - len(seq.generated)  # tokens it may still get, cur's next included
             kw = min(k, left - 1, max_len - 1 - w.start)
             # (slot 0 has no MTP position: nothing comes before it)
-            if kw > 0 and w.start > 0 and self.eligible(seq) and room(seq, w.start + 1 + kw):
-                chosen.append((w, kw))
-                index.append(i)
+            if kw > 0 and w.start > 0 and self.eligible(seq):
+                kw = self._available(w, kw)
+                if kw > 0 and room(seq, w.start + 1 + kw):
+                    chosen.append((w, kw))
+                    index.append(i)
         if not chosen:
             return {}
+        drafts = dict(zip(index, self._draft(chosen), strict=True))
+        if self._kernels is not None:  # the verifying rows, and what the chained drafts' timings say
+            deepest = max(kw for _, kw in chosen)
+            extra = sum(kw for _, kw in chosen)
+            self._kernels = (self.costs.verify(len(rows) + extra), 0.0, deepest * self.costs.draft(len(chosen)))
+        return drafts
+
+
+class ModelDrafting(Speculator):
+    """A drafter that runs a model (the MTP module, a draft model): its state at each row's cur from its true inputs
+    (_catch_up), then chained drafts (_step), each drawn from its head's logits under the row's settings. It says
+    where its drafting starts (first_slot) and gives head (state -> logits) and draft_scratch (a timed draft)."""
+
+    @abstractmethod
+    def _catch_up(self, rows: list[Work]) -> Tensor:
+        """The drafter over every row's slots from its state's `next` to its cur (slot w.start), from true inputs;
+        returns its state at each row's cur (R, C'), which `head` turns into logits."""
+
+    @abstractmethod
+    def _step(self, works: list[Work], slots: Tensor, ids: Tensor, out: Tensor) -> Tensor:
+        """One chained draft: each work's token ids (M,) in slots (M,), after states out (M, C') -> states (M, C')."""
+
+    @abstractmethod
+    def head(self, out: Tensor) -> Tensor:
+        """The drafter's states (M, C') -> logits (M, V)."""
+
+    @abstractmethod
+    def draft_scratch(self, slots: Tensor, table: Tensor, allowed: Tensor) -> Tensor:
+        """A chained draft of dummy rows in slots (M,) through table (M, nb), seeing allowed (M, S) (Costs)."""
+
+    def draft_seconds(self, slots: Tensor, table: Tensor, allowed: Tensor, runs: int) -> float:
+        return _seconds(self.draft_scratch, slots, table, allowed, runs=runs)
+
+    def _draft(self, chosen: list[tuple[Work, int]]) -> list[Drafts]:
         for w, _ in chosen:  # a sequence not seen yet, or computed again since (preempted): MTP keys from slot 1
             state = self.states.setdefault(w.seq.key, _State(w.start, self.first_slot))
             if w.start < state.start:
@@ -338,14 +367,7 @@ class Speculator(ABC):
             slots = torch.tensor([w.start + depth + 1 for w in works])
             ids = torch.stack([nxt[j] for j in keep])
             out = self._step(works, slots, ids, out[keep])
-        drafts = {}
-        for i, row in enumerate(index):
-            drafts[row] = Drafts(torch.stack(tokens[i]), torch.stack(qs[i]) if qs[i] else None)
-        if self._kernels is not None:  # the verifying rows, and what the chained drafts' timings say
-            deepest = max(kw for _, kw in chosen)
-            extra = sum(kw for _, kw in chosen)
-            self._kernels = (self.costs.verify(len(rows) + extra), 0.0, deepest * self.costs.draft(len(chosen)))
-        return drafts
+        return [Drafts(torch.stack(t), torch.stack(q) if q else None) for t, q in zip(tokens, qs, strict=True)]
 
     def _draw(self, logits: Tensor, seq: Sequence, depth: int) -> tuple[Tensor, Tensor | None]:
         """Draft `depth` (0: the token after cur) from the MTP head's logits (V,) under the sequence's settings, and
@@ -357,20 +379,26 @@ class Speculator(ABC):
         q = distribution(x.unsqueeze(0), sampling)[0]
         return draw(q, False, seq.generator), q
 
-    def verify_rows(self, tokens: Tensor, slots: Tensor, table: Tensor) -> Tensor:
-        """What a verifying step computes for tokens (N,), each a row (the target's token_states and token_logits:
-        on the C++ step, the head in row-invariant pieces) -> logits (N, V)."""
-        return self.target.token_logits(self.target.token_states(tokens, slots, table))
+    def _spans(self, rows: list[Work]) -> tuple[list[Work], list[int], list[int]]:
+        """What _catch_up computes: every row's slots from its state's `next` to its cur, one entry per slot (the
+        slot's Work, the slot), and where each row's cur is among them; the states move on past cur."""
+        works: list[Work] = []
+        slots: list[int] = []
+        last: list[int] = []
+        for w in rows:
+            state = self.states[w.seq.key]
+            span = range(state.next, w.start + 1)
+            works += [w] * len(span)
+            slots += span
+            last.append(len(slots) - 1)
+            state.next = w.start + 1
+        return works, slots, last
 
-    # ---- verifying
-
-    def record(self, drafted: int, accepted: int) -> None:
-        """A verified row kept `accepted` of its `drafted` drafts: the acceptance per depth (which sets k) moves."""
-        self.drafted += drafted
-        self.accepted += accepted
-        for depth in range(min(accepted + 1, drafted)):  # depths 1 .. a were kept, depth a + 1 (if drafted) was not
-            self._tried[depth] = 0.99 * self._tried[depth] + 1
-            self._kept[depth] = 0.99 * self._kept[depth] + (depth < accepted)
+    def _tables(self, works: list[Work], device: torch.device) -> Tensor:
+        """The works' block tables, one row each, padded with a valid block (M, nb)."""
+        tables = [self.kv.table(w.seq) for w in works]
+        nb = max(len(t) for t in tables)
+        return torch.tensor([t + t[:1] * (nb - len(t)) for t in tables], device=device)
 
 
 class NoDrafts:
