@@ -38,21 +38,6 @@ def test_int4_product_equals_the_dequantized_weights(M, K, N, group, dtype):
     torch.testing.assert_close(got.float(), want, **tol)
 
 
-@pytest.mark.parametrize(("M", "K", "N", "group"), [(1, 96, 40, 32), (5, 160, 70, None), (17, 576, 64, 64)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_int8_product_equals_the_dequantized_weights(M, K, N, group, dtype):
-    from llmkit.kernels.weight_matmul import int8_matmul
-
-    codes, scales = quantize_int8(torch.randn(N, K), group)  # group None: one scale per row
-    x = torch.randn(M, K).to(DEVICE, dtype)
-    codes, scales = codes.to(DEVICE), scales.to(DEVICE)
-    got = int8_matmul(x, codes, scales)
-    want = x.float() @ dequantize_int8(codes, scales).T
-    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
-    assert got.dtype == dtype and got.shape == (M, N)
-    torch.testing.assert_close(got.float(), want, **tol)
-
-
 def test_fp8_codes_decode_to_their_e4m3_numbers_exactly():
     """Every byte but E4M3's two NaNs (0x7f, 0xff), decoded by the kernel's integer arithmetic: one-hot rows of x
     read the weights back exactly as float8_e4m3fn's own cast gives them (normal, subnormal, zero, -0)."""
@@ -67,16 +52,22 @@ def test_fp8_codes_decode_to_their_e4m3_numbers_exactly():
     assert torch.equal(got.T, dequantize_fp8(codes, scales))
 
 
+@pytest.mark.parametrize("codes", ["int8", "fp8"])
 @pytest.mark.parametrize(("M", "K", "N", "group"), [(1, 96, 40, 32), (5, 160, 70, None), (17, 576, 64, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_fp8_product_equals_the_dequantized_weights(M, K, N, group, dtype):
-    from llmkit.kernels.weight_matmul import fp8_matmul
+def test_byte_code_products_equal_the_dequantized_weights(M, K, N, group, dtype, codes):
+    """int8 and fp8: a byte a weight, a scale per row (group None) or per group."""
+    from llmkit.kernels.weight_matmul import fp8_matmul, int8_matmul
 
-    codes, scales = quantize_fp8(torch.randn(N, K), group)
+    quantize, dequantize, product = {
+        "int8": (quantize_int8, dequantize_int8, int8_matmul),
+        "fp8": (quantize_fp8, dequantize_fp8, fp8_matmul),
+    }[codes]
+    q, scales = quantize(torch.randn(N, K), group)
     x = torch.randn(M, K).to(DEVICE, dtype)
-    codes, scales = codes.to(DEVICE), scales.to(DEVICE)
-    got = fp8_matmul(x, codes, scales)
-    want = x.float() @ dequantize_fp8(codes, scales).T
+    q, scales = q.to(DEVICE), scales.to(DEVICE)
+    got = product(x, q, scales)
+    want = x.float() @ dequantize(q, scales).T
     tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
     assert got.dtype == dtype and got.shape == (M, N)
     torch.testing.assert_close(got.float(), want, **tol)

@@ -197,12 +197,14 @@ class QuantizedLinear(FP32Buffers, abc.ABC):
         )
 
 
-class Int8Linear(QuantizedLinear):
-    """int8 codes, symmetric, one scale per output row (group_size None) or per group of inputs."""
+class _ByteCodes(QuantizedLinear):
+    """The layout int8 and fp8 share: a byte a weight, qweight (N, K) of `code_dtype`, and scales (N, G): one per
+    output row (group_size None) or per group of inputs. `takes`: the kernel choices the format takes."""
 
     bits = 8
-    method = "int8"
     default_group_size = None  # one scale per output row
+    code_dtype: ClassVar[torch.dtype]
+    takes: ClassVar[tuple[Kernel, ...]] = kernels.KERNELS
 
     def __init__(
         self,
@@ -215,11 +217,20 @@ class Int8Linear(QuantizedLinear):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(in_features, out_features, bias, group_size, kernel, device, dtype)
-        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
+        if kernel not in self.takes:
+            raise InputError(f"{self.method} layers run kernel {' or '.join(map(repr, self.takes))}, not {kernel!r}")
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=self.code_dtype, device=device))
         self.register_buffer("scales", torch.ones(out_features, self.n_groups, device=device))
         self.zeros: Tensor | None = None
         if self.qweight.device.type != "meta":
             self.prepare()
+
+
+class Int8Linear(_ByteCodes):
+    """int8 codes, symmetric, one scale per output row (group_size None) or per group of inputs."""
+
+    method = "int8"
+    code_dtype = torch.int8
 
     def _encode(self, w: Tensor) -> dict[str, Tensor]:
         q, s = quantize_int8(w, self.group_size)
@@ -354,35 +365,15 @@ class Int4Linear(QuantizedLinear):
         return kernels.dequantized(x, self.dequantize(x.dtype), self.bias)
 
 
-class Fp8Linear(QuantizedLinear):
+class Fp8Linear(_ByteCodes):
     """fp8 codes (E4M3, the format H100-class GPUs compute in), symmetric, one scale per output row (group_size
     None) or per group of inputs: half the bytes of bf16, read by llmkit's Triton kernel on a GPU (which decodes the
-    bytes itself, so any card takes them); elsewhere dequantized."""
+    bytes itself, so any card takes them, kernel 'auto'); elsewhere dequantized. The codes are uint8 bytes, so that a
+    cast of the model (to bf16) leaves them alone."""
 
-    bits = 8
     method = "fp8"
-    default_group_size = None  # one scale per output row
-
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool = False,
-        group_size: int | None = None,
-        kernel: Kernel = "auto",
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__(in_features, out_features, bias, group_size, kernel, device, dtype)
-        if kernel not in ("auto", "dequant"):
-            raise InputError(
-                f"fp8 layers run kernel='auto' (llmkit's Triton kernel on a GPU) or 'dequant', not {kernel!r}"
-            )
-        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.uint8, device=device))
-        self.register_buffer("scales", torch.ones(out_features, self.n_groups, device=device))
-        self.zeros: Tensor | None = None
-        if self.qweight.device.type != "meta":
-            self.prepare()
+    code_dtype = torch.uint8
+    takes = ("auto", "dequant")
 
     def _encode(self, w: Tensor) -> dict[str, Tensor]:
         q, s = quantize_fp8(w, self.group_size)
