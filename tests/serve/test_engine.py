@@ -98,6 +98,33 @@ def test_the_gpu_runner_gives_the_tokens_of_generate(name):
     _assert_pool_empty(engine)
 
 
+def test_a_high_priority_request_is_admitted_while_low_priority_ones_wait():
+    """Two low-priority requests fill a batch of 2 and a third waits; a high-priority one arrives and runs at once
+    (one of the low ones gives it its place); every request's greedy tokens are still `generate`'s."""
+    model = _model("llama2-7b-tiny")
+    prompts = _prompts(model, [5, 9, 7, 6])
+    engine = _engine(model, max_batch=2)
+    low = [engine.add(p, SamplingParams(max_tokens=12, temperature=0.0, priority=1)) for p in prompts[:3]]
+    tokens: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for d in engine.step():
+            tokens.setdefault(d.request_id, []).extend(d.token_ids)
+
+    step()
+    step()
+    high = engine.add(prompts[3], SamplingParams(max_tokens=12, temperature=0.0, priority=-1))
+    step()
+    running = {seq.request.id for seq in engine.scheduler.running}
+    assert high in running and tokens.get(high) and len(running) == 2  # admitted in the step after it arrived
+    assert {seq.request.id for seq in engine.scheduler.waiting} & set(low)  # while low-priority ones wait
+    while engine.has_work:
+        step()
+    for prompt, request in zip(prompts, [*low, high], strict=True):
+        assert tokens[request] == _reference(model, prompt, 12)
+    _assert_pool_empty(engine)
+
+
 def test_the_batch_invariant_gpu_runner_answers_each_request_as_alone():
     """The GPU runner in its batch-invariant mode (interpreted here), in the engine: six sampled requests run
     together, their prompts cut into chunks beside each other's decoding rows, each get the tokens and

@@ -112,3 +112,21 @@ def test_langchain_completions_class_answers(server):
     direct = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
     expected = direct.completions.create(model="m", prompt="Once upon a time", max_tokens=5, temperature=0)
     assert llm.invoke("Once upon a time") == expected.choices[0].text
+
+
+def test_priority_is_vllms_extension_field(server):
+    """`priority` (lower runs first) reaches the engine through the SDK's extra_body; out of its range, a 400."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    seen = []
+    admit = server.engine.admit
+    server.engine.admit = lambda prompt, params, *a, **k: seen.append(params.priority) or admit(prompt, params, *a, **k)
+    try:
+        plain = client.completions.create(model="m", prompt="hi", max_tokens=3, temperature=0)
+        first = client.completions.create(
+            model="m", prompt="hi", max_tokens=3, temperature=0, extra_body={"priority": -5}
+        )
+    finally:
+        server.engine.admit = admit
+    assert first.choices[0].text == plain.choices[0].text and seen == [0, -5]
+    code, answer = post(f"{server.url}/v1/completions", {"model": "m", "prompt": "hi", "priority": 2**40})
+    assert code == 400 and answer["error"]["param"] == "priority"

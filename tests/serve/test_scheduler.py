@@ -112,3 +112,55 @@ def test_a_waiting_sequence_that_does_not_fit_keeps_its_place_and_holds_nothing(
     run(s)
     assert [x.request.id for x in s.waiting] == ["b", "c"]
     assert all(s.kv.table(x) == [] for x in s.waiting)
+
+
+def prioritized(request: str, prompt: list[int], priority: int, arrival: float = 0.0) -> Sequence:
+    params = SamplingParams(max_tokens=64, priority=priority)
+    return Sequence(Request(request, prompt, params, arrival), 0, list(prompt))
+
+
+def test_waiting_sequences_are_admitted_by_priority_then_as_before():
+    s = Scheduler(BlockPool(64, 4), max_batch=1, step_tokens=100)
+    for name, priority in [("a", 1), ("b", 0), ("c", -2), ("d", 0)]:
+        s.add(prioritized(name, [1, 2], priority))
+    order = []
+    for _ in range(4):
+        running = s.running[0] if s.running else None
+        if running is not None:
+            s.remove(running)
+        order.append(shape(run(s))[0][0])
+    assert order == ["c", "b", "d", "a"]  # lower first; equal priorities in arrival order
+
+
+def test_a_higher_priority_sequence_preempts_a_lower_one_for_a_full_batch_never_an_equal_one():
+    s = Scheduler(BlockPool(64, 4), max_batch=2, step_tokens=100)
+    low, mid = prioritized("low", [1, 2, 3], 5), prioritized("mid", [4, 5], 0)
+    s.add(low)
+    s.add(mid)
+    run(s)
+    equal = prioritized("equal", [6], 5, arrival=1.0)
+    s.add(equal)
+    run(s)  # the batch is full and `equal` outranks no one running (low is its equal): it waits
+    assert equal.status is Status.WAITING and low.status is Status.RUNNING
+    high = prioritized("high", [7, 8], -1, arrival=2.0)
+    s.add(high)
+    work = run(s)
+    # high takes low's place (low's decoding token is taken out of the step); `equal` still waits
+    assert high.status is Status.RUNNING and low.status is Status.WAITING and equal.status is Status.WAITING
+    assert [w.seq for w in work] == [mid, high] and s.kv.table(low) == [] and s.preemptions == 1
+
+
+def test_a_higher_priority_sequence_preempts_lower_ones_until_its_prompt_fits():
+    pool = BlockPool(6, 2)
+    s = Scheduler(pool, max_batch=8, step_tokens=100)
+    lows = [prioritized(f"low{k}", [k, k, k], 3, arrival=k) for k in range(3)]  # 2 blocks each: the pool is full
+    for x in lows:
+        s.add(x)
+    run(s)
+    assert pool.free == 0
+    high = prioritized("high", [9] * 7, 0, arrival=9.0)  # 4 blocks: two of the lows must go
+    s.add(high)
+    run(s)
+    assert high.status is Status.RUNNING and s.preemptions >= 2
+    assert sum(x.status is Status.RUNNING for x in lows) <= 1
+    assert all(s.kv.table(x) == [] for x in lows if x.status is Status.WAITING)

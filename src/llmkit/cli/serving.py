@@ -227,10 +227,12 @@ def _announce(server: Any, name: str, model: Any, mtp: int, draft: str | None, s
         f"llmkit serve: {name} ({parameter_count(model) / 1e6:.1f}M parameters{split}, {describe(model)}, "
         f"computing in {str(e.dtype).removeprefix('torch.')} on {e.device}); "
         f"KV cache {e.pool.n_blocks} blocks x {e.pool.block_size} tokens = {e.cache.nbytes / 2**20:.0f} MiB, "
-        f"{e.capacity_sequences:.1f} sequences of the full {e.max_len}-token context; steps through "
+        f"{e.capacity_sequences:.1f} sequences of the full {e.max_len}-token context, "
+        f"{e.sequences_of(min(2048, e.max_len))} of {min(2048, e.max_len)} tokens; steps through "
         f"{e.runner.kind}; {invariant}; "
         + (f"drafting up to {speculate} tokens a step with its MTP module; " if mtp else "")
         + (f"drafting up to {speculate} tokens a step with {Path(draft).name}; " if draft is not None else "")
+        + (f"drafting up to {speculate} tokens a step from each sequence's text; " if e.config.ngram else "")
         + f"listening on {server.url}/v1",
         flush=True,
     )

@@ -105,6 +105,10 @@ class Engine:
         """How many sequences of the model's full context the cache holds at once."""
         return self.pool.n_blocks * self.pool.block_size / self.max_len
 
+    def sequences_of(self, tokens: int) -> int:
+        """How many sequences of `tokens` tokens (prompt and output) the cache holds at once."""
+        return self.pool.n_blocks // -(-tokens // self.pool.block_size)
+
     def add(
         self, prompt: list[int], params: SamplingParams, request_id: str | None = None, timeout: float | None = None
     ) -> str:

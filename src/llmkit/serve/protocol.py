@@ -5,7 +5,7 @@ defaults or nulls (LangChain sends `"logprobs": null` on every call) is served. 
 is accepted only at its default: any other value is a 400 naming the field and saying it is not supported, never
 something silently ignored. Unknown fields are forbidden, so a misspelt parameter is a 400 naming it too.
 Parameters that other OpenAI-compatible servers accept as extensions (top_k, min_p, repetition_penalty,
-ignore_eos, and vLLM's `structured_outputs`: json, regex, choice, grammar) are accepted.
+ignore_eos, vLLM's `priority` and `structured_outputs`: json, regex, choice, grammar) are accepted.
 
 Every number has a range and every list a length limit, checked here, before anything is tokenized or queued: a
 value outside them is a 400 that names the field and the range. Text must be Unicode scalar values: JSON can carry
@@ -181,6 +181,7 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)  # vLLM's extension: lower runs first
     logit_bias: dict[int, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     user: Text | None = None
     # hints that change no output: a key for routing to a cache (llmkit's prefix cache needs none), an end user's id
@@ -228,6 +229,7 @@ class _Sampling(BaseModel):
             n=self.n,
             ignore_eos=self.ignore_eos,
             logit_bias=tuple((self.logit_bias or {}).items()),
+            priority=self.priority,
         )
 
 

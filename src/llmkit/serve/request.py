@@ -54,7 +54,8 @@ class SamplingParams:
     prompt and generates nothing.
 
     constraint: what the generated text must be (a JSON schema, a regex, one of some choices, a grammar; see
-    serve/structured.py); the sequence stops once the text is complete."""
+    serve/structured.py); the sequence stops once the text is complete. priority: lower values are admitted first
+    and preempted last (vLLM's semantics; serve/scheduler.py); it changes when a request runs, never its output."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -72,6 +73,7 @@ class SamplingParams:
     top_logprobs: int = 0
     prompt_logprobs: int | None = None
     constraint: Constraint | None = None
+    priority: int = 0
 
     def __post_init__(self) -> None:
         self.sampling  # validates the shared settings  # noqa: B018
@@ -92,6 +94,8 @@ class SamplingParams:
             raise InputError("stop strings must be non-empty strings")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             raise InputError(f"seed={self.seed} must be a 64-bit signed integer")
+        if not -(2**31) <= self.priority < 2**31:
+            raise InputError(f"priority={self.priority} must be a 32-bit signed integer")
 
     @property
     def sampling(self) -> Sampling:

@@ -22,6 +22,12 @@ later waited 90 s behind the preempted ones. Here
     that just gave it up would only preempt again).
 Nothing starves: a request holding no blocks is admitted in arrival order, and a request that runs keeps its
 oldest sequences running while others take their turn.
+
+Priorities (a request's `priority`, lower first: vLLM's semantics) come before both rules, which order requests of
+the same priority: admission takes the waiting sequences by priority first; a victim is taken from the lowest
+priority that runs; and a waiting sequence that finds the batch full or the pool empty preempts running sequences
+of a strictly lower priority until it fits (a request never preempts its equals to get in). With every request at
+the default 0, as without priorities.
 """
 
 from __future__ import annotations
@@ -85,6 +91,7 @@ class Scheduler:
                 i += 1
                 continue
             victim = self._victim()  # possibly seq itself, or one given work already this step
+            assert victim is not None  # (seq itself runs)
             if self.running.index(victim) < i:
                 i -= 1
                 work = [w for w in work if w.seq is not victim]
@@ -100,13 +107,21 @@ class Scheduler:
                 work.append(Work(seq, seq.computed, count))
                 budget -= count
         holding = {seq.request.id for seq in self.running}
-        for seq in self._admission_order(holding):  # 2b. new ones, fewest blocks held first
-            if budget <= 0 or len(self.running) >= self.max_batch or (preempted and seq.request.id in holding):
+        for seq in self._admission_order(holding):  # 2b. new ones, by priority, then fewest blocks held first
+            if budget <= 0 or (preempted and seq.request.id in holding):
+                break
+            while len(self.running) >= self.max_batch and (freed := self._make_room(seq, work)) is not None:
+                budget, preempted = budget + freed, True
+            if len(self.running) >= self.max_batch:
                 break
             # a request for the prompt's log-probabilities computes the whole prompt: no prefix-cache hits
             seq.computed = self.kv.find_computed(seq) if seq.request.params.prompt_logprobs is None else 0
             count = min(len(seq.tokens) - seq.computed, budget)
-            if not self.kv.allocate(seq, seq.computed + count):
+            while not (fits := self.kv.allocate(seq, seq.computed + count)):
+                if (freed := self._make_room(seq, work)) is None:
+                    break
+                budget, preempted = budget + freed, True
+            if not fits:
                 self._unadmit(seq)  # no room yet: it keeps its place and holds nothing while it waits
                 break
             self.waiting.remove(seq)
@@ -118,20 +133,39 @@ class Scheduler:
             budget -= count
         return work
 
-    def _victim(self) -> Sequence:
-        """The newest running sequence of the request that holds the most blocks (ties: the newer request)."""
+    def _victim(self, below: int | None = None) -> Sequence | None:
+        """Among the running sequences of the lowest priority (of a priority below `below`, when given: None if
+        none runs), the newest one of the request that holds the most blocks (ties: the newer request)."""
+        candidates = [s for s in self.running if below is None or _priority(s) > below]
+        if not candidates:
+            return None
+        lowest = max(_priority(s) for s in candidates)
         held: dict[str, int] = {}
-        for seq in self.running:  # in admission order, so the last of a request is its newest
-            held[seq.request.id] = held.get(seq.request.id, 0) + self.kv.held(seq)
-        arrival = {seq.request.id: seq.request.arrival for seq in self.running}
+        for seq in candidates:  # in admission order, so the last of a request is its newest
+            if _priority(seq) == lowest:
+                held[seq.request.id] = held.get(seq.request.id, 0) + self.kv.held(seq)
+        arrival = {seq.request.id: seq.request.arrival for seq in candidates}
         hog = max(held, key=lambda r: (held[r], arrival[r]))
-        return next(seq for seq in reversed(self.running) if seq.request.id == hog)
+        return next(seq for seq in reversed(candidates) if seq.request.id == hog)
+
+    def _make_room(self, seq: Sequence, work: list[Work]) -> int | None:
+        """Preempt a running sequence of a lower priority than waiting `seq` (the victim of that class), taking its
+        work out of this step's: the tokens of the budget it frees, or None where no such sequence runs."""
+        victim = self._victim(below=_priority(seq))
+        if victim is None:
+            return None
+        freed = sum(w.count for w in work if w.seq is victim)
+        work[:] = [w for w in work if w.seq is not victim]
+        self._preempt(victim)
+        return freed
 
     def _admission_order(self, holding: set[str]) -> list[Sequence]:
-        """Waiting sequences of requests that hold no blocks (queue order), then the others (queue order)."""
-        return [s for s in self.waiting if s.request.id not in holding] + [
+        """By priority; within one, waiting sequences of requests that hold no blocks (queue order), then the
+        others (queue order)."""
+        order = [s for s in self.waiting if s.request.id not in holding] + [
             s for s in self.waiting if s.request.id in holding
         ]
+        return sorted(order, key=_priority)  # (stable: the order above within a priority)
 
     def computed(self, work: Work) -> None:
         """After the model ran `work`: its tokens are cached, and the blocks it filled can be shared."""
@@ -152,3 +186,7 @@ class Scheduler:
         self._unadmit(seq)
         self.waiting.appendleft(seq)
         self.preemptions += 1
+
+
+def _priority(seq: Sequence) -> int:
+    return seq.request.params.priority
