@@ -127,3 +127,23 @@ def test_a_server_drafting_by_prompt_lookup_answers_the_openai_client_as_plain_d
         stream = client.completions.create(model="m", prompt=text, max_tokens=12, temperature=0, stream=True)
         assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == want
         assert isinstance(server.engine.drafter, NgramSpeculator)
+
+
+def test_only_rows_that_sample_are_offered_drafts(monkeypatch):
+    """Four completions of one prompt: the later ones find its first blocks cached and compute the rest, at times
+    as a 1-token chunk short of the prompt's end. Such a row samples nothing, so it must not carry drafts (they
+    would sit between prompt tokens); every row the drafter is offered samples its next token."""
+    model = _model()
+    g = torch.Generator().manual_seed(4)
+    passage = torch.randint(0, 256, (10,), generator=g).tolist()
+    engine = _engine(model, ngram=True)
+    offered = []
+    propose = NgramSpeculator.propose
+
+    def spy(self, rows, *args, **kwargs):
+        offered.extend(w.samples for w in rows)  # (as the row stands when it is offered)
+        return propose(self, rows, *args, **kwargs)
+
+    monkeypatch.setattr(NgramSpeculator, "propose", spy)
+    engine.generate([[*passage, 5, *passage]], SamplingParams(max_tokens=6, temperature=0.3, n=4))
+    assert offered and all(offered)

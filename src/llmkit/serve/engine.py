@@ -247,7 +247,8 @@ class Engine:
     def _plan(self, work: list[Work]) -> tuple[StepPlan, dict[int, Drafts]]:
         """The step's plan, and the drafts of its decoding rows by row index (the drafter's proposal, for which it
         may take more blocks: the tables are read after it)."""
-        decoding = [i for i, w in enumerate(work) if w.count == 1]
+        # rows that compute their newest token and sample the next (a prompt's 1-token chunk short of its end does not)
+        decoding = [i for i, w in enumerate(work) if w.count == 1 and w.samples]
         proposed = self.drafter.propose(
             [work[i] for i in decoding], self.scheduler.kv.allocate, self.max_len, chunks=len(decoding) < len(work)
         )
