@@ -259,13 +259,16 @@ def render_chat(
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     tools: list[dict[str, Any]] | None = None,
+    variables: dict[str, Any] | None = None,
 ) -> str:
     """The prompt text for a conversation, from the tokenizer's Jinja chat template (rendered in a sandbox); tools:
-    function definitions, for templates that render them (transformers' convention)."""
+    function definitions, for templates that render them (transformers' convention); variables: more for the
+    template (Qwen3's enable_thinking, ...)."""
     if not tokenizer.chat_template:
         raise ConfigError("the tokenizer has no chat template")
     token = tokenizer.backend.id_to_token
     return _compiled_template(tokenizer.chat_template).render(
+        **(variables or {}),
         messages=messages,
         tools=tools,
         add_generation_prompt=add_generation_prompt,

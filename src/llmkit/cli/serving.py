@@ -6,7 +6,7 @@ import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from llmkit.cli.common import DType, invariance, load_decoder
 from llmkit.errors import LLMKitError
@@ -27,6 +27,8 @@ class HTTPOptions:
     header_timeout: seconds a client has to send its request line and headers (slower: the connection is closed).
     shutdown_timeout: on SIGTERM or Ctrl-C, seconds the requests in flight get to finish before they are ended
       (streams get an error event and [DONE]); a second signal ends them at once.
+    reasoning_parser: a chat reply's <think> block returned apart as reasoning_content: auto (where the chat
+      template has thinking blocks: Qwen3, DeepSeek-R1, ...), think (always), none (left in content).
     """
 
     host: str = "127.0.0.1"
@@ -39,6 +41,7 @@ class HTTPOptions:
     body_timeout: float = 30.0
     header_timeout: float = 30.0
     shutdown_timeout: float = 30.0
+    reasoning_parser: Literal["auto", "think", "none"] = "auto"
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,7 @@ def serve(
         body_timeout=http.body_timeout,
         header_timeout=http.header_timeout,
         shutdown_timeout=http.shutdown_timeout,
+        reasoning_parser=http.reasoning_parser,
     )
     drafts = speculation.draft_tokens()
     config = EngineConfig(

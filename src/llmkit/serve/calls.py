@@ -24,6 +24,7 @@ from llmkit.errors import InputError
 from llmkit.serve.engine import QueueFull, Refused
 from llmkit.serve.engine_loop import EngineClient
 from llmkit.serve.logprobs import CompletionLogprobs, TokenNames, chat_logprobs
+from llmkit.serve.reasoning import Reasoning, ReasoningStream
 from llmkit.serve.request import Delta, SamplingParams, TokenLogprob, Top
 from llmkit.serve.tools import ToolCall, ToolUse
 
@@ -85,7 +86,8 @@ class Call:
 
     texts: the prompts' own text, for echo and for log-probabilities' text offsets (which count from the start
     of the prompt); logprobs: whether the answer reports log-probabilities; tools: how a chat reply's tool calls
-    are read (serve/tools.py), when functions were offered."""
+    are read (serve/tools.py), when functions were offered; reasoning: how a chat reply's thinking block is told
+    from its answer (serve/reasoning.py), for chat templates that have one."""
 
     def __init__(
         self,
@@ -99,9 +101,11 @@ class Call:
         echo: bool = False,
         logprobs: bool = False,
         tools: ToolUse | None = None,
+        reasoning: Reasoning | None = None,
     ) -> None:
         self.client, self.prompts, self.params, self.timeout, self.field = client, prompts, params, timeout, field
         self.names, self.texts, self.echo, self.logprobs, self.tools = names, texts, echo, logprobs, tools
+        self.reasoning = reasoning
         self.id = uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.ids: list[str] = []
@@ -213,13 +217,16 @@ class Call:
     async def chat(self, model: str, request: Request) -> dict[str, Any]:
         choices = []
         for k, c in enumerate(await self._collect(request)):
-            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            thought, text = self.reasoning.split(c.text) if self.reasoning is not None else (None, c.text)
+            message: dict[str, Any] = {"role": "assistant", "content": text}
             reason = c.reason
             if self.tools is not None:
-                content, calls = self.tools.reply(c.text)
+                content, calls = self.tools.reply(text)
                 if calls:
                     message = {"role": "assistant", "content": content, "tool_calls": [x.openai() for x in calls]}
                     reason = self.tools.finish_reason(calls, reason)
+            if self.reasoning is not None:
+                message["reasoning_content"] = thought
             logprobs = chat_logprobs(self.names, c.ids, c.logprobs, c.tops) if self.logprobs else None
             choices.append({"index": k, "message": message, "logprobs": logprobs, "finish_reason": reason})
         return self._body("chat.completion", model, choices) | {"usage": self.usage()}
@@ -246,18 +253,27 @@ class Call:
         for k in range(len(self.prompts) * self.params.n):
             first = {"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             yield self._body("chat.completion.chunk", model, [first])
-        streams = {k: self.tools.stream() for k in range(len(self.prompts) * self.params.n)} if self.tools else {}
+        choices = range(len(self.prompts) * self.params.n)
+        streams = {k: self.tools.stream() for k in choices} if self.tools else {}
+        thoughts = {k: ReasoningStream(self.reasoning) for k in choices} if self.reasoning else {}
         async for k, d in self._guarded():
-            text, reason = d.text, d.finish_reason
+            text, reason, thought = d.text, d.finish_reason, ""
+            if self.reasoning is not None:  # the thinking block apart, as it arrives
+                thought, text = thoughts[k].push(text)
+                if reason is not None:
+                    more_thought, more_text = thoughts[k].end()
+                    thought, text = thought + more_thought, text + more_text
             calls: list[ToolCall] = []
             reason_text: str | None = reason
             if self.tools is not None:  # prose streams; what may be a call is held to the end and parsed
-                text = streams[k].push(d.text)
+                text = streams[k].push(text)
                 if reason is not None:
                     rest, calls = self.tools.end(streams[k])
                     text += rest
                     reason_text = self.tools.finish_reason(calls, reason)
-            delta: dict[str, Any] = {"content": text} if text or reason is None else {}
+            delta: dict[str, Any] = {"content": text} if text or (reason is None and not thought) else {}
+            if thought:
+                delta["reasoning_content"] = thought
             logprobs = chat_logprobs(self.names, d.token_ids, d.logprobs, d.top_logprobs) if self.logprobs else None
             if calls:  # OpenAI's shape: the calls, each whole, in a delta of their own before the finish reason
                 if text:

@@ -66,7 +66,9 @@ class ServeOptions:
     /health); metrics_key: a second key that opens /metrics only (for a scraper); request_timeout: seconds a
     request may take before it is ended; max_body_size: bytes of request body at most; body_timeout /
     header_timeout: seconds a client has to send its body / its request line and headers; shutdown_timeout:
-    seconds in-flight requests get to finish after SIGTERM or SIGINT before they are ended."""
+    seconds in-flight requests get to finish after SIGTERM or SIGINT before they are ended; reasoning_parser: how
+    a chat reply's thinking block is returned apart, as `reasoning_content` ("auto": where the chat template has
+    <think> blocks; "think": always; "none": never, the block stays in `content`)."""
 
     model_name: str
     api_key: str | None = None
@@ -76,8 +78,11 @@ class ServeOptions:
     body_timeout: float = 30.0
     header_timeout: float = 30.0
     shutdown_timeout: float = 30.0
+    reasoning_parser: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.reasoning_parser not in ("auto", "think", "none"):
+            raise InputError(f"reasoning_parser={self.reasoning_parser!r} must be 'auto', 'think' or 'none'")
         for name in ("request_timeout", "body_timeout", "header_timeout"):
             if not getattr(self, name) > 0:
                 raise InputError(f"{name}={getattr(self, name)} must be a positive number of seconds")

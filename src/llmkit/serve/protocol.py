@@ -404,6 +404,16 @@ class ChatRequest(_Sampling):
     web_search_options: Unsupported = None
     store: Annotated[bool | None, _only(None, False)] = None
     metadata: dict[str, Text] | None = Field(None, max_length=16)  # labels for stored completions; none are stored
+    # vLLM's extension: variables for the chat template (Qwen3's enable_thinking, ...)
+    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=16)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_reserved(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(kwargs or {}) & {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+        if taken:
+            raise ValueError(f"{', '.join(taken)}: set by the server, not by chat_template_kwargs")
+        return kwargs
 
     @field_validator("top_logprobs")
     @classmethod

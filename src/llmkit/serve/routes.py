@@ -36,6 +36,7 @@ from llmkit.serve.protocol import (
     Message,
     TokenizeRequest,
 )
+from llmkit.serve.reasoning import THINK, Reasoning, tags_of
 from llmkit.serve.request import Refused, SamplingParams
 from llmkit.serve.structured import Constraint
 from llmkit.serve.tools import Function, ToolUse, call_constraint, conversation, template_format
@@ -96,6 +97,16 @@ class Context:
 
     async def off_loop(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.workers, fn)
+
+    def reasoning(self, prompt: list[int]) -> Reasoning | None:
+        """How a reply to `prompt` is split into reasoning and answer (serve/reasoning.py), by the server's
+        reasoning_parser: None where replies are not split."""
+        choice, tok = self.options.reasoning_parser, self.tokenizer
+        tags = THINK if choice == "think" else tags_of(tok.chat_template) if choice == "auto" and tok else None
+        if tags is None or tok is None:
+            return None
+        inside = tok.decode(prompt[-8:]).rstrip().endswith(tags[0])  # the template opened the block
+        return Reasoning(*tags, inside=inside)
 
     def check_model(self, name: str) -> None:
         if name != self.options.model_name:
@@ -214,14 +225,19 @@ def generation_routes(ctx: Context) -> APIRouter:
             raise APIError(400, "this model has no tokenizer, so it cannot chat", param="messages")
         tokenizer = ctx.tokenizer
         turns, functions = ctx.text_limit.conversation(body.messages), body.offered()
-        ids = await ctx.off_loop(lambda: render_prompt(tokenizer, turns, functions))
+        variables = body.chat_template_kwargs
+        ids = await ctx.off_loop(lambda: render_prompt(tokenizer, turns, functions, variables=variables))
         most = body.limit()
         params = _params(body, most if most is not None else max(max_len - len(ids), 1))
         await _compiled(ctx, body, params)
         use = await _tool_use(ctx, body, functions)
         if use is not None and use.constraint is not None:
             params = replace(params, constraint=use.constraint)
-        call = Call(ctx.client, [ids], params, timeout, "messages", ctx.names, logprobs=bool(body.logprobs), tools=use)
+        reasoning = await ctx.off_loop(lambda: ctx.reasoning(ids))
+        call = Call(
+            ctx.client, [ids], params, timeout, "messages", ctx.names, logprobs=bool(body.logprobs), tools=use,
+            reasoning=reasoning,
+        )  # fmt: skip
         call.start()
         if body.stream:
             return sse(call.chat_chunks(body.model, _usage_wanted(body)))
@@ -367,12 +383,14 @@ def render_prompt(
     turns: list[dict[str, Any]],
     functions: list[Function] | None = None,
     add_generation_prompt: bool = True,
+    variables: dict[str, Any] | None = None,
 ) -> list[int]:
-    """The prompt's token ids for a conversation and the functions offered (serve/tools.py)."""
+    """The prompt's token ids for a conversation and the functions offered (serve/tools.py); variables: more for
+    the chat template (a request's chat_template_kwargs)."""
     takes_tools, _ = template_format(tokenizer.chat_template)
     messages, context = conversation(turns, functions, takes_tools)
     try:
-        text = render_chat(tokenizer, messages, add_generation_prompt, **context)
+        text = render_chat(tokenizer, messages, add_generation_prompt, variables=variables, **context)
         return tokenizer.encode(text, add_bos=False)
     except (ConfigError, InputError) as e:
         raise APIError(400, f"messages: {e}", param="messages") from e
