@@ -147,3 +147,20 @@ def test_only_rows_that_sample_are_offered_drafts(monkeypatch):
     monkeypatch.setattr(NgramSpeculator, "propose", spy)
     engine.generate([[*passage, 5, *passage]], SamplingParams(max_tokens=6, temperature=0.3, n=4))
     assert offered and all(offered)
+
+
+def test_a_sequence_whose_drafts_are_rejected_drafts_less():
+    """k per sequence from its own acceptance: a sequence that keeps its drafts gets the step's k, one that does not
+    falls to a single draft (still measured), and its record goes with it."""
+    from llmkit.serve.request import Request, Sequence
+
+    engine = _engine(_model(), ngram=True)
+    drafter = engine.drafter
+    assert isinstance(drafter, NgramSpeculator)
+    copying, wandering = (Sequence(Request(r, [1, 2], GREEDY, 0.0), 0, [1, 2]) for r in ("copying", "wandering"))
+    for _ in range(4):
+        drafter.record(4, 4, copying)
+        drafter.record(4, 0, wandering)
+    assert drafter._depth(copying, 4) == 4 and drafter._depth(wandering, 4) == 1
+    drafter.forget(wandering)
+    assert drafter._depth(wandering, 4) == 4  # a sequence not seen yet drafts in full

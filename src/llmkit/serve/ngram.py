@@ -63,6 +63,9 @@ class NgramSpeculator(Speculator):
     def __init__(self, model: DecoderLM, target: TokenRunner, kv: KVCacheManager, k: int) -> None:
         super().__init__(model, target, kv, k)
         self.indexes: dict[tuple[str, int], NgramIndex] = {}
+        # per sequence: how often its drafts are kept (a running mean from 1: a new sequence drafts in full), which
+        # caps its drafts below the step's k where its text is not being copied
+        self.kept: dict[tuple[str, int], float] = {}
         self._found: dict[tuple[str, int], list[int]] = {}  # this step's continuations, from _available to _draft
         with torch.no_grad():
             self.costs = Costs.measure(self)  # the verifying step's (drafting costs nothing measurable)
@@ -70,7 +73,7 @@ class NgramSpeculator(Speculator):
     def _available(self, w: Work, k: int) -> int:
         seq = w.seq
         text = seq.tokens[: w.start + 1]  # up to cur, the newest token
-        found = self.indexes.setdefault(seq.key, NgramIndex()).continuation(text, k)
+        found = self.indexes.setdefault(seq.key, NgramIndex()).continuation(text, self._depth(seq, k))
         self._found[seq.key] = found
         return len(found)
 
@@ -85,9 +88,24 @@ class NgramSpeculator(Speculator):
         self._found.clear()
         return drafts
 
+    def _depth(self, seq: Sequence, k: int) -> int:
+        """The drafts worth verifying for `seq`: while the chance that all of them are kept, its keep rate to the
+        power of their number, stays above 1 in 3 (at least one, to keep measuring it)."""
+        rate = self.kept.get(seq.key, 1.0)
+        depth = 1
+        while depth < k and rate ** (depth + 1) > 1 / 3:
+            depth += 1
+        return depth
+
+    def record(self, drafted: int, accepted: int, seq: Sequence | None = None) -> None:
+        super().record(drafted, accepted, seq)
+        if seq is not None and drafted:
+            self.kept[seq.key] = 0.7 * self.kept.get(seq.key, 1.0) + 0.3 * accepted / drafted
+
     def _record(self, rows: list[Work], hidden: list[Tensor], counts: list[int]) -> None:
         return  # the drafts come from the text, never from the target's states
 
     def forget(self, seq: Sequence) -> None:
         super().forget(seq)
         self.indexes.pop(seq.key, None)
+        self.kept.pop(seq.key, None)

@@ -91,7 +91,7 @@ class OutputProcessor:
         if bool((torch.isnan(logits) | torch.isposinf(logits)).any()):
             return self._error(seq, "the model's logits are NaN or infinite")
         verdict = judge(seq, drafts, logits)
-        self.drafter.record(len(drafts.tokens), verdict.accepted)
+        self.drafter.record(len(drafts.tokens), verdict.accepted, seq)
         parts = []
         for token, logprob, top in zip(verdict.tokens, verdict.logprobs, verdict.top, strict=True):
             parts.append(self.append(seq, token, logprob, top))

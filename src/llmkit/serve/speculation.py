@@ -192,8 +192,9 @@ class Speculator(ABC):
         on the C++ step, the head in row-invariant pieces) -> logits (N, V)."""
         return self.target.token_logits(self.target.token_states(tokens, slots, table))
 
-    def record(self, drafted: int, accepted: int) -> None:
-        """A verified row kept `accepted` of its `drafted` drafts: the acceptance per depth (which sets k) moves."""
+    def record(self, drafted: int, accepted: int, seq: Sequence | None = None) -> None:
+        """A verified row (of `seq`) kept `accepted` of its `drafted` drafts: the acceptance per depth (which sets
+        k) moves."""
         self.drafted += drafted
         self.accepted += accepted
         for depth in range(min(accepted + 1, drafted)):  # depths 1 .. a were kept, depth a + 1 (if drafted) was not
@@ -420,7 +421,7 @@ class NoDrafts:
     def timed(self, seconds: float) -> None:
         pass
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, drafted: int, accepted: int, seq: Sequence | None = None) -> None:
         raise AssertionError("an engine without speculation verified drafts")
 
 
