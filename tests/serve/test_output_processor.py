@@ -25,7 +25,7 @@ class Kept:
 
     drafted = accepted = 0
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, drafted: int, accepted: int, seq: object = None) -> None:
         self.drafted += drafted
         self.accepted += accepted
 
