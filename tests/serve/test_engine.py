@@ -229,12 +229,13 @@ def test_abort_and_bad_requests():
 def test_stop_strings_across_pieces():
     stops = TextStops(["\n\n", "END"])
     out, held, stopped = stops.release("hello\n")
-    assert (out, held, stopped) == ("hello", "\n", False)  # may be the start of "\n\n": held back
-    assert stops.release(held + "\nworld") == ("", "", True)  # the caller passes what it held plus the new piece
-    assert stops.release("the EN") == ("the ", "EN", False)
-    assert stops.release("ENDING") == ("", "", True)
-    assert stops.release("the EN", final=True) == ("the EN", "", False)
-    assert TextStops([]).release("a\n") == ("a\n", "", False)
+    assert (out, held, stopped) == ("hello", "\n", None)  # may be the start of "\n\n": held back
+    assert stops.release(held + "\nworld") == ("", "", "\n\n")  # the caller passes what it held plus the new piece
+    assert stops.release("the EN") == ("the ", "EN", None)
+    assert stops.release("ENDING") == ("", "", "END")
+    assert stops.release("a END b\n\n") == ("a ", "", "END")  # the stop string that occurs first, not first given
+    assert stops.release("the EN", final=True) == ("the EN", "", None)
+    assert TextStops([]).release("a\n") == ("a\n", "", None)
 
 
 def test_block_pool_shares_and_evicts_least_recently_used():

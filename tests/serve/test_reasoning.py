@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmkit.serve.reasoning import THINK, Reasoning, ReasoningStream, tags_of
+from llmkit.serve.reasoning import THINK, Reasoning, ReasoningStream, ThinkingBudget, tags_of
 
 R = Reasoning(*THINK)
 
@@ -40,11 +40,12 @@ def test_a_tag_cut_between_deltas_is_held_until_it_is_whole():
 
 
 # a Qwen3-like template: the model opens its own <think> block, unless enable_thinking is false, when the template
-# writes an empty one into the prompt
+# writes an empty one into the prompt; with enable_thinking true it opens the block itself (as DeepSeek-R1's does)
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{% if enable_thinking is defined and enable_thinking %}<think>\n{% endif %}{% endif %}"
 )
 
 
@@ -88,3 +89,93 @@ def test_reserved_template_variables_are_a_400(server):
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"messages": []}}
     code, answer = post(f"{server.url}/v1/chat/completions", body)
     assert code == 400 and "set by the server" in answer["error"]["message"]
+
+
+# ---- the thinking budget
+
+
+def test_a_budget_forces_the_closing_tokens_once_the_block_has_taken_its_tokens():
+    budget = ThinkingBudget(Reasoning(*THINK, inside=True), budget=3, close=[90, 91])
+    for token, text in [(1, "a"), (2, "b")]:
+        budget.push(token, text)
+        assert budget.next_token() is None
+    budget.push(3, "c")
+    assert budget.next_token() == 90
+    budget.push(90, "\n</thi")
+    assert budget.next_token() == 91 and budget.thinking
+    budget.push(91, "nk>")
+    assert budget.next_token() is None and not budget.thinking
+    budget.push(4, "answer")  # after the block: never limited again
+    assert budget.next_token() is None and budget.used == 5
+
+    closes_itself = ThinkingBudget(Reasoning(*THINK), budget=3, close=[90])
+    for token, text in [(1, "<think>"), (2, "ok"), (3, "</think>"), (4, "x"), (5, "y")]:
+        closes_itself.push(token, text)
+    assert closes_itself.next_token() is None and not closes_itself.thinking
+    no_block = ThinkingBudget(Reasoning(*THINK), budget=1, close=[90])
+    for token, text in [(1, "plain"), (2, " text")]:
+        no_block.push(token, text)
+    assert no_block.next_token() is None and not no_block.thinking
+
+
+def test_the_engine_keeps_the_reply_and_forces_the_close_at_the_budget(tiny):
+    """The budgeted reply is the plain one up to the budget, then the closing tag's tokens, each with the model's
+    own log-probability; a budget is refused where it cannot work."""
+    from dataclasses import replace
+
+    from llmkit.serve.engine import Engine, EngineConfig
+    from llmkit.serve.request import Refused, SamplingParams
+    from llmkit.serve.structured import Constraint
+
+    model, tok = tiny
+    engine = Engine(model, tok, EngineConfig(kv_memory=16 << 20))
+    prompt = tok.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n", add_bos=False)
+    plain = SamplingParams(max_tokens=12, temperature=0.0)
+    budgeted = replace(plain, reasoning_budget=4, reasoning=Reasoning(*THINK, inside=True))
+    [free], [held] = engine.generate([prompt], plain), engine.generate([prompt], budgeted)
+    close = tok.encode("\n</think>", add_bos=False)
+    assert "</think>" not in free.text  # (the tiny model never closes its block by itself)
+    assert held.token_ids[:4] == free.token_ids[:4]
+    assert held.token_ids[4 : 4 + len(close)] == close
+    assert all(lp <= 0.0 for lp in held.logprobs) and len(held.token_ids) == 12
+    with pytest.raises(Refused, match="thinking blocks"):
+        engine.add(prompt, replace(plain, reasoning_budget=4))
+    with pytest.raises(Refused, match="structured output"):
+        engine.add(prompt, replace(budgeted, constraint=Constraint("regex", "[a-z]+")))
+
+
+def test_the_three_apis_split_a_budgeted_reply_alike(server):
+    """The chat endpoint's reasoning_content / content, Anthropic's thinking / text blocks and the Responses API's
+    reasoning / message items hold the same two texts for the same budgeted request, whole and streamed."""
+    openai = pytest.importorskip("openai")
+    anthropic = pytest.importorskip("anthropic")
+    gpt = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    claude = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+    hi = [{"role": "user", "content": "hi"}]
+    budget = {"thinking_token_budget": 4, "chat_template_kwargs": {"enable_thinking": True}}
+    chat = gpt.chat.completions.create(model="m", messages=hi, max_tokens=16, temperature=0, extra_body=budget)
+    thought, answer = chat.choices[0].message.reasoning_content, chat.choices[0].message.content
+    assert thought and answer is not None and "</think>" not in thought + answer
+
+    thinking = {"type": "enabled", "budget_tokens": 4}
+    ask = {"model": "m", "messages": hi, "max_tokens": 16, "thinking": thinking, "extra_body": {"temperature": 0}}
+    message = claude.messages.create(**ask)
+    assert [b.type for b in message.content] == ["thinking", "text"]
+    assert (message.content[0].thinking, message.content[1].text) == (thought, answer)
+    with claude.messages.stream(**ask) as stream:
+        final = stream.get_final_message()
+    assert (final.content[0].thinking, final.content[1].text) == (thought, answer)
+
+    r = gpt.responses.create(model="m", input="hi", max_output_tokens=16, temperature=0, extra_body=budget)
+    assert [item.type for item in r.output] == ["reasoning", "message"]
+    assert (r.output[0].content[0].text, r.output_text) == (thought, answer)
+    events = list(gpt.responses.create(model="m", input="hi", max_output_tokens=16, temperature=0,
+                                       extra_body=budget, stream=True))  # fmt: skip
+    streamed = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert streamed == thought and events[-1].response.output[0].content[0].text == thought
+
+    from .conftest import post
+
+    with_regex = {"model": "m", "messages": hi, "thinking_token_budget": 4, "structured_outputs": {"regex": "[a-z]+"}}
+    code, body = post(server.url + "/v1/chat/completions", with_regex)
+    assert code == 400 and body["error"]["param"] == "thinking_token_budget"

@@ -31,7 +31,9 @@ from starlette.exceptions import HTTPException
 from llmkit.serve.calls import APIError
 from llmkit.serve.config import ServeOptions
 from llmkit.serve.engine_loop import EngineClient
-from llmkit.serve.limits import BodyLimits
+from llmkit.serve.limits import BodyLimits, openai_error
+from llmkit.serve.messages_api import error_body, messages_routes
+from llmkit.serve.responses_api import responses_routes
 from llmkit.serve.routes import (
     Context,
     Gate,
@@ -58,45 +60,60 @@ def build_app(
     app = FastAPI(title="llmkit", docs_url=None, redoc_url=None, openapi_url=None)
     ctx = Context.of(client, tokenizer, options, gate or Gate())
     key = KeyCheck(() if options.api_key is None else (options.api_key,),
-                   "a valid API key is required (Authorization: Bearer ...)")  # fmt: skip
+                   "a valid API key is required (Authorization: Bearer ..., or x-api-key)")  # fmt: skip
     _handle_errors(app)
     app.include_router(status_routes(ctx))
     app.include_router(model_routes(ctx), dependencies=[Depends(key)])
-    for routes in (generation_routes, embedding_routes):
+    for routes in (generation_routes, embedding_routes, responses_routes, messages_routes):
         app.include_router(routes(ctx), dependencies=[Depends(key), Depends(ctx.gate.admitting)])
 
     @app.get("/openapi.json", dependencies=[Depends(key)], include_in_schema=False)
     async def openapi() -> JSONResponse:
         return JSONResponse(app.openapi())
 
-    return BodyLimits(app, options.max_body_size, options.body_timeout)
+    return BodyLimits(app, options.max_body_size, options.body_timeout, _body_error)
+
+
+ANTHROPIC = ("/v1/messages",)  # the paths whose errors are in Anthropic's shape
+
+
+def _body_error(path: str, status: int, message: str) -> dict[str, Any]:
+    """A body refused by its limits, in its API's shape."""
+    return error_body(status, message) if path.startswith(ANTHROPIC) else openai_error(path, status, message)
 
 
 def _handle_errors(app: FastAPI) -> None:
-    """Every error answered in OpenAI's shape; nothing a client sends reaches a traceback."""
+    """Every error answered in its API's shape (Anthropic's under /v1/messages, OpenAI's elsewhere); nothing a client
+    sends reaches a traceback."""
+
+    def answer(request: Request, status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
+        if request.url.path.startswith(ANTHROPIC):
+            return JSONResponse(error_body(status, message), status_code=status)
+        return error_response(
+            status, message, kind, param, "model_not_found" if status == 404 and param == "model" else None
+        )
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         param, message, malformed = _explain(exc.errors())
         if malformed:
-            return error_response(400, "the body is not valid JSON", "invalid_request_error")
-        return error_response(400, f"{param or 'body'}: {message}", "invalid_request_error", param)
+            return answer(request, 400, "the body is not valid JSON", "invalid_request_error")
+        return answer(request, 400, f"{param or 'body'}: {message}", "invalid_request_error", param)
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        code = "model_not_found" if exc.status == 404 else None
-        return error_response(exc.status, exc.message, exc.kind, exc.param, code)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return answer(request, exc.status, exc.message, exc.kind, exc.param)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        response = error_response(exc.status_code, str(exc.detail), "invalid_request_error")
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        response = answer(request, exc.status_code, str(exc.detail), "invalid_request_error")
         response.headers.update(exc.headers or {})
         return response
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:  # a bug: logged, answered in shape
         log.error("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc, exc_info=exc)
-        return error_response(500, "the server failed on this request", "server_error")
+        return answer(request, 500, "the server failed on this request", "server_error")
 
 
 def _explain(errors: Any) -> tuple[str | None, str, bool]:

@@ -65,6 +65,7 @@ class _Choice:
 
     text: str = ""
     reason: str | None = None
+    stop: str | None = None  # the stop string that ended it
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     tops: list[Top] = field(default_factory=list)
@@ -74,11 +75,41 @@ class _Choice:
     def add(self, d: Delta) -> None:
         self.text += d.text
         self.reason = d.finish_reason or self.reason
+        self.stop = d.stop or self.stop
         self.ids += d.token_ids
         self.logprobs += d.logprobs
         self.tops += d.top_logprobs
         self.pieces += [d.text] if d.token_ids else []
         self.prompt_logprobs = d.prompt_logprobs if d.prompt_logprobs is not None else self.prompt_logprobs
+
+
+@dataclass
+class Reply:
+    """One sequence's chat reply, read: the answer's text (tool calls taken out), the thinking block's inside (None
+    where replies are not split), the calls, the engine's finish reason and the stop string that ended it."""
+
+    text: str
+    thought: str | None
+    calls: list[ToolCall]
+    reason: str | None
+    stop: str | None
+    ids: list[int]
+    logprobs: list[float]
+    tops: list[Top]
+
+
+@dataclass
+class Piece:
+    """What one delta adds to a streamed chat reply: answer text, thinking text, and with the last piece the
+    tool calls, the finish reason and the stop string."""
+
+    index: int  # the sequence's
+    text: str
+    thought: str
+    calls: list[ToolCall]
+    reason: str | None
+    stop: str | None
+    delta: Delta
 
 
 class Call:
@@ -112,6 +143,7 @@ class Call:
         self.queue: asyncio.Queue[tuple[int, Delta] | None] = asyncio.Queue()  # None: the client went away
         self.pending = len(prompts) * params.n
         self.completion_tokens = 0
+        self.cached = [0] * len(prompts)  # each prompt's tokens the prefix cache held
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -162,6 +194,7 @@ class Call:
                         status, message = _FAILED[d.finish_reason]
                         raise APIError(status, message, "server_error")
                 self.completion_tokens += len(d.token_ids)
+                self.cached[i] = max(self.cached[i], d.cached_tokens)
                 yield i * self.params.n + d.index, d
         finally:
             if watcher is not None:
@@ -169,12 +202,18 @@ class Call:
             if self.pending:
                 self.abort()
 
-    def usage(self) -> dict[str, int]:
-        prompt = sum(len(p) for p in self.prompts)
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's usage: tokens in and out, and how many of the prompts' the prefix cache held."""
+        prompt = self.prompt_tokens
         return {
             "prompt_tokens": prompt,
             "completion_tokens": self.completion_tokens,
             "total_tokens": prompt + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached)},
         }
 
     async def _collect(self, request: Request) -> list[_Choice]:
@@ -214,22 +253,35 @@ class Call:
             lp.offset = len(self.texts[self._prompt_of(k)])
         return lp
 
-    async def chat(self, model: str, request: Request) -> dict[str, Any]:
-        choices = []
-        for k, c in enumerate(await self._collect(request)):
+    async def replies(self, request: Request) -> list[Reply]:
+        """Every sequence's reply, read: its thinking apart, its tool calls out of its text."""
+        out = []
+        for c in await self._collect(request):
             thought, text = self.reasoning.split(c.text) if self.reasoning is not None else (None, c.text)
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            reason = c.reason
+            calls: list[ToolCall] = []
             if self.tools is not None:
                 content, calls = self.tools.reply(text)
-                if calls:
-                    message = {"role": "assistant", "content": content, "tool_calls": [x.openai() for x in calls]}
-                    reason = self.tools.finish_reason(calls, reason)
+                text = (content or "") if calls else text
+            out.append(Reply(text, thought, calls, c.reason, c.stop, c.ids, c.logprobs, c.tops))
+        return out
+
+    async def chat(self, model: str, request: Request) -> dict[str, Any]:
+        choices = []
+        for k, r in enumerate(await self.replies(request)):
+            message: dict[str, Any] = {"role": "assistant", "content": r.text}
+            if r.calls:
+                message = {"role": "assistant", "content": r.text or None, "tool_calls": [x.openai() for x in r.calls]}
             if self.reasoning is not None:
-                message["reasoning_content"] = thought
-            logprobs = chat_logprobs(self.names, c.ids, c.logprobs, c.tops) if self.logprobs else None
-            choices.append({"index": k, "message": message, "logprobs": logprobs, "finish_reason": reason})
+                message["reasoning_content"] = r.thought
+            logprobs = chat_logprobs(self.names, r.ids, r.logprobs, r.tops) if self.logprobs else None
+            choices.append({"index": k, "message": message, "logprobs": logprobs, "finish_reason": self.ended(r)})
         return self._body("chat.completion", model, choices) | {"usage": self.usage()}
+
+    def ended(self, reply: Reply | Piece) -> str | None:
+        """OpenAI's finish reason for a chat reply: "tool_calls" for calls the model chose to make."""
+        if self.tools is None or reply.reason is None:
+            return reply.reason
+        return self.tools.finish_reason(reply.calls, reply.reason)
 
     async def completion_chunks(self, model: str, usage: bool) -> AsyncIterator[dict[str, Any]]:
         started: dict[int, CompletionLogprobs] = {}  # each choice's, from its first delta on
@@ -249,38 +301,43 @@ class Call:
         if usage:
             yield self._body("text_completion", model, []) | {"usage": self.usage()}
 
-    async def chat_chunks(self, model: str, usage: bool) -> AsyncIterator[dict[str, Any]]:
-        for k in range(len(self.prompts) * self.params.n):
-            first = {"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            yield self._body("chat.completion.chunk", model, [first])
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """What each delta adds to its sequence's reply, read as it arrives: the thinking block apart, prose that may
+        be a tool call held to the end and parsed there (a stream: failures are StreamError)."""
         choices = range(len(self.prompts) * self.params.n)
         streams = {k: self.tools.stream() for k in choices} if self.tools else {}
         thoughts = {k: ReasoningStream(self.reasoning) for k in choices} if self.reasoning else {}
         async for k, d in self._guarded():
             text, reason, thought = d.text, d.finish_reason, ""
-            if self.reasoning is not None:  # the thinking block apart, as it arrives
+            if self.reasoning is not None:
                 thought, text = thoughts[k].push(text)
                 if reason is not None:
                     more_thought, more_text = thoughts[k].end()
                     thought, text = thought + more_thought, text + more_text
             calls: list[ToolCall] = []
-            reason_text: str | None = reason
-            if self.tools is not None:  # prose streams; what may be a call is held to the end and parsed
+            if self.tools is not None:
                 text = streams[k].push(text)
                 if reason is not None:
                     rest, calls = self.tools.end(streams[k])
                     text += rest
-                    reason_text = self.tools.finish_reason(calls, reason)
-            delta: dict[str, Any] = {"content": text} if text or (reason is None and not thought) else {}
+            yield Piece(k, text, thought, calls, reason, d.stop, d)
+
+    async def chat_chunks(self, model: str, usage: bool) -> AsyncIterator[dict[str, Any]]:
+        for k in range(len(self.prompts) * self.params.n):
+            first = {"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            yield self._body("chat.completion.chunk", model, [first])
+        async for p in self.pieces():
+            k, text, thought, d = p.index, p.text, p.thought, p.delta
+            delta: dict[str, Any] = {"content": text} if text or (p.reason is None and not thought) else {}
             if thought:
                 delta["reasoning_content"] = thought
             logprobs = chat_logprobs(self.names, d.token_ids, d.logprobs, d.top_logprobs) if self.logprobs else None
-            if calls:  # OpenAI's shape: the calls, each whole, in a delta of their own before the finish reason
+            if p.calls:  # OpenAI's shape: the calls, each whole, in a delta of their own before the finish reason
                 if text:
                     choice = {"index": k, "delta": delta, "logprobs": logprobs, "finish_reason": None}
                     yield self._body("chat.completion.chunk", model, [choice])
-                delta, logprobs = {"tool_calls": [x.openai(i) for i, x in enumerate(calls)]}, None
-            choice = {"index": k, "delta": delta, "logprobs": logprobs, "finish_reason": reason_text}
+                delta, logprobs = {"tool_calls": [x.openai(i) for i, x in enumerate(p.calls)]}, None
+            choice = {"index": k, "delta": delta, "logprobs": logprobs, "finish_reason": self.ended(p)}
             yield self._body("chat.completion.chunk", model, [choice])
         if usage:
             yield self._body("chat.completion.chunk", model, []) | {"usage": self.usage()}

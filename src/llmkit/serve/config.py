@@ -68,7 +68,9 @@ class ServeOptions:
     header_timeout: seconds a client has to send its body / its request line and headers; shutdown_timeout:
     seconds in-flight requests get to finish after SIGTERM or SIGINT before they are ended; reasoning_parser: how
     a chat reply's thinking block is returned apart, as `reasoning_content` ("auto": where the chat template has
-    <think> blocks; "think": always; "none": never, the block stays in `content`)."""
+    <think> blocks; "think": always; "none": never, the block stays in `content`); stored_responses /
+    stored_characters: how many Responses-API responses are kept in memory for `previous_response_id`, and how many
+    characters of conversation they may hold together (the least recently used go first)."""
 
     model_name: str
     api_key: str | None = None
@@ -78,6 +80,8 @@ class ServeOptions:
     body_timeout: float = 30.0
     header_timeout: float = 30.0
     shutdown_timeout: float = 30.0
+    stored_responses: int = 1024
+    stored_characters: int = 64 << 20
     reasoning_parser: str = "auto"
 
     def __post_init__(self) -> None:
@@ -90,3 +94,5 @@ class ServeOptions:
             raise InputError(f"shutdown_timeout={self.shutdown_timeout} must be >= 0 seconds")
         if self.max_body_size < 1024:
             raise InputError(f"max_body_size={self.max_body_size} must be at least 1 KiB")
+        if self.stored_responses < 0 or self.stored_characters < 0:
+            raise InputError("stored_responses and stored_characters must be >= 0")

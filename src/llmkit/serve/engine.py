@@ -33,6 +33,7 @@ from llmkit.serve.lockstep import Lockstep, embed_step, make_cache
 from llmkit.serve.model_runner import StepPlan, model_runner
 from llmkit.serve.output_processor import OutputProcessor
 from llmkit.serve.paged import PagedCache
+from llmkit.serve.reasoning import ThinkingBudget
 from llmkit.serve.request import Completion, Delta, FinishReason, Refused, Request, SamplingParams, Sequence, Status
 from llmkit.serve.sampler import record_prompt_logprobs
 from llmkit.serve.scheduler import Scheduler, Work
@@ -149,6 +150,11 @@ class Engine:
             raise Refused(f"prompt token ids must be integers in [0, {V})", "prompt")
         if any(not 0 <= t < V for t, _ in params.logit_bias):
             raise Refused(f"logit_bias: token ids must be in [0, {V})", "logit_bias")
+        if params.reasoning_budget is not None:
+            if params.reasoning is None or self.tokenizer is None:
+                raise Refused("a thinking budget needs a chat template with thinking blocks", "reasoning_budget")
+            if params.constraint is not None:
+                raise Refused("a thinking budget and a structured output cannot both hold", "reasoning_budget")
         if params.constraint is not None:
             if self.grammars is None:
                 raise Refused("structured outputs need the model's tokenizer, and this model has none", "constraint")
@@ -177,6 +183,10 @@ class Engine:
             seq.prompt_logprobs = [None] * len(request.prompt)  # the first token has none: nothing comes before it
         if request.params.constraint is not None and self.grammars is not None:
             seq.matcher = self.grammars.matcher(request.params.constraint)
+        p = request.params
+        if p.reasoning_budget is not None and p.reasoning is not None and self.tokenizer is not None:
+            close = self.tokenizer.encode("\n" + p.reasoning.end, add_bos=False)
+            seq.budget = ThinkingBudget(p.reasoning, p.reasoning_budget, close)
         return seq
 
     def abort(self, request_id: str) -> None:
@@ -247,8 +257,11 @@ class Engine:
     def _plan(self, work: list[Work]) -> tuple[StepPlan, dict[int, Drafts]]:
         """The step's plan, and the drafts of its decoding rows by row index (the drafter's proposal, for which it
         may take more blocks: the tables are read after it)."""
-        # rows that compute their newest token and sample the next (a prompt's 1-token chunk short of its end does not)
-        decoding = [i for i, w in enumerate(work) if w.count == 1 and w.samples]
+        # rows that compute their newest token and sample the next (a prompt's 1-token chunk short of its end does
+        # not); a reply that may be in a thinking block with a budget takes one token a step (the budget may force it)
+        decoding = [
+            i for i, w in enumerate(work) if w.count == 1 and w.samples and not (w.seq.budget and w.seq.budget.thinking)
+        ]
         proposed = self.drafter.propose(
             [work[i] for i in decoding], self.scheduler.kv.allocate, self.max_len, chunks=len(decoding) < len(work)
         )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 import h11
@@ -36,11 +37,19 @@ class BodyRefused(HTTPException):
         self.status, self.message = status, message
 
 
-class BodyLimits:
-    """ASGI middleware: at most `max_body` bytes of body, all of them within `body_timeout` seconds."""
+def openai_error(path: str, status: int, message: str) -> dict[str, Any]:
+    """An error body in OpenAI's shape (whatever the path)."""
+    return {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
 
-    def __init__(self, app: Any, max_body: int, body_timeout: float) -> None:
-        self.app, self.max_body, self.body_timeout = app, max_body, body_timeout
+
+class BodyLimits:
+    """ASGI middleware: at most `max_body` bytes of body, all of them within `body_timeout` seconds. `shape` writes
+    a refusal's body for the request's path (each API has its own error shape)."""
+
+    def __init__(
+        self, app: Any, max_body: int, body_timeout: float, shape: Callable[[str, int, str], Any] = openai_error
+    ) -> None:
+        self.app, self.max_body, self.body_timeout, self.shape = app, max_body, body_timeout, shape
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -48,7 +57,7 @@ class BodyLimits:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body:
-            await _refuse(send, 413, self._too_large(int(declared)))
+            await _refuse(send, 413, self.shape(scope["path"], 413, self._too_large(int(declared))))
             return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.body_timeout
@@ -88,7 +97,7 @@ class BodyLimits:
         except BodyRefused as e:
             if started:  # cannot happen for these routes (they read the body first); close rather than lie
                 raise
-            await _refuse(send, e.status, e.message)
+            await _refuse(send, e.status, self.shape(scope["path"], e.status, e.message))
 
     def _too_large(self, size: int, at_least: bool = False) -> str:
         return (
@@ -117,10 +126,9 @@ def too_deep(body: bytes) -> bool:
     return False
 
 
-async def _refuse(send: Any, status: int, message: str) -> None:
-    """An OpenAI-style error that closes the connection (the rest of the body is never read)."""
-    kind = "invalid_request_error"
-    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}}).encode()
+async def _refuse(send: Any, status: int, error: Any) -> None:
+    """An error (its JSON body) that closes the connection (the rest of the body is never read)."""
+    body = json.dumps(error).encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", b"%d" % len(body)),

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -75,6 +76,13 @@ class OutputProcessor:
         allowed = None
         if any(m is not None for m in matchers):  # structured outputs: each grammar's next tokens
             allowed = allowed_tokens(matchers, batch.shape[-1])
+        forced = [w.seq.budget.next_token() if w.seq.budget is not None else None for w in rows]
+        if any(t is not None for t in forced):  # a thinking budget spent: its closing tag's next token, only
+            allowed = np.ones(batch.shape, dtype=bool) if allowed is None else allowed
+            for row, token in enumerate(forced):
+                if token is not None:
+                    allowed[row] = False
+                    allowed[row, token] = True
         sampled = sample(batch, [w.seq for w in rows], allowed)
         for row, (w, token, logprob, top) in enumerate(
             zip(rows, sampled.tokens, sampled.logprobs, sampled.top, strict=True)
@@ -116,6 +124,8 @@ class OutputProcessor:
         eos = token in self.eos_ids and not p.ignore_eos  # its text is never shown
         length = not eos and (len(seq.generated) >= p.max_tokens or len(seq.tokens) >= self.max_len)
         text, stopped = seq.output.push(None if eos else token, final=eos or length or complete)
+        if seq.budget is not None:
+            seq.budget.push(token, text)
         reason: FinishReason | None = "stop" if eos or stopped or complete else "length" if length else None
         if reason is not None:
             self.finish(seq, reason)

@@ -341,6 +341,19 @@ class Message(BaseModel):
         return turn
 
 
+def check_function_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A function's arguments are an object (OpenAI's and Anthropic's rule): a schema of another type could force a
+    call that is no call. ValueError (for pydantic) otherwise, or when the schema nests too deep."""
+    kind = (schema or {}).get("type", "object")  # (a type that is no type name is the schema's error)
+    if (isinstance(kind, str) and kind != "object") or (isinstance(kind, list) and "object" not in kind):
+        raise ValueError(f'the arguments\' schema is that of an object (type "object"), not of type {json.dumps(kind)}')
+    try:
+        check_schema_depth(schema)
+    except InputError as e:
+        raise ValueError(str(e)) from None
+    return schema
+
+
 class FunctionModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: Text = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
@@ -351,17 +364,7 @@ class FunctionModel(BaseModel):
     @field_validator("parameters")
     @classmethod
     def _an_object(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
-        """Arguments are an object (OpenAI's rule): a schema of another type could force a call that is no call."""
-        kind = (parameters or {}).get("type", "object")  # (a type that is no type name is the schema's error)
-        if (isinstance(kind, str) and kind != "object") or (isinstance(kind, list) and "object" not in kind):
-            raise ValueError(
-                f'parameters is the JSON schema of an object (type "object"), not of type {json.dumps(kind)}'
-            )
-        try:
-            check_schema_depth(parameters)
-        except InputError as e:
-            raise ValueError(str(e)) from None
-        return parameters
+        return check_function_schema(parameters)
 
 
 class ToolModel(BaseModel):
@@ -404,8 +407,10 @@ class ChatRequest(_Sampling):
     web_search_options: Unsupported = None
     store: Annotated[bool | None, _only(None, False)] = None
     metadata: dict[str, Text] | None = Field(None, max_length=16)  # labels for stored completions; none are stored
-    # vLLM's extension: variables for the chat template (Qwen3's enable_thinking, ...)
+    # vLLM's extensions: variables for the chat template (Qwen3's enable_thinking, ...), and the most tokens the
+    # reply's thinking block may take before its closing tag is forced
     chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=16)
+    thinking_token_budget: int | None = Field(None, ge=1, le=MAX_INT)
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -464,7 +469,8 @@ class ChatRequest(_Sampling):
         ]
 
     def sampling(self, max_tokens: int) -> SamplingParams:
-        return replace(super().sampling(max_tokens), top_logprobs=self.top_logprobs or 0)
+        params = super().sampling(max_tokens)
+        return replace(params, top_logprobs=self.top_logprobs or 0, reasoning_budget=self.thinking_token_budget)
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -91,3 +91,38 @@ def _partial(text: str, tag: str) -> int:
         if tag.startswith(text[-n:]):
             return n
     return 0
+
+
+class ThinkingBudget:
+    """Ends a reply's thinking block once it has taken `budget` tokens, by forcing the tokens of `close` (the block's
+    closing tag, after a newline) one a step: the engine lets a forced row take its forced token only (llama.cpp's
+    reasoning budget and vLLM's thinking_token_budget work the same way). Tokens count from the reply's start while
+    the block may open or is open; a reply that does not open one is never limited. A token forced in the middle of
+    a character's UTF-8 bytes leaves that character broken in the reasoning text."""
+
+    def __init__(self, reasoning: Reasoning, budget: int, close: list[int]) -> None:
+        self.stream = ReasoningStream(reasoning)
+        self.budget, self.close = budget, close
+        self.used = 0  # tokens the reply spent before its block closed
+        self.forcing: list[int] = []  # the closing tokens not given yet
+        self.forced = False
+
+    @property
+    def thinking(self) -> bool:
+        """Whether the reply may still be in its block (the budget may still force tokens)."""
+        return self.stream.state != "after"
+
+    def next_token(self) -> int | None:
+        """The token the reply must take next, or None."""
+        return self.forcing[0] if self.forcing else None
+
+    def push(self, token: int, text: str) -> None:
+        """The reply took `token`, whose text is `text`."""
+        if self.forcing and token == self.forcing[0]:
+            self.forcing.pop(0)
+        if not self.thinking:
+            return
+        self.used += 1
+        self.stream.push(text)
+        if self.stream.state == "inside" and self.used >= self.budget and not self.forced:
+            self.forced, self.forcing = True, list(self.close)

@@ -18,6 +18,7 @@ import torch
 
 from llmkit.errors import InputError
 from llmkit.generate.sampling import Sampling
+from llmkit.serve.reasoning import Reasoning, ThinkingBudget
 from llmkit.serve.structured import Constraint
 from llmkit.serve.text import TextOutput
 
@@ -55,7 +56,9 @@ class SamplingParams:
 
     constraint: what the generated text must be (a JSON schema, a regex, one of some choices, a grammar; see
     serve/structured.py); the sequence stops once the text is complete. priority: lower values are admitted first
-    and preempted last (vLLM's semantics; serve/scheduler.py); it changes when a request runs, never its output."""
+    and preempted last (vLLM's semantics; serve/scheduler.py); it changes when a request runs, never its output.
+    reasoning_budget: the most tokens the reply's thinking block (found as `reasoning` says) may take before its
+    closing tag is forced (serve/reasoning.py's ThinkingBudget); None: no limit."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -74,6 +77,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     constraint: Constraint | None = None
     priority: int = 0
+    reasoning_budget: int | None = None
+    reasoning: Reasoning | None = None  # how the reply's thinking block is found, for reasoning_budget
 
     def __post_init__(self) -> None:
         self.sampling  # validates the shared settings  # noqa: B018
@@ -96,6 +101,8 @@ class SamplingParams:
             raise InputError(f"seed={self.seed} must be a 64-bit signed integer")
         if not -(2**31) <= self.priority < 2**31:
             raise InputError(f"priority={self.priority} must be a 32-bit signed integer")
+        if self.reasoning_budget is not None and self.reasoning_budget < 1:
+            raise InputError(f"reasoning_budget={self.reasoning_budget} must be >= 1")
 
     @property
     def sampling(self) -> Sampling:
@@ -137,6 +144,8 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token, when the request asks for them
     matcher: Any = None  # with a constraint: its grammar's state after the generated tokens (llguidance's LLMatcher)
     error: str | None = None  # finish reason "error" caused by the request itself (its grammar, its sampling settings)
+    cached: int | None = None  # prompt tokens found in the prefix cache at its first admission
+    budget: ThinkingBudget | None = None  # with a reasoning budget: where its thinking block stands
 
     @property
     def prompt_len(self) -> int:
@@ -172,6 +181,8 @@ class Delta:
     top_logprobs: list[Top] = field(default_factory=list)  # per new token, when the request asks for them
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with a sequence's first delta, when asked for
     error: str | None = None  # with finish reason "error": what in the request failed (None: the engine failed)
+    stop: str | None = None  # with finish reason "stop": the stop string that ended the text (None: another end)
+    cached_tokens: int = 0  # prompt tokens the prefix cache held, not computed
 
     @classmethod
     def of(
@@ -196,6 +207,8 @@ class Delta:
             top or [],
             prompt_logprobs,
             seq.error,
+            seq.output.matched,
+            seq.cached or 0,
         )
 
     @classmethod

@@ -65,13 +65,17 @@ class Gate:
 
 @dataclass(frozen=True)
 class KeyCheck:
-    """A dependency: 401 unless the request carries one of `keys` as a Bearer token (none: open)."""
+    """A dependency: 401 unless the request carries one of `keys` as a Bearer token, or in an `x-api-key` header as
+    Anthropic's clients send it (no keys: open)."""
 
     keys: tuple[str, ...]
     message: str
 
     async def __call__(self, request: Request) -> None:
-        if self.keys and request.headers.get("authorization", "") not in [f"Bearer {k}" for k in self.keys]:
+        if not self.keys:
+            return
+        bearer = request.headers.get("authorization", "")
+        if bearer not in [f"Bearer {k}" for k in self.keys] and request.headers.get("x-api-key") not in self.keys:
             raise APIError(401, self.message, "authentication_error")
 
 
@@ -211,7 +215,7 @@ def generation_routes(ctx: Context) -> APIRouter:
         if body.echo or logprobs:  # the prompts' text: echoed, and where the completion's text offsets start
             texts = await ctx.off_loop(lambda: [p if isinstance(p, str) else ctx.names.text(p) for p in body.prompts()])
         params = _params(body, most)
-        await _compiled(ctx, body, params)
+        await _compiled(ctx, params.constraint, body.constraint_field)
         call = Call(ctx.client, prompts, params, timeout, "prompt", ctx.names, texts, bool(body.echo), logprobs)
         call.start()  # before any response: a refused request is an HTTP error, not a broken stream
         if body.stream:
@@ -221,24 +225,19 @@ def generation_routes(ctx: Context) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
         ctx.check_model(body.model)
-        if ctx.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer, so it cannot chat", param="messages")
-        tokenizer = ctx.tokenizer
-        turns, functions = ctx.text_limit.conversation(body.messages), body.offered()
-        variables = body.chat_template_kwargs
-        ids = await ctx.off_loop(lambda: render_prompt(tokenizer, turns, functions, variables=variables))
-        most = body.limit()
-        params = _params(body, most if most is not None else max(max_len - len(ids), 1))
-        await _compiled(ctx, body, params)
-        use = await _tool_use(ctx, body, functions)
-        if use is not None and use.constraint is not None:
-            params = replace(params, constraint=use.constraint)
-        reasoning = await ctx.off_loop(lambda: ctx.reasoning(ids))
-        call = Call(
-            ctx.client, [ids], params, timeout, "messages", ctx.names, logprobs=bool(body.logprobs), tools=use,
-            reasoning=reasoning,
-        )  # fmt: skip
-        call.start()
+        ask = ChatAsk(
+            turns=ctx.text_limit.conversation(body.messages),
+            functions=body.offered(),
+            tool_mode=body.tool_mode(),
+            several=body.parallel_tool_calls is not False,
+            sampling=body.sampling,
+            max_tokens=body.limit(),
+            constraint=constraint_of(body.constraint, body.constraint_field),
+            constraint_field=body.constraint_field,
+            variables=body.chat_template_kwargs,
+            logprobs=bool(body.logprobs),
+        )
+        call = await start_chat(ctx, ask)
         if body.stream:
             return sse(call.chat_chunks(body.model, _usage_wanted(body)))
         return JSONResponse(await call.chat(body.model, request))
@@ -246,27 +245,90 @@ def generation_routes(ctx: Context) -> APIRouter:
     return router
 
 
-async def _compiled(ctx: Context, body: CompletionRequest | ChatRequest, params: SamplingParams) -> None:
-    """The request's constraint compiled now, off the event loop (a large grammar can take a second); the engine finds
+@dataclass(frozen=True)
+class ChatAsk:
+    """A chat request in the terms of whichever API it came by (chat completions, Responses, Messages), as the
+    engine runs it.
+
+    turns: the conversation as serve/tools.py takes it; tool_mode: 'none', 'auto', 'required' or the name of the
+    function to call; sampling: the request's parameters given how many tokens it may generate; max_tokens: its
+    limit (None: what the context leaves); constraint: what the reply must be (a forced call's grammar takes its
+    place); variables: more for the chat template; field: the request's field that holds the conversation."""
+
+    turns: list[dict[str, Any]]
+    functions: list[Function]
+    tool_mode: str
+    several: bool
+    sampling: Callable[[int], SamplingParams]
+    max_tokens: int | None
+    constraint: Constraint | None = None
+    constraint_field: str = "response_format"
+    variables: dict[str, Any] | None = None
+    logprobs: bool = False
+    field: str = "messages"
+    budget_field: str = "thinking_token_budget"
+
+
+async def start_chat(ctx: Context, ask: ChatAsk) -> Call:
+    """The chat's prompt rendered, its constraint and tools compiled, its reply's reading (tools, thinking) chosen,
+    and its engine request submitted: a request the engine refuses is an HTTP error here, before any response."""
+    tokenizer = ctx.tokenizer
+    if tokenizer is None:
+        raise APIError(400, "this model has no tokenizer, so it cannot chat", param=ask.field)
+    functions = ask.functions if ask.tool_mode != "none" else []
+    ids = await ctx.off_loop(
+        lambda: render_prompt(tokenizer, ask.turns, functions, variables=ask.variables, field=ask.field)
+    )
+    most = ask.max_tokens if ask.max_tokens is not None else max(ctx.client.max_len - len(ids), 1)
+    try:
+        params = replace(ask.sampling(most), constraint=ask.constraint)
+    except InputError as e:
+        raise APIError(400, str(e)) from e
+    await _compiled(ctx, params.constraint, ask.constraint_field)
+    use = await _tool_use(ctx, functions, ask.tool_mode, ask.several)
+    if use is not None and use.constraint is not None:
+        params = replace(params, constraint=use.constraint)
+    reasoning = await ctx.off_loop(lambda: ctx.reasoning(ids))
+    if params.reasoning_budget is not None:
+        if reasoning is None:
+            message = "a thinking budget needs a chat template with thinking blocks (or --reasoning-parser think)"
+            raise APIError(400, message, param=ask.budget_field)
+        if params.constraint is not None:
+            raise APIError(400, "a thinking budget and a structured output cannot both hold", param=ask.budget_field)
+        params = replace(params, reasoning=reasoning)
+    timeout = ctx.options.request_timeout
+    call = Call(
+        ctx.client, [ids], params, timeout, ask.field, ctx.names, logprobs=ask.logprobs, tools=use, reasoning=reasoning
+    )
+    call.start()
+    return call
+
+
+def constraint_of(make: Callable[[], Constraint | None], field: str) -> Constraint | None:
+    """A request's constraint, or a 400 naming `field` (a schema that is not JSON, a pattern that does not parse)."""
+    try:
+        return make()
+    except InputError as e:
+        raise APIError(400, f"{field}: {e}", param=field) from e
+
+
+async def _compiled(ctx: Context, constraint: Constraint | None, field: str) -> None:
+    """A request's constraint compiled now, off the event loop (a large grammar can take a second); the engine finds
     it in its cache. A 400 naming the field when it cannot be used."""
-    constraint = params.constraint
     if constraint is None:
         return
-    field = body.constraint_field
     try:
         await ctx.off_loop(lambda: ctx.client.compile(constraint))
     except InputError as e:
         raise APIError(400, f"{field}: {e}", param=field) from e
 
 
-async def _tool_use(ctx: Context, body: ChatRequest, functions: list[Function]) -> ToolUse | None:
+async def _tool_use(ctx: Context, functions: list[Function], mode: str, several: bool) -> ToolUse | None:
     """How the reply's calls are read and, for a forced call, constrained; every function's parameters compiled as a
     schema (a 400 naming `tools` when one is not a usable JSON schema)."""
     if not functions or ctx.tokenizer is None or not ctx.client.structured:
         return None
     fmt = template_format(ctx.tokenizer.chat_template)[1]
-    mode = body.tool_mode()
-    several = body.parallel_tool_calls is not False
     constraint: Constraint | None = None
     try:
         await ctx.off_loop(lambda: ctx.client.compile(call_constraint(functions, fmt, several)))
@@ -283,12 +345,8 @@ def _usage_wanted(body: CompletionRequest | ChatRequest) -> bool:
     return body.stream_options is not None and body.stream_options.include_usage
 
 
-def _params(body: CompletionRequest | ChatRequest, max_tokens: int) -> SamplingParams:
-    field = body.constraint_field
-    try:
-        constraint = body.constraint()
-    except InputError as e:
-        raise APIError(400, f"{field}: {e}", param=field) from e
+def _params(body: CompletionRequest, max_tokens: int) -> SamplingParams:
+    constraint = constraint_of(body.constraint, body.constraint_field)
     try:
         return replace(body.sampling(max_tokens), constraint=constraint)
     except InputError as e:
@@ -351,9 +409,12 @@ class TextLimit:
 
     def conversation(self, messages: list[Message]) -> list[dict[str, Any]]:
         """The messages as serve/tools.py takes them, refused untokenized when their text cannot fit."""
-        turns = [m.turn() for m in messages]
+        return self.conversation_turns([m.turn() for m in messages], "messages")
+
+    def conversation_turns(self, turns: list[dict[str, Any]], field: str) -> list[dict[str, Any]]:
+        """The turns (serve/tools.py's form), refused untokenized when their text cannot fit."""
         calls = (c for m in turns for c in m.get("tool_calls", []))
-        self.check(sum(len(m["content"]) for m in turns) + sum(len(c.arguments) for c in calls), "messages")
+        self.check(sum(len(m["content"]) for m in turns) + sum(len(c.arguments) for c in calls), field)
         return turns
 
     def check(self, chars: int, field: str) -> None:
@@ -384,13 +445,14 @@ def render_prompt(
     functions: list[Function] | None = None,
     add_generation_prompt: bool = True,
     variables: dict[str, Any] | None = None,
+    field: str = "messages",
 ) -> list[int]:
     """The prompt's token ids for a conversation and the functions offered (serve/tools.py); variables: more for
-    the chat template (a request's chat_template_kwargs)."""
+    the chat template (a request's chat_template_kwargs); field: the request's field a template error names."""
     takes_tools, _ = template_format(tokenizer.chat_template)
     messages, context = conversation(turns, functions, takes_tools)
     try:
         text = render_chat(tokenizer, messages, add_generation_prompt, variables=variables, **context)
         return tokenizer.encode(text, add_bos=False)
     except (ConfigError, InputError) as e:
-        raise APIError(400, f"messages: {e}", param="messages") from e
+        raise APIError(400, f"{field}: {e}", param=field) from e

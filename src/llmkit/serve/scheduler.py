@@ -127,6 +127,8 @@ class Scheduler:
             self.waiting.remove(seq)
             self.prefix.queried += (len(seq.tokens) - 1) // self.pool.block_size
             self.prefix.hit += seq.computed // self.pool.block_size  # the blocks its prefix lookup found
+            if seq.cached is None:  # what its first admission found (a preempted one finds its own blocks again)
+                seq.cached = seq.computed
             seq.status = Status.RUNNING
             self.running.append(seq)
             work.append(Work(seq, seq.computed, count))

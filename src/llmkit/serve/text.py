@@ -18,16 +18,17 @@ class TextStops:
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = tuple(stops)
 
-    def release(self, pending: str, final: bool = False) -> tuple[str, str, bool]:
-        """pending: text not given out yet. Returns (text to give out now, text to keep holding, stopped).
-        With `final` nothing is held back (the sequence ends)."""
-        hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
+    def release(self, pending: str, final: bool = False) -> tuple[str, str, str | None]:
+        """pending: text not given out yet. Returns (text to give out now, text to keep holding, the stop string
+        that ended it or None). With `final` nothing is held back (the sequence ends)."""
+        hits = [(i, s) for i, s in ((pending.find(s), s) for s in self.stops) if i >= 0]
         if hits:
-            return pending[: min(hits)], "", True
+            at, stop = min(hits, key=lambda hit: hit[0])  # the first to occur (the first given, at a tie)
+            return pending[:at], "", stop
         if final or not self.stops:
-            return pending, "", False
+            return pending, "", None
         keep = self._partial(pending)
-        return pending[: len(pending) - keep], pending[len(pending) - keep :], False
+        return pending[: len(pending) - keep], pending[len(pending) - keep :], None
 
     def _partial(self, text: str) -> int:
         """Length of the longest end of `text` that is the beginning of some stop string."""
@@ -47,6 +48,7 @@ class TextOutput:
     def __init__(self, decoder: IncrementalDecoder | None, stops: Sequence[str]) -> None:
         self.decoder, self.stops = decoder, TextStops(stops)
         self.held = ""  # decoded text not given out yet: it may be the start of a stop string
+        self.matched: str | None = None  # the stop string that ended the text
 
     def push(self, token: int | None, final: bool = False) -> tuple[str, bool]:
         """Add a token (None: only end, as at an end-of-sequence token, whose text is never shown); returns the
@@ -54,5 +56,5 @@ class TextOutput:
         piece = self.decoder.push(token) if self.decoder is not None and token is not None else ""
         if final and self.decoder is not None:
             piece += self.decoder.finish()
-        text, self.held, stopped = self.stops.release(self.held + piece, final)
-        return text, stopped
+        text, self.held, self.matched = self.stops.release(self.held + piece, final)
+        return text, self.matched is not None
