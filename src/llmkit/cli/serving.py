@@ -63,6 +63,12 @@ class EngineOptions:
       layers on a GPU), which serve through PyTorch without it.
     no_batch_invariant: prompts through PyTorch instead, as one batch (about 11% more output tokens a second on
       mixed prompts with AVX512-VNNI, much more without it; see BENCHMARKS.md); answers then depend on the load.
+    prefix_cache_host: host memory for cached prompt blocks the cache evicts, e.g. 4GiB (0: none): a later prompt
+      with the same prefix copies them back instead of computing them.
+    prefix_cache_dir: a directory for cached prompt blocks: evicted ones past the host memory, and every cached
+      block at shutdown, so that a restarted server finds them (keyed by the model, the cache's dtype and layout;
+      damaged or foreign files are ignored). Not with --mtp or --draft.
+    prefix_cache_disk: what the directory's blocks may take, e.g. 16GiB (the oldest go first).
     """
 
     max_batch: int = 32
@@ -73,6 +79,9 @@ class EngineOptions:
     no_prefix_cache: bool = False
     batch_invariant: bool = False
     no_batch_invariant: bool = False
+    prefix_cache_host: str = "0"
+    prefix_cache_dir: str | None = None
+    prefix_cache_disk: str = "16GiB"
 
 
 @dataclass(frozen=True)
@@ -167,6 +176,9 @@ def serve(
         draft_tokens=drafts,
         draft_head_bits=speculation.draft_head_bits or None,
         ngram=speculation.ngram,
+        host_cache=parse_size(engine.prefix_cache_host),
+        cache_dir=engine.prefix_cache_dir,
+        disk_cache=parse_size(engine.prefix_cache_disk),
     )
     if tensor_parallel > 1 and (drafts or engine.batch_invariant):
         raise LLMKitError("--tensor-parallel serves without --mtp, --draft, --ngram or --batch-invariant")
@@ -237,9 +249,21 @@ def _announce(server: Any, name: str, model: Any, mtp: int, draft: str | None, s
         + (f"drafting up to {speculate} tokens a step with its MTP module; " if mtp else "")
         + (f"drafting up to {speculate} tokens a step with {Path(draft).name}; " if draft is not None else "")
         + (f"drafting up to {speculate} tokens a step from each sequence's text; " if e.config.ngram else "")
+        + _tiers(e)
         + f"listening on {server.url}/v1",
         flush=True,
     )
+
+
+def _tiers(engine: Any) -> str:
+    """The prefix-cache tiers, for the start-up line."""
+    store = engine.store
+    if store is None:
+        return ""
+    parts = [f"{store.host_bytes / 2**20:.0f} MiB of host memory"] if store.host_bytes else []
+    if store.dir is not None:
+        parts.append(f"{store.dir} ({len(store.disk)} blocks found, at most {store.disk_bytes / 2**30:.1f} GiB)")
+    return f"evicted prefix blocks kept in {' then '.join(parts)}; "
 
 
 def _log_to_stderr() -> None:

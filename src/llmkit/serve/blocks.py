@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,7 +44,13 @@ class PrefixStats:
 class BlockPool:
     """Allocation, sharing and reuse of `n_blocks` blocks of `block_size` token slots."""
 
-    def __init__(self, n_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        n_blocks: int,
+        block_size: int,
+        prefix_caching: bool = True,
+        evicted: Callable[[int, bytes], None] | None = None,
+    ) -> None:
         if n_blocks < 1 or block_size < 1:
             raise ValueError(f"a pool needs at least one block of at least one slot, got {n_blocks} x {block_size}")
         self.n_blocks, self.block_size, self.prefix_caching = n_blocks, block_size, prefix_caching
@@ -53,6 +59,9 @@ class BlockPool:
         self.fresh = list(range(n_blocks - 1, -1, -1))  # never used, or used without a digest: pop from the end
         self.idle: OrderedDict[int, None] = OrderedDict()  # unreferenced blocks with a digest, oldest first
         self.by_digest: dict[bytes, int] = {}
+        # told (block, digest) when a cached block is about to be reused, while it still holds its contents (the
+        # prefix-cache tiers keep them: tiers.py)
+        self.evicted = evicted
 
     @property
     def free(self) -> int:
@@ -74,6 +83,8 @@ class BlockPool:
             assert digest is not None
             del self.by_digest[digest]
             self.digest_of[block] = None
+            if self.evicted is not None:
+                self.evicted(block, digest)
         else:
             return None
         self.refs[block] = 1
@@ -96,6 +107,10 @@ class BlockPool:
         if self.prefix_caching and digest not in self.by_digest and self.digest_of[block] is None:
             self.by_digest[digest] = block
             self.digest_of[block] = digest
+
+    def cached(self) -> list[tuple[int, bytes]]:
+        """Every block that holds a cached prefix, with its digest."""
+        return [(block, digest) for digest, block in self.by_digest.items()]
 
     def match(self, tokens: Sequence[int], limit: int) -> tuple[list[int], bytes]:
         """Take the cached blocks holding the longest prefix of `tokens` made of whole blocks and at most `limit`

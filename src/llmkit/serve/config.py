@@ -24,7 +24,10 @@ class EngineConfig:
     / int8 copy of the output head and of the module's block (None: the model's own; a quantized head is always
     its own). The copies make drafts cheaper (SmolLM2: 0.6 against 1.6 ms a row), never change the output;
     ngram: with draft_tokens, draft from each sequence's own text (prompt lookup, serve/ngram.py) instead of the MTP
-    module: any model, no second one."""
+    module: any model, no second one;
+    host_cache: bytes of host memory for cached prefix blocks the pool evicts (0: none); cache_dir: a directory
+    where they go next, and where the cached blocks are written at shutdown for the next start (None: no disk
+    tier); disk_cache: bytes the directory's blocks may take (serve/tiers.py)."""
 
     kv_memory: int = 1 << 30
     block_size: int = 16
@@ -36,6 +39,13 @@ class EngineConfig:
     draft_tokens: int = 0
     draft_head_bits: int | None = 4
     ngram: bool = False
+    host_cache: int = 0
+    cache_dir: str | None = None
+    disk_cache: int = 16 << 30
+
+    @property
+    def tiered(self) -> bool:
+        return self.host_cache > 0 or self.cache_dir is not None
 
     def __post_init__(self) -> None:
         for name in ("kv_memory", "block_size", "max_batch", "step_tokens", "max_queue"):
@@ -45,6 +55,10 @@ class EngineConfig:
             raise InputError(f"draft_tokens={self.draft_tokens} must be >= 0")
         if self.draft_head_bits not in (None, 4, 8):
             raise InputError(f"draft_head_bits={self.draft_head_bits!r} must be 4, 8 or None")
+        if self.host_cache < 0 or self.disk_cache < 0:
+            raise InputError("host_cache and disk_cache are byte counts >= 0")
+        if self.tiered and not self.prefix_caching:
+            raise InputError("prefix-cache tiers (host_cache, cache_dir) need prefix caching on")
         if self.ngram and not self.draft_tokens:
             raise InputError("ngram drafting needs draft_tokens >= 1 (how many drafts a sequence may get a step)")
 

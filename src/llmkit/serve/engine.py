@@ -40,6 +40,7 @@ from llmkit.serve.scheduler import Scheduler, Work
 from llmkit.serve.speculation import Drafter, Drafts, NoDrafts
 from llmkit.serve.structured import Grammars
 from llmkit.serve.text import TextOutput
+from llmkit.serve.tiers import BlockStore, cache_key
 from llmkit.tokenizer import IncrementalDecoder, Tokenizer
 
 log = logging.getLogger("llmkit.serve")
@@ -65,6 +66,11 @@ class Engine:
         config = config or EngineConfig()
         if lockstep is not None and (config.draft_tokens or config.batch_invariant or draft is not None):
             raise InputError("a model split across ranks is served without speculation or the batch-invariant mode")
+        if config.tiered and (lockstep is not None or (config.draft_tokens and not config.ngram)):
+            raise InputError(
+                "prefix-cache tiers keep the model's own cache blocks: not with a model split across ranks, nor "
+                "with --mtp or --draft (whose caches share the blocks); --ngram drafts are fine"
+            )
         self.lockstep = lockstep  # a tensor-parallel model: every rank runs each forward (lockstep.py)
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -83,6 +89,11 @@ class Engine:
         self.runner = model_runner(model, self.cache, config.block_size, config.batch_invariant, lockstep)
         self.pool = BlockPool(n_blocks, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_batch, config.step_tokens, self.runner.shares_generated)
+        self.store: BlockStore | None = None  # the prefix-cache tiers (tiers.py)
+        if config.tiered:
+            key = cache_key(model, self.dtype, config.block_size, self.cache.layout)
+            self.store = BlockStore(key, config.host_cache, config.cache_dir, config.disk_cache)
+            self.scheduler.kv.use_tiers(self.store, self.cache)
         # drafts for the decoding rows (config.draft_tokens): `draft`'s, or the model's MTP module's (drafters.py)
         self.drafter: Drafter = NoDrafts()
         if config.draft_tokens:
@@ -290,6 +301,15 @@ class Engine:
     def fail(self) -> list[Delta]:
         """End every request in flight with finish reason "error" (a step failed; the engine stays usable)."""
         return self._end(list(self.requests.values()), "error")
+
+    def close(self) -> None:
+        """The engine stops for good: with a disk tier, its cached prefix blocks are written there for the next
+        start (from the thread that steps it)."""
+        if self.store is not None and self.store.dir is not None:
+            start = time.perf_counter()
+            self.scheduler.kv.save()
+            log.info("prefix cache: %d blocks on disk in %s (%.1f s)", len(self.store.disk), self.store.dir,
+                     time.perf_counter() - start)  # fmt: skip
 
     def shut_down(self) -> list[Delta]:
         """End every request in flight with finish reason "shutdown" (the server is stopping)."""

@@ -78,7 +78,10 @@ class EngineLoop:
         try:
             self._loop()
         finally:
-            self._running.clear()
+            try:
+                self.engine.close()
+            finally:
+                self._running.clear()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()

@@ -2,8 +2,9 @@
 
 The scheduler decides which tokens are computed; this decides where their keys go:
 
-    find_computed(seq)          at admission: take the cached blocks that already hold a prefix of its tokens;
-                                returns how many tokens they cover (the sequence computes only the rest)
+    find_computed(seq)          at admission: take the cached blocks that already hold a prefix of its tokens (from
+                                the pool, then from the prefix-cache tiers, copied into new blocks); returns how
+                                many tokens they cover (the sequence computes only the rest)
     allocate(seq, length)       blocks enough for `length` tokens (added at the end of its table), or False with
                                 nothing changed when the pool cannot give them
     cache_full_blocks(seq, n)   after a step that computed its tokens up to n: register the digests of the blocks
@@ -19,7 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmkit.serve.blocks import BlockPool, block_digest
+from llmkit.serve.paged import PagedCache
 from llmkit.serve.request import Sequence
+from llmkit.serve.tiers import BlockStore
 
 
 @dataclass
@@ -32,11 +35,18 @@ class _Held:
 
 
 class KVCacheManager:
-    """The block tables of the sequences that hold blocks of `pool`."""
+    """The block tables of the sequences that hold blocks of `pool`; with `tiers`, the blocks the pool evicts are
+    kept there (host memory, disk) and come back on a hit."""
 
     def __init__(self, pool: BlockPool, share_generated: bool = True) -> None:
         self.pool, self.share_generated = pool, share_generated
         self._held: dict[tuple[str, int], _Held] = {}
+        self.tiers: Tiers | None = None
+
+    def use_tiers(self, store: BlockStore, cache: PagedCache) -> None:
+        """Keep evicted blocks of `cache` in `store`, and look prompts up there after the pool."""
+        self.tiers = Tiers(store, cache)
+        self.pool.evicted = self.tiers.evicted
 
     def table(self, seq: Sequence) -> list[int]:
         held = self._held.get(seq.key)
@@ -51,7 +61,10 @@ class KVCacheManager:
         left to compute, so that the step that finishes the prompt has a token to sample from); returns the
         number of tokens they hold."""
         assert seq.key not in self._held, f"sequence {seq.key} already holds blocks"
-        blocks, digest = self.pool.match(seq.tokens, limit=len(seq.tokens) - 1)
+        limit = len(seq.tokens) - 1
+        blocks, digest = self.pool.match(seq.tokens, limit)
+        if self.tiers is not None and self.pool.prefix_caching:
+            digest = self.tiers.restore(self.pool, seq.tokens, limit, blocks, digest)
         self._held[seq.key] = _Held(blocks, digest, len(blocks))
         return len(blocks) * self.pool.block_size
 
@@ -81,8 +94,50 @@ class KVCacheManager:
             self.pool.register(held.blocks[k], held.digest)
             held.registered += 1
 
+    def save(self) -> None:
+        """Write every cached block to the disk tier (at shutdown)."""
+        if self.tiers is not None:
+            self.tiers.save(self.pool)
+
     def free(self, seq: Sequence) -> None:
         """Give back every block of `seq` (cached prefixes stay findable until the pool needs the room)."""
         held = self._held.pop(seq.key, None)
         if held is not None:
             self.pool.release(held.blocks)
+
+
+@dataclass
+class Tiers:
+    """The pool's link to a BlockStore (tiers.py): evicted blocks' bytes go there; prompts' blocks come back."""
+
+    store: BlockStore
+    cache: PagedCache
+
+    def evicted(self, block: int, digest: bytes) -> None:
+        self.store.put(digest, self.cache.read_block(block))
+
+    def restore(self, pool: BlockPool, tokens: list[int], limit: int, blocks: list[int], parent: bytes) -> bytes:
+        """Continue the chain of `blocks` (the pool's match, ending at digest `parent`) with the blocks the store
+        holds: each copied into a newly allocated block and registered. Returns the chain's last digest."""
+        bs = pool.block_size
+        for start in range(len(blocks) * bs, min(limit, len(tokens)) - bs + 1, bs):
+            digest = block_digest(parent, tokens[start : start + bs])
+            if digest not in self.store:
+                break
+            block = pool.allocate()
+            if block is None:
+                break
+            data = self.store.take(digest)
+            if data is None:  # its file failed a check (logged): computed instead
+                pool.release([block])
+                break
+            self.cache.write_block(block, data)
+            pool.register(block, digest)
+            blocks.append(block)
+            parent = digest
+        return parent
+
+    def save(self, pool: BlockPool) -> None:
+        for block, digest in pool.cached():
+            self.store.save(digest, self.cache.read_block(block))
+        self.store.flush()

@@ -3,7 +3,7 @@ so that two servers in one process never share counters)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -28,6 +28,9 @@ class Metrics:
         # the engine's own counts since start, exported as counters (they only grow; see _advance)
         self.prefix_queried = Counter("llmkit_prefix_cache_queried_blocks", "Prompt blocks looked up", registry=r)
         self.prefix_hit = Counter("llmkit_prefix_cache_hit_blocks", "Prompt blocks found in the cache", registry=r)
+        self.restored = Counter(
+            "llmkit_prefix_cache_restored_blocks", "Prompt blocks brought back from a tier", ["tier"], registry=r
+        )
         self.preemptions = Counter("llmkit_preemptions", "Sequences preempted for memory", registry=r)
         self.prompt_tokens = Counter("llmkit_prompt_tokens", "Prompt tokens computed", registry=r)
         self.drafted = Counter("llmkit_spec_draft_tokens", "Tokens drafted (with --mtp)", registry=r)
@@ -56,12 +59,15 @@ class Metrics:
         self.blocks_total.set(engine.pool.n_blocks)
         self._advance(self.prefix_queried, s.prefix.queried)
         self._advance(self.prefix_hit, s.prefix.hit)
+        if engine.store is not None:
+            for tier, count in engine.store.restored.items():
+                self._advance(self.restored.labels(tier=tier), count)
         self._advance(self.preemptions, s.preemptions)
         self._advance(self.prompt_tokens, engine.stats.prompt_tokens)
         self._advance(self.drafted, engine.drafter.drafted)
         self._advance(self.accepted, engine.drafter.accepted)
 
-    def _advance(self, counter: Counter, total: float) -> None:
+    def _advance(self, counter: Any, total: float) -> None:
         """Bring a counter up to the engine's running total."""
         counter.inc(max(total - self._seen.get(counter, 0.0), 0.0))
         self._seen[counter] = total

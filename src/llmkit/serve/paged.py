@@ -265,6 +265,35 @@ class PagedCache:
             for c in self.layers
         ]
 
+    def _block_parts(self, block: int) -> list[Tensor]:
+        """Every tensor's slice for one block, in a fixed order (the layers', then each pool's fields)."""
+        parts = []
+        for c in self.layers:
+            if isinstance(c, KVPool):
+                parts += [c.k[:, block], c.v[:, block]]
+            else:
+                parts += [c.c_kv[block], c.k_pe[block]] + ([c.index_k[block]] if c.index_k is not None else [])
+        return parts
+
+    @property
+    def layout(self) -> str:
+        """What a block's bytes are: each part's dtype and shape (a prefix-cache tier's blocks must agree)."""
+        return ";".join(f"{t.dtype}{tuple(t.shape)}" for t in self._block_parts(0))
+
+    def read_block(self, block: int) -> Tensor:
+        """One block's keys and values, every layer's, as bytes (uint8, on the CPU): what a prefix-cache tier keeps."""
+        parts = [t.contiguous().view(torch.uint8).reshape(-1) for t in self._block_parts(block)]
+        return torch.cat(parts).cpu()
+
+    def write_block(self, block: int, data: Tensor) -> None:
+        """Put bytes that read_block gave (of a pool with the same layout) back into `block`."""
+        at = 0
+        for t in self._block_parts(block):
+            n = t.numel() * t.element_size()
+            t.copy_(data[at : at + n].clone().view(t.dtype).reshape(t.shape))  # (clone: the view's bytes aligned)
+            at += n
+        assert at == data.numel(), f"a block of {data.numel()} bytes for a layout of {at}"
+
     def grouped_query(self) -> tuple[list[Tensor], list[Tensor]] | None:
         """Every layer's keys and values (K, N, bs, D) when all the layers are grouped-query (what the C++ step
         reads), else None."""
