@@ -5,7 +5,6 @@ that are damaged, of another model or unwritable cost a recomputation and a log 
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 
 import pytest
 import torch
@@ -123,8 +122,13 @@ def test_the_key_tells_models_and_layouts_apart():
     assert cache_key(a, torch.float32, 4, "x") == cache_key(b, torch.float32, 4, "x")
     with torch.no_grad():
         b.blocks[1].ffn.w2.weight.mul_(1.001)  # a fine-tune's change, in one layer
-    keys = {cache_key(a, torch.float32, 4, "x"), cache_key(b, torch.float32, 4, "x"),
-            cache_key(a, torch.bfloat16, 4, "x"), cache_key(a, torch.float32, 8, "x"), cache_key(a, torch.float32, 4, "y")}  # fmt: skip
+    keys = {
+        cache_key(a, torch.float32, 4, "x"),
+        cache_key(b, torch.float32, 4, "x"),
+        cache_key(a, torch.bfloat16, 4, "x"),
+        cache_key(a, torch.float32, 8, "x"),
+        cache_key(a, torch.float32, 4, "y"),
+    }
     assert len(keys) == 5
 
 

@@ -69,6 +69,11 @@ class EngineOptions:
       block at shutdown, so that a restarted server finds them (keyed by the model, the cache's dtype and layout;
       damaged or foreign files are ignored). Not with --mtp or --draft.
     prefix_cache_disk: what the directory's blocks may take, e.g. 16GiB (the oldest go first).
+    adapter: NAME=PATH, a LoRA adapter (a folder with PEFT's adapter_config.json and adapter_model.safetensors, as
+      llmkit's LoRA runs save them) served beside the base model: a request whose `model` is NAME gets it
+      (repeatable). Steps then run through PyTorch, without speculation or the batch-invariant mode.
+    max_adapters: adapters resident at most (default: as many as --adapter gives); with an API key, more are
+      loaded at run time through POST /v1/load_lora_adapter, the least recently used idle one unloaded.
     """
 
     max_batch: int = 32
@@ -82,6 +87,8 @@ class EngineOptions:
     prefix_cache_host: str = "0"
     prefix_cache_dir: str | None = None
     prefix_cache_disk: str = "16GiB"
+    adapter: list[str] | None = None
+    max_adapters: int = 0
 
 
 @dataclass(frozen=True)
@@ -147,6 +154,7 @@ def serve(
       step (see docs/parallelism.md). Not with --mtp, --draft, --ngram or --batch-invariant.
     """
     try:
+        from llmkit.serve.adapters import parse_adapter
         from llmkit.serve.engine import EngineConfig
         from llmkit.serve.server import ServeOptions, Server, parse_size
     except ImportError as missing:  # fastapi / uvicorn / prometheus_client are the `serve` extra
@@ -179,7 +187,9 @@ def serve(
         host_cache=parse_size(engine.prefix_cache_host),
         cache_dir=engine.prefix_cache_dir,
         disk_cache=parse_size(engine.prefix_cache_disk),
+        max_adapters=max(engine.max_adapters, len(engine.adapter or [])),
     )
+    adapters = [parse_adapter(a) for a in engine.adapter or []]
     if tensor_parallel > 1 and (drafts or engine.batch_invariant):
         raise LLMKitError("--tensor-parallel serves without --mtp, --draft, --ngram or --batch-invariant")
     from llmkit.parallel import launch
@@ -192,6 +202,9 @@ def serve(
     drafter = load_decoder(draft, dtype, device, verify=not no_verify)[0] if draft is not None else None
     _log_to_stderr()
     server = Server(model, tok, options, config, http.host, http.port, drafter)
+    for adapter_name, path in adapters:  # (before the engine's loop runs: nothing else touches it yet)
+        assert server.engine.adapters is not None
+        server.engine.adapters.register(adapter_name, path)
     _announce(server, name, model, drafts if speculation.mtp else 0, draft, drafts)
     server.run_foreground()
     return 0
@@ -250,6 +263,7 @@ def _announce(server: Any, name: str, model: Any, mtp: int, draft: str | None, s
         + (f"drafting up to {speculate} tokens a step with {Path(draft).name}; " if draft is not None else "")
         + (f"drafting up to {speculate} tokens a step from each sequence's text; " if e.config.ngram else "")
         + _tiers(e)
+        + (f"LoRA adapters {', '.join(e.adapters.known)} (at most {e.adapters.most} resident); " if e.adapters else "")
         + f"listening on {server.url}/v1",
         flush=True,
     )

@@ -38,6 +38,7 @@ from llmkit.serve.routes import (
     Context,
     Gate,
     KeyCheck,
+    adapter_routes,
     embedding_routes,
     error_response,
     generation_routes,
@@ -64,7 +65,7 @@ def build_app(
     _handle_errors(app)
     app.include_router(status_routes(ctx))
     app.include_router(model_routes(ctx), dependencies=[Depends(key)])
-    for routes in (generation_routes, embedding_routes, responses_routes, messages_routes):
+    for routes in (generation_routes, embedding_routes, responses_routes, messages_routes, adapter_routes):
         app.include_router(routes(ctx), dependencies=[Depends(key), Depends(ctx.gate.admitting)])
 
     @app.get("/openapi.json", dependencies=[Depends(key)], include_in_schema=False)

@@ -112,11 +112,12 @@ class BlockPool:
         """Every block that holds a cached prefix, with its digest."""
         return [(block, digest) for digest, block in self.by_digest.items()]
 
-    def match(self, tokens: Sequence[int], limit: int) -> tuple[list[int], bytes]:
+    def match(self, tokens: Sequence[int], limit: int, root: bytes = b"") -> tuple[list[int], bytes]:
         """Take the cached blocks holding the longest prefix of `tokens` made of whole blocks and at most `limit`
-        tokens long (each taken block gains a reference). Returns the blocks and the digest of the last one."""
+        tokens long (each taken block gains a reference), the chain's digests starting from `root` (a served
+        adapter's: its blocks are its own). Returns the blocks and the digest of the last one (`root` for none)."""
         found: list[int] = []
-        parent = b""
+        parent = root
         if not self.prefix_caching:
             return found, parent
         bs = self.block_size

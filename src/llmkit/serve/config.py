@@ -27,7 +27,9 @@ class EngineConfig:
     module: any model, no second one;
     host_cache: bytes of host memory for cached prefix blocks the pool evicts (0: none); cache_dir: a directory
     where they go next, and where the cached blocks are written at shutdown for the next start (None: no disk
-    tier); disk_cache: bytes the directory's blocks may take (serve/tiers.py)."""
+    tier); disk_cache: bytes the directory's blocks may take (serve/tiers.py);
+    max_adapters: with n > 0, requests may choose a LoRA adapter (serve/adapters.py), n of them resident at most;
+    the steps then run through PyTorch (the C++ step knows nothing of adapters)."""
 
     kv_memory: int = 1 << 30
     block_size: int = 16
@@ -42,6 +44,7 @@ class EngineConfig:
     host_cache: int = 0
     cache_dir: str | None = None
     disk_cache: int = 16 << 30
+    max_adapters: int = 0
 
     @property
     def tiered(self) -> bool:
@@ -55,6 +58,10 @@ class EngineConfig:
             raise InputError(f"draft_tokens={self.draft_tokens} must be >= 0")
         if self.draft_head_bits not in (None, 4, 8):
             raise InputError(f"draft_head_bits={self.draft_head_bits!r} must be 4, 8 or None")
+        if self.max_adapters < 0:
+            raise InputError(f"max_adapters={self.max_adapters} must be >= 0")
+        if self.max_adapters and (self.draft_tokens or self.batch_invariant):
+            raise InputError("served adapters run without speculation and without the batch-invariant mode")
         if self.host_cache < 0 or self.disk_cache < 0:
             raise InputError("host_cache and disk_cache are byte counts >= 0")
         if self.tiered and not self.prefix_caching:

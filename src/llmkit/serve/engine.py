@@ -19,18 +19,20 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
+from typing import cast
 
 import torch
 
 from llmkit.errors import InputError, LLMKitError
 from llmkit.models.decoder import DecoderLM
+from llmkit.serve.adapters import Adapters
 from llmkit.serve.blocks import BlockPool
 from llmkit.serve.config import EngineConfig, EngineStats
 from llmkit.serve.drafters import speculator
 from llmkit.serve.embeddings import Embedding, OneForward, check_input
 from llmkit.serve.forward import row_of
 from llmkit.serve.lockstep import Lockstep, embed_step, make_cache
-from llmkit.serve.model_runner import StepPlan, model_runner
+from llmkit.serve.model_runner import StepPlan, TorchRunner, model_runner
 from llmkit.serve.output_processor import OutputProcessor
 from llmkit.serve.paged import PagedCache
 from llmkit.serve.reasoning import ThinkingBudget
@@ -86,7 +88,15 @@ class Engine:
         self.cache = PagedCache(model, n_blocks, config.block_size, self.device, self.dtype, self.device.type == "cuda")
         if lockstep is not None:  # the other ranks' caches: the same blocks, their own heads
             lockstep.tell(make_cache, n_blocks, config.block_size, self.dtype)
-        self.runner = model_runner(model, self.cache, config.block_size, config.batch_invariant, lockstep)
+        if config.max_adapters and (lockstep is not None or self.device.type == "cuda"):
+            raise InputError("served adapters run in PyTorch on one CPU process (not on a GPU or split across ranks)")
+        self.runner = model_runner(
+            model, self.cache, config.block_size, config.batch_invariant, lockstep, torch_only=config.max_adapters > 0
+        )
+        self.adapters: Adapters | None = None  # per-request LoRA adapters (adapters.py)
+        if config.max_adapters:
+            self.adapters = Adapters(model, config.max_adapters, self._adapters_in_use)
+            cast(TorchRunner, self.runner).adapters = self.adapters
         self.pool = BlockPool(n_blocks, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_batch, config.step_tokens, self.runner.shares_generated)
         self.store: BlockStore | None = None  # the prefix-cache tiers (tiers.py)
@@ -161,6 +171,9 @@ class Engine:
             raise Refused(f"prompt token ids must be integers in [0, {V})", "prompt")
         if any(not 0 <= t < V for t, _ in params.logit_bias):
             raise Refused(f"logit_bias: token ids must be in [0, {V})", "logit_bias")
+        if params.adapter is not None and (self.adapters is None or params.adapter not in self.adapters.known):
+            served = ", ".join(self.adapters.known) if self.adapters is not None else "none"
+            raise Refused(f"no adapter is named {params.adapter!r} (this server's: {served})", "model")
         if params.reasoning_budget is not None:
             if params.reasoning is None or self.tokenizer is None:
                 raise Refused("a thinking budget needs a chat template with thinking blocks", "reasoning_budget")
@@ -195,6 +208,8 @@ class Engine:
         if request.params.constraint is not None and self.grammars is not None:
             seq.matcher = self.grammars.matcher(request.params.constraint)
         p = request.params
+        if p.adapter is not None and self.adapters is not None:
+            seq.root = self.adapters.get(p.adapter).root  # (loaded again here if it was unloaded to make room)
         if p.reasoning_budget is not None and p.reasoning is not None and self.tokenizer is not None:
             close = self.tokenizer.encode("\n" + p.reasoning.end, add_bos=False)
             seq.budget = ThinkingBudget(p.reasoning, p.reasoning_budget, close)
@@ -301,6 +316,9 @@ class Engine:
     def fail(self) -> list[Delta]:
         """End every request in flight with finish reason "error" (a step failed; the engine stays usable)."""
         return self._end(list(self.requests.values()), "error")
+
+    def _adapters_in_use(self) -> set[str]:
+        return {a for seqs in self.requests.values() if (a := seqs[0].request.params.adapter) is not None}
 
     def close(self) -> None:
         """The engine stops for good: with a disk tier, its cached prefix blocks are written there for the next

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from llmkit.errors import InputError
+from llmkit.serve.adapters import Adapters
 from llmkit.serve.embeddings import Embedding, OneForward
 from llmkit.serve.engine import Engine, QueueFull
 from llmkit.serve.lockstep import RanksLost
@@ -145,6 +146,24 @@ class EngineLoop:
         self._commands.append(add)
         self._wake.set()
         return request_id
+
+    def call(self, fn: Callable[[Adapters], None]) -> Future[None]:
+        """Run fn(the engine's adapters) in the loop between two steps; its exception goes to the future."""
+        future: Future[None] = Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                assert self.engine.adapters is not None, "the engine serves no adapters"
+                fn(self.engine.adapters)
+                future.set_result(None)
+            except Exception as e:
+                future.set_exception(e)
+
+        self._commands.append(run)
+        self._wake.set()
+        return future
 
     def embed(self, prompt: list[int]) -> Future[Tensor]:
         """The prompt's pooled embedding, computed in the loop at most a step's token budget at a time, one chunk
@@ -291,6 +310,29 @@ class EngineClient:
     def embed(self, prompt: list[int]) -> Future[Tensor]:
         """The prompt's pooled embedding, computed between two engine steps (Refused for a bad prompt)."""
         return self._loop.embed(prompt)
+
+    @property
+    def serves_adapters(self) -> bool:
+        return self._loop.engine.adapters is not None
+
+    def adapters(self) -> list[tuple[str, str]]:
+        """(name, path) of every adapter the server knows (a copy: read from any thread)."""
+        adapters = self._loop.engine.adapters
+        return list(adapters.known.items()) if adapters is not None else []
+
+    def adapter_names(self) -> list[str]:
+        return [name for name, _ in self.adapters()]
+
+    def load_adapter(self, name: str, path: str) -> Future[None]:
+        """Load (or replace) the adapter `name` from `path`, in the loop between two steps (InputError: cannot)."""
+
+        def load(adapters: Adapters) -> None:
+            adapters.register(name, path)
+
+        return self._loop.call(load)
+
+    def unload_adapter(self, name: str) -> Future[None]:
+        return self._loop.call(lambda adapters: adapters.unregister(name))
 
     def compile(self, constraint: Constraint) -> None:
         """Compile a structured-output constraint now, in this thread (a large grammar can take a second), so that the

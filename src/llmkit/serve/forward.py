@@ -34,6 +34,7 @@ class Row:
     drafts: tuple[int, ...] = ()
     request: str = ""
     given: int = 0
+    adapter: str | None = None  # the LoRA adapter its request chose (serve/adapters.py)
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,8 @@ def prompt_count(w: Work) -> int:
 def row_of(w: Work, table: list[int], drafts: tuple[int, ...] = ()) -> Row:
     tokens = w.seq.tokens[w.start : w.start + w.count]
     given = max(0, min(w.count, w.seq.prompt_len - w.start))
-    return Row(tokens, w.start, table, prompt_count(w), drafts, w.seq.request.id, given)
+    adapter = w.seq.request.params.adapter
+    return Row(tokens, w.start, table, prompt_count(w), drafts, w.seq.request.id, given, adapter)
 
 
 def prompt_logits(model: DecoderLM, hidden: list[Tensor], counts: list[int]) -> list[Tensor | None]:

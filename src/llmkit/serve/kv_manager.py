@@ -62,7 +62,7 @@ class KVCacheManager:
         number of tokens they hold."""
         assert seq.key not in self._held, f"sequence {seq.key} already holds blocks"
         limit = len(seq.tokens) - 1
-        blocks, digest = self.pool.match(seq.tokens, limit)
+        blocks, digest = self.pool.match(seq.tokens, limit, seq.root)
         if self.tiers is not None and self.pool.prefix_caching:
             digest = self.tiers.restore(self.pool, seq.tokens, limit, blocks, digest)
         self._held[seq.key] = _Held(blocks, digest, len(blocks))
@@ -70,7 +70,7 @@ class KVCacheManager:
 
     def allocate(self, seq: Sequence, length: int) -> bool:
         """Make `seq` hold blocks enough for `length` tokens; on failure it keeps what it had."""
-        held = self._held.setdefault(seq.key, _Held())
+        held = self._held.setdefault(seq.key, _Held(digest=seq.root))
         need = -(-length // self.pool.block_size) - len(held.blocks)
         if need > self.pool.free:
             return False

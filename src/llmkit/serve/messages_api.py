@@ -297,8 +297,8 @@ def messages_routes(ctx: Context) -> APIRouter:
 
     @router.post("/v1/messages")
     async def create(body: MessagesRequest, request: Request) -> Response:
-        ctx.check_model(body.model)
         ask = ChatAsk(
+            adapter=ctx.check_model(body.model),
             turns=ctx.text_limit.conversation_turns(body.turns(), "messages"),
             functions=body.functions(),
             tool_mode=body.tool_mode(),

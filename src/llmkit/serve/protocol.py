@@ -524,3 +524,17 @@ class EmbeddingRequest(BaseModel):
         if all(isinstance(t, int) for t in x):
             return [list(x)]  # type: ignore[arg-type]
         return list(x)  # type: ignore[arg-type]
+
+
+class LoadAdapter(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's shape): a PEFT adapter folder on the server's disk, served as `lora_name`."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: Text = Field(pattern=r"^[A-Za-z0-9_.:/-]{1,128}$")
+    lora_path: Text = Field(min_length=1, max_length=4096)
+
+
+class UnloadAdapter(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: Text
+    lora_int_id: int | None = None  # (vLLM's clients may send it; the name decides)

@@ -79,6 +79,7 @@ class SamplingParams:
     priority: int = 0
     reasoning_budget: int | None = None
     reasoning: Reasoning | None = None  # how the reply's thinking block is found, for reasoning_budget
+    adapter: str | None = None  # the LoRA adapter the request chose (serve/adapters.py); None: the base model
 
     def __post_init__(self) -> None:
         self.sampling  # validates the shared settings  # noqa: B018
@@ -146,6 +147,7 @@ class Sequence:
     error: str | None = None  # finish reason "error" caused by the request itself (its grammar, its sampling settings)
     cached: int | None = None  # prompt tokens found in the prefix cache at its first admission
     budget: ThinkingBudget | None = None  # with a reasoning budget: where its thinking block stands
+    root: bytes = b""  # where its prefix-cache digest chain starts (its adapter's; the base model's is empty)
 
     @property
     def prompt_len(self) -> int:

@@ -347,7 +347,7 @@ def responses_routes(ctx: Context) -> APIRouter:
 
     @router.post("/v1/responses")
     async def create(body: ResponsesRequest, request: Request) -> Response:
-        ctx.check_model(body.model)
+        adapter = ctx.check_model(body.model)
         earlier: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
             found = store.get(body.previous_response_id)
@@ -361,6 +361,7 @@ def responses_routes(ctx: Context) -> APIRouter:
         own = earlier + body.turns()
         head = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
         ask = ChatAsk(
+            adapter=adapter,
             turns=ctx.text_limit.conversation_turns(head + own, "input"),
             functions=body.functions(),
             tool_mode=body.tool_mode(),

@@ -33,8 +33,10 @@ from llmkit.serve.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    LoadAdapter,
     Message,
     TokenizeRequest,
+    UnloadAdapter,
 )
 from llmkit.serve.reasoning import THINK, Reasoning, tags_of
 from llmkit.serve.request import Refused, SamplingParams
@@ -112,10 +114,14 @@ class Context:
         inside = tok.decode(prompt[-8:]).rstrip().endswith(tags[0])  # the template opened the block
         return Reasoning(*tags, inside=inside)
 
-    def check_model(self, name: str) -> None:
-        if name != self.options.model_name:
-            message = f"the model {name!r} does not exist; this server has {self.options.model_name!r}"
-            raise APIError(404, message, param="model")
+    def check_model(self, name: str) -> str | None:
+        """The adapter a request's `model` names (None: the base model); a 404 for a model the server lacks."""
+        if name == self.options.model_name:
+            return None
+        if name in self.client.adapter_names():
+            return name
+        served = ", ".join(repr(n) for n in [self.options.model_name, *self.client.adapter_names()])
+        raise APIError(404, f"the model {name!r} does not exist; this server has {served}", param="model")
 
     def needs_tokenizer(self, field: str) -> Tokenizer:
         if self.tokenizer is None:
@@ -155,14 +161,19 @@ def model_routes(ctx: Context) -> APIRouter:
     card = {"id": ctx.options.model_name, "object": "model", "created": ctx.created, "owned_by": "llmkit",
             "max_model_len": max_len}  # fmt: skip
 
+    def cards() -> list[dict[str, Any]]:
+        base = ctx.options.model_name
+        adapters = [card | {"id": name, "parent": base, "root": path} for name, path in ctx.client.adapters()]
+        return [card, *adapters]
+
     @router.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": cards()}
 
     @router.get("/v1/models/{name:path}")
     async def model(name: str) -> dict[str, Any]:
         ctx.check_model(name)
-        return card
+        return next(c for c in cards() if c["id"] == name)
 
     @router.get("/tokenizer_info")
     async def tokenizer_info() -> dict[str, Any]:
@@ -204,7 +215,7 @@ def generation_routes(ctx: Context) -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        ctx.check_model(body.model)
+        adapter = ctx.check_model(body.model)
         limit = ctx.text_limit
         prompts = await ctx.off_loop(lambda: [_encode(ctx.tokenizer, p, "prompt", limit) for p in body.prompts()])
         if not prompts:
@@ -214,7 +225,7 @@ def generation_routes(ctx: Context) -> APIRouter:
         texts = None
         if body.echo or logprobs:  # the prompts' text: echoed, and where the completion's text offsets start
             texts = await ctx.off_loop(lambda: [p if isinstance(p, str) else ctx.names.text(p) for p in body.prompts()])
-        params = _params(body, most)
+        params = replace(_params(body, most), adapter=adapter)
         await _compiled(ctx, params.constraint, body.constraint_field)
         call = Call(ctx.client, prompts, params, timeout, "prompt", ctx.names, texts, bool(body.echo), logprobs)
         call.start()  # before any response: a refused request is an HTTP error, not a broken stream
@@ -224,8 +235,8 @@ def generation_routes(ctx: Context) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
-        ctx.check_model(body.model)
         ask = ChatAsk(
+            adapter=ctx.check_model(body.model),
             turns=ctx.text_limit.conversation(body.messages),
             functions=body.offered(),
             tool_mode=body.tool_mode(),
@@ -255,6 +266,7 @@ class ChatAsk:
     limit (None: what the context leaves); constraint: what the reply must be (a forced call's grammar takes its
     place); variables: more for the chat template; field: the request's field that holds the conversation."""
 
+    adapter: str | None  # the LoRA adapter its `model` named (None: the base model)
     turns: list[dict[str, Any]]
     functions: list[Function]
     tool_mode: str
@@ -281,7 +293,7 @@ async def start_chat(ctx: Context, ask: ChatAsk) -> Call:
     )
     most = ask.max_tokens if ask.max_tokens is not None else max(ctx.client.max_len - len(ids), 1)
     try:
-        params = replace(ask.sampling(most), constraint=ask.constraint)
+        params = replace(ask.sampling(most), constraint=ask.constraint, adapter=ask.adapter)
     except InputError as e:
         raise APIError(400, str(e)) from e
     await _compiled(ctx, params.constraint, ask.constraint_field)
@@ -353,6 +365,43 @@ def _params(body: CompletionRequest, max_tokens: int) -> SamplingParams:
         raise APIError(400, str(e)) from e
 
 
+# ---- adapters loaded and unloaded at run time (vLLM's endpoints)
+
+
+def adapter_routes(ctx: Context) -> APIRouter:
+    """POST /v1/load_lora_adapter {lora_name, lora_path} and /v1/unload_lora_adapter {lora_name}: only on a server
+    with an API key (they read the server's disk), and only where it serves adapters (--max-adapters)."""
+    router = APIRouter()
+
+    def allowed() -> None:
+        if ctx.options.api_key is None:
+            raise APIError(403, "loading adapters at run time needs a server started with --api-key")
+        if not ctx.client.serves_adapters:
+            raise APIError(400, "this server serves no adapters: start it with --max-adapters N (or --adapter)")
+
+    @router.post("/v1/load_lora_adapter")
+    async def load(body: LoadAdapter) -> dict[str, Any]:
+        allowed()
+        if body.lora_name == ctx.options.model_name:
+            raise APIError(400, "lora_name: that is the base model's name", param="lora_name")
+        try:
+            await asyncio.wrap_future(ctx.client.load_adapter(body.lora_name, body.lora_path))
+        except InputError as e:
+            raise APIError(400, str(e), param="lora_path") from e
+        return {"object": "adapter", "id": body.lora_name, "loaded": True}
+
+    @router.post("/v1/unload_lora_adapter")
+    async def unload(body: UnloadAdapter) -> dict[str, Any]:
+        allowed()
+        try:
+            await asyncio.wrap_future(ctx.client.unload_adapter(body.lora_name))
+        except InputError as e:
+            raise APIError(400, str(e), param="lora_name") from e
+        return {"object": "adapter", "id": body.lora_name, "loaded": False}
+
+    return router
+
+
 # ---- embeddings
 
 
@@ -361,7 +410,9 @@ def embedding_routes(ctx: Context) -> APIRouter:
 
     @router.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest) -> dict[str, Any]:
-        ctx.check_model(body.model)
+        if ctx.check_model(body.model) is not None:
+            message = f"embeddings are the base model's: ask for {ctx.options.model_name!r}, not an adapter"
+            raise APIError(400, message, param="model")
         limit = ctx.text_limit
         prompts = await ctx.off_loop(lambda: [_encode(ctx.tokenizer, p, "input", limit) for p in body.inputs()])
         data = []
