@@ -29,7 +29,7 @@ class EngineConfig:
     where they go next, and where the cached blocks are written at shutdown for the next start (None: no disk
     tier); disk_cache: bytes the directory's blocks may take (serve/tiers.py);
     max_adapters: with n > 0, requests may choose a LoRA adapter (serve/adapters.py), n of them resident at most;
-    the steps then run through PyTorch (the C++ step knows nothing of adapters)."""
+    their rows run through PyTorch (the C++ step knows nothing of adapters), the base model's as they would."""
 
     kv_memory: int = 1 << 30
     block_size: int = 16
@@ -60,8 +60,8 @@ class EngineConfig:
             raise InputError(f"draft_head_bits={self.draft_head_bits!r} must be 4, 8 or None")
         if self.max_adapters < 0:
             raise InputError(f"max_adapters={self.max_adapters} must be >= 0")
-        if self.max_adapters and (self.draft_tokens or self.batch_invariant):
-            raise InputError("served adapters run without speculation and without the batch-invariant mode")
+        if self.max_adapters and self.draft_tokens:
+            raise InputError("served adapters run without speculation")
         if self.host_cache < 0 or self.disk_cache < 0:
             raise InputError("host_cache and disk_cache are byte counts >= 0")
         if self.tiered and not self.prefix_caching:

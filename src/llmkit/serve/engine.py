@@ -19,7 +19,6 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import cast
 
 import torch
 
@@ -32,7 +31,7 @@ from llmkit.serve.drafters import speculator
 from llmkit.serve.embeddings import Embedding, OneForward, check_input
 from llmkit.serve.forward import row_of
 from llmkit.serve.lockstep import Lockstep, embed_step, make_cache
-from llmkit.serve.model_runner import StepPlan, TorchRunner, model_runner
+from llmkit.serve.model_runner import StepPlan, model_runner
 from llmkit.serve.output_processor import OutputProcessor
 from llmkit.serve.paged import PagedCache
 from llmkit.serve.reasoning import ThinkingBudget
@@ -88,15 +87,12 @@ class Engine:
         self.cache = PagedCache(model, n_blocks, config.block_size, self.device, self.dtype, self.device.type == "cuda")
         if lockstep is not None:  # the other ranks' caches: the same blocks, their own heads
             lockstep.tell(make_cache, n_blocks, config.block_size, self.dtype)
-        if config.max_adapters and (lockstep is not None or self.device.type == "cuda"):
-            raise InputError("served adapters run in PyTorch on one CPU process (not on a GPU or split across ranks)")
-        self.runner = model_runner(
-            model, self.cache, config.block_size, config.batch_invariant, lockstep, torch_only=config.max_adapters > 0
-        )
+        if config.max_adapters and lockstep is not None:
+            raise InputError("served adapters run on one process (not with a model split across ranks)")
+        self.runner = model_runner(model, self.cache, config.block_size, config.batch_invariant, lockstep)
         self.adapters: Adapters | None = None  # per-request LoRA adapters (adapters.py)
         if config.max_adapters:
-            self.adapters = Adapters(model, config.max_adapters, self._adapters_in_use)
-            cast(TorchRunner, self.runner).adapters = self.adapters
+            self.adapters = self.runner.adapters = Adapters(model, config.max_adapters, self._adapters_in_use)
         self.pool = BlockPool(n_blocks, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_batch, config.step_tokens, self.runner.shares_generated)
         self.store: BlockStore | None = None  # the prefix-cache tiers (tiers.py)

@@ -38,7 +38,6 @@ from llmkit.kernels import triton_usable
 from llmkit.layers.attention.base import SelfAttention
 from llmkit.models.decoder import DecoderLM
 from llmkit.quant.native_step import NativeDecoder
-from llmkit.serve.adapters import Adapters
 from llmkit.serve.forward import Forward, Row, prompt_logits, run_rows
 from llmkit.serve.kernel_runner import KernelRunner
 from llmkit.serve.lockstep import Lockstep, forward_step
@@ -53,7 +52,6 @@ class TorchRunner(ModelRunner):
         super().__init__(model, cache, block_size)
         # whether rows of different lengths can go through the model as one packed row (AttentionMask.ragged)
         self.packs = all(isinstance(b.attn, SelfAttention) and b.attn.packs_rows for b in model.blocks)
-        self.adapters: Adapters | None = None  # per-request LoRA adapters, when the engine serves them
 
     def groups(self, plan: StepPlan) -> list[list[int]]:
         if self.packs:
@@ -61,10 +59,7 @@ class TorchRunner(ModelRunner):
         return [plan.decoding] + [[i] for i in plan.chunks]
 
     def forward(self, rows: list[Row]) -> Forward:
-        if self.adapters is None:
-            return run_rows(self.model, self.cache, self.block_size, rows)
-        with self.adapters.rows([r.adapter for r in rows], [len(r.tokens) for r in rows]):
-            return run_rows(self.model, self.cache, self.block_size, rows)
+        return run_rows(self.model, self.cache, self.block_size, rows)
 
 
 class LockstepRunner(TorchRunner):
@@ -187,21 +182,13 @@ class InvariantRunner(NativeRunner):
 
 
 def model_runner(
-    model: DecoderLM,
-    cache: PagedCache,
-    block_size: int,
-    invariant: bool | None,
-    lockstep: Lockstep | None,
-    torch_only: bool = False,
+    model: DecoderLM, cache: PagedCache, block_size: int, invariant: bool | None, lockstep: Lockstep | None
 ) -> ModelRunner:
     """The runner for `model` over `cache`. On a GPU, the paged-attention kernels' (KernelRunner) where every layer
     takes them and Triton is installed, batch-invariant when `invariant` is True. Else the backend
     `resolve` decides (llmkit.generate.backend: the C++ step, batch-invariant unless `invariant` is False, where the
     model lowers to it), where the C++ step also reads the pools (fp32 caches); else PyTorch, where `invariant` must
-    not be True; a model split across ranks (`lockstep`) runs in PyTorch on every rank; `torch_only` (served
-    adapters, whose hooks the C++ step would not call): PyTorch."""
-    if torch_only:
-        return TorchRunner(model, cache, block_size)
+    not be True; a model split across ranks (`lockstep`) runs in PyTorch on every rank."""
     if lockstep is not None:
         if invariant:
             raise InputError("a model split across ranks is served without the batch-invariant mode")

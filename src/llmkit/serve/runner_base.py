@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch import Tensor
 
 from llmkit.models.decoder import DecoderLM
-from llmkit.serve.forward import Forward, Row
+from llmkit.serve.adapters import Adapters
+from llmkit.serve.forward import Forward, Row, run_rows
 from llmkit.serve.lockstep import RanksLost
 from llmkit.serve.paged import PagedCache
 
@@ -73,11 +75,15 @@ class ModelRunner(ABC):
     def forward(self, rows: list[Row]) -> Forward:
         """The model over `rows`, writing their keys and values into the cache."""
 
+    # per-request LoRA adapters (serve/adapters.py), when the engine serves them: the rows that chose one run
+    # through the PyTorch forward with the adapters' hooks (`adapted`), the others as this runner runs them
+    adapters: Adapters | None = None
+
     def execute(self, plan: StepPlan) -> RunnerOutput:
         out = RunnerOutput()
-        for group in (g for g in self.groups(plan) if g):
+        for group, forward in self._forwards(plan):
             try:
-                self._add(out, plan, group, self.forward([plan.rows[i] for i in group]))
+                self._add(out, plan, group, forward([plan.rows[i] for i in group]))
             except RanksLost:
                 raise  # the ranks are out of step: nothing is retried
             except Exception as e:
@@ -88,12 +94,31 @@ class ModelRunner(ABC):
                             type(e).__name__, e)  # fmt: skip
                 for i in group:
                     try:
-                        self._add(out, plan, [i], self.forward([plan.rows[i]]))
+                        self._add(out, plan, [i], forward([plan.rows[i]]))
                     except RanksLost:
                         raise
                     except Exception as e:
                         log.error("request %s failed: %s: %s; ending it", plan.rows[i].request, type(e).__name__, e)
         return out
+
+    def _forwards(self, plan: StepPlan) -> list[tuple[list[int], Callable[[list[Row]], Forward]]]:
+        """The step's groups of rows and what runs each: the rows that chose an adapter apart, through `adapted`."""
+        groups = [g for g in self.groups(plan) if g]
+        if self.adapters is None:
+            return [(g, self.forward) for g in groups]
+        out: list[tuple[list[int], Callable[[list[Row]], Forward]]] = []
+        for g in groups:
+            base = [i for i in g if plan.rows[i].adapter is None]
+            own = [i for i in g if plan.rows[i].adapter is not None]
+            out += [(base, self.forward)] if base else []
+            out += [(own, self.adapted)] if own else []
+        return out
+
+    def adapted(self, rows: list[Row]) -> Forward:
+        """Rows that chose adapters, through the PyTorch forward with the adapters' updates."""
+        assert self.adapters is not None
+        with self.adapters.rows([r.adapter for r in rows], [len(r.tokens) for r in rows]):
+            return run_rows(self.model, self.cache, self.block_size, rows)
 
     @staticmethod
     def _add(out: RunnerOutput, plan: StepPlan, group: list[int], f: Forward) -> None:
