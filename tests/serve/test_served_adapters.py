@@ -166,3 +166,23 @@ def test_the_openai_client_chooses_adapters_by_model(adapters):
             client.completions.create(model="c", prompt=prompt, max_tokens=2)
         code, body = post(server.url + "/v1/unload_lora_adapter", {"lora_name": "b"}, {"Authorization": "Bearer k"})
         assert code == 200 and {m.id for m in client.models.list().data} == {"base", "a"}
+
+
+def test_an_adapter_s_blocks_come_back_from_the_disk_tier_as_its_own(adapters, tmp_path):
+    """The tiers key blocks by their digest chains, which start from each adapter's root: after a restart the
+    adapter's prompt finds its blocks, and the same prompt for the base or the other adapter finds none."""
+    base, known = adapters
+    prompt = list(range(7, 47))
+    params = SamplingParams(max_tokens=8, temperature=0.0, adapter="a")
+    first = _serving(base, known, cache_dir=str(tmp_path))
+    [before] = first.generate([prompt], params)
+    first.close()
+    second = _serving(base, known, cache_dir=str(tmp_path))
+    for choice in (None, "b"):
+        computed = second.stats.prompt_tokens
+        second.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, adapter=choice))
+        assert second.stats.prompt_tokens - computed == len(prompt)  # not adapter a's blocks
+    computed = second.stats.prompt_tokens
+    [after] = second.generate([prompt], params)
+    assert second.stats.prompt_tokens - computed < len(prompt) and after.token_ids == before.token_ids
+    assert after.token_ids == _reference(known["a"][1], prompt)
