@@ -110,6 +110,13 @@ def test_at_most_the_resident_bound_least_recently_used_unloaded_and_reloaded(ad
         engine.add([1, 2], SamplingParams(adapter="c"))
     with pytest.raises(InputError, match=r"adapter_config\.json"):
         engine.adapters.register("c", str(known["a"][0]) + "-missing")
+    engine.add([5, 9, 11], SamplingParams(max_tokens=8, adapter="a"))  # in flight: "a" cannot be unloaded
+    with pytest.raises(InputError, match="in use by requests in flight"):
+        engine.add([5, 9, 11], SamplingParams(max_tokens=8, adapter="b"))
+    with pytest.raises(InputError, match="in use"):
+        engine.adapters.unregister("a")
+    while engine.has_work:
+        engine.step()
     engine.adapters.unregister("b")
     with pytest.raises(Refused, match="no adapter"):
         engine.add([1, 2], SamplingParams(adapter="b"))

@@ -140,8 +140,9 @@ class EngineLoop:
             except Exception as e:  # anything the engine refuses ends this request only
                 log.warning("request %s refused: %s", request_id, e)
                 self._flights.pop(request_id, None)
+                why = str(e) if isinstance(e, InputError) else None  # the client's to read (e.g. adapters all busy)
                 for i in range(params.n):
-                    on_delta(Delta(request_id, i, [], "", [], "error", len(prompt), 0))
+                    on_delta(Delta(request_id, i, [], "", [], "error", len(prompt), 0, error=why))
 
         self._commands.append(add)
         self._wake.set()
