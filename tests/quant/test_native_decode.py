@@ -23,13 +23,16 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="needs llmkit's A
 
 
 def model_of(cfg: ModelConfig, seed: int = 0) -> torch.nn.Module:
-    """The model with random weights, its norm gains (QK-norm's too) moved off 1 so that each one counts."""
+    """The model with random weights, its norm gains (QK-norm's too) moved off 1 and its biases off 0 (they start
+    there), so that each one counts."""
     torch.manual_seed(seed)
     model = build_model(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name and name.endswith("weight"):
                 p.mul_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.add_(0.5 * torch.randn_like(p))
     return model
 
 

@@ -429,6 +429,9 @@ struct DecodeBlock {
     if (given_from > 0) w.group.compute(team, y.data(), width);
     if (given_from < B) w.given.compute(team, y.data() + given_from * width, width);
 #pragma omp barrier
+    bool biased = false;
+    for (const Projection* p : ps) biased = biased || p->bias.has_value();
+    if (!biased) return;
     if (team.id == 0) {  // the biases
       int64_t offset = 0;
       for (const Projection* p : ps) {
@@ -440,6 +443,9 @@ struct DecodeBlock {
         offset += p->N;
       }
     }
+    // every thread waits for them: the feed-forward's activation reads its share of y at once on every thread (a
+    // biased w1, GPT-2's, was read half without its bias before this barrier; the same for every projection)
+#pragma omp barrier
   }
 
   // every projection's tiled scales up to date (Projection::refresh_tiles), before a step
