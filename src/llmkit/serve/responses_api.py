@@ -45,6 +45,7 @@ from llmkit.serve.protocol import (
     MAX_PARTS,
     FunctionModel,
     JSONSchemaFormat,
+    NamedFunction,
     Text,
     Unsupported,
 )
@@ -156,10 +157,10 @@ class FunctionTool(FunctionModel):
         return data
 
 
-class NamedFunctionChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class NamedFunctionChoice(NamedFunction):
+    """tool_choice naming one function, flat as the Responses API has it."""
+
     type: Literal["function"]
-    name: Text
 
 
 class TextFormat(BaseModel):
