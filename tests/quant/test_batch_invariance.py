@@ -18,7 +18,7 @@ from llmkit.generate import generate, speculative_generate
 from llmkit.generate.step import NativeStep, choose_step
 from llmkit.interop.load import load_model
 from llmkit.quant import Int4Linear, Int8Linear, native, quantize
-from llmkit.quant.native_step import NativeDecoder
+from llmkit.quant.native_step import GIVEN_TOKENS, NativeDecoder
 from llmkit.serve.engine import Engine, EngineConfig
 from llmkit.serve.request import SamplingParams
 from llmkit.tokenizer import render_chat
@@ -175,6 +175,21 @@ def test_batch_invariant_generation_does_not_depend_on_the_batch():
     prompts = [torch.randint(0, model.cfg.vocab_size, (n,)).tolist() for n in (30, 5, 17)]
     together = generate(model, prompts, max_new_tokens=10, step=step).new_tokens
     assert together == [generate(model, [p], max_new_tokens=10, step=step).new_tokens[0] for p in prompts]
+
+
+def test_a_text_longer_than_a_piece_keeps_every_piece_s_hidden_states_with_last():
+    """A given text past GIVEN_TOKENS goes through the invariant step in pieces; with `last` (only the last logits)
+    the hidden states are still every token's: `llmkit eval --perplexity` reads them all (it got the last piece's
+    only, and failed on any window over 256 tokens)."""
+    torch.manual_seed(0)
+    model = quantize(build_model(get_preset("llama2-7b-tiny")).eval(), "int4")
+    step = choose_step(model, invariant=True)
+    assert isinstance(step, NativeStep) and step.invariant
+    ids = torch.randint(0, model.cfg.vocab_size, (1, GIVEN_TOKENS + 40))
+    last_logits, hidden = step(ids, model.new_cache(1, ids.shape[1]), None, last=True, given=True)
+    all_logits, every = step(ids, model.new_cache(1, ids.shape[1]), None, last=False, given=True)
+    assert hidden.shape[1] == ids.shape[1] and torch.equal(hidden, every)
+    assert last_logits.shape[1] == 1 and torch.equal(last_logits[:, 0], all_logits[:, -1])
 
 
 def test_the_batch_invariant_mode_is_refused_where_the_cpp_step_cannot_run():

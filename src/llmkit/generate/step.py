@@ -139,9 +139,9 @@ class NativeStep(DecodeStep):
             )
             for i in range(0, count, piece)
         ]
-        if last:
-            return parts[-1]
-        return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
+        # every piece's hidden states (a scored text reads them all), the logits of the last position with `last`
+        logits = parts[-1][0] if last else torch.cat([p[0] for p in parts], dim=1)
+        return logits, torch.cat([p[1] for p in parts], dim=1)
 
     def run(self, tokens: Tensor, step: Step, cache: Cache, last: bool, given: bool = False) -> tuple[Tensor, Tensor]:
         native = self.native
