@@ -9,7 +9,7 @@ import platform
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from llmkit.cli.common import DType, load_decoder
 from llmkit.errors import InputError
@@ -51,6 +51,9 @@ class PerplexityOptions:
     stride: tokens between window starts (default: half the window): each token is scored with at least
         window - stride tokens before it.
     max_tokens: score only the text's first N tokens.
+    kv_dtype: auto (the model's dtype) or int8: keep the model's keys and values as `llmkit serve --kv-dtype int8`
+        does; without --reference, the reference is the same model with its own cache (loaded once), so the KL
+        and top-1 agreement are what the int8 cache costs.
     """
 
     perplexity: str | None = None
@@ -59,6 +62,7 @@ class PerplexityOptions:
     window: int = 1024
     stride: int | None = None
     max_tokens: int | None = None
+    kv_dtype: Literal["auto", "int8"] = "auto"
 
 
 def eval_(
@@ -228,19 +232,24 @@ def _perplexity(
     if options.max_tokens is not None:
         text = first_tokens(tok, text, options.max_tokens)
     total = len(text_tokens(tok, text)) - 1
-    reference = None
+    kv_dtype = None if options.kv_dtype == "auto" else options.kv_dtype
+    reference = model if kv_dtype is not None else None  # without --reference: the model with its own cache
     if options.reference is not None:
         reference, ref_tok = load_decoder(options.reference, options.reference_dtype, device, verify=verify)
         check_same_vocabulary(tok, ref_tok)
     with tqdm(total=total, desc="perplexity", unit=" tokens", file=sys.stderr) as bar:
         if reference is None:
-            result = perplexity(model, tok, text, window=window, stride=stride, progress=bar.update)
+            result = perplexity(model, tok, text, window=window, stride=stride, progress=bar.update, kv_dtype=kv_dtype)
             report: dict[str, Any] = {"perplexity": result.perplexity, "bits_per_byte": result.bits_per_byte}
         else:
-            d = divergence(model, reference, tok, text, window=window, stride=stride, progress=bar.update)
+            d = divergence(
+                model, reference, tok, text, window=window, stride=stride, progress=bar.update, kv_dtype=kv_dtype
+            )
             result = d.model
             report = {"bits_per_byte": result.bits_per_byte, **d.summary()}
     report.update(tokens=result.tokens, bytes=result.bytes, window=window, stride=stride, text=options.perplexity)
+    if kv_dtype is not None:
+        report["kv_dtype"] = kv_dtype
     width = max(len(k) for k in report)
     for key, value in report.items():
         print(f"{key:<{width}}  {value:.6g}" if isinstance(value, float) else f"{key:<{width}}  {value}")

@@ -74,6 +74,9 @@ class EngineOptions:
       (repeatable). Steps then run through PyTorch, without speculation or the batch-invariant mode.
     max_adapters: adapters resident at most (default: as many as --adapter gives); with an API key, more are
       loaded at run time through POST /v1/load_lora_adapter, the least recently used idle one unloaded.
+    kv_dtype: auto (the model's dtype) or int8: keys and values as int8 codes with a scale per token and kv head,
+      about 3.8x the sequences in the same --kv-memory for a small loss (docs/serving.md measures it). Grouped-query
+      models on the CPU (the C++ step reads the codes); not with --mtp or --draft.
     """
 
     max_batch: int = 32
@@ -89,6 +92,7 @@ class EngineOptions:
     prefix_cache_disk: str = "16GiB"
     adapter: list[str] | None = None
     max_adapters: int = 0
+    kv_dtype: Literal["auto", "int8"] = "auto"
 
 
 @dataclass(frozen=True)
@@ -188,6 +192,7 @@ def serve(
         cache_dir=engine.prefix_cache_dir,
         disk_cache=parse_size(engine.prefix_cache_disk),
         max_adapters=max(engine.max_adapters, len(engine.adapter or [])),
+        kv_dtype=None if engine.kv_dtype == "auto" else engine.kv_dtype,
     )
     adapters = [parse_adapter(a) for a in engine.adapter or []]
     if tensor_parallel > 1 and (drafts or engine.batch_invariant):
@@ -255,7 +260,8 @@ def _announce(server: Any, name: str, model: Any, mtp: int, draft: str | None, s
     print(
         f"llmkit serve: {name} ({parameter_count(model) / 1e6:.1f}M parameters{split}, {describe(model)}, "
         f"computing in {str(e.dtype).removeprefix('torch.')} on {e.device}); "
-        f"KV cache {e.pool.n_blocks} blocks x {e.pool.block_size} tokens = {e.cache.nbytes / 2**20:.0f} MiB, "
+        f"KV cache {e.pool.n_blocks} blocks x {e.pool.block_size} tokens = {e.cache.nbytes / 2**20:.0f} MiB"
+        f"{' of int8 keys and values' if e.cache.kv_dtype == 'int8' else ''}, "
         f"{e.capacity_sequences:.1f} sequences of the full {e.max_len}-token context, "
         f"{e.sequences_of(min(2048, e.max_len))} of {min(2048, e.max_len)} tokens; steps through "
         f"{e.runner.kind}; {invariant}; "

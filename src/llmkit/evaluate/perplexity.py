@@ -12,7 +12,9 @@ Per token: -log p (nats); perplexity = exp(mean), bits per byte = sum / ln 2 / t
 across tokenizers). Against a reference with the same vocabulary, per token KL(reference || model) =
 sum_v p_ref(v) (log p_ref(v) - log p_model(v)), and whether the two most likely tokens agree; reported as
 llama.cpp's `llama-perplexity --kl-divergence` reports them (mean, median, high percentiles, maximum, top-1
-agreement) with the change in perplexity.
+agreement) with the change in perplexity. With kv_dtype "int8" the model's keys and values are kept as the serving
+engine's --kv-dtype int8 keeps them (Int8KVCache), so that the divergence from the same model with its own cache is
+what the int8 cache costs.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -27,7 +30,9 @@ from torch import Tensor
 
 from llmkit.errors import InputError
 from llmkit.generate.step import DecodeStep, choose_step
+from llmkit.layers.attention.cache import Int8KVCache, KVCache
 from llmkit.models import DecoderLM
+from llmkit.models.cache import Cache
 from llmkit.tokenizer import Tokenizer
 
 HEAD_ROWS = 512  # positions whose logits (V wide, fp32) exist at once, per model
@@ -51,18 +56,39 @@ def spans(n: int, window: int, stride: int) -> list[tuple[int, int, int]]:
     return out
 
 
+def new_cache(model: DecoderLM, length: int, kv_dtype: str | None = None) -> Cache:
+    """A cache for one sequence of `length` tokens, its keys and values in the model's dtype or, with kv_dtype
+    "int8", as int8 codes and scales (grouped-query attention only)."""
+    cache = model.new_cache(1, length)
+    if kv_dtype is None:
+        return cache
+    if kv_dtype != "int8":
+        raise InputError(f"kv_dtype must be 'int8' or None (the model's dtype), not {kv_dtype!r}")
+    if not all(type(c) is KVCache for c in cache.layers):
+        raise InputError("an int8 KV cache is for grouped-query attention; this model's layers cache otherwise")
+    cache.layers = [Int8KVCache.like(c) for c in cast(list[KVCache], cache.layers)]
+    return cache
+
+
 def scored_logprobs(
-    model: DecoderLM, tokens: list[int], window: int, stride: int, *, step: DecodeStep | None = None
+    model: DecoderLM,
+    tokens: list[int],
+    window: int,
+    stride: int,
+    *,
+    step: DecodeStep | None = None,
+    kv_dtype: str | None = None,
 ) -> Iterator[tuple[Tensor, Tensor]]:
-    """(log-softmax (M, V) fp32, targets (M,)) for every scored token, HEAD_ROWS at a time, window after window.
-    Gradients are off while it computes, and never across a `yield`: two of these consumed in turn (`divergence`)
-    would otherwise restore each other's grad mode in the wrong order and leave it off for the caller."""
+    """(log-softmax (M, V) fp32, targets (M,)) for every scored token, HEAD_ROWS at a time, window after window
+    (the keys and values cached as `new_cache` keeps them). Gradients are off while it computes, and never across a
+    `yield`: two of these consumed in turn (`divergence`) would otherwise restore each other's grad mode in the
+    wrong order and leave it off for the caller."""
     run = step if step is not None else choose_step(model)
     device = next(model.parameters()).device
     for begin, end, first in spans(len(tokens), window, stride):
         ids = torch.tensor([tokens[begin:end]], device=device)
         with torch.no_grad():
-            _, hidden = run(ids, model.new_cache(1, end - begin), None, last=True, given=True)
+            _, hidden = run(ids, new_cache(model, end - begin, kv_dtype), None, last=True, given=True)
         states = hidden[0, first - 1 - begin : end - 1 - begin]
         targets = ids[0, first - begin :]
         for a in range(0, states.shape[0], HEAD_ROWS):
@@ -131,11 +157,12 @@ def perplexity(
     stride: int,
     step: DecodeStep | None = None,
     progress: Callable[[int], None] | None = None,
+    kv_dtype: str | None = None,
 ) -> Perplexity:
     """The model's perplexity and bits per byte on `text` (sliding windows; see the module's doc)."""
     tokens = text_tokens(tok, text)
     nll = 0.0
-    for logp, targets in scored_logprobs(model, tokens, window, stride, step=step):
+    for logp, targets in scored_logprobs(model, tokens, window, stride, step=step, kv_dtype=kv_dtype):
         nll -= float(logp.gather(1, targets.unsqueeze(1)).sum())
         if progress is not None:
             progress(len(targets))
@@ -166,13 +193,15 @@ def divergence(
     step: DecodeStep | None = None,
     reference_step: DecodeStep | None = None,
     progress: Callable[[int], None] | None = None,
+    kv_dtype: str | None = None,
 ) -> Divergence:
-    """The model against the reference on the same windows of `text`, position by position."""
+    """The model (its keys and values cached as `kv_dtype` says) against the reference (in its own dtype; it may be
+    the model itself) on the same windows of `text`, position by position."""
     tokens = text_tokens(tok, text)
     nll = ref_nll = 0.0
     kls: list[Tensor] = []
     agree = 0
-    mine = scored_logprobs(model, tokens, window, stride, step=step)
+    mine = scored_logprobs(model, tokens, window, stride, step=step, kv_dtype=kv_dtype)
     theirs = scored_logprobs(reference, tokens, window, stride, step=reference_step)
     for (logp, targets), (ref, _) in zip(mine, theirs, strict=True):
         vocab = min(logp.shape[-1], ref.shape[-1])  # a head padded past the tokenizer's ids adds no probability

@@ -18,7 +18,8 @@
 // columns / heads over every thread; barriers separate the phases. Starting the threads once per step instead of
 // once per product saves ~150 fork-joins per token on a 30-layer model.
 //
-// Caches: a contiguous KVCache (generate) or the serving engine's paged pools with a block table (KVLayout).
+// Caches: a contiguous KVCache (generate) or the serving engine's paged pools with a block table (KVLayout), of
+// fp32 entries or int8 codes with a scale each (the serving engine's --kv-dtype int8).
 // Query rows and cache rows: each of the step's M query rows reads and writes one cache row. Usually M = B, one new
 // token per sequence; a contiguous cache also takes T > 1 new tokens per sequence (M = B T, query row b T + t in
 // slot `slot + t` of cache row b), the few tokens a speculative round verifies: each weight is read once for all of
@@ -41,19 +42,94 @@ namespace {
 
 using namespace llmkit::step;
 
-// Where a layer's cached keys and values live: row b's slot s of kv head g is element index(b, g, s) of k (times D)
-// and of v (times Dv). Either a contiguous cache, k (B, KH, S, D), or a paged pool, k (KH, N, bs, D) with a block
-// table (B, nb) of each row's physical blocks (llmkit/serve/paged.py's heads-first layout).
+// Where a layer's cached keys and values live: row b's slot s of kv head g is entry index(b, g, s): element
+// index * D of k (index * Dv of v). Either a contiguous cache, k (B, KH, S, D), or a paged pool, k (KH, N, bs, D)
+// with a block table (B, nb) of each row's physical blocks (llmkit/serve/paged.py's heads-first layout). The
+// entries are fp32, or int8 codes with one fp32 scale an entry (k8, ks: (.., D) and (..) of the same layout), the
+// codes round(x / scale) with scale = max |x| / 127 (llmkit/layers/attention/cache.py's quantize_int8, which the
+// PyTorch paths write with: a key gets the same codes from either).
 struct KVLayout {
   float* k = nullptr;
   float* v = nullptr;
   int64_t KH = 0, S = 0;                                // contiguous
   const int64_t* table = nullptr;                       // paged
   int64_t N = 0, bs = 1, nb = 0;
+  int8_t* k8 = nullptr;                                 // int8 entries (then k, v are null)
+  int8_t* v8 = nullptr;
+  float* ks = nullptr;
+  float* vs = nullptr;
 
   int64_t index(int64_t b, int64_t g, int64_t s) const {
     if (table == nullptr) return (b * KH + g) * S + s;
     return (g * N + table[b * nb + s / bs]) * bs + s % bs;
+  }
+
+  // a new token's key (D) and value (Dv) into entry `at`
+  void put(int64_t at, const float* key, int64_t D, const float* value, int64_t Dv) const {
+    if (k8 == nullptr) {
+      std::memcpy(k + at * D, key, D * sizeof(float));
+      std::memcpy(v + at * Dv, value, Dv * sizeof(float));
+      return;
+    }
+    ks[at] = quantize_row(key, D, k8 + at * D);
+    vs[at] = quantize_row(value, Dv, v8 + at * Dv);
+  }
+
+  // q . the key of entry `at`
+  float key_dot(const float* q, int64_t at, int64_t D) const {
+    return k8 == nullptr ? dot(q, k + at * D, D) : dot_codes(q, k8 + at * D, D) * ks[at];
+  }
+
+  // acc (8 NV) += p times the value of entry `at`
+  template <int NV>
+  void add_value(__m256* acc, float p, int64_t at) const {
+    if (k8 == nullptr) {
+      const __m256 w = _mm256_set1_ps(p);
+      const float* row = v + at * (8 * NV);
+      for (int d = 0; d < NV; ++d) acc[d] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8 * d), acc[d]);
+      return;
+    }
+    const __m256 w = _mm256_set1_ps(p * vs[at]);
+    const int8_t* row = v8 + at * (8 * NV);
+    for (int d = 0; d < NV; ++d) acc[d] = _mm256_fmadd_ps(w, codes8(row + 8 * d), acc[d]);
+  }
+
+  // the value of entry `at`, element d (the paths for value heads other than 64 or 128 wide)
+  float value(int64_t at, int64_t Dv, int64_t d) const {
+    return k8 == nullptr ? v[at * Dv + d] : vs[at] * static_cast<float>(v8[at * Dv + d]);
+  }
+
+  // x (n) -> codes round(x / scale) (ties to even, as torch.round), returns scale = max |x| / 127 (0 for zeros)
+  static float quantize_row(const float* x, int64_t n, int8_t* codes) {
+    float top = 0.f;
+    for (int64_t i = 0; i < n; ++i) top = std::max(top, std::fabs(x[i]));
+    const float scale = top / 127.f, d = scale > 0.f ? scale : 1.f;
+    for (int64_t i = 0; i < n; ++i)
+      codes[i] = static_cast<int8_t>(std::clamp(std::nearbyint(x[i] / d), -127.f, 127.f));
+    return scale;
+  }
+
+  // 8 int8 codes as floats
+  static __m256 codes8(const int8_t* c) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
+  }
+
+  // a . codes (n), as `dot` sums (two chains of 8 lanes, then the rest)
+  static float dot_codes(const float* a, const int8_t* c, int64_t n) {
+    __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), codes8(c + i), acc);
+      acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), codes8(c + i + 8), acc2);
+    }
+    acc = _mm256_add_ps(acc, acc2);
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), codes8(c + i), acc);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    float out = _mm_cvtss_f32(s);
+    for (; i < n; ++i) out += a[i] * static_cast<float>(c[i]);
+    return out;
   }
 };
 
@@ -124,19 +200,26 @@ struct DecodeBlock {
   }
 
   // Arguments of one step, checked before the threads start: x (M, C), k and v caches of B rows (contiguous
-  // (B, KH, S, D) or, with `paged`, pools (KH, N, bs, D)), allowed (B, S) over each row's S logical slots, cos and
-  // sin (1 | M, rope_dim / 2).
-  void check_step(const Tensor& x, int64_t B, const Tensor& k, const Tensor& v, bool paged, int64_t S,
-                  const Tensor& allowed, const std::optional<Tensor>& cos, const std::optional<Tensor>& sin) const {
+  // (B, KH, S, D) or, with `paged`, pools (KH, N, bs, D)), fp32 or int8 codes with scales ks, vs (k's and v's shape
+  // without D), allowed (B, S) over each row's S logical slots, cos and sin (1 | M, rope_dim / 2).
+  void check_step(const Tensor& x, int64_t B, const Tensor& k, const Tensor& v, const Tensor* ks, const Tensor* vs,
+                  bool paged, int64_t S, const Tensor& allowed, const std::optional<Tensor>& cos,
+                  const std::optional<Tensor>& sin) const {
     LLMKIT_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() &&
                     x.size(1) == norm1_weight.size(0),
                 "x must be (M, C) fp32");
     const int64_t M = x.size(0);
+    const auto entry = ks != nullptr ? torch::kInt8 : torch::kFloat32;
     for (const Tensor* t : {&k, &v})
-      LLMKIT_CHECK(t->dim() == 4 && t->scalar_type() == torch::kFloat32 && t->is_contiguous() &&
+      LLMKIT_CHECK(t->dim() == 4 && t->scalar_type() == entry && t->is_contiguous() &&
                       t->size(paged ? 0 : 1) == n_kv_heads && (paged || (t->size(0) == B && t->size(2) == S)),
-                  paged ? "the pools must be (KH, N, bs, D) fp32, contiguous"
-                        : "the caches must be (B, KH, S, D) fp32, contiguous");
+                  paged ? "the pools must be (KH, N, bs, D) contiguous, fp32 (int8 with scales)"
+                        : "the caches must be (B, KH, S, D) contiguous, fp32 (int8 with scales)");
+    if (ks != nullptr)
+      for (const auto& [t, s] : {std::pair{&k, ks}, std::pair{&v, vs}})
+        LLMKIT_CHECK(s->dim() == 3 && s->scalar_type() == torch::kFloat32 && s->is_contiguous() &&
+                        s->sizes().equals(t->sizes().slice(0, 3)),
+                    "an int8 cache's scales must be its shape without the head dim, fp32, contiguous");
     LLMKIT_CHECK(k.size(3) == head_dim && v.size(3) == v_head_dim, "cache head dims do not match the layer");
     LLMKIT_CHECK(allowed.dim() == 2 && allowed.size(0) == B && allowed.size(1) == S &&
                     allowed.scalar_type() == torch::kBool && allowed.is_contiguous(),
@@ -186,9 +269,7 @@ struct DecodeBlock {
           for (int64_t hh = 0; hh < H + KH; ++hh) rotate(row + hh * D, c, s);  // q heads, then k heads
         }
         for (int64_t g = 0; g < KH; ++g) {
-          const int64_t at = kv.index(rows[b], g, slots[b]);
-          std::memcpy(kv.k + at * D, row + Nq + g * D, D * sizeof(float));
-          std::memcpy(kv.v + at * Dv, row + Nq + KH * D + g * Dv, Dv * sizeof(float));
+          kv.put(kv.index(rows[b], g, slots[b]), row + Nq + g * D, D, row + Nq + KH * D + g * Dv, Dv);
         }
       }
     }
@@ -309,7 +390,7 @@ struct DecodeBlock {
     for (int64_t j0 = 0; j0 < n; j0 += KEYS)
       for (int64_t i = 0; i < Q; ++i)
         for (int64_t j = j0; j < std::min(j0 + KEYS, m[i]); ++j)
-          p[i * n + j] = dot(query(i), kv.k + seen[j] * D, D) * sc;
+          p[i * n + j] = kv.key_dot(query(i), seen[j], D) * sc;
     std::vector<float> total(Q, 0.f);
     for (int64_t i = 0; i < Q; ++i) {
       if (m[i] == 0) continue;  // no visible key: zeros
@@ -342,11 +423,7 @@ struct DecodeBlock {
     if (j0 >= j1) return;
     __m256 acc[NV];
     for (int d = 0; d < NV; ++d) acc[d] = _mm256_loadu_ps(a + 8 * d);
-    for (int64_t j = j0; j < j1; ++j) {
-      const __m256 pj = _mm256_set1_ps(p[j]);
-      const float* vr = kv.v + seen[j] * (8 * NV);
-      for (int d = 0; d < NV; ++d) acc[d] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 8 * d), acc[d]);
-    }
+    for (int64_t j = j0; j < j1; ++j) kv.add_value<NV>(acc, p[j], seen[j]);
     for (int d = 0; d < NV; ++d) _mm256_storeu_ps(a + 8 * d, acc[d]);
   }
 
@@ -383,18 +460,15 @@ struct DecodeBlock {
       const int64_t s = lo + j;
       if (!allowed[s]) continue;
       seen[m] = kv.index(r, g, s);
-      p[m] = dot(q, kv.k + seen[m] * D, D) * sc;
+      p[m] = kv.key_dot(q, seen[m], D) * sc;
       top = std::max(top, p[m++]);
     }
     if (m == 0) return;  // no visible key: zeros
     const float total = softmax_weights(p, m, top);
     if (Dv == 64) return weigh_values<8>(kv, seen, m, p, total, o);
     if (Dv == 128) return weigh_values<16>(kv, seen, m, p, total, o);
-    for (int64_t jj = 0; jj < m; ++jj) {
-      const float pj = p[jj];
-      const float* vr = kv.v + seen[jj] * Dv;
-      for (int64_t d = 0; d < Dv; ++d) o[d] += pj * vr[d];
-    }
+    for (int64_t jj = 0; jj < m; ++jj)
+      for (int64_t d = 0; d < Dv; ++d) o[d] += p[jj] * kv.value(seen[jj], Dv, d);
     const float inv = 1.f / total;
     for (int64_t d = 0; d < Dv; ++d) o[d] *= inv;
   }
@@ -404,11 +478,7 @@ struct DecodeBlock {
   static void weigh_values(const KVLayout& kv, const int64_t* seen, int64_t m, const float* p, float total, float* o) {
     __m256 acc[NV];
     for (int d = 0; d < NV; ++d) acc[d] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < m; ++j) {
-      const __m256 pj = _mm256_set1_ps(p[j]);
-      const float* vr = kv.v + seen[j] * (8 * NV);
-      for (int d = 0; d < NV; ++d) acc[d] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 8 * d), acc[d]);
-    }
+    for (int64_t j = 0; j < m; ++j) kv.add_value<NV>(acc, p[j], seen[j]);
     const __m256 inv = _mm256_set1_ps(1.f / total);
     for (int d = 0; d < NV; ++d) _mm256_storeu_ps(o + 8 * d, _mm256_mul_ps(acc[d], inv));
   }
@@ -507,52 +577,73 @@ Tensor run(const std::vector<DecodeBlock*>& blocks, const Tensor& x, const std::
   return out;
 }
 
-void check_lists(const std::vector<DecodeBlock*>& blocks, const std::vector<Tensor>& ks,
-                 const std::vector<Tensor>& vs) {
+using Caches = std::vector<Tensor>;
+using Scales = std::optional<std::vector<Tensor>>;
+
+// Every block's cache, fp32 ks[i], vs[i] or int8 codes with scales kss[i], vss[i], checked against the step (B cache
+// rows of S logical slots; `paged`: pools, whose table the caller sets).
+std::vector<KVLayout> layouts_of(const std::vector<DecodeBlock*>& blocks, const Tensor& x, int64_t B, const Caches& ks,
+                                 const Caches& vs, const Scales& kss, const Scales& vss, bool paged, int64_t S,
+                                 const Tensor& allowed, const std::optional<Tensor>& cos,
+                                 const std::optional<Tensor>& sin) {
   LLMKIT_CHECK(!blocks.empty() && ks.size() == blocks.size() && vs.size() == blocks.size(),
               "one k and one v cache per block");
+  LLMKIT_CHECK(kss.has_value() == vss.has_value() && (!kss || (kss->size() == ks.size() && vss->size() == vs.size())),
+              "int8 caches need the scales of every block's keys and values");
+  std::vector<KVLayout> layouts;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const Tensor* sk = kss ? &(*kss)[i] : nullptr;
+    const Tensor* sv = vss ? &(*vss)[i] : nullptr;
+    blocks[i]->check_step(x, B, ks[i], vs[i], sk, sv, paged, S, allowed, cos, sin);
+    KVLayout kv;
+    kv.KH = blocks[i]->n_kv_heads, kv.S = S;
+    if (sk == nullptr) {
+      kv.k = ks[i].data_ptr<float>(), kv.v = vs[i].data_ptr<float>();
+    } else {
+      kv.k8 = ks[i].data_ptr<int8_t>(), kv.v8 = vs[i].data_ptr<int8_t>();
+      kv.ks = sk->data_ptr<float>(), kv.vs = sv->data_ptr<float>();
+    }
+    layouts.push_back(kv);
+  }
+  return layouts;
 }
 
-// Contiguous caches ks[i], vs[i] (B, KH, S, D); x (B T, C): T new tokens per row, row b's token t (x's row b T + t)
-// in slot `slot + t`.
-Tensor decode(const std::vector<DecodeBlock*>& blocks, const Tensor& x, const std::vector<Tensor>& ks,
-              const std::vector<Tensor>& vs, int64_t slot, const Tensor& allowed, const std::optional<Tensor>& cos,
-              const std::optional<Tensor>& sin, int64_t given_from) {
-  check_lists(blocks, ks, vs);
-  const int64_t S = ks[0].dim() == 4 ? ks[0].size(2) : 0, B = ks[0].dim() == 4 ? ks[0].size(0) : 0;
+// Contiguous caches ks[i], vs[i] (B, KH, S, D) (int8: with scales (B, KH, S)); x (B T, C): T new tokens per row, row
+// b's token t (x's row b T + t) in slot `slot + t`.
+Tensor decode(const std::vector<DecodeBlock*>& blocks, const Tensor& x, const Caches& ks, const Caches& vs,
+              int64_t slot, const Tensor& allowed, const std::optional<Tensor>& cos, const std::optional<Tensor>& sin,
+              int64_t given_from, const Scales& kss, const Scales& vss) {
+  const bool shaped = !ks.empty() && ks[0].dim() == 4;
+  const int64_t S = shaped ? ks[0].size(2) : 0, B = shaped ? ks[0].size(0) : 0;
   LLMKIT_CHECK(x.dim() == 2 && B > 0 && x.size(0) % B == 0 && x.size(0) > 0,
               "x must be (B T, C): T new tokens for each of the caches' ", B, " rows");
   const int64_t M = x.size(0), T = M / B;
-  std::vector<KVLayout> layouts;
-  for (size_t i = 0; i < blocks.size(); ++i) {
-    blocks[i]->check_step(x, B, ks[i], vs[i], false, S, allowed, cos, sin);
-    layouts.push_back({ks[i].data_ptr<float>(), vs[i].data_ptr<float>(), blocks[i]->n_kv_heads, S});
-  }
+  const std::vector<KVLayout> layouts = layouts_of(blocks, x, B, ks, vs, kss, vss, false, S, allowed, cos, sin);
   std::vector<int64_t> rows(M), slots(M);
   for (int64_t m = 0; m < M; ++m) rows[m] = m / T, slots[m] = slot + m % T;
   return run(blocks, x, layouts, rows, slots, S, allowed, cos, sin, given_from < 0 ? M : given_from);
 }
 
-// Paged pools ks[i], vs[i] (KH, N, bs, D) and the block table (B, nb) of each row's physical blocks; row b's new
-// token in its logical slot slots[b] (S = nb * bs logical slots a row).
-Tensor decode_paged(const std::vector<DecodeBlock*>& blocks, const Tensor& x, const std::vector<Tensor>& ks,
-                    const std::vector<Tensor>& vs, const Tensor& table, const Tensor& slots, const Tensor& allowed,
-                    const std::optional<Tensor>& cos, const std::optional<Tensor>& sin, int64_t given_from) {
-  check_lists(blocks, ks, vs);
+// Paged pools ks[i], vs[i] (KH, N, bs, D) (int8: with scales (KH, N, bs)) and the block table (B, nb) of each row's
+// physical blocks; row b's new token in its logical slot slots[b] (S = nb * bs logical slots a row).
+Tensor decode_paged(const std::vector<DecodeBlock*>& blocks, const Tensor& x, const Caches& ks, const Caches& vs,
+                    const Tensor& table, const Tensor& slots, const Tensor& allowed, const std::optional<Tensor>& cos,
+                    const std::optional<Tensor>& sin, int64_t given_from, const Scales& kss, const Scales& vss) {
   const int64_t B = x.size(0);
   LLMKIT_CHECK(table.dim() == 2 && table.size(0) == B && table.scalar_type() == torch::kInt64 && table.is_contiguous(),
               "table must be (B, nb) int64");
   LLMKIT_CHECK(slots.dim() == 1 && slots.size(0) == B && slots.scalar_type() == torch::kInt64 && slots.is_contiguous(),
               "slots must be (B,) int64");
-  const int64_t nb = table.size(1), N = ks[0].dim() == 4 ? ks[0].size(1) : 0, bs = ks[0].dim() == 4 ? ks[0].size(2) : 1;
+  const bool shaped = !ks.empty() && ks[0].dim() == 4;
+  const int64_t nb = table.size(1), N = shaped ? ks[0].size(1) : 0, bs = shaped ? ks[0].size(2) : 1;
   const int64_t* T = table.data_ptr<int64_t>();
   for (int64_t i = 0; i < B * nb; ++i) LLMKIT_CHECK(T[i] >= 0 && T[i] < N, "block ", T[i], " is not in the pool");
-  std::vector<KVLayout> layouts;
+  std::vector<KVLayout> layouts = layouts_of(blocks, x, B, ks, vs, kss, vss, true, nb * bs, allowed, cos, sin);
   for (size_t i = 0; i < blocks.size(); ++i) {
-    blocks[i]->check_step(x, B, ks[i], vs[i], true, nb * bs, allowed, cos, sin);
     LLMKIT_CHECK(ks[i].size(1) == N && ks[i].size(2) == bs && vs[i].size(1) == N && vs[i].size(2) == bs,
                 "every pool has the same blocks");
-    layouts.push_back({ks[i].data_ptr<float>(), vs[i].data_ptr<float>(), 0, 0, T, N, bs, nb});
+    KVLayout& kv = layouts[i];
+    kv.KH = 0, kv.S = 0, kv.table = T, kv.N = N, kv.bs = bs, kv.nb = nb;
   }
   const int64_t* sl = slots.data_ptr<int64_t>();
   std::vector<int64_t> rows(B);
@@ -621,13 +712,14 @@ void bind_decode(pybind11::module& m) {
       .def("check", &DecodeBlock::check);
   m.def("decode", &decode, py::arg("blocks"), py::arg("x"), py::arg("k_caches"), py::arg("v_caches"),
         py::arg("slot"), py::arg("allowed"), py::arg("cos") = py::none(), py::arg("sin") = py::none(),
-        py::arg("given_from") = -1,
+        py::arg("given_from") = -1, py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none(),
         "x (B T, C) through the blocks for T new tokens per row; returns the last block's output (B T, C). Rows "
         "from given_from on (-1: none) are given tokens, multiplied in integer panels where the weights are GGUF "
-        "blocks and the CPU has AVX512-VNNI");
+        "blocks and the CPU has AVX512-VNNI. int8 caches come with their scales (k_scales, v_scales)");
   m.def("decode_paged", &decode_paged, py::arg("blocks"), py::arg("x"), py::arg("k_pools"), py::arg("v_pools"),
         py::arg("table"), py::arg("slots"), py::arg("allowed"), py::arg("cos") = py::none(),
-        py::arg("sin") = py::none(), py::arg("given_from") = -1,
+        py::arg("sin") = py::none(), py::arg("given_from") = -1, py::arg("k_scales") = py::none(),
+        py::arg("v_scales") = py::none(),
         "decode over paged pools (KH, N, bs, D) with a block table (B, nb); rows from given_from on are given "
-        "tokens");
+        "tokens; int8 pools come with their scales (KH, N, bs)");
 }

@@ -264,11 +264,12 @@ class NativeDecoder:
 
     def applies_paged(self, new_tokens: int, keys: list[Tensor]) -> bool:
         """Whether the serving engine's step over paged pools (llmkit.serve.paged) is one the C++ blocks take:
-        one new token per row, and every layer's keys (K, N, bs, D) contiguous fp32."""
+        one new token per row, and every layer's keys (K, N, bs, D) contiguous fp32 (or int8 codes, whose scales
+        run_paged and run_tokens are given)."""
         return (
             new_tokens == 1
             and len(keys) == len(self.blocks)
-            and all(k.dtype == torch.float32 and k.is_contiguous() for k in keys)
+            and all(k.dtype in (torch.float32, torch.int8) and k.is_contiguous() for k in keys)
             and not torch.is_grad_enabled()
         )
 
@@ -282,16 +283,19 @@ class NativeDecoder:
         allowed: Tensor,
         keys: list[Tensor],
         values: list[Tensor],
+        scales: tuple[list[Tensor], list[Tensor]] | None = None,
     ) -> Tensor:
         """The blocks over tokens (B, 1) at `positions` (B, 1), row b's new token into its logical slot slots[b]
         (B,) of each layer's pool of keys and values (K, N, bs, D) through block table (B, nb); allowed
-        (B, nb * bs): the slots each row may see. What the engine's `model.run` over the pools' views computes;
-        returns the last block's output (B, 1, C)."""
+        (B, nb * bs): the slots each row may see; `scales`: int8 pools' key and value scales (K, N, bs). What the
+        engine's `model.run` over the pools' views computes; returns the last block's output (B, 1, C)."""
         B = tokens.shape[0]
         model = self.model
         x = model.inputs(model.embed, tokens, positions).reshape(B, -1).contiguous()  # (B, C)
         cos, sin = self._rope(positions)
-        out = self.ext.decode_paged(self.blocks, x, keys, values, table, slots, allowed, cos, sin)
+        k_scales, v_scales = scales or (None, None)
+        out = self.ext.decode_paged(self.blocks, x, keys, values, table, slots, allowed, cos, sin, -1, k_scales,
+                                    v_scales)  # fmt: skip
         return out.view(B, 1, -1)
 
     def run_tokens(
@@ -304,6 +308,7 @@ class NativeDecoder:
         keys: list[Tensor],
         values: list[Tensor],
         given_from: int | None = None,
+        scales: tuple[list[Tensor], list[Tensor]] | None = None,
     ) -> Tensor:
         """The blocks over N tokens (N,) of any sequences, each its own row: token i at position positions[i]
         (which is its logical slot) through block table row table[i] (N, nb), seeing the slots allowed[i] (N, S) up
@@ -312,12 +317,14 @@ class NativeDecoder:
         the arithmetic of a decoding row (the serving engine's batch-invariant mode), except that the tokens from
         `given_from` on (given ones: a prompt's) are multiplied in integer panels where the weights are GGUF blocks
         and the CPU has AVX512-VNNI: the panels beat the decoding kernels 1.5-12x at many rows, and give a row its
-        own bits too, other ones than the decoding kernels'. Returns (N, C)."""
+        own bits too, other ones than the decoding kernels'. `scales`: as run_paged's. Returns (N, C)."""
         model = self.model
         x = model.inputs(model.embed, tokens[:, None], positions[:, None])[:, 0].contiguous()  # (N, C)
         cos, sin = self._rope(positions[:, None])
         given = -1 if given_from is None else given_from
-        return self.ext.decode_paged(self.blocks, x, keys, values, table, positions, allowed, cos, sin, given)
+        k_scales, v_scales = scales or (None, None)
+        return self.ext.decode_paged(self.blocks, x, keys, values, table, positions, allowed, cos, sin, given,
+                                     k_scales, v_scales)  # fmt: skip
 
     def _rope(self, positions: Tensor) -> tuple[Tensor | None, Tensor | None]:
         """The RoPE tables of positions (B, T): cos and sin (1 | B T, F) (None without RoPE)."""

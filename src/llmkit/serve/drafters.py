@@ -222,7 +222,7 @@ def draft_runner(draft: DecoderLM, target: TokenRunner) -> TokenRunner:
     step = NativeDecoder.of(draft)
     pooled = cache.grouped_query()
     with torch.no_grad():  # (how the engine's steps run)
-        runs = step is not None and pooled is not None and step.applies_paged(1, pooled[0])
+        runs = step is not None and pooled is not None and step.applies_paged(1, [p.k for p in pooled])
     if step is None or not runs:
         raise InputError(
             "the draft model does not run in llmkit's C++ step, which speculative serving on a CPU needs (a "

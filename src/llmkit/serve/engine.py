@@ -77,14 +77,18 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.device, self.dtype = model.device, model.dtype
-        per_block = PagedCache.bytes_per_block(model, config.block_size, self.dtype)
+        if config.kv_dtype is not None and lockstep is not None:
+            raise InputError("a model split across ranks keeps its cache in the model's dtype (no --kv-dtype)")
+        per_block = PagedCache.bytes_per_block(model, config.block_size, self.dtype, config.kv_dtype)
         if draft is not None and config.draft_tokens:  # (its pools share the blocks and the memory)
             per_block += PagedCache.bytes_per_block(draft, config.block_size, draft.dtype)
         n_blocks = config.kv_memory // per_block
         if n_blocks < 1:
             raise InputError(f"kv_memory={config.kv_memory} bytes is less than one block ({per_block} bytes)")
         # on a GPU, a scratch block for the spare rows of captured decoding steps (kernel_runner.DecodeGraphs)
-        self.cache = PagedCache(model, n_blocks, config.block_size, self.device, self.dtype, self.device.type == "cuda")
+        self.cache = PagedCache(
+            model, n_blocks, config.block_size, self.device, self.dtype, self.device.type == "cuda", config.kv_dtype
+        )
         if lockstep is not None:  # the other ranks' caches: the same blocks, their own heads
             lockstep.tell(make_cache, n_blocks, config.block_size, self.dtype)
         if config.max_adapters and lockstep is not None:

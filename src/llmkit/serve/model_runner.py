@@ -85,7 +85,11 @@ class NativeRunner(TorchRunner, TokenRunner):
     def __init__(self, model: DecoderLM, cache: PagedCache, block_size: int, native: NativeDecoder) -> None:
         super().__init__(model, cache, block_size)
         self.native = native
-        self.keys, self.values = cache.grouped_query() or ([], [])
+        pools = cache.grouped_query() or []
+        self.keys, self.values = [p.k for p in pools], [p.v for p in pools]
+        # an int8 cache's scales (K, N, bs), passed with its codes
+        kept = [p.scales for p in pools if p.scales is not None]
+        self.scales = ([k for k, _ in kept], [v for _, v in kept]) if kept else None
 
     def groups(self, plan: StepPlan) -> list[list[int]]:
         return [plan.decoding, plan.chunks]
@@ -107,6 +111,7 @@ class NativeRunner(TorchRunner, TokenRunner):
             allowed=filled,
             keys=self.keys,
             values=self.values,
+            scales=self.scales,
         )  # fmt: skip  (B, 1, C)
         hidden = list(h)
         logits = self.model.logits(self.model.norm(h[:, -1]))  # (B, V)
@@ -117,7 +122,7 @@ class NativeRunner(TorchRunner, TokenRunner):
         allowed = torch.arange(S, device=dev)[None] <= slots.to(dev)[:, None]  # (N, S)
         return self.native.run_tokens(
             tokens.to(dev), positions=slots.to(dev), table=table.to(dev), allowed=allowed, keys=self.keys,
-            values=self.values,
+            values=self.values, scales=self.scales,
         )  # fmt: skip
 
     def token_logits(self, h: Tensor, invariant: bool = True) -> Tensor:
@@ -156,6 +161,7 @@ class NativeRunner(TorchRunner, TokenRunner):
             keys=self.keys,
             values=self.values,
             given_from=len(tokens) - int(given.sum()),
+            scales=self.scales,
         )  # fmt: skip  (N, C)
         hidden = list(h.split(counts))
         wanted = [s if r.drafts else s[-1:] for r, s in zip(rows, hidden, strict=True)]
@@ -187,8 +193,8 @@ def model_runner(
     """The runner for `model` over `cache`. On a GPU, the paged-attention kernels' (KernelRunner) where every layer
     takes them and Triton is installed, batch-invariant when `invariant` is True. Else the backend
     `resolve` decides (llmkit.generate.backend: the C++ step, batch-invariant unless `invariant` is False, where the
-    model lowers to it), where the C++ step also reads the pools (fp32 caches); else PyTorch, where `invariant` must
-    not be True; a model split across ranks (`lockstep`) runs in PyTorch on every rank."""
+    model lowers to it), where the C++ step also reads the pools (fp32 or int8 caches); else PyTorch, where
+    `invariant` must not be True; a model split across ranks (`lockstep`) runs in PyTorch on every rank."""
     if lockstep is not None:
         if invariant:
             raise InputError("a model split across ranks is served without the batch-invariant mode")
@@ -200,10 +206,12 @@ def model_runner(
             raise InputError(
                 "on a GPU the batch-invariant mode runs on llmkit's Triton kernels, which need Triton installed"
             )
+    if cache.kv_dtype is not None and model.device.type != "cpu":
+        raise InputError(f"a {cache.kv_dtype} KV cache is kept on the CPU paths (on a GPU, the model's dtype)")
     backend = resolve(model, invariant=invariant)
-    kv = cache.grouped_query()
+    pools = cache.grouped_query()
     with torch.no_grad():
-        if backend.native is not None and kv is not None and backend.native.applies_paged(1, kv[0]):
+        if backend.native is not None and pools is not None and backend.native.applies_paged(1, [p.k for p in pools]):
             runner = InvariantRunner if backend.invariant else NativeRunner
             return runner(model, cache, block_size, backend.native)
     if backend.required:

@@ -7,7 +7,9 @@ that let an unchanged attention layer write its new keys into the blocks and rea
 
 Each pool starts as its attention variant's own `new_cache(batch=N, max_len=block_size)`, so a variant's per-token
 layout is written down once, and MLA's 576-element latent takes 576 elements per token here too: more blocks, so
-more concurrent sequences, in the same memory.
+more concurrent sequences, in the same memory. With kv_dtype "int8" a grouped-query pool holds int8 codes and a
+scale per (token, kv head) (k_scale, v_scale (K, N, bs); llmkit.layers.attention.cache.quantize_int8): 3.8x the
+blocks of an fp32 pool at D = 64, which the C++ step reads in place and the PyTorch paths dequantize as they gather.
 
 A step's view gathers each row's blocks into one contiguous (B, .., S, ..) tensor of S = blocks x block_size slots
 and writes the new tokens at (physical block, offset); the attention mask hides the slots a row has not filled.
@@ -25,6 +27,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
+from llmkit.errors import InputError
 from llmkit.kernels.paged_attention import PagedRows
 from llmkit.layers.attention import SelfAttention
 from llmkit.layers.attention.cache import (
@@ -34,6 +37,8 @@ from llmkit.layers.attention.cache import (
     LatentCache,
     LayerCache,
     SelectedInPlace,
+    dequantize_int8,
+    quantize_int8,
 )
 from llmkit.models.decoder import DecoderLM
 
@@ -63,19 +68,56 @@ class Pages:
 @dataclass
 class KVPool:
     """A grouped-query layer's blocks: k (K, N, bs, D), v (K, N, bs, Dv). Heads come first, unlike KVCache's
-    (batch, K, S, D): a step's gather of whole blocks then lays each kv head's rows out contiguously (see _rows)."""
+    (batch, K, S, D): a step's gather of whole blocks then lays each kv head's rows out contiguously (see _rows).
+    An int8 pool's k and v are codes, with a scale each in k_scale, v_scale (K, N, bs)."""
 
     k: Tensor
     v: Tensor
+    k_scale: Tensor | None = None
+    v_scale: Tensor | None = None
 
     @classmethod
-    def of(cls, cache: KVCache) -> KVPool:
-        """The pool whose blocks are the rows of `cache` (batch = N blocks, max_len = block size)."""
-        return cls(cache.k.transpose(0, 1).contiguous(), cache.v.transpose(0, 1).contiguous())
+    def of(cls, cache: KVCache, int8: bool = False) -> KVPool:
+        """The pool whose blocks are the rows of `cache` (batch = N blocks, max_len = block size); `int8`: of
+        int8 codes and scales instead of cache's dtype."""
+        k, v = cache.k.transpose(0, 1).contiguous(), cache.v.transpose(0, 1).contiguous()
+        if not int8:
+            return cls(k, v)
+        scales = torch.zeros(k.shape[:3], device=k.device)
+        return cls(k.to(torch.int8), v.to(torch.int8), scales, scales.clone())
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self.k, self.v)
+        return _nbytes(*self.parts)
+
+    @property
+    def scales(self) -> tuple[Tensor, Tensor] | None:
+        """An int8 pool's key and value scales (K, N, bs); None for a pool of the model's dtype."""
+        return (self.k_scale, self.v_scale) if self.k_scale is not None and self.v_scale is not None else None
+
+    @property
+    def parts(self) -> list[Tensor]:
+        """The pool's tensors (K, N, bs, ..): keys, values (and their scales)."""
+        return [self.k, self.v, *(self.scales or ())]
+
+    def write(self, block: Tensor, offset: Tensor, k: Tensor, v: Tensor) -> None:
+        """New keys (K, ..., D) and values (K, ..., Dv) into (block, offset) (..., each the same shape)."""
+        if self.scales is None:
+            self.k[:, block, offset] = k.to(self.k.dtype)
+            self.v[:, block, offset] = v.to(self.v.dtype)
+            return
+        for codes, scales, x in zip((self.k, self.v), self.scales, (k, v), strict=True):
+            codes[:, block, offset], scales[:, block, offset] = quantize_int8(x)
+
+    def rows(self, table: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Each row's slots (B, K, nb * bs, D) and (B, K, nb * bs, Dv) through block table (B, nb), in `dtype`."""
+        if self.scales is None:
+            return _rows(self.k, table), _rows(self.v, table)
+        k_scale, v_scale = self.scales
+        return (
+            dequantize_int8(_rows(self.k, table), _rows(k_scale[..., None], table)[..., 0], dtype),
+            dequantize_int8(_rows(self.v, table), _rows(v_scale[..., None], table)[..., 0], dtype),
+        )
 
 
 @dataclass
@@ -113,9 +155,8 @@ class PagedKV:
         """k (B, K, T, D), v (B, K, T, Dv) -> each row's slots (B, K, S, D), (B, K, S, Dv): views of (K, B, S, D)
         tensors (see heads_first)."""
         p = self.pages
-        self.store.k[:, p.block, p.offset] = k.transpose(0, 1).to(self.store.k.dtype)  # (K, B, T, D)
-        self.store.v[:, p.block, p.offset] = v.transpose(0, 1).to(self.store.v.dtype)
-        return _rows(self.store.k, p.table), _rows(self.store.v, p.table)
+        self.store.write(p.block, p.offset, k.transpose(0, 1), v.transpose(0, 1))  # (K, B, T, D)
+        return self.store.rows(p.table, k.dtype)
 
 
 class PagedLatent:
@@ -176,6 +217,7 @@ class KernelKV(GroupedInPlace):
         """q (B, T, H, D), k (B, T, K, D), v (B, T, K, Dv), B T = n packed row after row -> (B, T, H, Dv)."""
         B, T, H, D = q.shape
         pool, at = self.store, self.at
+        assert pool.scales is None, "the paged-attention kernels read fp32, bf16 or fp16 pools"
         pool.k[:, at.block, at.offset] = k.reshape(B * T, -1, D).transpose(0, 1).to(pool.k.dtype)  # (K, n, D)
         pool.v[:, at.block, at.offset] = v.reshape(B * T, -1, v.shape[-1]).transpose(0, 1).to(pool.v.dtype)
         out = self.attention(q.reshape(B * T, H, D).to(pool.k.dtype), pool.k, pool.v, at.rows, scale, softcap, window)
@@ -235,19 +277,29 @@ class PagedCache:
         device: torch.device,
         dtype: torch.dtype,
         scratch: bool = False,
+        kv_dtype: str | None = None,
     ) -> None:
-        self.n_blocks, self.block_size = n_blocks, block_size
+        if kv_dtype not in KV_DTYPES:
+            raise InputError(f"kv_dtype must be one of {', '.join(map(str, KV_DTYPES))}, not {kv_dtype!r}")
+        int8 = kv_dtype == "int8"
+        if int8 and not all(isinstance(_attention(b).new_cache(1, 1, torch.device("meta")), KVCache)
+                            for b in model.blocks):  # fmt: skip
+            raise InputError(
+                "an int8 KV cache is for grouped-query attention (MHA, GQA, MQA); latent attention's cache (MLA, "
+                "DSA) is kept in the model's dtype"
+            )
+        self.n_blocks, self.block_size, self.kv_dtype = n_blocks, block_size, kv_dtype
         # `scratch`: one block more, never handed out, that the padding rows of a captured step write to
         self.scratch = n_blocks if scratch else None
         total = n_blocks + int(scratch)
         self.layers: list[Pool] = [
-            _pool(_attention(b).new_cache(total, block_size, device, dtype)) for b in model.blocks
+            _pool(_attention(b).new_cache(total, block_size, device, dtype), int8) for b in model.blocks
         ]
 
     @staticmethod
-    def bytes_per_block(model: DecoderLM, block_size: int, dtype: torch.dtype) -> int:
-        elements = sum(_attention(b).cache_elements_per_token() for b in model.blocks)
-        return elements * block_size * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_block(model: DecoderLM, block_size: int, dtype: torch.dtype, kv_dtype: str | None = None) -> int:
+        """What one block of every layer's pool takes (counted on the meta device: nothing is allocated)."""
+        return PagedCache(model, 1, block_size, torch.device("meta"), dtype, kv_dtype=kv_dtype).nbytes
 
     @property
     def nbytes(self) -> int:
@@ -270,7 +322,7 @@ class PagedCache:
         parts = []
         for c in self.layers:
             if isinstance(c, KVPool):
-                parts += [c.k[:, block], c.v[:, block]]
+                parts += [t[:, block] for t in c.parts]
             else:
                 parts += [c.c_kv[block], c.k_pe[block]] + ([c.index_k[block]] if c.index_k is not None else [])
         return parts
@@ -294,17 +346,19 @@ class PagedCache:
             at += n
         assert at == data.numel(), f"a block of {data.numel()} bytes for a layout of {at}"
 
-    def grouped_query(self) -> tuple[list[Tensor], list[Tensor]] | None:
-        """Every layer's keys and values (K, N, bs, D) when all the layers are grouped-query (what the C++ step
-        reads), else None."""
+    def grouped_query(self) -> list[KVPool] | None:
+        """Every layer's pool when all the layers are grouped-query (what the C++ step reads), else None."""
         if not all(isinstance(c, KVPool) for c in self.layers):
             return None
-        pools = cast(list[KVPool], self.layers)
-        return [p.k for p in pools], [p.v for p in pools]
+        return cast(list[KVPool], self.layers)
 
 
-def _pool(cache: LayerCache) -> Pool:
-    return KVPool.of(cache) if isinstance(cache, KVCache) else LatentPool.of(cache)
+# what a pool's keys and values may be kept as (None: the model's dtype)
+KV_DTYPES = (None, "int8")
+
+
+def _pool(cache: LayerCache, int8: bool) -> Pool:
+    return KVPool.of(cache, int8) if isinstance(cache, KVCache) else LatentPool.of(cache)
 
 
 def _attention(block: torch.nn.Module) -> SelfAttention:
