@@ -41,6 +41,20 @@ def _adapter(base: llmkit.DecoderLM, seed: int, targets: tuple[str, ...], direct
     return model.eval()
 
 
+def _served(engine: Engine, prompts: list[list[int]], choices: list[str | None]) -> list[tuple[list[int], list[float]]]:
+    """Each prompt's greedy tokens and their log-probabilities, the requests under their adapters in one batch."""
+    ids = [
+        engine.add(p, SamplingParams(max_tokens=8, temperature=0.0, adapter=c))
+        for p, c in zip(prompts, choices, strict=True)
+    ]
+    out: dict[str, tuple[list[int], list[float]]] = {i: ([], []) for i in ids}
+    while engine.has_work:
+        for d in engine.step():
+            out[d.request_id][0].extend(d.token_ids)
+            out[d.request_id][1].extend(d.logprobs)
+    return [out[i] for i in ids]
+
+
 def _reference(model: llmkit.DecoderLM, prompt: list[int]) -> list[int]:
     return generate(model, torch.tensor([prompt]), max_new_tokens=8).tokens[0, len(prompt) :].tolist()
 
@@ -84,6 +98,43 @@ def test_two_adapters_and_the_base_in_one_batch_each_equal_their_merged_model(ad
         model = known[choice][1] if choice is not None else base
         assert done[request_id] == _reference(model, prompt), choice
     assert _reference(known["a"][1], prompts[0]) != _reference(base, prompts[0])  # (the adapters change the output)
+
+
+@pytest.mark.parametrize("invariant", [True, False], ids=["invariant", "native"])
+def test_adapted_decoding_rows_keep_the_cpp_step(adapters, invariant, monkeypatch):
+    """On the C++ step's runners the adapters' updates are added inside the step (cpu_decode.cpp's add_low_rank):
+    no decoding row leaves it for the PyTorch hooks (with the batch-invariant runner, no prompt either), and each
+    request still gets its merged model's tokens."""
+    from llmkit.quant import native
+    from llmkit.serve.model_runner import InvariantRunner, NativeRunner
+
+    if not native.available():
+        pytest.skip("needs llmkit's AVX2 kernels")
+    base, known = adapters
+    engine = _serving(base, known, batch_invariant=invariant)
+    assert isinstance(engine.runner, InvariantRunner if invariant else NativeRunner)
+    hooked: list[int] = []
+    plain = engine.runner.adapted
+    monkeypatch.setattr(engine.runner, "adapted", lambda rows: hooked.append(len(rows[0].tokens)) or plain(rows))
+    prompts, choices = [[5, 9, 11, 3, 7, 2], [4, 4, 6], [5, 9, 11, 3]], ["a", "b", None]
+    for (tokens, _), prompt, choice in zip(_served(engine, prompts, choices), prompts, choices, strict=True):
+        assert tokens == _reference(known[choice][1] if choice else base, prompt), choice
+    assert all(n > 1 for n in hooked) and (not hooked if invariant else hooked)  # prompts only, and not invariant
+
+
+def test_an_adapted_row_gets_the_same_bits_alone_and_beside_other_rows(adapters):
+    """The batch-invariant runner keeps its promise for adapted rows: a request's log-probabilities are the same
+    bits served alone and beside the other adapter's and the base's requests."""
+    from llmkit.serve.model_runner import InvariantRunner
+
+    base, known = adapters
+    engine = _serving(base, known)
+    if not isinstance(engine.runner, InvariantRunner):
+        pytest.skip("needs llmkit's C++ step")
+    prompts, choices = [[5, 9, 11, 3, 7, 2], [4, 4, 6, 1, 2], [8, 3]], ["a", "b", None]
+    together = _served(engine, prompts, choices)
+    for i in range(3):
+        assert _served(engine, [prompts[i]], [choices[i]]) == [together[i]], choices[i]
 
 
 def test_the_prefix_cache_is_keyed_by_adapter(adapters):

@@ -33,6 +33,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <limits>
 
@@ -109,6 +110,18 @@ struct KVLayout {
     return scale;
   }
 
+  // the codes (width each) of entries at[0 .. n) of `codes` as floats, one entry after another, into out
+  static void codes_of(const int8_t* codes, int64_t width, const int64_t* at, int64_t n, std::vector<float>& out) {
+    out.resize(n * width);
+    for (int64_t j = 0; j < n; ++j) {
+      const int8_t* c = codes + at[j] * width;
+      float* o = out.data() + j * width;
+      int64_t d = 0;
+      for (; d + 8 <= width; d += 8) _mm256_storeu_ps(o + d, codes8(c + d));
+      for (; d < width; ++d) o[d] = static_cast<float>(c[d]);
+    }
+  }
+
   // 8 int8 codes as floats
   static __m256 codes8(const int8_t* c) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
@@ -131,6 +144,22 @@ struct KVLayout {
     for (; i < n; ++i) out += a[i] * static_cast<float>(c[i]);
     return out;
   }
+};
+
+// Per-request LoRA adapters in a step (llmkit/serve/adapters.py): for each projection that an adapter of the step
+// targets, the step's k adapters' A (k + 1, r, K) and B (k + 1, N, r) stacked (B times alpha / r, ranks padded with
+// zeros, the last pair zero), and each query row's adapter which[m] (k: the base's rows, which are skipped). A
+// block's projections in the order wq, wk, wv, wo, w1, w3, w2; a = nullptr where no adapter targets one.
+struct LowRank {
+  const float* a = nullptr;
+  const float* b = nullptr;
+  int64_t r = 0;
+};
+enum Target { Q = 0, K_ = 1, V_ = 2, O = 3, UP = 4, GATE_UP = 5, DOWN = 6, TARGETS = 7 };
+struct Adapted {
+  const int64_t* which = nullptr;  // (M,)
+  int64_t base = 0;                // k
+  std::vector<std::array<LowRank, TARGETS>> blocks;
 };
 
 struct DecodeBlock {
@@ -233,7 +262,7 @@ struct DecodeBlock {
 
   // Buffers one step of a block passes between its phases (shared by the threads).
   struct Workspace {
-    std::vector<float> h, qkv, att, y, gate_up, hidden;
+    std::vector<float> h, qkv, att, y, gate_up, hidden, low;  // low: adapters' A x (add_low_rank)
     ProjectionGroup group, given;  // the step's generated tokens' rows, and its given ones' (a prompt's)
     std::shared_ptr<MoEWorkspace> moe = moe_workspace();
   };
@@ -244,7 +273,7 @@ struct DecodeBlock {
   // does the serial parts.
   void forward(const Team& team, Workspace& w, float* X, int64_t M, int64_t given_from, const KVLayout& kv,
                const int64_t* rows, const int64_t* slots, int64_t S, const bool* A, const std::optional<Tensor>& cos,
-               const std::optional<Tensor>& sin) const {
+               const std::optional<Tensor>& sin, const Adapted* adapted, const LowRank* low) const {
     const int64_t C = norm1_weight.size(0), H = n_heads, KH = n_kv_heads, D = head_dim, Dv = v_head_dim;
     const int64_t Nq = H * D, Nqkv = Nq + KH * D + KH * Dv;
     const bool lead = team.id == 0;
@@ -254,6 +283,8 @@ struct DecodeBlock {
       norm(X, w.h.data(), M, C, norm1_weight, norm1_bias);
     }
     project(team, w, {wq.get(), wk.get(), wv.get()}, w.h, M, given_from, w.qkv, Nqkv);
+    if (adapted) add_low_rank(team, w, *adapted, {low[Q], low[K_], low[V_]}, {wq->N, wk->N, wv->N}, w.h.data(), C, M,
+                              w.qkv.data(), Nqkv);
     if (lead) {  // (QK-norm,) RoPE on q and k, k and v into the cache
       for (int64_t b = 0; b < M; ++b) {
         float* row = w.qkv.data() + b * Nqkv;
@@ -297,6 +328,7 @@ struct DecodeBlock {
     }
 #pragma omp barrier
     project(team, w, {wo.get()}, w.att, M, given_from, w.y, C);
+    if (adapted) add_low_rank(team, w, *adapted, {low[O]}, {C}, w.att.data(), H * Dv, M, w.y.data(), C);
     // ---- feed-forward: residual, norm, w1 | w3, act(gate) * up (or act(h)), w2, residual
     if (lead) {
       for (int64_t i = 0; i < M * C; ++i) X[i] += w.y[i];
@@ -314,6 +346,9 @@ struct DecodeBlock {
       project(team, w, {w1.get(), w3.get()}, w.h, M, given_from, w.gate_up, width);
     else
       project(team, w, {w1.get()}, w.h, M, given_from, w.gate_up, width);
+    if (adapted)
+      add_low_rank(team, w, *adapted, {low[UP], gated ? low[GATE_UP] : LowRank{}}, {Fw, gated ? Fw : 0}, w.h.data(), C,
+                   M, w.gate_up.data(), width);
     {  // act(gate) * up, each thread its share of the rows' columns (project's barrier made gate_up visible)
       const auto [f0, f1] = team.share(Fw);
       for (int64_t b = 0; b < M; ++b) {
@@ -323,8 +358,57 @@ struct DecodeBlock {
     }
 #pragma omp barrier
     project(team, w, {w2.get()}, w.hidden, M, given_from, w.y, C);
+    if (adapted) add_low_rank(team, w, *adapted, {low[DOWN]}, {C}, w.hidden.data(), Fw, M, w.y.data(), C);
     if (lead)
       for (int64_t i = 0; i < M * C; ++i) X[i] += w.y[i];
+#pragma omp barrier
+  }
+
+  // y (M, width) += the adapted rows' low-rank updates of projections side by side in y (as project wrote them,
+  // widths Ns, each with its LowRank or none), over their input x (M, K): first h = A x for each (row, projection)
+  // pair, shared by the team; then B h, the team splitting y's columns. A row's update is computed in the same
+  // order whatever the rows beside it. Called after project's last barrier; ends with one.
+  void add_low_rank(const Team& team, Workspace& w, const Adapted& ad, const std::vector<LowRank>& ranks,
+                    const std::vector<int64_t>& Ns, const float* x, int64_t K, int64_t M, float* y,
+                    int64_t width) const {
+    const int64_t P = static_cast<int64_t>(ranks.size());
+    int64_t R = 0;
+    for (const LowRank& lr : ranks) R = std::max(R, lr.a ? lr.r : 0);
+    if (R == 0) return;  // no adapter of the step targets these projections
+    thread_local std::vector<int64_t> adapted;  // the rows with an adapter
+    adapted.clear();
+    for (int64_t m = 0; m < M; ++m)
+      if (ad.which[m] != ad.base) adapted.push_back(m);
+    const int64_t n = static_cast<int64_t>(adapted.size());
+    if (n == 0) return;
+    if (team.id == 0) w.low.resize(n * P * R);
+#pragma omp barrier
+    {  // h[(i P + p) R + j] = A_p[which] row j . x[row i]
+      const auto [u0, u1] = team.share(n * P);
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t i = u / P, p = u % P, m = adapted[i];
+        const LowRank& lr = ranks[p];
+        if (!lr.a) continue;
+        const float* a = lr.a + ad.which[m] * lr.r * K;
+        for (int64_t j = 0; j < lr.r; ++j) w.low[u * R + j] = dot(a + j * K, x + m * K, K);
+      }
+    }
+#pragma omp barrier
+    {  // y[m, column] += B_p[which] row (column - offset_p) . h
+      const auto [c0, c1] = team.share(width);
+      int64_t offset = 0;
+      for (int64_t p = 0; p < P; offset += Ns[p], ++p) {
+        const LowRank& lr = ranks[p];
+        const int64_t lo = std::max(c0, offset), hi = std::min(c1, offset + Ns[p]);
+        if (!lr.a || lo >= hi) continue;
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t m = adapted[i];
+          const float* b = lr.b + ad.which[m] * Ns[p] * lr.r;
+          const float* h = w.low.data() + (i * P + p) * R;
+          for (int64_t c = lo; c < hi; ++c) y[m * width + c] += dot(b + (c - offset) * lr.r, h, lr.r);
+        }
+      }
+    }
 #pragma omp barrier
   }
 
@@ -387,10 +471,17 @@ struct DecodeBlock {
     for (int64_t i = 0; i < Q; ++i)
       m[i] = std::upper_bound(at.begin(), at.end(), slots[b0 + i / group]) - at.begin();
     constexpr int64_t KEYS = 16;  // keys (then values) in L1 for every query of the tile
-    for (int64_t j0 = 0; j0 < n; j0 += KEYS)
+    // an int8 cache's codes of those keys (values) as floats, converted once for the tile's queries: exact, and
+    // multiplied in key_dot's (add_value's) order, so the bits stay attend's
+    thread_local std::vector<float> codes;
+    for (int64_t j0 = 0; j0 < n; j0 += KEYS) {
+      const int64_t j1 = std::min(j0 + KEYS, n);
+      if (kv.k8) kv.codes_of(kv.k8, D, seen.data() + j0, j1 - j0, codes);
       for (int64_t i = 0; i < Q; ++i)
-        for (int64_t j = j0; j < std::min(j0 + KEYS, m[i]); ++j)
-          p[i * n + j] = kv.key_dot(query(i), seen[j], D) * sc;
+        for (int64_t j = j0; j < std::min(j1, m[i]); ++j)
+          p[i * n + j] = (kv.k8 ? dot(query(i), codes.data() + (j - j0) * D, D) * kv.ks[seen[j]]
+                                : dot(query(i), kv.k + seen[j] * D, D)) * sc;
+    }
     std::vector<float> total(Q, 0.f);
     for (int64_t i = 0; i < Q; ++i) {
       if (m[i] == 0) continue;  // no visible key: zeros
@@ -399,14 +490,17 @@ struct DecodeBlock {
       for (int64_t j = 0; j < m[i]; ++j) top = std::max(top, pi[j]);
       total[i] = softmax_weights(pi, m[i], top);
     }
-    for (int64_t j0 = 0; j0 < n; j0 += KEYS)
+    for (int64_t j0 = 0; j0 < n; j0 += KEYS) {
+      if (kv.v8) kv.codes_of(kv.v8, Dv, seen.data() + j0, std::min(j0 + KEYS, n) - j0, codes);
+      const float* values = kv.v8 ? codes.data() : nullptr;
       for (int64_t i = 0; i < Q; ++i) {
         const int64_t j1 = std::min(j0 + KEYS, m[i]);
         if (Dv == 64)
-          weigh_block<8>(kv, seen.data(), j0, j1, p.data() + i * n, acc.data() + i * Dv);
+          weigh_block<8>(kv, seen.data(), j0, j1, p.data() + i * n, acc.data() + i * Dv, values);
         else
-          weigh_block<16>(kv, seen.data(), j0, j1, p.data() + i * n, acc.data() + i * Dv);
+          weigh_block<16>(kv, seen.data(), j0, j1, p.data() + i * n, acc.data() + i * Dv, values);
       }
+    }
     const int NV = static_cast<int>(Dv / 8);
     for (int64_t i = 0; i < Q; ++i) {
       if (m[i] == 0) continue;
@@ -417,13 +511,23 @@ struct DecodeBlock {
     }
   }
 
-  // a (8 NV) += sum_j p[j] v_j over entries [j0, j1), in order, in registers: weigh_values' operations, resumed
+  // a (8 NV) += sum_j p[j] v_j over entries [j0, j1), in order, in registers: weigh_values' operations, resumed.
+  // `codes`: an int8 cache's codes of entries j0 .. as floats (codes_of), else null.
   template <int NV>
-  static void weigh_block(const KVLayout& kv, const int64_t* seen, int64_t j0, int64_t j1, const float* p, float* a) {
+  static void weigh_block(const KVLayout& kv, const int64_t* seen, int64_t j0, int64_t j1, const float* p, float* a,
+                          const float* codes) {
     if (j0 >= j1) return;
     __m256 acc[NV];
     for (int d = 0; d < NV; ++d) acc[d] = _mm256_loadu_ps(a + 8 * d);
-    for (int64_t j = j0; j < j1; ++j) kv.add_value<NV>(acc, p[j], seen[j]);
+    if (codes == nullptr) {
+      for (int64_t j = j0; j < j1; ++j) kv.add_value<NV>(acc, p[j], seen[j]);
+    } else {
+      for (int64_t j = j0; j < j1; ++j) {  // add_value's int8 arithmetic
+        const __m256 w = _mm256_set1_ps(p[j] * kv.vs[seen[j]]);
+        const float* row = codes + (j - j0) * (8 * NV);
+        for (int d = 0; d < NV; ++d) acc[d] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8 * d), acc[d]);
+      }
+    }
     for (int d = 0; d < NV; ++d) _mm256_storeu_ps(a + 8 * d, acc[d]);
   }
 
@@ -558,7 +662,8 @@ struct DecodeBlock {
 // Returns the last block's output (M, C).
 Tensor run(const std::vector<DecodeBlock*>& blocks, const Tensor& x, const std::vector<KVLayout>& layouts,
            const std::vector<int64_t>& rows, const std::vector<int64_t>& slots, int64_t S, const Tensor& allowed,
-           const std::optional<Tensor>& cos, const std::optional<Tensor>& sin, int64_t given_from) {
+           const std::optional<Tensor>& cos, const std::optional<Tensor>& sin, int64_t given_from,
+           const Adapted* adapted = nullptr) {
   for (int64_t s : slots) LLMKIT_CHECK(s >= 0 && s < S, "slot ", s, " is outside the cache's ", S, " slots");
   LLMKIT_CHECK(given_from >= 0 && given_from <= x.size(0), "given_from must be in [0, ", x.size(0), "]");
   Tensor out = x.clone();  // the residual stream
@@ -572,7 +677,8 @@ Tensor run(const std::vector<DecodeBlock*>& blocks, const Tensor& x, const std::
   {
     const Team team{omp_get_thread_num(), omp_get_num_threads()};
     for (size_t i = 0; i < blocks.size(); ++i)
-      blocks[i]->forward(team, w, X, M, given_from, layouts[i], rows.data(), slots.data(), S, A, cos, sin);
+      blocks[i]->forward(team, w, X, M, given_from, layouts[i], rows.data(), slots.data(), S, A, cos, sin, adapted,
+                         adapted ? adapted->blocks[i].data() : nullptr);
   }
   return out;
 }
@@ -624,11 +730,55 @@ Tensor decode(const std::vector<DecodeBlock*>& blocks, const Tensor& x, const Ca
   return run(blocks, x, layouts, rows, slots, S, allowed, cos, sin, given_from < 0 ? M : given_from);
 }
 
+using Stacks = std::optional<std::vector<std::vector<std::optional<Tensor>>>>;
+
+// The step's adapters (Adapted) from Python's stacks: a[i][t], b[i][t] block i's A (k + 1, r, K) and B (k + 1, N, r)
+// for target t (wq, wk, wv, wo, w1, w3, w2; None where no adapter of the step targets it), `which` (M,) each query
+// row's adapter (k: the base's). Checked against the blocks' projections.
+Adapted adapted_of(const std::vector<DecodeBlock*>& blocks, const Stacks& a, const Stacks& b, const Tensor& which,
+                   int64_t M) {
+  LLMKIT_CHECK(a && b && a->size() == blocks.size() && b->size() == blocks.size(),
+              "adapters need A and B stacks for every block");
+  LLMKIT_CHECK(which.dim() == 1 && which.size(0) == M && which.scalar_type() == torch::kInt64 && which.is_contiguous(),
+              "adapter_rows must be (M,) int64");
+  Adapted out;
+  out.which = which.data_ptr<int64_t>();
+  out.base = -1;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const DecodeBlock& blk = *blocks[i];
+    LLMKIT_CHECK((*a)[i].size() == TARGETS && (*b)[i].size() == TARGETS, "7 targets a block (wq .. w2)");
+    const ProjectionPtr* ps[TARGETS] = {&blk.wq, &blk.wk, &blk.wv, &blk.wo, &blk.w1, &blk.w3, &blk.w2};
+    std::array<LowRank, TARGETS> ranks{};
+    for (int t = 0; t < TARGETS; ++t) {
+      const auto& at = (*a)[i][t];
+      const auto& bt = (*b)[i][t];
+      LLMKIT_CHECK(at.has_value() == bt.has_value(), "an adapter target needs both A and B");
+      if (!at) continue;
+      LLMKIT_CHECK(*ps[t] && !blk.moe, "an adapter targets a projection the block does not run here");
+      const int64_t N = (*ps[t])->N, K = (*ps[t])->K;
+      LLMKIT_CHECK(at->dim() == 3 && bt->dim() == 3 && at->scalar_type() == torch::kFloat32 &&
+                      bt->scalar_type() == torch::kFloat32 && at->is_contiguous() && bt->is_contiguous() &&
+                      at->size(2) == K && bt->size(1) == N && at->size(1) == bt->size(2) && at->size(0) == bt->size(0),
+                  "adapter stacks must be A (k + 1, r, K) and B (k + 1, N, r) fp32 contiguous");
+      LLMKIT_CHECK(out.base < 0 || out.base == at->size(0) - 1, "every stack must hold the same adapters");
+      out.base = at->size(0) - 1;
+      ranks[t] = {at->data_ptr<float>(), bt->data_ptr<float>(), at->size(1)};
+    }
+    out.blocks.push_back(ranks);
+  }
+  for (int64_t m = 0; m < M; ++m)
+    LLMKIT_CHECK(out.base < 0 || (out.which[m] >= 0 && out.which[m] <= out.base), "adapter_rows out of range");
+  if (out.base < 0) out.base = 0;  // no target at all: every row is skipped (which holds zeros)
+  return out;
+}
+
 // Paged pools ks[i], vs[i] (KH, N, bs, D) (int8: with scales (KH, N, bs)) and the block table (B, nb) of each row's
-// physical blocks; row b's new token in its logical slot slots[b] (S = nb * bs logical slots a row).
+// physical blocks; row b's new token in its logical slot slots[b] (S = nb * bs logical slots a row); with
+// adapter_rows, the rows' LoRA adapters (adapted_of).
 Tensor decode_paged(const std::vector<DecodeBlock*>& blocks, const Tensor& x, const Caches& ks, const Caches& vs,
                     const Tensor& table, const Tensor& slots, const Tensor& allowed, const std::optional<Tensor>& cos,
-                    const std::optional<Tensor>& sin, int64_t given_from, const Scales& kss, const Scales& vss) {
+                    const std::optional<Tensor>& sin, int64_t given_from, const Scales& kss, const Scales& vss,
+                    const Stacks& lora_a, const Stacks& lora_b, const std::optional<Tensor>& adapter_rows) {
   const int64_t B = x.size(0);
   LLMKIT_CHECK(table.dim() == 2 && table.size(0) == B && table.scalar_type() == torch::kInt64 && table.is_contiguous(),
               "table must be (B, nb) int64");
@@ -648,8 +798,10 @@ Tensor decode_paged(const std::vector<DecodeBlock*>& blocks, const Tensor& x, co
   const int64_t* sl = slots.data_ptr<int64_t>();
   std::vector<int64_t> rows(B);
   for (int64_t b = 0; b < B; ++b) rows[b] = b;
+  std::optional<Adapted> adapted;
+  if (adapter_rows) adapted = adapted_of(blocks, lora_a, lora_b, *adapter_rows, B);
   return run(blocks, x, layouts, rows, std::vector<int64_t>(sl, sl + B), nb * bs, allowed, cos, sin,
-             given_from < 0 ? B : given_from);
+             given_from < 0 ? B : given_from, adapted ? &*adapted : nullptr);
 }
 
 }  // namespace
@@ -719,7 +871,9 @@ void bind_decode(pybind11::module& m) {
   m.def("decode_paged", &decode_paged, py::arg("blocks"), py::arg("x"), py::arg("k_pools"), py::arg("v_pools"),
         py::arg("table"), py::arg("slots"), py::arg("allowed"), py::arg("cos") = py::none(),
         py::arg("sin") = py::none(), py::arg("given_from") = -1, py::arg("k_scales") = py::none(),
-        py::arg("v_scales") = py::none(),
+        py::arg("v_scales") = py::none(), py::arg("lora_a") = py::none(), py::arg("lora_b") = py::none(),
+        py::arg("adapter_rows") = py::none(),
         "decode over paged pools (KH, N, bs, D) with a block table (B, nb); rows from given_from on are given "
-        "tokens; int8 pools come with their scales (KH, N, bs)");
+        "tokens; int8 pools come with their scales (KH, N, bs); adapter_rows (B,) with lora_a, lora_b: each row's "
+        "LoRA adapter among the stacks (per block: wq, wk, wv, wo, w1, w3, w2)");
 }

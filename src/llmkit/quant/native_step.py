@@ -284,18 +284,20 @@ class NativeDecoder:
         keys: list[Tensor],
         values: list[Tensor],
         scales: tuple[list[Tensor], list[Tensor]] | None = None,
+        adapters: Any | None = None,
     ) -> Tensor:
         """The blocks over tokens (B, 1) at `positions` (B, 1), row b's new token into its logical slot slots[b]
         (B,) of each layer's pool of keys and values (K, N, bs, D) through block table (B, nb); allowed
-        (B, nb * bs): the slots each row may see; `scales`: int8 pools' key and value scales (K, N, bs). What the
-        engine's `model.run` over the pools' views computes; returns the last block's output (B, 1, C)."""
+        (B, nb * bs): the slots each row may see; `scales`: int8 pools' key and value scales (K, N, bs);
+        `adapters`: the rows' LoRA adapters (llmkit.serve.adapters.LowRankStep). What the engine's `model.run`
+        over the pools' views computes; returns the last block's output (B, 1, C)."""
         B = tokens.shape[0]
         model = self.model
         x = model.inputs(model.embed, tokens, positions).reshape(B, -1).contiguous()  # (B, C)
         cos, sin = self._rope(positions)
         k_scales, v_scales = scales or (None, None)
         out = self.ext.decode_paged(self.blocks, x, keys, values, table, slots, allowed, cos, sin, -1, k_scales,
-                                    v_scales)  # fmt: skip
+                                    v_scales, *_low_rank(adapters))  # fmt: skip
         return out.view(B, 1, -1)
 
     def run_tokens(
@@ -309,6 +311,7 @@ class NativeDecoder:
         values: list[Tensor],
         given_from: int | None = None,
         scales: tuple[list[Tensor], list[Tensor]] | None = None,
+        adapters: Any | None = None,
     ) -> Tensor:
         """The blocks over N tokens (N,) of any sequences, each its own row: token i at position positions[i]
         (which is its logical slot) through block table row table[i] (N, nb), seeing the slots allowed[i] (N, S) up
@@ -317,14 +320,15 @@ class NativeDecoder:
         the arithmetic of a decoding row (the serving engine's batch-invariant mode), except that the tokens from
         `given_from` on (given ones: a prompt's) are multiplied in integer panels where the weights are GGUF blocks
         and the CPU has AVX512-VNNI: the panels beat the decoding kernels 1.5-12x at many rows, and give a row its
-        own bits too, other ones than the decoding kernels'. `scales`: as run_paged's. Returns (N, C)."""
+        own bits too, other ones than the decoding kernels'. `scales`, `adapters` (each token's): as run_paged's.
+        Returns (N, C)."""
         model = self.model
         x = model.inputs(model.embed, tokens[:, None], positions[:, None])[:, 0].contiguous()  # (N, C)
         cos, sin = self._rope(positions[:, None])
         given = -1 if given_from is None else given_from
         k_scales, v_scales = scales or (None, None)
         return self.ext.decode_paged(self.blocks, x, keys, values, table, positions, allowed, cos, sin, given,
-                                     k_scales, v_scales)  # fmt: skip
+                                     k_scales, v_scales, *_low_rank(adapters))  # fmt: skip
 
     def _rope(self, positions: Tensor) -> tuple[Tensor | None, Tensor | None]:
         """The RoPE tables of positions (B, T): cos and sin (1 | B T, F) (None without RoPE)."""
@@ -332,3 +336,10 @@ class NativeDecoder:
             return None, None
         rope = self.model.rope(positions)
         return rope.cos.reshape(-1, rope.cos.shape[-1]), rope.sin.reshape(-1, rope.sin.shape[-1])
+
+
+def _low_rank(adapters: Any | None) -> tuple[Any, Any, Tensor | None]:
+    """decode_paged's lora_a, lora_b and adapter_rows for a LowRankStep (llmkit.serve.adapters), or none."""
+    if adapters is None:
+        return None, None, None
+    return adapters.a, adapters.b, adapters.which.to(torch.long).contiguous()

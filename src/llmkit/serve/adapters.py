@@ -10,10 +10,15 @@ token gathers its adapter's A and B from the step's stacks (a zero pair for the 
 zeros) and torch.bmm does them all at once, four kernels a projection whatever the number of adapters. A step of
 many tokens (a prompt) groups them by adapter: two products an adapter, over its tokens only.
 
-The adapters are applied from outside the model, as llmkit's LoRA (llmkit.adapters.lora) is: a forward hook on each
-projection some adapter targets. Around a step's forward the runner tells the hooks which adapter each token's row
-chose (`Adapters.rows`); outside a step (an embedding, a warm-up) they add nothing. A projection only some adapters
-target is unchanged for the others' rows.
+On the C++ decode step's runners (llmkit.serve.model_runner's NativeRunner, InvariantRunner) the rows the step runs
+(decoding rows; with InvariantRunner, every token) keep it with their adapters: `low_rank` hands it each block's
+stacks and each row's adapter, and the step adds B (A x) for each adapted row after each projection (cpu_decode.cpp's
+add_low_rank), every token's update on its own.
+
+Elsewhere the adapters are applied from outside the model, as llmkit's LoRA (llmkit.adapters.lora) is: a forward
+hook on each projection some adapter of the step targets, registered around the step's forward with which adapter
+each token's row chose (`Adapters.rows`) and removed after it (a model with hooks is not lowered to the C++ step). A
+projection only some adapters target is unchanged for the others' rows.
 
 At most `most` adapters are resident: asking for another loads it from its path (PEFT's adapter_config.json and
 adapter_model.safetensors, which llmkit's LoRA runs save too) and unloads the least recently used one that no request
@@ -81,6 +86,19 @@ def read_adapter(model: DecoderLM, name: str, path: str) -> Adapter:
 
 
 GATHER_TOKENS = 64  # steps of at most this many tokens gather each token's adapter (BGMV); larger ones group them
+# the projections the C++ decode step adds an adapter's update to, in its order (a dense block's)
+NATIVE_TARGETS = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "ffn.w1", "ffn.w3", "ffn.w2")
+
+
+@dataclass(frozen=True)
+class LowRankStep:
+    """A step's adapters as the C++ decode step takes them: for each block and each of NATIVE_TARGETS, the step's
+    adapters' A (k + 1, r, I) and B (k + 1, O, r) stacked (None where none of them targets it), and each token's
+    adapter `which` (n,) (k: the base's)."""
+
+    a: list[list[Tensor | None]]
+    b: list[list[Tensor | None]]
+    which: Tensor
 
 
 @dataclass(frozen=True)
@@ -101,7 +119,6 @@ class Adapters:
         self.known: dict[str, str] = {}
         self.resident: OrderedDict[str, Adapter] = OrderedDict()  # least recently used first
         self._layers: dict[str, nn.Module] = dict(model.named_modules())
-        self._hooks: dict[str, Any] = {}
         self._step: _Step | None = None  # the forward in progress: which token chose which adapter
         self._stacks: dict[tuple[str, tuple[str, ...]], tuple[Tensor, Tensor]] = {}  # (module, adapters) -> A, B
 
@@ -114,7 +131,6 @@ class Adapters:
         self._stacks.clear()
         self._make_room(keep=name)
         self.resident[name] = adapter
-        self._hook(adapter)
         return adapter
 
     def unregister(self, name: str) -> None:
@@ -134,7 +150,6 @@ class Adapters:
         if adapter is None:
             self._make_room(keep=name)
             adapter = read_adapter(self.model, name, self.known[name])
-            self._hook(adapter)
         self.resident[name] = adapter
         return adapter
 
@@ -149,11 +164,6 @@ class Adapters:
                 )
             del self.resident[idle]
             self._stacks.clear()
-
-    def _hook(self, adapter: Adapter) -> None:
-        for module in adapter.updates:
-            if module not in self._hooks:
-                self._hooks[module] = self._layers[module].register_forward_hook(self._adder(module))
 
     def _adder(self, module: str) -> Callable[[nn.Module, tuple[Any, ...], Tensor], Tensor]:
         def add(_: nn.Module, args: tuple[Any, ...], output: Tensor) -> Tensor:
@@ -214,10 +224,36 @@ class Adapters:
         gathered = which.numel() <= GATHER_TOKENS
         rows = [] if gathered else [(which == i).nonzero().squeeze(1) for i in range(len(chosen))]
         self._step = _Step(which, chosen, gathered, rows)
+        # the hooks exist only around the forward: a model with forward hooks is not lowered to the C++ step, which
+        # the base's rows, and other users of the model, keep
+        targets = sorted({module for a in chosen for module in a.updates})
+        hooks = [self._layers[m].register_forward_hook(self._adder(m)) for m in targets]
         try:
             yield
         finally:
             self._step = None
+            for hook in hooks:
+                hook.remove()
+
+    def low_rank(self, names: list[str | None], counts: list[int]) -> LowRankStep | None:
+        """The C++ step's view of rows of `counts` tokens that chose the adapters `names` (None: the base), or None
+        where one of them adapts a projection the C++ step does not add updates to (a mixture of experts')."""
+        chosen = [self.get(n) for n in dict.fromkeys(n for n in names if n is not None)]
+        n_blocks = len(self.model.blocks)
+        native = {f"blocks.{i}.{t}" for i in range(n_blocks) for t in NATIVE_TARGETS}
+        if any(module not in native for a in chosen for module in a.updates):
+            return None
+        a_stacks: list[list[Tensor | None]] = [[None] * len(NATIVE_TARGETS) for _ in range(n_blocks)]
+        b_stacks: list[list[Tensor | None]] = [[None] * len(NATIVE_TARGETS) for _ in range(n_blocks)]
+        for i in range(n_blocks):
+            for t, target in enumerate(NATIVE_TARGETS):
+                module = f"blocks.{i}.{target}"
+                if any(module in a.updates for a in chosen):
+                    a, b = self._stack(module, chosen)
+                    a_stacks[i][t], b_stacks[i][t] = a.float().contiguous(), b.float().contiguous()
+        index = {a.name: i for i, a in enumerate(chosen)}
+        per_row = torch.tensor([index[n] if n is not None else len(chosen) for n in names])
+        return LowRankStep(a_stacks, b_stacks, torch.repeat_interleave(per_row, torch.tensor(counts)))
 
     def cards(self) -> list[tuple[str, str]]:
         """(name, path) of every adapter the server knows."""

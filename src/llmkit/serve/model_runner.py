@@ -29,6 +29,8 @@ vocabulary, C model dim, k a row's drafts.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -38,6 +40,7 @@ from llmkit.kernels import triton_usable
 from llmkit.layers.attention.base import SelfAttention
 from llmkit.models.decoder import DecoderLM
 from llmkit.quant.native_step import NativeDecoder
+from llmkit.serve.adapters import LowRankStep
 from llmkit.serve.forward import Forward, Row, prompt_logits, run_rows
 from llmkit.serve.kernel_runner import KernelRunner
 from llmkit.serve.lockstep import Lockstep, forward_step
@@ -94,6 +97,16 @@ class NativeRunner(TorchRunner, TokenRunner):
     def groups(self, plan: StepPlan) -> list[list[int]]:
         return [plan.decoding, plan.chunks]
 
+    def takes_adapters(self, rows: list[Row]) -> bool:
+        """Decoding rows keep the C++ step with their adapters (prompt chunks take the PyTorch hooks)."""
+        return all(len(r.tokens) == 1 and not r.drafts for r in rows) and self._low_rank(rows) is not None
+
+    def _low_rank(self, rows: list[Row], counts: list[int] | None = None) -> LowRankStep | None:
+        """The rows' adapters for the C++ step (None where no row chose one, or the C++ step cannot add them)."""
+        if self.adapters is None or all(r.adapter is None for r in rows):
+            return None
+        return self.adapters.low_rank([r.adapter for r in rows], counts or [len(r.tokens) for r in rows])
+
     def forward(self, rows: list[Row]) -> Forward:
         if any(r.drafts for r in rows):
             return self._tokens(rows)
@@ -112,6 +125,7 @@ class NativeRunner(TorchRunner, TokenRunner):
             keys=self.keys,
             values=self.values,
             scales=self.scales,
+            adapters=self._low_rank(rows),
         )  # fmt: skip  (B, 1, C)
         hidden = list(h)
         logits = self.model.logits(self.model.norm(h[:, -1]))  # (B, V)
@@ -152,6 +166,9 @@ class NativeRunner(TorchRunner, TokenRunner):
         row = torch.repeat_interleave(torch.arange(len(rows), device=dev), torch.tensor(counts, device=dev))
         given = torch.cat([torch.arange(n, device=dev) < r.given for r, n in spans])  # (N,)
         order = torch.cat([(~given).nonzero()[:, 0], given.nonzero()[:, 0]])  # generated tokens first
+        low_rank = self._low_rank(rows, counts)
+        if low_rank is not None:  # each token's adapter, in the order the tokens go
+            low_rank = dataclasses.replace(low_rank, which=low_rank.which[order.cpu()])
         h = torch.empty(len(tokens), self.model.cfg.d_model, device=dev)
         h[order] = self.native.run_tokens(
             tokens[order],
@@ -162,6 +179,7 @@ class NativeRunner(TorchRunner, TokenRunner):
             values=self.values,
             given_from=len(tokens) - int(given.sum()),
             scales=self.scales,
+            adapters=low_rank,
         )  # fmt: skip  (N, C)
         hidden = list(h.split(counts))
         wanted = [s if r.drafts else s[-1:] for r, s in zip(rows, hidden, strict=True)]
@@ -182,6 +200,9 @@ class InvariantRunner(NativeRunner):
 
     def groups(self, plan: StepPlan) -> list[list[int]]:
         return [list(range(len(plan.rows)))]
+
+    def takes_adapters(self, rows: list[Row]) -> bool:
+        return self._low_rank(rows) is not None
 
     def forward(self, rows: list[Row]) -> Forward:
         return self._tokens(rows)

@@ -75,9 +75,14 @@ class ModelRunner(ABC):
     def forward(self, rows: list[Row]) -> Forward:
         """The model over `rows`, writing their keys and values into the cache."""
 
-    # per-request LoRA adapters (serve/adapters.py), when the engine serves them: the rows that chose one run
-    # through the PyTorch forward with the adapters' hooks (`adapted`), the others as this runner runs them
+    # per-request LoRA adapters (serve/adapters.py), when the engine serves them: a group of rows this runner takes
+    # with their adapters (`takes_adapters`) runs as it is; otherwise the rows that chose one run through the
+    # PyTorch forward with the adapters' hooks (`adapted`), the others as this runner runs them
     adapters: Adapters | None = None
+
+    def takes_adapters(self, rows: list[Row]) -> bool:
+        """Whether `forward` adds the adapters' updates to these rows itself (the C++ step's runners do)."""
+        return False
 
     def execute(self, plan: StepPlan) -> RunnerOutput:
         out = RunnerOutput()
@@ -110,6 +115,9 @@ class ModelRunner(ABC):
         for g in groups:
             base = [i for i in g if plan.rows[i].adapter is None]
             own = [i for i in g if plan.rows[i].adapter is not None]
+            if own and self.takes_adapters([plan.rows[i] for i in g]):
+                out.append((g, self.forward))
+                continue
             out += [(base, self.forward)] if base else []
             out += [(own, self.adapted)] if own else []
         return out
