@@ -7,8 +7,9 @@ One engine per cache in this process, the model loaded as `llmkit serve` loads i
 same memory for both (--kv-memory MiB):
 - capacity: blocks, and sequences of the full context and of 2,048 tokens that the cache holds;
 - a load bigger than the fp32 cache: --requests prompts of --prompt tokens cut from the plays, each generating --new
-  tokens (greedy, ignore_eos), all queued at once (batch up to 16): output tokens/s over the whole load, and the
-  most sequences running in one step;
+  tokens (greedy, ignore_eos), all queued at once (batch up to 16): output tokens/s over the whole load, the most
+  sequences running in one step, and the prompt tokens computed and preemptions (a sequence preempted when the
+  cache runs out computes its prompt again);
 - one long request (a 1,900-token prompt, --new tokens): tokens/s after its first token, which reads the whole cache
   each step.
 Each case runs --rounds times, the two caches interleaved (a different one first each round); the figures are
@@ -37,6 +38,7 @@ def run(engine: Any, prompts: list[list[int]], new: int) -> dict[str, float]:
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     for prompt in prompts:
         engine.add(prompt, params)
+    computed, preemptions = engine.stats.prompt_tokens, engine.scheduler.preemptions
     start, tokens, most, first = time.perf_counter(), 0, 0, None
     while engine.has_work:
         tokens += sum(len(d.token_ids) for d in engine.step())
@@ -46,7 +48,14 @@ def run(engine: Any, prompts: list[list[int]], new: int) -> dict[str, float]:
     seconds = time.perf_counter() - start
     assert first is not None
     after = (tokens - at_first) / (seconds - first) if seconds > first else 0.0
-    return {"tok_s": tokens / seconds, "ttft_s": first, "tok_s_after_first": after, "most_running": most}
+    return {
+        "tok_s": tokens / seconds,
+        "ttft_s": first,
+        "tok_s_after_first": after,
+        "most_running": most,
+        "prompt_tokens_computed": engine.stats.prompt_tokens - computed,  # more than the prompts': recomputed
+        "preemptions": engine.scheduler.preemptions - preemptions,
+    }
 
 
 def main() -> None:
