@@ -127,22 +127,9 @@ struct KVLayout {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
   }
 
-  // a . codes (n), as `dot` sums (two chains of 8 lanes, then the rest)
+  // a . codes (n), summed as `dot` sums
   static float dot_codes(const float* a, const int8_t* c, int64_t n) {
-    __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-      acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), codes8(c + i), acc);
-      acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), codes8(c + i + 8), acc2);
-    }
-    acc = _mm256_add_ps(acc, acc2);
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), codes8(c + i), acc);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    float out = _mm_cvtss_f32(s);
-    for (; i < n; ++i) out += a[i] * static_cast<float>(c[i]);
-    return out;
+    return dot_of(a, n, [c](int64_t i) { return codes8(c + i); }, [c](int64_t i) { return static_cast<float>(c[i]); });
   }
 };
 

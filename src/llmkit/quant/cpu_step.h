@@ -231,21 +231,28 @@ class ProjectionGroup {
   mutable Counter next_;
 };
 
-inline float dot(const float* a, const float* b, int64_t n) {
+// a . b over n values, b read through `eight` (8 values from i, as floats) and `one` (the value at i): two chains of
+// FMAs 16 values at a time, then 8, then the lanes' sum, then the rest. Every b's reader gets the same arithmetic.
+template <class Eight, class One>
+inline float dot_of(const float* a, int64_t n, Eight eight, One one) {
   __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();  // two chains of FMAs
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc2);
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), eight(i), acc);
+    acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), eight(i + 8), acc2);
   }
   acc = _mm256_add_ps(acc, acc2);
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), eight(i), acc);
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   float out = _mm_cvtss_f32(s);
-  for (; i < n; ++i) out += a[i] * b[i];
+  for (; i < n; ++i) out += a[i] * one(i);
   return out;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  return dot_of(a, n, [b](int64_t i) { return _mm256_loadu_ps(b + i); }, [b](int64_t i) { return b[i]; });
 }
 
 // e^x for 8 floats: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by its Taylor polynomial of degree 7 (relative error
