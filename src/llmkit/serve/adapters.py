@@ -121,6 +121,10 @@ class Adapters:
         self._layers: dict[str, nn.Module] = dict(model.named_modules())
         self._step: _Step | None = None  # the forward in progress: which token chose which adapter
         self._stacks: dict[tuple[str, tuple[str, ...]], tuple[Tensor, Tensor]] = {}  # (module, adapters) -> A, B
+        # the C++ step's stacks of a mix of adapters (every block's, every target's), kept while it runs
+        self._low: dict[tuple[str, ...], tuple[list[list[Tensor | None]], list[list[Tensor | None]]]] = {}
+        # the projections the C++ step adds updates to
+        self._native = {f"blocks.{i}.{t}" for i in range(len(model.blocks)) for t in NATIVE_TARGETS}
 
     def register(self, name: str, path: str) -> Adapter:
         """Know `name` as the adapter at `path` (replacing what it named), loaded now so that a bad one is refused
@@ -128,7 +132,7 @@ class Adapters:
         adapter = read_adapter(self.model, name, path)
         self.known[name] = path
         self.resident.pop(name, None)
-        self._stacks.clear()
+        self._forget()
         self._make_room(keep=name)
         self.resident[name] = adapter
         return adapter
@@ -140,7 +144,7 @@ class Adapters:
             raise InputError(f"adapter {name!r} is in use by requests in flight; unload it when they are done")
         del self.known[name]
         self.resident.pop(name, None)
-        self._stacks.clear()
+        self._forget()
 
     def get(self, name: str) -> Adapter:
         """The resident adapter `name`, loaded again if it was unloaded to make room (the most recently used now)."""
@@ -163,7 +167,7 @@ class Adapters:
                     "(or start the server with more --max-adapters)"
                 )
             del self.resident[idle]
-            self._stacks.clear()
+            self._forget()
 
     def _adder(self, module: str) -> Callable[[nn.Module, tuple[Any, ...], Tensor], Tensor]:
         def add(_: nn.Module, args: tuple[Any, ...], output: Tensor) -> Tensor:
@@ -187,6 +191,11 @@ class Adapters:
 
         return add
 
+    def _forget(self) -> None:
+        """Drop the stacks (an adapter came or went)."""
+        self._stacks.clear()
+        self._low.clear()
+
     def _stack(self, module: str, chosen: list[Adapter]) -> tuple[Tensor, Tensor]:
         """The step's adapters' A and B for `module`, stacked (ranks padded with zeros), and a zero pair last (for
         the base's tokens and the adapters that leave `module` alone); kept while the same adapters run."""
@@ -205,7 +214,7 @@ class Adapters:
                 a_stack[i, : pair[0].shape[0]] = pair[0]
                 b_stack[i, :, : pair[1].shape[1]] = pair[1]
         if len(self._stacks) > 4096:  # (many different mixes of adapters: start again)
-            self._stacks.clear()
+            self._forget()
         self._stacks[key] = (a_stack, b_stack)
         return a_stack, b_stack
 
@@ -235,25 +244,30 @@ class Adapters:
             for hook in hooks:
                 hook.remove()
 
-    def low_rank(self, names: list[str | None], counts: list[int]) -> LowRankStep | None:
-        """The C++ step's view of rows of `counts` tokens that chose the adapters `names` (None: the base), or None
-        where one of them adapts a projection the C++ step does not add updates to (a mixture of experts')."""
+    def in_cpp_step(self, names: list[str | None]) -> bool:
+        """Whether the C++ step adds the updates of the adapters `names` (None: the base) itself: every projection
+        they adapt is one of a dense block's NATIVE_TARGETS (not a mixture of experts')."""
+        return all(set(self.get(n).updates) <= self._native for n in dict.fromkeys(names) if n is not None)
+
+    def low_rank(self, names: list[str | None], counts: list[int]) -> LowRankStep:
+        """The C++ step's view of rows of `counts` tokens that chose the adapters `names` (None: the base), which
+        in_cpp_step must allow."""
         chosen = [self.get(n) for n in dict.fromkeys(n for n in names if n is not None)]
-        n_blocks = len(self.model.blocks)
-        native = {f"blocks.{i}.{t}" for i in range(n_blocks) for t in NATIVE_TARGETS}
-        if any(module not in native for a in chosen for module in a.updates):
-            return None
-        a_stacks: list[list[Tensor | None]] = [[None] * len(NATIVE_TARGETS) for _ in range(n_blocks)]
-        b_stacks: list[list[Tensor | None]] = [[None] * len(NATIVE_TARGETS) for _ in range(n_blocks)]
-        for i in range(n_blocks):
-            for t, target in enumerate(NATIVE_TARGETS):
-                module = f"blocks.{i}.{target}"
-                if any(module in a.updates for a in chosen):
-                    a, b = self._stack(module, chosen)
-                    a_stacks[i][t], b_stacks[i][t] = a.float().contiguous(), b.float().contiguous()
-        index = {a.name: i for i, a in enumerate(chosen)}
-        per_row = torch.tensor([index[n] if n is not None else len(chosen) for n in names])
-        return LowRankStep(a_stacks, b_stacks, torch.repeat_interleave(per_row, torch.tensor(counts)))
+        key = tuple(a.name for a in chosen)
+        if key not in self._low:
+            n_blocks = len(self.model.blocks)
+            a_stacks: list[list[Tensor | None]] = [[None] * len(NATIVE_TARGETS) for _ in range(n_blocks)]
+            b_stacks: list[list[Tensor | None]] = [[None] * len(NATIVE_TARGETS) for _ in range(n_blocks)]
+            for i in range(n_blocks):
+                for t, target in enumerate(NATIVE_TARGETS):
+                    module = f"blocks.{i}.{target}"
+                    if any(module in a.updates for a in chosen):
+                        a, b = self._stack(module, chosen)
+                        a_stacks[i][t], b_stacks[i][t] = a.float().contiguous(), b.float().contiguous()
+            self._low[key] = a_stacks, b_stacks
+        index = {name: i for i, name in enumerate(key)}
+        per_row = torch.tensor([index[n] if n is not None else len(key) for n in names])
+        return LowRankStep(*self._low[key], torch.repeat_interleave(per_row, torch.tensor(counts)))
 
     def cards(self) -> list[tuple[str, str]]:
         """(name, path) of every adapter the server knows."""

@@ -99,10 +99,14 @@ class NativeRunner(TorchRunner, TokenRunner):
 
     def takes_adapters(self, rows: list[Row]) -> bool:
         """Decoding rows keep the C++ step with their adapters (prompt chunks take the PyTorch hooks)."""
-        return all(len(r.tokens) == 1 and not r.drafts for r in rows) and self._low_rank(rows) is not None
+        return all(len(r.tokens) == 1 and not r.drafts for r in rows) and self._in_cpp_step(rows)
+
+    def _in_cpp_step(self, rows: list[Row]) -> bool:
+        return self.adapters is not None and self.adapters.in_cpp_step([r.adapter for r in rows])
 
     def _low_rank(self, rows: list[Row], counts: list[int] | None = None) -> LowRankStep | None:
-        """The rows' adapters for the C++ step (None where no row chose one, or the C++ step cannot add them)."""
+        """The rows' adapters for the C++ step (None where no row chose one; _tokens and forward only see rows
+        whose adapters takes_adapters allowed)."""
         if self.adapters is None or all(r.adapter is None for r in rows):
             return None
         return self.adapters.low_rank([r.adapter for r in rows], counts or [len(r.tokens) for r in rows])
@@ -202,7 +206,7 @@ class InvariantRunner(NativeRunner):
         return [list(range(len(plan.rows)))]
 
     def takes_adapters(self, rows: list[Row]) -> bool:
-        return self._low_rank(rows) is not None
+        return self._in_cpp_step(rows)
 
     def forward(self, rows: list[Row]) -> Forward:
         return self._tokens(rows)
