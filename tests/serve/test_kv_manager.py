@@ -41,3 +41,19 @@ def test_full_blocks_are_found_by_a_later_sequence_with_the_same_prefix():
     for s in (first, second, same):
         kv.free(s)
     assert not any(pool.refs) and pool.free == 8  # the cached blocks wait, idle, to be found or reused
+
+
+def test_a_freed_sequence_loses_the_tail_of_its_cached_prefix_first_not_the_head():
+    """A preempted or finished sequence's blocks wait, cached, in the order they will be reused; the pool reuses
+    the oldest first. Were its first block reused first, every later one would be unreachable (a lookup follows
+    the chain from the first block), so one block taken by another sequence would cost the whole prefix."""
+    pool = BlockPool(4, 4)
+    kv = KVCacheManager(pool)
+    a = seq("a", list(range(16)))
+    assert kv.allocate(a, 16)
+    kv.cache_full_blocks(a, 16)  # four full blocks, registered
+    kv.free(a)
+    other = seq("b", [50])
+    assert kv.allocate(other, 1)  # takes one idle block: a's last
+    again = seq("a2", list(range(16)))
+    assert kv.find_computed(again) == 12  # the first three blocks are still found (one token is always computed)

@@ -84,6 +84,22 @@ def test_the_victim_is_the_newest_sequence_of_the_request_holding_most_blocks():
     assert s.kv.table(big[2]) == [] and big[2].computed == 0  # its blocks went back; it will be recomputed
 
 
+def test_among_requests_of_one_sequence_each_the_victim_is_the_newest_not_the_one_holding_most():
+    pool = BlockPool(5, 2)
+    s = Scheduler(pool, max_batch=8, step_tokens=100)
+    old = seq("old", [1, 2, 3, 4, 5])
+    s.add(old)
+    run(s)  # 5 prompt tokens: 3 blocks
+    new = seq("new", [9, 9, 9], arrival=1.0)
+    s.add(new)
+    run(s)  # old's 6th token fits its third block; new takes the last 2
+    assert pool.free == 0
+    work = run(s)  # old's 7th token needs a fourth block
+    # preempting old (it holds the most) would throw away the most work, and stop the request nearest its end
+    assert old.status is Status.RUNNING and new.status is Status.WAITING
+    assert [(w.seq, w.start, w.count) for w in work] == [(old, 6, 1)] and s.preemptions == 1
+
+
 def test_a_request_holding_no_blocks_is_admitted_before_the_preempted_ones():
     pool = BlockPool(5, 2)
     s = Scheduler(pool, max_batch=8, step_tokens=100)

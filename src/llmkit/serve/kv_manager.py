@@ -100,10 +100,12 @@ class KVCacheManager:
             self.tiers.save(self.pool)
 
     def free(self, seq: Sequence) -> None:
-        """Give back every block of `seq` (cached prefixes stay findable until the pool needs the room)."""
+        """Give back every block of `seq` (cached prefixes stay findable until the pool needs the room). The last
+        block goes back first, so it is reused first: a prefix is found from its first block on, and losing the
+        first would lose them all (vLLM frees in the same order, for the same reason)."""
         held = self._held.pop(seq.key, None)
         if held is not None:
-            self.pool.release(held.blocks)
+            self.pool.release(held.blocks[::-1])
 
 
 @dataclass
