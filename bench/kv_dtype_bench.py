@@ -4,12 +4,13 @@ it costs in quality, in one run.
     python bench/kv_dtype_bench.py [FILE.gguf] [--kv-memory 128] [--requests 16] [--prompt 1000] [--new 128]
 
 One engine per cache in this process, the model loaded as `llmkit serve` loads it (a GGUF file's blocks kept), the
-same memory for both (--kv-memory MiB):
+same memory for both (--kv-memory MiB), the prefix cache on as served (every round's prompts are its own, so only a
+preempted sequence finds its blocks again):
 - capacity: blocks, and sequences of the full context and of 2,048 tokens that the cache holds;
 - a load bigger than the fp32 cache: --requests prompts of --prompt tokens cut from the plays, each generating --new
   tokens (greedy, ignore_eos), all queued at once (batch up to 16): output tokens/s over the whole load, the most
   sequences running in one step, and the prompt tokens computed and preemptions (a sequence preempted when the
-  cache runs out computes its prompt again);
+  cache runs out computes again what the prefix cache no longer holds of it);
 - one long request (a 1,900-token prompt, --new tokens): tokens/s after its first token, which reads the whole cache
   each step.
 Each case runs --rounds times, the two caches interleaved (a different one first each round); the figures are
@@ -81,17 +82,21 @@ def main() -> None:
     model, tok = load_decoder(path, None, None, verify=False)
     text = read_text("shakespeare")
     ids = tok.encode(text, add_bos=False)
-    prompts = [ids[i * args.prompt : (i + 1) * args.prompt] for i in range(args.requests)]
-    long_prompt = [ids[-1900:]]
-    out: dict[str, Any] = {"model": path.rsplit("/", 1)[-1], "kv_memory_mib": args.kv_memory, **limits.as_dict()}
+    # prompts of their own in each round (and the warm-up's), so that none is found in the prefix cache
+    per_round = args.requests * args.prompt
+    prompts = [[ids[r * per_round + i * args.prompt :][: args.prompt] for i in range(args.requests)]
+               for r in range(args.rounds)]  # fmt: skip
+    longs = [[ids[len(ids) - 1900 * (r + 1) :][:1900]] for r in range(args.rounds)]
+    warm = ids[args.rounds * per_round :][:32]
+    out: dict[str, Any] = {"model": path.rsplit("/", 1)[-1], "kv_memory_mib": args.kv_memory, **limits.as_dict(),
+                           "requests": args.requests, "prompt": args.prompt, "new": args.new}  # fmt: skip
     names = {None: "model dtype", "int8": "int8"}
     with torch.inference_mode():
         engines = {}
         for kv_dtype, name in names.items():
-            config = EngineConfig(kv_memory=args.kv_memory << 20, max_batch=16, kv_dtype=kv_dtype,
-                                  prefix_caching=False)  # fmt: skip
+            config = EngineConfig(kv_memory=args.kv_memory << 20, max_batch=16, kv_dtype=kv_dtype)
             engine = engines[name] = Engine(model, tok, config)
-            run(engine, [prompts[0][:32]], 4)  # warm-up
+            run(engine, [warm], 4)  # warm-up
             out[name] = {
                 "runner": engine.runner.kind,
                 "blocks": engine.pool.n_blocks,
@@ -104,8 +109,8 @@ def main() -> None:
             order = list(engines) if r % 2 == 0 else list(reversed(engines))
             for name in order:
                 measured = {
-                    "load": run(engines[name], prompts, args.new),
-                    "long": run(engines[name], long_prompt, args.new),
+                    "load": run(engines[name], prompts[r], args.new),
+                    "long": run(engines[name], longs[r], args.new),
                 }
                 out[name]["rounds"].append(measured)
                 print(json.dumps({name: measured}), file=sys.stderr, flush=True)

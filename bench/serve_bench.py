@@ -31,6 +31,13 @@ sources vendored in the PyPI sdist of llama-cpp-python (bench/build_llama_server
 0.32.0 from PyPI) cannot read a block-quantized GGUF file: it serves the same weights dequantized to bf16 (`llmkit
 convert FILE.gguf DIR --to hf --dtype bf16`), with `--dtype bfloat16 --max-model-len 2048`,
 VLLM_CPU_OMP_THREADS_BIND=0-(threads - 1) and VLLM_CPU_KVCACHE_SPACE=2 (GiB of cache); its version is recorded.
+
+`--features` runs instead the rows of the deployment features, each against llmkit without it on the same file:
+four adapters mixed against the base alone (bench/adapter_bench.py), the int8 KV cache against the model's own
+(kv_dtype_bench.py), a repeated 2,000-token system prompt after a restart with and without the disk tier
+(prefix_tier_bench.py), and n-gram drafting on a code-editing load at concurrency 1 (ngram_bench.py). Each script
+runs in a process of its own, one after another (its own options are its defaults; run it alone for more), and the
+table gathers their figures with the machine's limits measured in the same run.
 """
 
 from __future__ import annotations
@@ -317,12 +324,22 @@ def main() -> None:
         "and with --mtp (speculative decoding), same loads; no prefix-cache test",
     )
     p.add_argument("--speculate", type=int, default=3, help="with --mtp: the most drafts a sequence gets a step")
+    p.add_argument(
+        "--features",
+        action="store_true",
+        help="only the deployment features' rows (adapters, int8 KV cache, disk prefix tier, n-gram drafting)",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
     threads = os.cpu_count() or 1
     gguf = str(Path(args.gguf).resolve()) if args.gguf else str(smollm2_gguf())
+    if args.features:
+        limits = measure_limits(("fp32",))
+        summary = {**limits.as_dict(), "threads": threads, "model": Path(gguf).name, **feature_rows(gguf)}
+        report(summary, args.json, lambda: print_features(summary, limits))
+        return
     levels = [int(c) for c in args.concurrency.split(",")]
     tok, ids = corpus_tokens(gguf)
     # a request set of its own for every load of every round (the same for every server): a prompt seen before would
@@ -418,6 +435,62 @@ def main() -> None:
         settings.update(mtp=args.mtp, speculate=args.speculate)
     summary = {**limits.as_dict(), "threads": threads, "rows": rows, "prefix_ttft": prefix, **settings, **versions}
     report(summary, args.json, lambda: print_table(summary, limits))
+
+
+FEATURES = {  # a row's name: the script that measures it (each prints one JSON object with --json)
+    "adapters": "adapter_bench.py",
+    "kv_int8": "kv_dtype_bench.py",
+    "disk_tier": "prefix_tier_bench.py",
+    "ngram": "ngram_bench.py",
+}
+
+
+def feature_rows(gguf: str) -> dict[str, Any]:
+    """Each feature's script run on `gguf` in a process of its own, one after another: its JSON, by row name."""
+    found = {}
+    for name, script in FEATURES.items():
+        print(f"{script} ...", file=sys.stderr, flush=True)
+        done = subprocess.run(
+            [sys.executable, str(ROOT / "bench" / script), gguf, "--json"],
+            stdout=subprocess.PIPE,
+            text=True,
+            check=True,
+        )
+        found[name] = json.loads(done.stdout.strip().splitlines()[-1])  # (a loader may print a line before it)
+    return found
+
+
+def print_features(summary: dict[str, Any], limits: Any) -> None:
+    """The features' rows: llmkit with the feature against llmkit without it, and the issue's target where it has
+    one."""
+    a, kv, disk, ng = (summary[k] for k in FEATURES)
+    fp, i8, q = kv["model dtype"], kv["int8"], kv["quality"]
+    restart, one = disk["restart"], ng["one at a time"]
+    print(f"{summary['model']}; {summary['threads']} threads; {limits}")
+    rows = [
+        ("4 adapters mixed against the base alone: output tok/s (8 requests)",
+         a["four adapters mixed"]["tok_s"], a["base, no adapters loaded"]["tok_s"], "at least 0.8x"),
+        ("--kv-dtype int8 against the model's dtype: sequences of 2,048 tokens that fit",
+         i8["sequences_of_2048"], fp["sequences_of_2048"], ""),
+        (f"... {kv['requests']} requests of {kv['prompt']:,} + {kv['new']} tokens at once: output tok/s",
+         i8["load"]["tok_s"], fp["load"]["tok_s"], ""),
+        ("... one 1,900-token prompt: tok/s after the first token",
+         i8["long"]["tok_s_after_first"], fp["long"]["tok_s_after_first"], ""),
+        ("repeated 2,000-token system prompt after a restart: TTFT (s), disk tier against none",
+         restart["ttft_disk_tier_s"], restart["ttft_without_s"], ""),
+        ("--ngram on code editing, one request at a time: tok/s after the first token",
+         one["ngram_decode_tok_s"], one["plain_decode_tok_s"], "at least 1.5x"),
+        ("... the same, output tok/s over the whole request", one["ngram_tok_s"], one["plain_tok_s"], ""),
+    ]  # fmt: skip
+    print(f"{'row':88s} {'with':>9s} {'without':>9s} {'ratio':>7s}  target")
+    for name, with_, without, target in rows:
+        ratio = without / with_ if "TTFT" in name else with_ / without  # (a shorter time is the gain)
+        print(f"{name:88s} {with_:9.2f} {without:9.2f} {ratio:6.2f}x  {target}")
+    print(
+        f"int8 cache quality against the model's dtype: KL mean {q['kl_mean']:.4f}, p99 {q['kl_p99']:.3f}, "
+        f"top-1 agreement {q['same_top1']:.1%}; n-gram drafts kept {ng['drafts_kept']:.0%}; same tokens with and "
+        f"without: disk tier {restart['same_output']}, n-gram {one['same_output']}"
+    )
 
 
 def median_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
