@@ -71,12 +71,14 @@ class EngineOptions:
     prefix_cache_disk: what the directory's blocks may take, e.g. 16GiB (the oldest go first).
     adapter: NAME=PATH, a LoRA adapter (a folder with PEFT's adapter_config.json and adapter_model.safetensors, as
       llmkit's LoRA runs save them) served beside the base model: a request whose `model` is NAME gets it
-      (repeatable). Steps then run through PyTorch, without speculation or the batch-invariant mode.
+      (repeatable). Its rows keep the C++ decode step and the batch-invariant mode; not with speculation.
     max_adapters: adapters resident at most (default: as many as --adapter gives); with an API key, more are
       loaded at run time through POST /v1/load_lora_adapter, the least recently used idle one unloaded.
     kv_dtype: auto (the model's dtype) or int8: keys and values as int8 codes with a scale per token and kv head,
       about 3.8x the sequences in the same --kv-memory for a small loss (docs/serving.md measures it). Grouped-query
       models on the CPU (the C++ step reads the codes); not with --mtp or --draft.
+    log_steps: a file to which every step appends a JSON line (its rows, seconds, the bytes of weights and KV cache
+      it read, its FLOPs, and their fractions of the memory bandwidth and matmul peak measured at start-up).
     """
 
     max_batch: int = 32
@@ -93,6 +95,7 @@ class EngineOptions:
     adapter: list[str] | None = None
     max_adapters: int = 0
     kv_dtype: Literal["auto", "int8"] = "auto"
+    log_steps: str | None = None
 
 
 @dataclass(frozen=True)
@@ -193,6 +196,7 @@ def serve(
         disk_cache=parse_size(engine.prefix_cache_disk),
         max_adapters=max(engine.max_adapters, len(engine.adapter or [])),
         kv_dtype=None if engine.kv_dtype == "auto" else engine.kv_dtype,
+        log_steps=engine.log_steps,
     )
     adapters = [parse_adapter(a) for a in engine.adapter or []]
     if tensor_parallel > 1 and (drafts or engine.batch_invariant):
@@ -210,6 +214,7 @@ def serve(
     for adapter_name, path in adapters:  # (before the engine's loop runs: nothing else touches it yet)
         assert server.engine.adapters is not None
         server.engine.adapters.register(adapter_name, path)
+    _measure_limits(server.engine)  # (before the line that says it listens: no request runs beside it)
     _announce(server, name, model, drafts if speculation.mtp else 0, draft, drafts)
     server.run_foreground()
     return 0
@@ -273,6 +278,15 @@ def _announce(server: Any, name: str, model: Any, mtp: int, draft: str | None, s
         + f"listening on {server.url}/v1",
         flush=True,
     )
+
+
+def _measure_limits(engine: Any) -> None:
+    """The machine's memory bandwidth and matmul peak, measured once (about a second) before the first request, for
+    each step's fractions of them (/metrics, --log-steps); printed."""
+    from llmkit.serve.telemetry import Limits
+
+    engine.telemetry.limits = limits = Limits.measure(engine.device, engine.dtype)
+    print(f"llmkit serve: this machine: {limits}", flush=True)
 
 
 def _tiers(engine: Any) -> str:

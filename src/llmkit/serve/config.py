@@ -29,10 +29,12 @@ class EngineConfig:
     where they go next, and where the cached blocks are written at shutdown for the next start (None: no disk
     tier); disk_cache: bytes the directory's blocks may take (serve/tiers.py);
     max_adapters: with n > 0, requests may choose a LoRA adapter (serve/adapters.py), n of them resident at most;
-    their rows run through PyTorch (the C++ step knows nothing of adapters), the base model's as they would;
+    their decoding rows keep the C++ step (its low-rank products per row), the base model's rows run as they would;
     kv_dtype: "int8" keeps the cache's keys and values as int8 codes with a scale per token and kv head (serve/paged.py;
     grouped-query models on the CPU): about 3.8x the sequences of an fp32 cache in the same kv_memory, at a small
-    cost in quality (docs/serving.md gives it); None: the model's dtype."""
+    cost in quality (docs/serving.md gives it); None: the model's dtype;
+    log_steps: a file to which each step appends a JSON line: its rows, seconds, the bytes of weights and cache it
+    read and its FLOPs, and their fractions of the machine's limits when measured (serve/telemetry.py)."""
 
     kv_memory: int = 1 << 30
     block_size: int = 16
@@ -49,6 +51,7 @@ class EngineConfig:
     disk_cache: int = 16 << 30
     max_adapters: int = 0
     kv_dtype: str | None = None
+    log_steps: str | None = None
 
     @property
     def tiered(self) -> bool:

@@ -40,6 +40,7 @@ from llmkit.serve.sampler import record_prompt_logprobs
 from llmkit.serve.scheduler import Scheduler, Work
 from llmkit.serve.speculation import Drafter, Drafts, NoDrafts
 from llmkit.serve.structured import Grammars
+from llmkit.serve.telemetry import StepCosts, StepLog, Telemetry
 from llmkit.serve.text import TextOutput
 from llmkit.serve.tiers import BlockStore, cache_key
 from llmkit.tokenizer import IncrementalDecoder, Tokenizer
@@ -114,6 +115,9 @@ class Engine:
         self.grammars = Grammars(tokenizer, model.cfg.vocab_size) if tokenizer is not None else None
         self.requests: dict[str, list[Sequence]] = {}
         self.stats = EngineStats()
+        # each step's bytes read and FLOPs (telemetry.py); the server measures the machine's limits at start-up
+        steps_log = StepLog(config.log_steps) if config.log_steps is not None else None
+        self.telemetry = Telemetry(StepCosts(model, self.cache), log=steps_log)
         self.processor = OutputProcessor(self.drafter, self.eos_ids, self.max_len, self.stats, self._finish)
         self._ids = itertools.count()
         # what deadlines and token times are read from: tests replace it, so that a time limit is checked by moving
@@ -243,7 +247,9 @@ class Engine:
         """Run one iteration; returns what it added to each sequence that got a token or finished."""
         start = time.perf_counter()
         deltas = self._step()
-        self.drafter.timed(time.perf_counter() - start)  # (how a speculator chooses the number of drafts)
+        seconds = time.perf_counter() - start
+        self.drafter.timed(seconds)  # (how a speculator chooses the number of drafts)
+        self.telemetry.finished(seconds, time.time())
         return deltas
 
     def _step(self) -> list[Delta]:
@@ -257,6 +263,7 @@ class Engine:
             if w.seq.request.admitted is None:  # its first work: the end of its time in queue
                 w.seq.request.admitted = now
         plan, drafts = self._plan(work)
+        self.telemetry.planned(plan.rows)
         output = self.runner.execute(plan)
         done = []
         for i, w in enumerate(work):
@@ -323,6 +330,7 @@ class Engine:
     def close(self) -> None:
         """The engine stops for good: with a disk tier, its cached prefix blocks are written there for the next
         start (from the thread that steps it)."""
+        self.telemetry.close()
         if self.store is not None and self.store.dir is not None:
             start = time.perf_counter()
             self.scheduler.kv.save()

@@ -9,11 +9,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 if TYPE_CHECKING:
     from llmkit.serve.engine import Engine
+    from llmkit.serve.telemetry import Telemetry
 
 # seconds: from a few ms (a decode step of a small model) to minutes (a long queue)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# a step's fraction of the machine's limit (telemetry.py): above 1 only where a measured limit was low
+_FRACTION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5)
 
 
 class Metrics:
@@ -50,6 +53,27 @@ class Metrics:
         self.queue = Histogram(
             "llmkit_request_queue_seconds", "Arrival to the first step with its work", buckets=_E2E_BUCKETS, registry=r
         )
+        # what the steps cost against the machine's limits (serve/telemetry.py)
+        self.step_weight_bytes = Gauge("llmkit_step_weight_bytes", "Weight bytes the last step read", registry=r)
+        self.step_kv_bytes = Gauge("llmkit_step_kv_bytes", "KV-cache bytes the last step read", registry=r)
+        self.step_flops = Gauge("llmkit_step_flops", "FLOPs of the last step's rows", registry=r)
+        self.step_seconds = Gauge("llmkit_step_seconds", "Seconds the last step took", registry=r)
+        self.weight_bytes = Counter("llmkit_weight_bytes_read", "Weight bytes read by the steps", registry=r)
+        self.kv_bytes = Counter("llmkit_kv_bytes_read", "KV-cache bytes read by the steps", registry=r)
+        self.flops = Counter("llmkit_flops", "FLOPs of the steps' rows", registry=r)
+        self.bandwidth_fraction = Histogram(
+            "llmkit_step_bandwidth_fraction", "A step's bytes read / seconds / the memory bandwidth measured at start",
+            buckets=_FRACTION_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.matmul_fraction = Histogram(
+            "llmkit_step_matmul_fraction", "A step's FLOPs / seconds / the matmul peak measured at start",
+            buckets=_FRACTION_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.memory_bandwidth = Gauge(
+            "llmkit_machine_memory_bandwidth_bytes_per_second", "Memory read bandwidth measured at start", registry=r
+        )
+        self.matmul_peak = Gauge("llmkit_machine_matmul_flops_per_second", "Matmul peak measured at start", registry=r)
+        self._steps_seen = 0
 
     def observe_engine(self, engine: Engine) -> None:
         s = engine.scheduler
@@ -66,6 +90,26 @@ class Metrics:
         self._advance(self.prompt_tokens, engine.stats.prompt_tokens)
         self._advance(self.drafted, engine.drafter.drafted)
         self._advance(self.accepted, engine.drafter.accepted)
+        self._observe_steps(engine.telemetry)
+
+    def _observe_steps(self, t: Telemetry) -> None:
+        """The last step's cost, the totals, and (once per step) its fractions of the limits."""
+        if t.limits is not None:
+            self.memory_bandwidth.set(t.limits.bandwidth)
+            self.matmul_peak.set(t.limits.matmul)
+        self._advance(self.weight_bytes, t.weight_bytes)
+        self._advance(self.kv_bytes, t.kv_bytes)
+        self._advance(self.flops, t.flops)
+        if t.last is None or t.steps == self._steps_seen:
+            return
+        self._steps_seen = t.steps  # (called after every step: the last one is the only new one)
+        self.step_weight_bytes.set(t.last.weight_bytes)
+        self.step_kv_bytes.set(t.last.kv_bytes)
+        self.step_flops.set(t.last.flops)
+        self.step_seconds.set(t.last_seconds)
+        if t.last_fractions is not None:
+            self.bandwidth_fraction.observe(t.last_fractions[0])
+            self.matmul_fraction.observe(t.last_fractions[1])
 
     def _advance(self, counter: Any, total: float) -> None:
         """Bring a counter up to the engine's running total."""
