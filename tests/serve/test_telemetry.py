@@ -140,3 +140,5 @@ def test_the_engine_logs_every_step_and_the_metrics_carry_the_last(tmp_path):
     assert float(samples["llmkit_step_bandwidth_fraction_count"]) == 3
     assert float(samples["llmkit_flops_total"]) == pytest.approx(sum(x["flops"] for x in lines))
     assert float(samples["llmkit_machine_memory_bandwidth_bytes_per_second"]) == 1e10
+    assert float(samples["llmkit_steps_total"]) == 3 and float(samples["llmkit_step_prompt_tokens_sum"]) == 7
+    assert float(samples['llmkit_step_decode_rows_bucket{le="1.0"}']) == 3  # 0, 1, 1 decoding rows

@@ -17,6 +17,8 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 # a step's fraction of the machine's limit (telemetry.py): above 1 only where a measured limit was low
 _FRACTION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5)
+# a step's rows: decoding rows, prompt tokens (up to the step's token budget)
+_ROW_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
 class Metrics:
@@ -69,6 +71,13 @@ class Metrics:
             "llmkit_step_matmul_fraction", "A step's FLOPs / seconds / the matmul peak measured at start",
             buckets=_FRACTION_BUCKETS, registry=r,
         )  # fmt: skip
+        self.steps = Counter("llmkit_steps", "Engine steps that ran work", registry=r)
+        self.step_decode_rows = Histogram(
+            "llmkit_step_decode_rows", "Decoding rows in a step", buckets=_ROW_BUCKETS, registry=r
+        )
+        self.step_prompt_tokens = Histogram(
+            "llmkit_step_prompt_tokens", "Prompt tokens computed in a step", buckets=_ROW_BUCKETS, registry=r
+        )
         self.memory_bandwidth = Gauge(
             "llmkit_machine_memory_bandwidth_bytes_per_second", "Memory read bandwidth measured at start", registry=r
         )
@@ -100,9 +109,12 @@ class Metrics:
         self._advance(self.weight_bytes, t.weight_bytes)
         self._advance(self.kv_bytes, t.kv_bytes)
         self._advance(self.flops, t.flops)
+        self._advance(self.steps, t.steps)
         if t.last is None or t.steps == self._steps_seen:
             return
         self._steps_seen = t.steps  # (called after every step: the last one is the only new one)
+        self.step_decode_rows.observe(t.last.decode_rows)
+        self.step_prompt_tokens.observe(t.last.prompt_tokens)
         self.step_weight_bytes.set(t.last.weight_bytes)
         self.step_kv_bytes.set(t.last.kv_bytes)
         self.step_flops.set(t.last.flops)
