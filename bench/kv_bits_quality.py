@@ -18,7 +18,12 @@ import torch
 from common import smollm2_gguf
 from torch import Tensor
 
-CASES = {"int8 keys and values": (), "4-bit keys": ("k",), "4-bit values": ("v",), "4-bit both": ("k", "v")}
+CASES: dict[str, tuple[str, ...]] = {
+    "int8 keys and values": (),
+    "4-bit keys": ("k",),
+    "4-bit values": ("v",),
+    "4-bit both": ("k", "v"),
+}
 
 
 def round_to_4_bits(x: Tensor, group: int = 32) -> Tensor:
@@ -47,7 +52,9 @@ def main() -> None:
     try:
         for name, rounded in CASES.items():
 
-            def update(self: Int8KVCache, slots: Tensor, k: Tensor, v: Tensor, rounded: tuple = rounded):
+            def update(
+                self: Int8KVCache, slots: Tensor, k: Tensor, v: Tensor, rounded: tuple[str, ...] = rounded
+            ) -> tuple[Tensor, Tensor]:
                 k = round_to_4_bits(k) if "k" in rounded else k
                 v = round_to_4_bits(v) if "v" in rounded else v
                 return int8_update(self, slots, k, v)

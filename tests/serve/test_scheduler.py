@@ -100,6 +100,21 @@ def test_among_requests_of_one_sequence_each_the_victim_is_the_newest_not_the_on
     assert [(w.seq, w.start, w.count) for w in work] == [(old, 6, 1)] and s.preemptions == 1
 
 
+def test_a_request_of_several_sequences_gives_way_only_when_it_holds_the_most():
+    for mid_prompt, expected in (([7], "new"), ([7] * 9, "mid")):
+        s = Scheduler(BlockPool(32, 2), max_batch=8, step_tokens=100)
+        old = seq("old", list(range(8)))  # one sequence, 4 blocks
+        mid = [seq("mid", mid_prompt, index=k, arrival=1.0) for k in range(2)]  # two sequences: 2 or 10 blocks
+        new = seq("new", [9], arrival=2.0)  # one sequence, 1 block
+        for x in (old, *mid, new):
+            s.add(x)
+        run(s)
+        victim = s._victim()
+        assert victim is not None
+        # mid holding less than old: last in, first out (new); holding the most: its newest sequence
+        assert victim is (new if expected == "new" else mid[1])
+
+
 def test_a_request_holding_no_blocks_is_admitted_before_the_preempted_ones():
     pool = BlockPool(5, 2)
     s = Scheduler(pool, max_batch=8, step_tokens=100)

@@ -12,14 +12,14 @@ import torch
 import llmkit
 from llmkit.serve.forward import Row
 from llmkit.serve.paged import PagedCache
-from llmkit.serve.telemetry import Limits, StepCosts, StepLog
+from llmkit.serve.telemetry import Limits, StepCosts, StepLog, Telemetry
 
 # a decoding row (its token at position 10, two drafts after it), a whole 6-token prompt, and a 3-token chunk of a
 # prompt from position 6 whose first two tokens' log-probabilities were asked for
 ROWS = (
     Row([5], 10, [0, 1, 2, 3], drafts=(1, 2)),
-    Row(list(range(6)), 0, [4, 5]),
-    Row([1, 2, 3], 6, [6, 7, 8], prompt_n=2),
+    Row(list(range(6)), 0, [4, 5], given=6),
+    Row([1, 2, 3], 6, [6, 7, 8], prompt_n=2, given=3),
 )
 QUERIES = [10, 11, 12, *range(6), 6, 7, 8]  # each computed token's position
 CONTEXTS = [13, 6, 9]  # the keys each row's last query sees
@@ -92,6 +92,27 @@ def test_a_sliding_window_layer_reads_and_scores_at_most_its_window():
     assert cost.weight_bytes == 4 * sum(p.numel() for p in model.parameters())  # tied: the table is the head
 
 
+def test_sparse_attention_attends_its_top_k_keys_and_indexes_them_all():
+    model, cache = build("deepseek-v3.2-tiny")
+    cfg = model.cfg
+    mla, ix = cfg.attention.mla, cfg.attention.indexer
+    costs = StepCosts(model, cache)
+
+    def grows(position: int) -> tuple[float, float]:
+        """What one more key before a decoding row adds: (FLOPs, KV bytes)."""
+        a, b = costs.of([Row([5], position, [0] * 16)]), costs.of([Row([5], position + 1, [0] * 16)])
+        return b.flops - a.flops, b.kv_bytes - a.kv_bytes
+
+    attend = 2 * cfg.attention.n_heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim + mla.v_head_dim)
+    index = 2 * ix.n_heads * ix.head_dim
+    latent, index_key = 4 * (mla.kv_lora_rank + mla.qk_rope_head_dim), 4 * ix.head_dim  # fp32 bytes a token
+    early, late = grows(2), grows(ix.topk + 20)
+    # below top-k a new key is attended and indexed; past it, only indexed (the query still attends top-k keys)
+    assert early[0] == cfg.n_layers * (attend + index)
+    assert early[1] == pytest.approx(cfg.n_layers * (latent + index_key))
+    assert late[0] == cfg.n_layers * index and late[1] == pytest.approx(cfg.n_layers * index_key)
+
+
 def test_fractions_of_the_limits_and_the_step_log(tmp_path):
     model, cache = build("llama2-7b-tiny")
     cost = StepCosts(model, cache).of(ROWS)
@@ -106,6 +127,16 @@ def test_fractions_of_the_limits_and_the_step_log(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "steps.jsonl").read_text().splitlines()]
     assert len(lines) == 2 and lines[0]["flops"] == cost.flops and lines[0]["prompt_tokens"] == 9
     assert lines[1]["bandwidth_fraction"] == pytest.approx(2 * bandwidth)
+
+
+def test_a_step_that_failed_after_its_plan_is_not_counted_by_the_next():
+    model, cache = build("llama2-7b-tiny")
+    telemetry = Telemetry(StepCosts(model, cache))
+    telemetry.begin()
+    telemetry.planned(ROWS)  # ... and the step raised before it finished
+    telemetry.begin()  # the next step found no work
+    telemetry.finished(0.1, 0.0)
+    assert telemetry.steps == 0 and telemetry.last is None and telemetry.flops == 0
 
 
 def test_the_limits_are_measured_in_about_a_second():
@@ -137,7 +168,7 @@ def test_the_engine_logs_every_step_and_the_metrics_carry_the_last(tmp_path):
     assert all(x["bandwidth_fraction"] > 0 and x["matmul_fraction"] > 0 for x in lines)
     samples = dict(line.rsplit(" ", 1) for line in metrics.text().decode().splitlines() if not line.startswith("#"))
     assert float(samples["llmkit_step_flops"]) == lines[-1]["flops"]
-    assert float(samples["llmkit_step_bandwidth_fraction_count"]) == 3
+    assert float(samples["llmkit_step_bandwidth_ratio_count"]) == 3
     assert float(samples["llmkit_flops_total"]) == pytest.approx(sum(x["flops"] for x in lines))
     assert float(samples["llmkit_machine_memory_bandwidth_bytes_per_second"]) == 1e10
     assert float(samples["llmkit_steps_total"]) == 3 and float(samples["llmkit_step_prompt_tokens_sum"]) == 7

@@ -77,8 +77,9 @@ class EngineOptions:
     kv_dtype: auto (the model's dtype) or int8: keys and values as int8 codes with a scale per token and kv head,
       about 3.8x the sequences in the same --kv-memory for a small loss (docs/serving.md measures it). Grouped-query
       models on the CPU (the C++ step reads the codes); not with --mtp or --draft.
-    log_steps: a file to which every step appends a JSON line (its rows, seconds, the bytes of weights and KV cache
-      it read, its FLOPs, and their fractions of the memory bandwidth and matmul peak measured at start-up).
+    log_steps: a file to which every step appends a JSON line (its decoding rows, prompt tokens and drafts, seconds,
+      the bytes of weights and KV cache it read, its FLOPs, and their fractions of the memory bandwidth and matmul
+      peak measured at start-up).
     """
 
     max_batch: int = 32
@@ -285,7 +286,11 @@ def _measure_limits(engine: Any) -> None:
     each step's fractions of them (/metrics, --log-steps); printed."""
     from llmkit.serve.telemetry import Limits
 
-    engine.telemetry.limits = limits = Limits.measure(engine.device, engine.dtype)
+    try:
+        engine.telemetry.limits = limits = Limits.measure(engine.device, engine.dtype)
+    except RuntimeError as e:  # (a GPU whose memory the cache took: the server runs without the fractions)
+        print(f"llmkit serve: the machine's limits were not measured ({e}); steps are counted without them")
+        return
     print(f"llmkit serve: this machine: {limits}", flush=True)
 
 

@@ -117,7 +117,7 @@ class Engine:
         self.stats = EngineStats()
         # each step's bytes read and FLOPs (telemetry.py); the server measures the machine's limits at start-up
         steps_log = StepLog(config.log_steps) if config.log_steps is not None else None
-        self.telemetry = Telemetry(StepCosts(model, self.cache), log=steps_log)
+        self.telemetry = Telemetry(StepCosts(model, self.cache) if lockstep is None else None, log=steps_log)
         self.processor = OutputProcessor(self.drafter, self.eos_ids, self.max_len, self.stats, self._finish)
         self._ids = itertools.count()
         # what deadlines and token times are read from: tests replace it, so that a time limit is checked by moving
@@ -246,6 +246,7 @@ class Engine:
     def step(self) -> list[Delta]:
         """Run one iteration; returns what it added to each sequence that got a token or finished."""
         start = time.perf_counter()
+        self.telemetry.begin()
         deltas = self._step()
         seconds = time.perf_counter() - start
         self.drafter.timed(seconds)  # (how a speculator chooses the number of drafts)

@@ -15,8 +15,9 @@ if TYPE_CHECKING:
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-# a step's fraction of the machine's limit (telemetry.py): above 1 only where a measured limit was low
-_FRACTION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5)
+# a step's fraction of the machine's limit (telemetry.py): above 1 where the weights fit a cache the measured read
+# does not (a tiny model), or the limit was measured at a busy moment
+_FRACTION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0)
 # a step's rows: decoding rows, prompt tokens (up to the step's token budget)
 _ROW_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
@@ -56,19 +57,19 @@ class Metrics:
             "llmkit_request_queue_seconds", "Arrival to the first step with its work", buckets=_E2E_BUCKETS, registry=r
         )
         # what the steps cost against the machine's limits (serve/telemetry.py)
-        self.step_weight_bytes = Gauge("llmkit_step_weight_bytes", "Weight bytes the last step read", registry=r)
-        self.step_kv_bytes = Gauge("llmkit_step_kv_bytes", "KV-cache bytes the last step read", registry=r)
+        self.step_weight_bytes = Gauge("llmkit_step_weight_read_bytes", "Weight bytes the last step read", registry=r)
+        self.step_kv_bytes = Gauge("llmkit_step_kv_cache_read_bytes", "KV-cache bytes the last step read", registry=r)
         self.step_flops = Gauge("llmkit_step_flops", "FLOPs of the last step's rows", registry=r)
         self.step_seconds = Gauge("llmkit_step_seconds", "Seconds the last step took", registry=r)
-        self.weight_bytes = Counter("llmkit_weight_bytes_read", "Weight bytes read by the steps", registry=r)
-        self.kv_bytes = Counter("llmkit_kv_bytes_read", "KV-cache bytes read by the steps", registry=r)
+        self.weight_bytes = Counter("llmkit_weight_read_bytes", "Weight bytes read by the steps", registry=r)
+        self.kv_bytes = Counter("llmkit_kv_cache_read_bytes", "KV-cache bytes read by the steps", registry=r)
         self.flops = Counter("llmkit_flops", "FLOPs of the steps' rows", registry=r)
         self.bandwidth_fraction = Histogram(
-            "llmkit_step_bandwidth_fraction", "A step's bytes read / seconds / the memory bandwidth measured at start",
+            "llmkit_step_bandwidth_ratio", "A step's bytes read / seconds / the memory bandwidth measured at start",
             buckets=_FRACTION_BUCKETS, registry=r,
         )  # fmt: skip
         self.matmul_fraction = Histogram(
-            "llmkit_step_matmul_fraction", "A step's FLOPs / seconds / the matmul peak measured at start",
+            "llmkit_step_matmul_ratio", "A step's FLOPs / seconds / the matmul peak measured at start",
             buckets=_FRACTION_BUCKETS, registry=r,
         )  # fmt: skip
         self.steps = Counter("llmkit_steps", "Engine steps that ran work", registry=r)

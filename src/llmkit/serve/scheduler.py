@@ -10,17 +10,18 @@ Every step:
      decoding are never stalled for more than one budget's worth of prefill.
 A new sequence first takes whatever cached blocks hold its prompt's prefix, and computes only the rest.
 
-Fairness: memory goes to the requests that hold the least of it. Plain first-come-first-served (vLLM's policy)
+Fairness: a request that holds the most memory with several sequences gives way first, and requests that hold
+none are admitted first. Plain first-come-first-served (vLLM's policy)
 lets one request that outgrows the cache shut everyone else out: with a small cache, one request of n=16 long
 completions preempted its own sequences 23 times, every step preempted one, and a 4-token request that came
 later waited 90 s behind the preempted ones. Here
-  - the victim of a preemption is the newest sequence of the request holding the most blocks among the requests
-    that run more than one sequence, so a small request is not pushed out to make room for a large one's growth
-    (which gives up one of its sequences and keeps the others going); when every request runs one sequence, the
-    newest request's (plain last-in-first-out, as vLLM): it has computed the least, so it costs the least to compute
-    again, and the oldest finish first. (Taking the request holding the most blocks there would preempt the one
-    that has come furthest: sixteen requests of 1,000 + 128 tokens in a cache of 1,000 blocks preempted 26 times and
-    computed 43,560 prompt tokens for 16,000; last-in-first-out, 5 times and 19,685.)
+  - the victim of a preemption: where the request holding the most blocks runs several sequences, its newest one,
+    so a small request is not pushed out to make room for a large one's growth (which gives up one of its sequences
+    and keeps the others going); where it runs one, the newest request's (plain last-in-first-out, as vLLM): it has
+    computed the least, so it costs the least to compute again, and the oldest finish first. (Preempting a request
+    of one sequence for holding the most would stop the one that has come furthest: sixteen requests of 1,000 + 128
+    tokens in a cache of 1,000 blocks preempted 26 times and computed 43,560 prompt tokens for 16,000;
+    last-in-first-out, 5 times and 19,685.)
   - admission takes first the waiting sequences of requests that hold no blocks, in arrival order (a preempted
     sequence keeps its place ahead of newer requests), then sequences of requests that already run some, in queue
     order; in a step that had to preempt, only the first kind is admitted (taking back memory for the request
@@ -142,8 +143,8 @@ class Scheduler:
 
     def _victim(self, below: int | None = None) -> Sequence | None:
         """Among the running sequences of the lowest priority (of a priority below `below`, when given: None if
-        none runs), the newest one of the request that holds the most blocks among those running more than one
-        sequence (ties: the newer request); when each runs one, the newest request's."""
+        none runs): where the request holding the most blocks (ties: the newer) runs several sequences, its newest;
+        otherwise the newest request's."""
         candidates = [s for s in self.running if below is None or _priority(s) > below]
         if not candidates:
             return None
@@ -155,9 +156,8 @@ class Scheduler:
             held[seq.request.id] = held.get(seq.request.id, 0) + self.kv.held(seq)
             running[seq.request.id] = running.get(seq.request.id, 0) + 1
         arrival = {seq.request.id: seq.request.arrival for seq in candidates}
-        several = [r for r in held if running[r] > 1]
-        by_holding = max(several, key=lambda r: (held[r], arrival[r])) if several else None
-        chosen = by_holding if by_holding is not None else max(held, key=lambda r: arrival[r])
+        hog = max(held, key=lambda r: (held[r], arrival[r]))
+        chosen = hog if running[hog] > 1 else max(held, key=lambda r: arrival[r])
         return next(seq for seq in reversed(candidates) if seq.request.id == chosen)
 
     def _make_room(self, seq: Sequence, work: list[Work]) -> int | None:

@@ -10,10 +10,15 @@ drafts) by the weights, and its attention multiplies each of those queries by th
                    parts and the experts the step's tokens are expected to reach under uniform routing (the router's
                    choices are not recorded: an estimate, exact when every expert is reached)
     KV bytes       for each row, every cached key and value its last query attends to (a sliding window's layers at
-                   most their window), at the pool's bytes a token (int8 codes and their scales with --kv-dtype int8)
+                   most their window, a sparse one's top-k, plus its indexer's keys for all), at the pool's bytes a
+                   token (int8 codes and their scales with --kv-dtype int8)
     FLOPs          2 x the multiplied weights for each token (the output head only where logits are wanted: a row's
                    last token, each draft, each prompt token whose log-probabilities were asked for), plus attention's
-                   2 x heads x (key + value widths) for each (query, key) pair it scores
+                   2 x heads x (key + value widths) for each (query, key) pair it scores (latent attention: the
+                   model's FLOPs as analysis.py counts them, on the unabsorbed widths, whichever form a step runs)
+
+Not counted: a draft model's or an MTP module's own forwards, the adapters' low-rank products, and rows computed again
+one by one after a failed step (their time is in the step's seconds, so the fractions come out low with them).
 
 The bandwidth fraction is (weight + KV bytes) / step seconds / measured read bandwidth: near 1, decoding runs at the
 speed of light. The matmul fraction is the step's FLOPs / seconds / measured matmul peak: what a prompt-bound step
@@ -35,6 +40,7 @@ from torch import nn
 from llmkit.layers.attention import SelfAttention
 from llmkit.layers.attention.gqa import GroupedQueryAttention
 from llmkit.layers.attention.mla import MultiHeadLatentAttention
+from llmkit.layers.attention.sparse import DeepSeekSparseAttention
 from llmkit.layers.moe import MoE
 from llmkit.models import build_model
 from llmkit.models.decoder import DecoderLM
@@ -96,11 +102,16 @@ class _Experts:
 
 @dataclass(frozen=True)
 class _Layer:
-    """One block's attention: FLOPs per (query, key) pair, the cache's bytes a token, the window (None: all)."""
+    """One block's attention: FLOPs per (query, key) pair it attends to, the cache's bytes a token it reads for them,
+    the window (None: all keys); a sparse one's (DSA) `topk` keys attended at most, chosen by an indexer that scores
+    every key (`index_flops_per_pair`) from its own part of the cache (`index_bytes_per_token`)."""
 
     flops_per_pair: int
     kv_bytes_per_token: float
-    window: int | None
+    window: int | None = None
+    topk: int | None = None
+    index_flops_per_pair: int = 0
+    index_bytes_per_token: float = 0.0
 
 
 class StepCosts:
@@ -118,8 +129,8 @@ class StepCosts:
         slots = (cache.n_blocks + (cache.scratch is not None)) * cache.block_size  # (a scratch block is in the pools)
         attns = [m for m in model.blocks.modules() if isinstance(m, SelfAttention)]  # one a block, in order
         # alike layers counted once, times their number (most models: one kind, or a local and a global one)
-        self.layers = Counter(_Layer(_pair_flops(attn), layer.nbytes / slots, _window(attn))
-                              for attn, layer in zip(attns, cache.layers, strict=True))  # fmt: skip
+        pools = zip(attns, cache.layers, strict=True)
+        self.layers = Counter(_layer(attn, pool.nbytes / slots) for attn, pool in pools)
 
     def of(self, rows: tuple[Row, ...] | list[Row]) -> StepCost:
         tokens = sum(len(r.tokens) + len(r.drafts) for r in rows)
@@ -129,13 +140,15 @@ class StepCosts:
         for r in rows:
             end = r.start + len(r.tokens) + len(r.drafts)  # the keys the row's last query sees
             for layer, n in self.layers.items():
-                kv += n * layer.kv_bytes_per_token * (end if layer.window is None else min(end, layer.window))
-                flops += n * layer.flops_per_pair * _pairs(r.start, end, layer.window)
+                seen = end if layer.window is None else min(end, layer.window)
+                attended = seen if layer.topk is None else min(seen, layer.topk)
+                kv += n * (layer.kv_bytes_per_token * attended + layer.index_bytes_per_token * seen)
+                flops += n * layer.flops_per_pair * _pairs(r.start, end, layer.window, layer.topk)
+                flops += n * layer.index_flops_per_pair * _pairs(r.start, end, layer.window)
         moved = self.dense_bytes + sum(e.bytes_each * _reached(e, tokens) for e in self.experts)
-        one_token = [r for r in rows if len(r.tokens) == 1]
         return StepCost(
-            decode_rows=len(one_token),
-            prompt_tokens=sum(len(r.tokens) for r in rows if len(r.tokens) > 1),
+            decode_rows=sum(len(r.tokens) == 1 and r.given == 0 for r in rows),
+            prompt_tokens=sum(r.given for r in rows),  # (generated tokens computed again after a preemption: neither)
             drafts=sum(len(r.drafts) for r in rows),
             weight_bytes=moved,
             kv_bytes=kv,
@@ -143,12 +156,14 @@ class StepCosts:
         )
 
 
-def _pairs(start: int, end: int, window: int | None) -> int:
-    """(query, key) pairs that queries at positions start .. end - 1 score: the one at p sees p + 1 keys (at most
-    `window`), so the sum of min(q, window) for q = start + 1 .. end."""
-    last = end if window is None else min(end, window)
-    below = (start + 1 + last) * (last - start) // 2 if last > start else 0  # q up to the window: q each
-    return below + (0 if window is None else max(0, end - max(start, window)) * window)  # beyond it: window each
+def _pairs(start: int, end: int, window: int | None, limit: int | None = None) -> int:
+    """(query, key) pairs that queries at positions start .. end - 1 score: the one at p sees p + 1 keys, at most
+    `window` and at most `limit`, so the sum of min(q, cap) for q = start + 1 .. end."""
+    caps = [c for c in (window, limit) if c is not None]
+    cap = min(caps) if caps else None
+    last = end if cap is None else min(end, cap)
+    below = (start + 1 + last) * (last - start) // 2 if last > start else 0  # q up to the cap: q each
+    return below + (0 if cap is None else max(0, end - max(start, cap)) * cap)  # beyond it: cap each
 
 
 def _reached(e: _Experts, tokens: int) -> float:
@@ -167,17 +182,21 @@ def _multiplied_per_token(model: DecoderLM) -> int:
     return round(total)
 
 
-def _pair_flops(attn: nn.Module) -> int:
-    """FLOPs of one query against one key in all heads: its score (qk width) and the value it weighs (v width); latent
-    attention as analysis.py counts it (scored on nope + rope widths, values of dv; a sparse one's selection apart)."""
+def _layer(attn: nn.Module, bytes_per_token: float) -> _Layer:
+    """A block's attention as counted: grouped-query attention scores q.k and weighs v in every head (2 x heads x
+    (head dim + head dim) a pair); latent attention as analysis.py counts the model's FLOPs, on the widths of the
+    unabsorbed form (nope + rope for a score, dv for a value) whichever form the step computes; a sparse one's
+    attention over its top-k keys, its indexer's scores (heads x index dim) over every key."""
     if isinstance(attn, GroupedQueryAttention):
-        return 2 * attn.n_heads * 2 * attn.head_dim
+        return _Layer(2 * attn.n_heads * 2 * attn.head_dim, bytes_per_token, attn.sliding_window)
     assert isinstance(attn, MultiHeadLatentAttention), f"no FLOP count for {type(attn).__name__}"
-    return 2 * attn.n_heads * (attn.dn + attn.dr + attn.dv)
-
-
-def _window(attn: nn.Module) -> int | None:
-    return getattr(attn, "sliding_window", None)
+    pair = 2 * attn.n_heads * (attn.dn + attn.dr + attn.dv)
+    if not isinstance(attn, DeepSeekSparseAttention):
+        return _Layer(pair, bytes_per_token)
+    ix = attn.indexer
+    per_element = bytes_per_token / (attn.r + attn.dr + ix.head_dim)  # the latents, then the indexer's keys
+    latents, index_keys = per_element * (attn.r + attn.dr), per_element * ix.head_dim
+    return _Layer(pair, latents, None, attn.topk, 2 * ix.n_heads * ix.head_dim, index_keys)
 
 
 class StepLog:
@@ -200,9 +219,10 @@ class StepLog:
 class Telemetry:
     """The engine's record of what its steps cost: the last step's cost, seconds and fractions of the limits (when
     they were measured), totals since start, and a line a step in the step log when one is open. The engine tells
-    it each step's rows when it plans them (`planned`) and the step's seconds when it ends (`finished`)."""
+    it each step's rows when it plans them (`planned`) and the step's seconds when it ends (`finished`). Without
+    `costs` (a model split across ranks, whose weights and cache each rank holds a share of) nothing is counted."""
 
-    def __init__(self, costs: StepCosts, limits: Limits | None = None, log: StepLog | None = None) -> None:
+    def __init__(self, costs: StepCosts | None, limits: Limits | None = None, log: StepLog | None = None) -> None:
         self.costs, self.limits, self.log = costs, limits, log
         self.steps = 0
         self.last: StepCost | None = None
@@ -211,8 +231,13 @@ class Telemetry:
         self.weight_bytes = self.kv_bytes = self.flops = 0.0  # since start
         self._pending: StepCost | None = None
 
+    def begin(self) -> None:
+        """A step starts: whatever a failed step planned is forgotten."""
+        self._pending = None
+
     def planned(self, rows: tuple[Row, ...] | list[Row]) -> None:
-        self._pending = self.costs.of(rows)
+        if self.costs is not None:
+            self._pending = self.costs.of(rows)
 
     def finished(self, seconds: float, at: float) -> None:
         """The planned step took `seconds` (ending at time `at`, for the log)."""
