@@ -163,7 +163,6 @@ def serve(
     """
     try:
         from llmkit.serve.adapters import parse_adapter
-        from llmkit.serve.engine import EngineConfig
         from llmkit.serve.server import ServeOptions, Server, parse_size
     except ImportError as missing:  # fastapi / uvicorn / prometheus_client are the `serve` extra
         raise LLMKitError(f"serving needs {missing.name}: pip install 'llmkit[serve]'") from missing
@@ -181,24 +180,7 @@ def serve(
         reasoning_parser=http.reasoning_parser,
     )
     drafts = speculation.draft_tokens()
-    config = EngineConfig(
-        parse_size(engine.kv_memory),
-        engine.block_size,
-        engine.max_batch,
-        engine.step_tokens,
-        engine.max_queue,
-        not engine.no_prefix_cache,
-        invariance(engine.batch_invariant, engine.no_batch_invariant),
-        draft_tokens=drafts,
-        draft_head_bits=speculation.draft_head_bits or None,
-        ngram=speculation.ngram,
-        host_cache=parse_size(engine.prefix_cache_host),
-        cache_dir=engine.prefix_cache_dir,
-        disk_cache=parse_size(engine.prefix_cache_disk),
-        max_adapters=max(engine.max_adapters, len(engine.adapter or [])),
-        kv_dtype=None if engine.kv_dtype == "auto" else engine.kv_dtype,
-        log_steps=engine.log_steps,
-    )
+    config = _engine_config(engine, speculation)
     adapters = [parse_adapter(a) for a in engine.adapter or []]
     if tensor_parallel > 1 and (drafts or engine.batch_invariant):
         raise LLMKitError("--tensor-parallel serves without --mtp, --draft, --ngram or --batch-invariant")
@@ -219,6 +201,31 @@ def serve(
     _announce(server, name, model, drafts if speculation.mtp else 0, draft, drafts)
     server.run_foreground()
     return 0
+
+
+def _engine_config(engine: EngineOptions, speculation: SpeculationOptions) -> Any:
+    """The engine's settings from the command line's."""
+    from llmkit.serve.engine import EngineConfig
+    from llmkit.serve.server import parse_size
+
+    return EngineConfig(
+        parse_size(engine.kv_memory),
+        engine.block_size,
+        engine.max_batch,
+        engine.step_tokens,
+        engine.max_queue,
+        not engine.no_prefix_cache,
+        invariance(engine.batch_invariant, engine.no_batch_invariant),
+        draft_tokens=speculation.draft_tokens(),
+        draft_head_bits=speculation.draft_head_bits or None,
+        ngram=speculation.ngram,
+        host_cache=parse_size(engine.prefix_cache_host),
+        cache_dir=engine.prefix_cache_dir,
+        disk_cache=parse_size(engine.prefix_cache_disk),
+        max_adapters=max(engine.max_adapters, len(engine.adapter or [])),
+        kv_dtype=None if engine.kv_dtype == "auto" else engine.kv_dtype,
+        log_steps=engine.log_steps,
+    )
 
 
 def _serve_split(
