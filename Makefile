@@ -69,7 +69,9 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 	MYPYPATH=src $(BIN)/mypy --explicit-package-bases $(addprefix --disable-error-code ,$(BENCH_LOOSE)) bench
 
+# the browser tests need Chromium and chromedriver: installed from Debian where missing and possible
 pytest: $(STAMP)
+	bash tests/install_browser.sh
 	$(BIN)/python -m pytest -q -n 2
 
 # everything, as CI runs it (.ci/run); test-fast leaves out the tests marked slow (compiling, training, child

@@ -29,6 +29,7 @@ class HTTPOptions:
       (streams get an error event and [DONE]); a second signal ends them at once.
     reasoning_parser: a chat reply's <think> block returned apart as reasoning_content: auto (where the chat
       template has thinking blocks: Qwen3, DeepSeek-R1, ...), think (always), none (left in content).
+    no_ui: do not serve the web page at / (a chat with the model and a live view of the engine).
     """
 
     host: str = "127.0.0.1"
@@ -42,6 +43,7 @@ class HTTPOptions:
     header_timeout: float = 30.0
     shutdown_timeout: float = 30.0
     reasoning_parser: Literal["auto", "think", "none"] = "auto"
+    no_ui: bool = False
 
 
 @dataclass(frozen=True)
@@ -168,17 +170,11 @@ def serve(
         raise LLMKitError(f"serving needs {missing.name}: pip install 'llmkit[serve]'") from missing
 
     name = http.model_name or Path(checkpoint).name
-    options = ServeOptions(
-        name,
-        api_key=http.api_key,
-        metrics_key=http.metrics_key,
-        request_timeout=http.request_timeout,
-        max_body_size=parse_size(http.max_body_size),
-        body_timeout=http.body_timeout,
-        header_timeout=http.header_timeout,
-        shutdown_timeout=http.shutdown_timeout,
-        reasoning_parser=http.reasoning_parser,
-    )
+    options = ServeOptions(name, api_key=http.api_key, metrics_key=http.metrics_key,
+                           request_timeout=http.request_timeout, max_body_size=parse_size(http.max_body_size),
+                           body_timeout=http.body_timeout, header_timeout=http.header_timeout,
+                           shutdown_timeout=http.shutdown_timeout, reasoning_parser=http.reasoning_parser,
+                           ui=not http.no_ui)  # fmt: skip
     drafts = speculation.draft_tokens()
     config = _engine_config(engine, speculation)
     adapters = [parse_adapter(a) for a in engine.adapter or []]
@@ -283,7 +279,8 @@ def _announce(server: Any, name: str, model: Any, mtp: int, draft: str | None, s
         + (f"drafting up to {speculate} tokens a step from each sequence's text; " if e.config.ngram else "")
         + _tiers(e)
         + (f"LoRA adapters {', '.join(e.adapters.known)} (at most {e.adapters.most} resident); " if e.adapters else "")
-        + f"listening on {server.url}/v1",
+        + f"listening on {server.url}/v1"
+        + (f" (the web page: {server.url}/)" if server.options.ui else ""),
         flush=True,
     )
 

@@ -4,7 +4,9 @@
     POST /v1/embeddings                          pooled final hidden states
     POST /tokenize, /detokenize                  the server's tokenizer (vLLM's shapes), and GET /tokenizer_info
     GET  /v1/models[/{id}], /metrics, /openapi.json   behind the API key when one is set (/metrics: or --metrics-key)
+    GET  /metrics.json                           /metrics' samples as JSON and the last steps (for the page)
     GET  /health                                 open: 200, or 503 while shutting down or when the engine stopped
+    GET  /, /ui/{file}                           the web page (serve/webpage.py; not with --no-ui)
 
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a malformed body, a wrong type,
 a value out of range (the message gives the range), an unknown parameter or a request that cannot fit the context;
@@ -45,6 +47,7 @@ from llmkit.serve.routes import (
     model_routes,
     status_routes,
 )
+from llmkit.serve.webpage import page_routes
 from llmkit.tokenizer import Tokenizer
 
 __all__ = ["Gate", "ServeOptions", "build_app"]
@@ -67,6 +70,9 @@ def build_app(
     app.include_router(model_routes(ctx), dependencies=[Depends(key)])
     for routes in (generation_routes, embedding_routes, responses_routes, messages_routes, adapter_routes):
         app.include_router(routes(ctx), dependencies=[Depends(key), Depends(ctx.gate.admitting)])
+
+    if options.ui:
+        app.include_router(page_routes())
 
     @app.get("/openapi.json", dependencies=[Depends(key)], include_in_schema=False)
     async def openapi() -> JSONResponse:

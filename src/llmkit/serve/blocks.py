@@ -72,6 +72,11 @@ class BlockPool:
     def used(self) -> int:
         return self.n_blocks - self.free
 
+    @property
+    def idle_cached(self) -> int:
+        """Free blocks that still hold a cached prefix (handed out only when no fresh block is left)."""
+        return len(self.idle)
+
     def allocate(self) -> int | None:
         """A block for one sequence's use (reference count 1), or None when the pool is exhausted. A fresh block is
         preferred; otherwise the least recently used idle block loses its cached prefix."""

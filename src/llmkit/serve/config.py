@@ -102,7 +102,8 @@ class ServeOptions:
     a chat reply's thinking block is returned apart, as `reasoning_content` ("auto": where the chat template has
     <think> blocks; "think": always; "none": never, the block stays in `content`); stored_responses /
     stored_characters: how many Responses-API responses are kept in memory for `previous_response_id`, and how many
-    characters of conversation they may hold together (the least recently used go first)."""
+    characters of conversation they may hold together (the least recently used go first); ui: the web page at `/`
+    (serve/webpage.py)."""
 
     model_name: str
     api_key: str | None = None
@@ -115,6 +116,7 @@ class ServeOptions:
     stored_responses: int = 1024
     stored_characters: int = 64 << 20
     reasoning_parser: str = "auto"
+    ui: bool = True
 
     def __post_init__(self) -> None:
         if self.reasoning_parser not in ("auto", "think", "none"):

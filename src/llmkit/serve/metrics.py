@@ -1,8 +1,13 @@
 """What `GET /metrics` reports, in Prometheus' text format (through prometheus_client, with a registry of our own
-so that two servers in one process never share counters)."""
+so that two servers in one process never share counters), and `GET /metrics.json`, the same samples as JSON for the
+web page (serve/ui/) with the last steps' costs beside them: one source for both."""
 
 from __future__ import annotations
 
+import math
+import threading
+import time
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -20,6 +25,8 @@ _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 30
 _FRACTION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0)
 # a step's rows: decoding rows, prompt tokens (up to the step's token budget)
 _ROW_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+# the steps /metrics.json lists (the page draws them): a few seconds of a busy server
+RECENT_STEPS = 240
 
 
 class Metrics:
@@ -31,6 +38,9 @@ class Metrics:
         self.waiting = Gauge("llmkit_requests_waiting", "Sequences waiting to be admitted", registry=r)
         self.blocks_used = Gauge("llmkit_kv_blocks_used", "Paged-cache blocks in use", registry=r)
         self.blocks_total = Gauge("llmkit_kv_blocks_total", "Paged-cache blocks in the pool", registry=r)
+        self.blocks_cached = Gauge(
+            "llmkit_kv_blocks_cached", "Free blocks still holding a cached prefix (reused last)", registry=r
+        )
         # the engine's own counts since start, exported as counters (they only grow; see _advance)
         self.prefix_queried = Counter("llmkit_prefix_cache_queried_blocks", "Prompt blocks looked up", registry=r)
         self.prefix_hit = Counter("llmkit_prefix_cache_hit_blocks", "Prompt blocks found in the cache", registry=r)
@@ -84,6 +94,8 @@ class Metrics:
         )
         self.matmul_peak = Gauge("llmkit_machine_matmul_flops_per_second", "Matmul peak measured at start", registry=r)
         self._steps_seen = 0
+        self._recent: deque[dict[str, float]] = deque(maxlen=RECENT_STEPS)
+        self._recent_lock = threading.Lock()  # appended in the engine's thread, read in the HTTP one
 
     def observe_engine(self, engine: Engine) -> None:
         s = engine.scheduler
@@ -91,6 +103,7 @@ class Metrics:
         self.waiting.set(len(s.waiting))
         self.blocks_used.set(engine.pool.used)
         self.blocks_total.set(engine.pool.n_blocks)
+        self.blocks_cached.set(engine.pool.idle_cached)
         self._advance(self.prefix_queried, s.prefix.queried)
         self._advance(self.prefix_hit, s.prefix.hit)
         if engine.store is not None:
@@ -120,9 +133,15 @@ class Metrics:
         self.step_kv_bytes.set(t.last.kv_bytes)
         self.step_flops.set(t.last.flops)
         self.step_seconds.set(t.last_seconds)
+        step = {"time": time.time(), "seconds": t.last_seconds, "decode_rows": t.last.decode_rows,
+                "prompt_tokens": t.last.prompt_tokens, "drafts": t.last.drafts, "weight_bytes": t.last.weight_bytes,
+                "kv_bytes": t.last.kv_bytes, "flops": t.last.flops}  # fmt: skip
         if t.last_fractions is not None:
             self.bandwidth_fraction.observe(t.last_fractions[0])
             self.matmul_fraction.observe(t.last_fractions[1])
+            step.update(bandwidth_ratio=t.last_fractions[0], matmul_ratio=t.last_fractions[1])
+        with self._recent_lock:
+            self._recent.append(step)
 
     def _advance(self, counter: Any, total: float) -> None:
         """Bring a counter up to the engine's running total."""
@@ -131,3 +150,21 @@ class Metrics:
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
+
+    def snapshot(self) -> dict[str, Any]:
+        """/metrics.json: every sample of `text()` under the name and labels it has there (`name{label="value"}`),
+        the time it was read, and the last RECENT_STEPS steps (each: its rows, seconds, bytes, FLOPs and fractions of
+        the limits, as the gauges and histograms above saw it)."""
+        samples = {_sample_key(s.name, s.labels): s.value if math.isfinite(s.value) else None
+                   for f in self.registry.collect() for s in f.samples}  # fmt: skip
+        with self._recent_lock:
+            steps = list(self._recent)
+        return {"time": time.time(), "samples": samples, "steps": steps}
+
+
+def _sample_key(name: str, labels: dict[str, str]) -> str:
+    """A sample's name as Prometheus' text format writes it (labels in order, values escaped the same way)."""
+    if not labels:
+        return name
+    escaped = (v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"') for v in labels.values())
+    return name + "{" + ",".join(f'{k}="{v}"' for k, v in zip(labels, escaped, strict=True)) + "}"

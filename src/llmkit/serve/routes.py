@@ -136,6 +136,7 @@ def status_routes(ctx: Context) -> APIRouter:
     router = APIRouter()
     keys = tuple(k for k in (ctx.options.api_key, ctx.options.metrics_key) if k is not None)
     metrics_key = KeyCheck(keys, "/metrics needs the API key or the metrics key (Authorization: Bearer ...)")
+    metrics = ctx.client.metrics
 
     @router.get("/health")
     async def health() -> Response:
@@ -146,8 +147,12 @@ def status_routes(ctx: Context) -> APIRouter:
         return JSONResponse({"status": "ok"})
 
     @router.get("/metrics", dependencies=[Depends(metrics_key)])
-    async def metrics() -> Response:
-        return Response(ctx.client.metrics.text(), media_type="text/plain; version=0.0.4")
+    async def prometheus() -> Response:
+        return Response(metrics.text(), media_type="text/plain; version=0.0.4")
+
+    @router.get("/metrics.json", dependencies=[Depends(metrics_key)])
+    async def snapshot() -> JSONResponse:  # the same samples for the web page, and the recent steps
+        return JSONResponse(metrics.snapshot(), headers={"cache-control": "no-store"})
 
     return router
 
