@@ -166,7 +166,9 @@ def ask(driver: Any, text: str) -> dict[str, Any]:
          and d.find_elements(By.CSS_SELECTOR, finished)[-1].text, "the answer to end")  # fmt: skip
     return driver.execute_script("""
         const answer = [...document.querySelectorAll('.message.assistant')].pop();
+        const tokens = [...answer.querySelectorAll('.token:not(.beyond)')].map(t => t.textContent).join('');
         return {text: answer.querySelector('.text').textContent, finish: answer.querySelector('.finish').textContent,
+                tokens: tokens,
                 logprobs: [...answer.querySelectorAll('.token')].map(t => Number(t.dataset.logprob)),
                 updates: window.updates};
     """)
@@ -215,7 +217,7 @@ def test_a_message_typed_streams_the_api_s_answer_with_its_probabilities(server:
     page = ask(browser, question)
     api = api_answer(server, question, max_tokens, k)
 
-    assert page["text"] == api.message.content
+    assert page["text"] == page["tokens"] == api.message.content
     assert page["finish"] == f"finish: {api.finish_reason}, {len(api.logprobs.content)} tokens"
     assert page["updates"] > 2  # the answer came in pieces: streamed, not at once
     assert page["logprobs"] == pytest.approx([t.logprob for t in api.logprobs.content], abs=1e-6)
@@ -229,6 +231,37 @@ def test_a_message_typed_streams_the_api_s_answer_with_its_probabilities(server:
     expected = [f"{json.dumps(t.token, ensure_ascii=False)} {percent(math.exp(t.logprob))}"
                 for t in api.logprobs.content[2].top_logprobs]  # fmt: skip
     assert shown == expected
+    browser.find_element(By.ID, "show-probs").click()  # plain text: the answer's content as the API gives it
+    answer = browser.find_elements(By.CSS_SELECTOR, ".message.assistant .text")[-1]
+    assert browser.execute_script("return arguments[0].textContent", answer) == api.message.content
+    assert console_errors(browser) == []
+
+
+def test_regenerate_clear_a_stop_token_and_an_answer_in_json(server: Served, browser: Any) -> None:
+    open_page(browser, server.url)
+    wait(browser, model_listed, "the model list")
+    settings(browser, 48)
+    first = ask(browser, "Say hello.")
+    # the answer ended with the model's stop token: shown, apart from the answer (its text is no part of it)
+    assert first["finish"].startswith("finish: stop")
+    beyond = browser.find_elements(By.CSS_SELECTOR, ".message.assistant .token.beyond")
+    assert [t.text for t in beyond] == ["<|im_end|>"] == [first["text"].removeprefix(first["tokens"])]
+    browser.find_element(By.ID, "regenerate").click()  # greedy: the same answer again, in place of the first
+    wait(browser, lambda d: d.find_element(By.ID, "send").is_enabled() and d.find_elements(By.CSS_SELECTOR,
+         ".message.assistant .finish")[-1].text, "the answer regenerated")  # fmt: skip
+    assert len(browser.find_elements(By.CSS_SELECTOR, ".message")) == 2
+    again = browser.find_elements(By.CSS_SELECTOR, ".message.assistant .text")[-1]
+    assert browser.execute_script("return arguments[0].textContent", again) == first["text"]
+    browser.find_element(By.ID, "clear").click()
+    assert browser.find_elements(By.CSS_SELECTOR, ".message") == []
+
+    browser.find_element(By.ID, "use-schema").click()
+    assert browser.find_element(By.ID, "schema").is_displayed()
+    schema = {"type": "object", "properties": {"colour": {"enum": ["blue", "green", "red"]}}, "required": ["colour"]}
+    set_field(browser, "schema", json.dumps(schema))
+    reply = ask(browser, "What colour is the sky?")
+    assert json.loads(reply["tokens"])["colour"] in ("blue", "green", "red")
+
     assert console_errors(browser) == []
 
 

@@ -127,6 +127,7 @@ function showError(text) {
 }
 
 function busy(on) {
+  $("messages").setAttribute("aria-busy", String(on)); // a screen reader reads the answer once it is whole
   $("send").disabled = on;
   $("stop").disabled = !on;
   $("regenerate").disabled = on || !chat.messages.some((m) => m.role === "assistant");
@@ -257,7 +258,13 @@ function fillMessage(item, m) {
   const text = item.querySelector(".text");
   text.replaceChildren();
   if (m.role === "assistant" && $("show-probs").checked && m.tokens && m.tokens.length) {
-    for (const t of m.tokens) text.append(tokenSpan(t));
+    // tokens past the answer's text (a stop token, a stop sequence, a tool call) are shown apart: what the model
+    // chose there is part of what it believed, but not of the answer
+    let offset = 0;
+    for (const t of m.tokens) {
+      text.append(tokenSpan(t, offset >= m.content.length));
+      offset += t.token.length;
+    }
   } else {
     text.textContent = m.content;
   }
@@ -273,10 +280,11 @@ function fillMessage(item, m) {
 }
 
 // a token coloured by its probability: red (unlikely) to green (certain)
-function tokenSpan(t) {
+function tokenSpan(t, beyond) {
   const span = document.createElement("span");
   const p = Math.exp(t.logprob);
-  span.className = "token";
+  span.className = beyond ? "token beyond" : "token";
+  if (beyond) span.title = "not part of the answer's text (a stop token, a stop sequence or a tool call)";
   span.textContent = t.token;
   span.dataset.logprob = String(t.logprob);
   span.style.backgroundColor = "hsl(" + Math.round(120 * p) + " 70% 50% / 0.28)";
