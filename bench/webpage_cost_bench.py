@@ -162,8 +162,10 @@ def screenshots(port: int, url: str, browser: Any, requests: list[tuple[str, int
             # a rate needs two readings, a full chart a few seconds of them
             wait.until(lambda d: d.find_element(By.ID, "m-tps").text not in ("-", "0.0"))
             wait.until(lambda d: d.execute_script("return document.querySelectorAll('#chart-rows rect').length") > 60)
-            if width > 375:  # the whole view, charts and all
-                browser.set_window_size(width, browser.execute_script("return document.body.scrollHeight") + 100)
+            if width > 375:  # the whole view, charts and all (the window is taller than its viewport)
+                height = browser.execute_script("return document.documentElement.scrollHeight")
+                browser.set_window_size(width, height)
+                browser.set_window_size(width, 2 * height - browser.execute_script("return window.innerHeight"))
             browser.save_screenshot(str(folder / f"serve-engine-{width}.png"))
     finally:
         load.join()
@@ -180,6 +182,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=36, help="requests a round (a third for each case)")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--screenshots", type=Path, default=None, help="save the views here too (untimed)")
+    p.add_argument("--only-screenshots", action="store_true", help="with --screenshots: no timed rounds")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
 
@@ -194,12 +197,14 @@ def main() -> None:
     browser = chromium()
     try:
         with ServerProcess("webpage", command, port):
-            summary = rounds(port, url, browser, sets, args.concurrency)
+            summary = rounds(port, url, browser, sets, args.concurrency) if not args.only_screenshots else {}
             if args.screenshots is not None:
                 extra = request_set(ids, tok, 16, seed=99, **lengths)
                 screenshots(port, url, browser, extra, args.screenshots)
     finally:
         browser.quit()
+    if args.only_screenshots:
+        return
     summary |= {"limits": limits.as_dict(), "model": Path(gguf).name, "concurrency": args.concurrency,
                 "requests_per_case_per_round": args.requests // 3}  # fmt: skip
 

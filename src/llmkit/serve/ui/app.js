@@ -534,42 +534,43 @@ function drawLimits(snap) {
     ? "The last " + steps.length + " steps: " + rows.toFixed(1) + " decoding rows and " + prompt.toFixed(1) +
       " prompt tokens a step on average"
     : "No steps yet.";
-  bars($("chart-sol"), steps, [(st) => 100 * (st.bandwidth_ratio || 0)], (st) => 100 * (st.matmul_ratio || 0), 100);
-  bars($("chart-rows"), steps, [(st) => st.decode_rows, (st) => st.prompt_tokens], null, 1);
+  const percent = { least: 100, unit: "%" };
+  chart($("chart-sol"), steps, (st) => 100 * (st.bandwidth_ratio || 0), percent, (st) => 100 * (st.matmul_ratio || 0), percent);
+  chart($("chart-rows"), steps, (st) => st.decode_rows, { least: 1, unit: "" }, (st) => st.prompt_tokens, { least: 1, unit: "" });
 }
 
-// stacked bars, one a step (the newest on the right), and an optional line; the scale fits the largest value
-function bars(svg, steps, parts, line, least) {
+// a bar a step (the newest on the right) and a line, each scaled to its own largest value (at least `least`);
+// the caption says where the top of each is
+function chart(svg, steps, bar, barScale, line, lineScale) {
   const NS = "http://www.w3.org/2000/svg", W = 480, H = 120, n = 120;
   const shown = steps.slice(-n);
-  const totals = shown.map((st) => parts.reduce((a, f) => a + f(st), 0));
-  const lines = line ? shown.map(line) : [];
-  const top = Math.max(least, ...totals, ...lines);
+  const heights = shown.map(bar), points = shown.map(line);
+  const top = (values, scale) => Math.max(scale.least, ...values);
+  const barTop = top(heights, barScale), lineTop = top(points, lineScale);
   svg.replaceChildren();
   const w = W / n;
   shown.forEach((st, i) => {
-    let y = H;
-    parts.forEach((f, k) => {
-      const h = (H * f(st)) / top;
-      if (h <= 0) return;
-      const rect = document.createElementNS(NS, "rect");
-      rect.setAttribute("x", String(W - (shown.length - i) * w));
-      rect.setAttribute("width", String(Math.max(w - 0.5, 0.5)));
-      rect.setAttribute("y", String(y - h));
-      rect.setAttribute("height", String(h));
-      rect.setAttribute("class", "part" + k);
-      svg.append(rect);
-      y -= h;
-    });
+    const h = (H * heights[i]) / barTop;
+    if (h <= 0) return;
+    const rect = document.createElementNS(NS, "rect");
+    rect.setAttribute("x", String(W - (shown.length - i) * w));
+    rect.setAttribute("width", String(Math.max(w - 0.5, 0.5)));
+    rect.setAttribute("y", String(H - h));
+    rect.setAttribute("height", String(h));
+    rect.setAttribute("class", "part0");
+    svg.append(rect);
   });
-  if (line && shown.length) {
+  if (shown.length) {
     const path = document.createElementNS(NS, "polyline");
-    path.setAttribute("points", lines.map((v, i) => W - (shown.length - i - 0.5) * w + "," + (H - (H * v) / top)).join(" "));
+    path.setAttribute("points", points.map((v, i) => W - (shown.length - i - 0.5) * w + "," + (H - (H * v) / lineTop)).join(" "));
     path.setAttribute("class", "line");
     svg.append(path);
   }
+  const round = (x) => (Number.isInteger(x) ? x : x.toFixed(1));
   const scale = svg.parentElement.querySelector(".scale");
-  if (scale) scale.textContent = " (the top of the chart: " + (Number.isInteger(top) ? top : top.toFixed(1)) + ")";
+  scale.textContent = barTop === lineTop && barScale.unit === lineScale.unit
+    ? " (the top of the chart: " + round(barTop) + barScale.unit + ")"
+    : " (the top of the chart: " + round(barTop) + barScale.unit + " for the bars, " + round(lineTop) + lineScale.unit + " for the line)";
 }
 
 // ---- start
