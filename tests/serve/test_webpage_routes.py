@@ -80,3 +80,25 @@ def test_metrics_json_says_what_metrics_says_and_lists_the_steps(tiny):
         assert sum(s["prompt_tokens"] for s in steps) == text["llmkit_prompt_tokens_total"]
         assert steps[-1]["weight_bytes"] == text["llmkit_step_weight_read_bytes"]
         assert sum(s["flops"] for s in steps) == pytest.approx(text["llmkit_flops_total"])
+
+
+@pytest.mark.parametrize(("flags", "ui"), [([], True), (["--no-ui"], False)])
+def test_llmkit_serve_no_ui_turns_the_page_off(tmp_path, monkeypatch, flags, ui):
+    """The flag reaches the server's options (the server is built, then returns instead of serving)."""
+    import dataclasses
+
+    import torch
+    from helpers import tiny_tokenizer
+
+    from llmkit import build_model, get_preset
+    from llmkit.cli import main
+    from llmkit.interop.checkpoint import save_llmkit
+    from llmkit.serve.server import free_port
+
+    torch.manual_seed(0)
+    model = build_model(dataclasses.replace(get_preset("llama2-7b-tiny"), vocab_size=320)).eval()
+    checkpoint = save_llmkit(model, tmp_path / "ck", tokenizer=tiny_tokenizer())
+    served: list[ServeOptions] = []
+    monkeypatch.setattr(Server, "run_foreground", lambda self: served.append(self.options))
+    assert main(["serve", str(checkpoint), "--port", str(free_port()), *flags]) == 0
+    assert [options.ui for options in served] == [ui]
