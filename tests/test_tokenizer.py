@@ -53,3 +53,30 @@ def test_streamed_text_is_the_decoded_text():
     text = "ünïcode 中文: to be or not"
     pieces = _stream(tok, tok.encode(text))
     assert "".join(pieces) == text and "\ufffd" not in "".join(pieces)
+
+
+def test_token_bytes_join_to_the_text_with_characters_split_across_tokens():
+    tok = tiny_tokenizer()  # byte-level: 'ü' and each CJK character are two or three tokens
+    text = "für 中文 ünïcode"
+    ids = tok.encode(text, add_bos=False)
+    assert any(tok.decode([i]) == "\ufffd" for i in ids)  # a token's text alone cannot show its bytes
+    assert b"".join(tok.token_bytes(i) for i in ids).decode() == text
+    assert tok.token_bytes(tok.bos_id) == tok.backend.id_to_token(tok.bos_id).encode()  # special: its own text
+
+
+def test_token_bytes_of_a_sentencepiece_vocabulary_with_byte_fallback():
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers
+
+    pieces = ["\u2581", "t", "o", "b", "e", "\u2581t", "\u2581to", "\u2581b", "\u2581be"]
+    vocab = {"<unk>": 0, **{p: 1 + i for i, p in enumerate(pieces)}}
+    vocab |= {f"<0x{b:02X}>": len(vocab) + b for b in range(256)}
+    merges = [("\u2581", "t"), ("\u2581t", "o"), ("\u2581", "b"), ("\u2581b", "e")]
+    backend = Backend(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok = Tokenizer(backend)
+    ids = tok.encode("to be ü")
+    assert ids[:2] == [vocab["\u2581to"], vocab["\u2581be"]]
+    assert [backend.id_to_token(i) for i in ids[2:]] == ["\u2581", "<0xC3>", "<0xBC>"]  # 'ü' falls back to bytes
+    assert b"".join(tok.token_bytes(i) for i in ids).decode() == tok.decode(ids) == " to be ü"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
@@ -42,6 +43,11 @@ def byte_alphabet() -> dict[int, str]:
             table[b] = chr(256 + extra)
             extra += 1
     return table
+
+
+@cache
+def _byte_alphabet_inverse() -> dict[str, int]:
+    return {c: b for b, c in byte_alphabet().items()}
 
 
 def read_backend(path: Path) -> Backend:
@@ -93,6 +99,24 @@ class Tokenizer:
 
     def token_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for, which its text alone cannot always show: a byte-level BPE token may hold
+        part of a character's UTF-8 bytes (decoded alone, U+FFFD). Byte-level vocabularies spell bytes in GPT-2's
+        alphabet; SentencePiece ones write a space as U+2581 and a byte as <0xAB>; special and added tokens are
+        their own text."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if type(self.backend.decoder).__name__ == "ByteLevel":
+            inverse = _byte_alphabet_inverse()
+            if all(c in inverse for c in piece):
+                return bytes(inverse[c] for c in piece)
+            return piece.encode("utf-8")  # a special or added token, stored as plain text
+        match = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+        if match is not None:
+            return bytes([int(match.group(1), 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
 
     # ---- files
 

@@ -35,7 +35,7 @@ from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
-from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a server process and a browser
 
@@ -150,13 +150,8 @@ def set_field(driver: Any, field: str, value: str) -> None:
 
 def ask(driver: Any, text: str) -> dict[str, Any]:
     """Type a message into the page, send it with Enter, and wait for the answer to end: its text (as the DOM holds
-    it, whitespace and all), its tokens' log-probabilities and how many times the answer's text changed while
-    it streamed."""
-    driver.execute_script("""
-        window.updates = 0;
-        new MutationObserver(() => { window.updates += 1; })
-            .observe(document.getElementById('messages'), {childList: true, subtree: true, characterData: true});
-    """)
+    it, whitespace and all), the text of its tokens that make the answer, its tokens' log-probabilities and how
+    many stream events it came in."""
     answers = len(driver.find_elements(By.CSS_SELECTOR, ".message.assistant"))
     prompt = driver.find_element(By.ID, "prompt")
     prompt.send_keys(text)
@@ -170,7 +165,7 @@ def ask(driver: Any, text: str) -> dict[str, Any]:
         return {text: answer.querySelector('.text').textContent, finish: answer.querySelector('.finish').textContent,
                 tokens: tokens,
                 logprobs: [...answer.querySelectorAll('.token')].map(t => Number(t.dataset.logprob)),
-                updates: window.updates};
+                events: Number(answer.dataset.events)};
     """)
 
 
@@ -195,7 +190,7 @@ def api_answer(server: Served, question: str, max_tokens: int, alternatives: int
     ).choices[0]  # fmt: skip
 
 
-def test_the_page_loads_without_console_errors_with_every_control_labelled(server: Served, browser: Any) -> None:
+def test_the_page_loads_without_console_errors_with_every_control_labelled(browser: Any, server: Served) -> None:
     open_page(browser, server.url)
     wait(browser, model_listed, "the model list")
     assert browser.find_element(By.ID, "model").get_attribute("value") == "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -209,7 +204,7 @@ def test_the_page_loads_without_console_errors_with_every_control_labelled(serve
     assert unlabelled == []
 
 
-def test_a_message_typed_streams_the_api_s_answer_with_its_probabilities(server: Served, browser: Any) -> None:
+def test_a_message_typed_streams_the_api_s_answer_with_its_probabilities(browser: Any, server: Served) -> None:
     question, max_tokens, k = "What is the capital of France?", 24, 3
     open_page(browser, server.url)
     wait(browser, model_listed, "the model list")
@@ -219,7 +214,7 @@ def test_a_message_typed_streams_the_api_s_answer_with_its_probabilities(server:
 
     assert page["text"] == page["tokens"] == api.message.content
     assert page["finish"] == f"finish: {api.finish_reason}, {len(api.logprobs.content)} tokens"
-    assert page["updates"] > 2  # the answer came in pieces: streamed, not at once
+    assert page["events"] > 2  # the answer came in pieces: streamed, not at once
     assert page["logprobs"] == pytest.approx([t.logprob for t in api.logprobs.content], abs=1e-6)
 
     # a token's alternatives, as the page shows them on hover: the API's top tokens and their probabilities
@@ -237,7 +232,7 @@ def test_a_message_typed_streams_the_api_s_answer_with_its_probabilities(server:
     assert console_errors(browser) == []
 
 
-def test_regenerate_clear_a_stop_token_and_an_answer_in_json(server: Served, browser: Any) -> None:
+def test_regenerate_clear_a_stop_token_and_an_answer_in_json(browser: Any, server: Served) -> None:
     open_page(browser, server.url)
     wait(browser, model_listed, "the model list")
     settings(browser, 48)
@@ -257,10 +252,14 @@ def test_regenerate_clear_a_stop_token_and_an_answer_in_json(server: Served, bro
 
     browser.find_element(By.ID, "use-schema").click()
     assert browser.find_element(By.ID, "schema").is_displayed()
-    schema = {"type": "object", "properties": {"colour": {"enum": ["blue", "green", "red"]}}, "required": ["colour"]}
-    set_field(browser, "schema", json.dumps(schema))
-    reply = ask(browser, "What colour is the sky?")
-    assert json.loads(reply["tokens"])["colour"] in ("blue", "green", "red")
+    # characters of two and three bytes, which the tokens split: the page shows them whole, from the tokens' bytes
+    schema = {"type": "object", "properties": {"word": {"enum": ["日本語"]}}, "required": ["word"],
+              "additionalProperties": False}  # fmt: skip
+    set_field(browser, "schema", json.dumps(schema, ensure_ascii=False))
+    reply = ask(browser, "Pick a word.")
+    assert json.loads(reply["tokens"]) == {"word": "日本語"}
+    assert "\ufffd" not in reply["text"]
+    assert browser.find_elements(By.CSS_SELECTOR, ".message.assistant .token:empty")  # a character's first bytes
 
     assert console_errors(browser) == []
 
@@ -271,7 +270,41 @@ def percent(p: float) -> str:
     return f"{100 * p:.{digits}f}%"
 
 
-def test_the_engine_view_follows_a_load_and_shows_what_metrics_says(server: Served, browser: Any) -> None:
+def test_a_tool_call_and_its_result_give_the_api_s_answer(browser: Any, server: Served) -> None:
+    open_page(browser, server.url)
+    wait(browser, model_listed, "the model list")
+    settings(browser, 40)
+    browser.find_element(By.ID, "use-tools").click()
+    Select(browser.find_element(By.ID, "tool-choice")).select_by_value("required")
+    question = "What is the weather in Paris?"
+    ask(browser, question)
+    calls = browser.find_elements(By.CSS_SELECTOR, ".message.assistant .tool-calls")[-1].text
+    assert calls.startswith("tool call: get_weather(")
+    label = browser.find_element(By.ID, "prompt-label")
+    assert label.text.startswith("Result of get_weather(")  # the message box now gives the call's result
+    Select(browser.find_element(By.ID, "tool-choice")).select_by_value("none")
+    page = ask(browser, "Sunny, 21 degrees.")
+    assert label.text == "Message"
+
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    tools = json.loads(browser.find_element(By.ID, "tools").get_attribute("value"))
+    model = client.models.list().data[0].id
+    asked = [{"role": "user", "content": question}]
+    first = client.chat.completions.create(model=model, messages=asked, tools=tools, tool_choice="required",
+                                           max_tokens=40, temperature=0)  # fmt: skip
+    call = first.choices[0].message.tool_calls[0]
+    assert calls == f"tool call: {call.function.name}({call.function.arguments})"
+    messages = [{"role": "user", "content": question}, first.choices[0].message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 degrees."}]  # fmt: skip
+    answer = client.chat.completions.create(model=model, messages=messages, tools=tools, tool_choice="none",
+                                            max_tokens=40, temperature=0)  # fmt: skip
+    assert page["tokens"] == answer.choices[0].message.content
+    assert console_errors(browser) == []
+
+
+def test_the_engine_view_follows_a_load_and_shows_what_metrics_says(browser: Any, server: Served) -> None:
     open_page(browser, server.url)
     wait(browser, model_listed, "the model list")
     tab = browser.find_element(By.ID, "tab-chat")
@@ -334,7 +367,8 @@ def test_with_an_api_key_the_page_asks_for_it_once_and_works_after(browser: Any,
         key = browser.find_element(By.ID, "key-input")
         key.send_keys("wrong")
         key.send_keys(Keys.ENTER)
-        wait(browser, lambda d: "API key is required" in d.find_element(By.ID, "key-why").text, "a second ask")
+        wait(browser, lambda d: "not accepted" in d.find_element(By.ID, "key-why").text
+             and dialog.get_attribute("open") is not None, "a second ask, saying why")  # fmt: skip
         key.clear()
         key.send_keys("s3cret")
         key.send_keys(Keys.ENTER)
@@ -350,12 +384,30 @@ def test_with_an_api_key_the_page_asks_for_it_once_and_works_after(browser: Any,
         generated = int(served.metrics("s3cret")["llmkit_generated_tokens_total"])
         wait(browser, lambda d: d.find_element(By.ID, "m-generated").text == str(generated), "the engine view")
         assert dialog.get_attribute("open") is None  # asked for once: the key opened /metrics.json too
+
+        # cancelled, the page asks no more (the engine view's readings go on, refused), until asked to
+        browser.execute_script("sessionStorage.clear()")
+        open_page(browser, served.url)
+        dialog, key = browser.find_element(By.ID, "key-dialog"), browser.find_element(By.ID, "key-input")
+        wait(browser, lambda d: dialog.get_attribute("open") is not None, "the ask")
+        browser.find_element(By.ID, "key-cancel").click()
+        browser.find_element(By.ID, "tab-engine").click()
+        panel = browser.find_element(By.ID, "view-engine")
+        polls = lambda d: int(panel.get_attribute("data-polls") or 0)  # noqa: E731
+        wait(browser, lambda d: polls(d) >= 3, "readings after the cancel")
+        assert dialog.get_attribute("open") is None
+        assert "API key" in browser.find_element(By.ID, "engine-error").text
+        browser.find_element(By.ID, "key-again").click()
+        wait(browser, lambda d: dialog.get_attribute("open") is not None, "the ask, asked for")
+        key.send_keys("s3cret", Keys.ENTER)
+        wait(browser, lambda d: d.find_element(By.ID, "m-generated").text == str(generated), "the engine view")
+        wait(browser, model_listed, "the model list, loaded again with the key")
     finally:
         served.stop()
 
 
 @pytest.mark.parametrize("width", [1280, 375])
-def test_both_views_fit_the_screen_at_desktop_and_phone_widths(server: Served, browser: Any, shots: Path,
+def test_both_views_fit_the_screen_at_desktop_and_phone_widths(browser: Any, server: Served, shots: Path,
                                                                width: int) -> None:  # fmt: skip
     open_page(browser, server.url, width)
     wait(browser, model_listed, "the model list")

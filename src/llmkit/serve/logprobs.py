@@ -7,9 +7,10 @@
 
 The values are the model's own (serve/request.py says which distribution). A token is named by its own text,
 decoded alone with special tokens shown, so a byte-level token holding part of a character shows U+FFFD, as vLLM
-shows it; `bytes` are that text's UTF-8 bytes. A completions `top_logprobs` entry holds the k most likely tokens
-and the chosen one (OpenAI's "up to logprobs + 1"); `text_offset` counts characters from the start of the prompt's
-text, as OpenAI counts them, echo or not.
+shows it; `bytes` are the bytes the token stands for (Tokenizer.token_bytes), as OpenAI gives them, so that a client
+joining a reply's tokens' bytes gets its text, every character whole. A completions `top_logprobs` entry holds the k
+most likely tokens and the chosen one (OpenAI's "up to logprobs + 1"); `text_offset` counts characters from the start
+of the prompt's text, as OpenAI counts them, echo or not.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class TokenNames:
     def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
         self._names: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
 
     def __call__(self, token: int) -> str:
         name = self._names.get(token)
@@ -35,6 +37,15 @@ class TokenNames:
             name = tok.decode([token], skip_special=False) if tok is not None else f"<{token}>"
             self._names[token] = name
         return name
+
+    def bytes(self, token: int) -> list[int]:
+        """The bytes `token` stands for, as a list of ints (chat's `bytes`)."""
+        raw = self._bytes.get(token)
+        if raw is None:
+            tok = self.tokenizer
+            raw = list(tok.token_bytes(token)) if tok is not None else list(self(token).encode("utf-8"))
+            self._bytes[token] = raw
+        return raw
 
     def text(self, ids: list[int]) -> str:
         """The text of a whole prompt given as token ids (what echo returns for it)."""
@@ -93,7 +104,7 @@ def chat_logprobs(names: TokenNames, ids: list[int], logprobs: list[float], tops
 
     def entry(token: int, logprob: float) -> dict[str, Any]:
         name = names(token)
-        return {"token": name, "logprob": logprob, "bytes": list(name.encode("utf-8"))}
+        return {"token": name, "logprob": logprob, "bytes": names.bytes(token)}
 
     content = [
         entry(t, v) | {"top_logprobs": [entry(a, w) for a, w in top]}

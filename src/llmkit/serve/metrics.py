@@ -74,6 +74,7 @@ class Metrics:
         self.weight_bytes = Counter("llmkit_weight_read_bytes", "Weight bytes read by the steps", registry=r)
         self.kv_bytes = Counter("llmkit_kv_cache_read_bytes", "KV-cache bytes read by the steps", registry=r)
         self.flops = Counter("llmkit_flops", "FLOPs of the steps' rows", registry=r)
+        self.step_time = Counter("llmkit_step_time_seconds", "Seconds the counted steps took", registry=r)
         self.bandwidth_fraction = Histogram(
             "llmkit_step_bandwidth_ratio", "A step's bytes read / seconds / the memory bandwidth measured at start",
             buckets=_FRACTION_BUCKETS, registry=r,
@@ -123,6 +124,7 @@ class Metrics:
         self._advance(self.weight_bytes, t.weight_bytes)
         self._advance(self.kv_bytes, t.kv_bytes)
         self._advance(self.flops, t.flops)
+        self._advance(self.step_time, t.seconds)
         self._advance(self.steps, t.steps)
         if t.last is None or t.steps == self._steps_seen:
             return

@@ -228,7 +228,7 @@ class Telemetry:
         self.last: StepCost | None = None
         self.last_seconds = 0.0
         self.last_fractions: tuple[float, float] | None = None
-        self.weight_bytes = self.kv_bytes = self.flops = 0.0  # since start
+        self.weight_bytes = self.kv_bytes = self.flops = self.seconds = 0.0  # since start
         self._pending: StepCost | None = None
 
     def begin(self) -> None:
@@ -249,6 +249,7 @@ class Telemetry:
         self.weight_bytes += cost.weight_bytes
         self.kv_bytes += cost.kv_bytes
         self.flops += cost.flops
+        self.seconds += seconds
         self.last_fractions = cost.fractions(seconds, self.limits) if self.limits is not None else None
         if self.log is not None:
             self.log.write(at, seconds, cost, self.last_fractions)
