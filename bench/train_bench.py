@@ -8,6 +8,13 @@ llmkit's converter. Each variant trains in its own process (so its peak memory i
 batches; the first two steps are warm-up and not timed. The same run measures the machine's matmul peak (fp32 and
 bf16) and memory bandwidth, and reports tokens/s, the ratio to transformers fp32, peak RSS, MFU (model FLOPs per token
 x tokens/s over the measured matmul peak of the precision used), and how far each loss curve is from llmkit fp32's.
+
+`--optimizers` instead trains the demo (configs/demo.yaml: five minutes, the schedule fitted to them) twice, with
+AdamW and with Muon (optim.name=muon: Muon for the hidden matrices, AdamW for the rest, the same learning rate;
+llmkit/train/optim.py), one after the other in one run, and reports each run's validation bits per character,
+steps and tokens:
+
+    .venv/bin/python bench/train_bench.py --optimizers [--minutes 5]
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from functools import partial
@@ -24,6 +32,7 @@ from typing import Any
 
 import torch
 from common import (
+    ROOT,
     RUNS,
     SHAKESPEARE,
     Limits,
@@ -111,7 +120,11 @@ def main() -> None:
     p.add_argument("--tmp", default=str(RUNS))
     p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--optimizers", action="store_true", help="the demo with AdamW and with Muon instead")
+    p.add_argument("--minutes", type=float, default=5.0, help="with --optimizers: each run's training time")
     args = p.parse_args()
+    if args.optimizers:
+        return optimizers(args)
     if args.steps <= WARMUP_STEPS:
         p.error(f"--steps must be more than the {WARMUP_STEPS} warm-up steps")
     if args.variant:  # a child process
@@ -159,6 +172,41 @@ def main() -> None:
         "results": rows,
     }
     report(summary, args.json, lambda: print_table(summary, limits, args))
+
+
+def optimizers(args: argparse.Namespace) -> None:
+    """The demo's run with each optimizer: validation bits per character at the end of the same training time."""
+    ensure_prepared(Path(args.data), "shakespeare", "--vocab-size", "4096")
+    limits = measure_limits(("fp32", "bf16"))
+    rows = []
+    for name in ("adamw", "muon"):
+        out = Path(args.tmp) / f"demo-{name}"
+        sets = [f"optim.name={name}", f"train.out={out}", f"train.time_limit={args.minutes * 60:g}",
+                f"data.dir={args.data}"]  # fmt: skip
+        shutil.rmtree(out, ignore_errors=True)  # (a run folder with checkpoints is only resumed)
+        command = [sys.executable, "-m", "llmkit", "train", "configs/demo.yaml"]
+        subprocess.run([*command, *(a for s in sets for a in ("--set", s))], check=True, cwd=ROOT,
+                       stdout=subprocess.DEVNULL)  # fmt: skip
+        log = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        evals = [row for row in log if "val_bpc" in row]
+        steps = [row for row in log if "loss" in row]  # (the last evaluation: at the end of the time)
+        rows.append({"optimizer": name, "val_bpc": evals[-1]["val_bpc"], "val_loss": evals[-1]["val_loss"],
+                     "steps": steps[-1]["step"], "tokens": steps[-1].get("tokens"),
+                     "bpc_by_step": [(row["step"], row["val_bpc"]) for row in evals]})  # fmt: skip
+    summary = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+               **limits.as_dict(), "minutes": args.minutes, "results": rows}  # fmt: skip
+
+    def table() -> None:
+        print(f"the demo (configs/demo.yaml), {args.minutes:g} minutes each; {limits}")
+        print("| optimizer | validation bits/char | val loss | steps | tokens |")
+        print("|---|---|---|---|---|")
+        for r in rows:
+            tokens = f"{r['tokens']:,}" if r["tokens"] else "-"
+            print(f"| {r['optimizer']} | {r['val_bpc']:.4f} | {r['val_loss']:.4f} | {r['steps']} | {tokens} |")
+        for r in rows:
+            print(r["optimizer"], "bits/char by step:", ", ".join(f"{s}: {b:.3f}" for s, b in r["bpc_by_step"]))
+
+    report(summary, args.json, table)
 
 
 def print_table(summary: dict[str, Any], limits: Limits, args: argparse.Namespace) -> None:

@@ -8,7 +8,7 @@
     data:      the prepared data folder (a token stream for language models, conversations for chat fine-tuning,
                sentence pairs for translation, a model's own text for its drafter: own_text.py),
                sequence length, micro-batch size per process, or tokens per batch for sentence pairs
-    optim:     AdamW settings and gradient clipping
+    optim:     the optimizer (AdamW, or Muon with AdamW), its settings and gradient clipping
     schedule:  warmup + cosine | warmup-stable-decay | inverse-square-root ("noam") | constant
     train:     steps (the schedule's length), halt_at (stop early, resumable), time_limit, precision,
                accumulation, evaluation, checkpoints, compile, parallelism
@@ -59,16 +59,22 @@ class DataConfig(ConfigBase):
 
 @dataclass(frozen=True)
 class OptimConfig(ConfigBase):
+    """name: adamw, or muon (Muon for the hidden matrices, AdamW for embeddings, head, gains and biases: optim.py);
+    lr, weight decay and clipping apply to both; beta1 / beta2 / eps to AdamW; muon_momentum to Muon."""
+
     path: ClassVar[str] = "optim"
+    name: Literal["adamw", "muon"] = "adamw"
     lr: float = 3e-4
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
     grad_clip: float = 1.0
+    muon_momentum: float = 0.95
 
     def validate(self) -> None:
         self.require(self.lr > 0, "lr", "must be > 0")
+        self.require(0 <= self.muon_momentum < 1, "muon_momentum", "must be in [0, 1)")
         self.require(0 <= self.beta1 < 1, "beta1", "must be in [0, 1)")
         self.require(0 <= self.beta2 < 1, "beta2", "must be in [0, 1)")
         self.at_least(0, "weight_decay")
@@ -241,6 +247,11 @@ class TrainConfig(ConfigBase):
             raise ConfigError("lora: adapters fine-tune a pretrained model: set model.checkpoint (lora.r=0 trains all)")
         if self.lora.r and self.train.trainable is not None:
             raise ConfigError("train.trainable: with lora.r > 0 only the adapters train; give one or the other")
+        if self.optim.name == "muon" and self.lora.r:
+            raise ConfigError("optim.name: muon orthogonalises whole matrices; LoRA's factors train with adamw")
+        if self.optim.name == "muon" and self.train.parallel not in ("none", "ddp"):
+            raise ConfigError(f"optim.name: muon needs each matrix whole, which train.parallel={self.train.parallel} "
+                              "splits across processes; use none or ddp, or optim.name=adamw")  # fmt: skip
 
     def to_yaml(self, path: str | os.PathLike[str] | None = None) -> str:
         text = yaml.safe_dump(self.to_dict(), sort_keys=False)

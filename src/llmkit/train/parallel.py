@@ -29,6 +29,7 @@ from llmkit.errors import ConfigError, InputError
 from llmkit.layers.block import CrossAttentionBlock, TransformerBlock
 from llmkit.machine.devices import check_device
 from llmkit.parallel.collectives import TensorParallel
+from llmkit.train.optim import Optimizer, parts
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,7 @@ def wrap(model: nn.Module, parallel: str, rt: Runtime, find_unused: bool = False
 
 
 def full_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, every_process: bool = False
+    model: nn.Module, optimizer: Optimizer | None, every_process: bool = False
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Unsharded model and optimizer state (on CPU), keyed by parameter names, whatever the wrapping. Every process
     must call this under FSDP; only process 0 needs the result, unless `every_process` (a split model: each process
@@ -165,12 +166,12 @@ def full_state(
     opts = StateDictOptions(full_state_dict=True, cpu_offload=not every_process)  # offloaded: process 0 only
     inner = _unwrapped(model)
     model_state = get_model_state_dict(inner, options=opts)
-    optim_state = get_optimizer_state_dict(inner, optimizer, options=opts) if optimizer is not None else {}
+    optim_state = get_optimizer_state_dict(inner, parts(optimizer), options=opts) if optimizer is not None else {}
     return model_state, optim_state
 
 
 def load_full_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, model_state: dict[str, Any], optim_state: dict[str, Any]
+    model: nn.Module, optimizer: Optimizer | None, model_state: dict[str, Any], optim_state: dict[str, Any]
 ) -> None:
     """Load unsharded state into a (possibly sharded) model and its optimizer."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
@@ -179,7 +180,7 @@ def load_full_state(
     inner = _unwrapped(model)
     set_model_state_dict(inner, model_state, options=opts)
     if optimizer is not None and optim_state:
-        set_optimizer_state_dict(inner, optimizer, optim_state, options=opts)
+        set_optimizer_state_dict(inner, parts(optimizer), optim_state, options=opts)
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from llmkit.train.control import autocast
+from llmkit.train.optim import Optimizer, parts
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -29,14 +30,16 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
-    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+    def unscale(self, optimizer: Optimizer) -> None:
         """The gradients at their true size, before they are clipped and checked."""
         if self.scaler is not None:
-            self.scaler.unscale_(optimizer)
+            for part in parts(optimizer):
+                self.scaler.unscale_(part)
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
+    def step(self, optimizer: Optimizer) -> None:
         if self.scaler is not None:
-            self.scaler.step(optimizer)
+            for part in parts(optimizer):  # (each skipped alike when a gradient is not finite)
+                self.scaler.step(part)
             self.scaler.update()
         else:
             optimizer.step()

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from llmkit.train.control import checkpoint_keys, wrapper_keys
+from llmkit.train.optim import Optimizer
 from llmkit.train.parallel import Runtime, full_state, load_full_state, wrap
 from llmkit.train.tensor_parallel import Split, clip_grad_norm, local_state, named_parameters, whole_state
 
@@ -47,15 +48,13 @@ class Replicated:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
-    def state(self, runner: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    def state(self, runner: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
         """The whole model's state (keyed by the model's names) and the optimizer's, as a checkpoint holds them
         (every process must call this; process 0's is complete)."""
         model_state, optim_state = full_state(runner, optimizer)
         return {k.removeprefix("model."): v for k, v in model_state.items()}, checkpoint_keys(optim_state)
 
-    def load(
-        self, runner: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], optim: dict[str, Any]
-    ) -> None:
+    def load(self, runner: nn.Module, optimizer: Optimizer, state: dict[str, Any], optim: dict[str, Any]) -> None:
         """A checkpoint's whole state into this process's model and optimizer."""
         model_state = {"model." + k: v.to(self.rt.device) for k, v in state.items()}
         load_full_state(runner, optimizer, model_state, wrapper_keys(optim))
@@ -72,15 +71,13 @@ class SplitLayers(Replicated):
         """The whole model's norm, from the parts."""
         return clip_grad_norm(model, self.split, self.rt.group, max_norm if max_norm > 0 else float("inf"))
 
-    def state(self, runner: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    def state(self, runner: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
         """The whole model's state, assembled in process 0 from every process's parts."""
         model_state, optim_state = full_state(runner, optimizer, every_process=True)
         state = {k.removeprefix("model."): v for k, v in model_state.items()}
         return whole_state(state, checkpoint_keys(optim_state), self.split)
 
-    def load(
-        self, runner: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], optim: dict[str, Any]
-    ) -> None:
+    def load(self, runner: nn.Module, optimizer: Optimizer, state: dict[str, Any], optim: dict[str, Any]) -> None:
         """This process's parts cut out of the whole state, then loaded."""
         name_of = {id(p): n for n, p in named_parameters(self.model)}
         names = [[name_of[id(p)] for p in group["params"]] for group in optimizer.param_groups]
