@@ -129,6 +129,9 @@ def rounds(port: int, url: str, browser: Any, sets: list[list[tuple[str, int]]],
     return {"rounds": rows, "median": median, "over_closed": ratios, "readings_per_s": readings}
 
 
+READINGS = "return Number(document.getElementById('view-engine').dataset.polls || 0)"  # the page's reading count
+
+
 def screenshots(port: int, url: str, browser: Any, requests: list[tuple[str, int]], folder: Path) -> None:
     """Both views at 1280 and 375 px while `requests` run (the chat view after one answer, a token's alternatives
     shown)."""
@@ -158,8 +161,10 @@ def screenshots(port: int, url: str, browser: Any, requests: list[tuple[str, int
             browser.find_element(By.ID, "tab-chat").click()
             min(tokens[5:], key=lambda t: float(t.get_attribute("data-logprob"))).click()  # an uncertain one
             browser.save_screenshot(str(folder / f"serve-chat-{width}.png"))
+            polls = browser.execute_script(READINGS)
             browser.find_element(By.ID, "tab-engine").click()
-            # a rate needs two readings, a full chart a few seconds of them
+            # a rate needs two readings since the view opened (what it showed before is stale), a chart a few more
+            wait.until(lambda d, since=polls: d.execute_script(READINGS) >= since + 3)
             wait.until(lambda d: d.find_element(By.ID, "m-tps").text not in ("-", "0.0"))
             wait.until(lambda d: d.execute_script("return document.querySelectorAll('#chart-rows rect').length") > 60)
             if width > 375:  # the whole view, charts and all (the window is taller than its viewport)

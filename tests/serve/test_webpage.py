@@ -313,7 +313,7 @@ def test_the_engine_view_follows_a_load_and_shows_what_metrics_says(browser: Any
     wait(browser, lambda d: d.find_element(By.ID, "m-generated").text != "-", "the first reading")
     before = int(browser.find_element(By.ID, "m-generated").text)
 
-    seen: dict[str, bool] = {"tokens/s": False, "blocks in use": False}
+    seen: dict[str, bool] = {"tokens/s": False, "blocks in use": False, "bandwidth used": False}
     stop = threading.Event()
 
     def load() -> None:  # requests until the page has shown the load (a bound on their number, not on time)
@@ -335,6 +335,7 @@ def test_the_engine_view_follows_a_load_and_shows_what_metrics_says(browser: Any
             tps = d.find_element(By.ID, "m-tps").text  # ("-" until two readings make a rate)
             seen["tokens/s"] |= tps != "-" and float(tps) > 0
             seen["blocks in use"] |= int(d.find_element(By.ID, "m-blocks").text.split(" / ")[0]) > 0
+            seen["bandwidth used"] |= d.find_element(By.ID, "m-bw").text.endswith("%")
             return all(seen.values())
 
         wait(browser, shows_the_load, f"the page to show the load (seen so far: {seen})")
@@ -353,8 +354,6 @@ def test_the_engine_view_follows_a_load_and_shows_what_metrics_says(browser: Any
     finished = sum(v for k, v in m.items() if k.startswith("llmkit_requests_finished_total"))
     requests = f"{int(finished)} / {int(m['llmkit_preemptions_total'])}"
     assert browser.find_element(By.ID, "m-requests").text == requests
-    assert browser.find_element(By.ID, "m-tps").text  # a number, whatever it is now
-    assert browser.find_element(By.ID, "m-bw").text.endswith("%")
     assert console_errors(browser) == []
 
 

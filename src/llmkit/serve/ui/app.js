@@ -536,6 +536,7 @@ async function loadModels() {
 const POLL_MS = 1000;
 const WINDOW_S = 60; // latency percentiles and the charts: the last minute
 const RATE_S = 5; // tokens/s and the fractions of the limits: the last 5 s
+const SHORTEST_S = 2; // ... once the readings span this much (over less, one step more or less is a large share)
 
 const engine = {
   timer: null,
@@ -643,7 +644,7 @@ function drawEngine(snap, history) {
   const s = snap.samples;
   const then = history.length > 1 ? history[0].samples : null;
   const base = history.find((h) => h.time >= snap.time - RATE_S - 0.5) || history[0];
-  const span = snap.time - base.time;
+  const span = snap.time - base.time >= SHORTEST_S ? snap.time - base.time : 0; // 0: not yet measurable
   const delta = (name) => sum(s, name) - sum(base.samples, name);
   $("m-tps").textContent = span > 0 ? (delta("llmkit_generated_tokens_total") / span).toFixed(1) : "-";
   $("m-generated").textContent = String(sum(s, "llmkit_generated_tokens_total"));
@@ -674,10 +675,12 @@ function drawLimits(snap, span, delta) {
     : "The machine's limits were not measured (a model split across processes counts no step costs).";
   const busy = delta("llmkit_step_time_seconds_total");
   const read = delta("llmkit_weight_read_bytes_total") + delta("llmkit_kv_cache_read_bytes_total");
-  const idle = !(span > 0 && busy > 0);
-  $("m-busy").textContent = span > 0 ? ((100 * busy) / span).toFixed(0) + "%" : "-";
-  $("m-bw").textContent = idle || !bandwidth ? "idle" : ((100 * read) / busy / bandwidth).toFixed(1) + "%";
-  $("m-mm").textContent = idle || !peak ? "idle" : ((100 * delta("llmkit_flops_total")) / busy / peak).toFixed(1) + "%";
+  // "-" until the readings span SHORTEST_S; "idle" when no step ran in the window; "-" without measured limits
+  const share = (amount, limit) => (!(span > 0) || !limit ? "-" : busy > 0 ? ((100 * amount) / busy / limit).toFixed(1) + "%" : "idle");
+  // (a step that began before the window counts whole: the share can pass 100% by a step's length over the window)
+  $("m-busy").textContent = span > 0 ? Math.min(100, (100 * busy) / span).toFixed(0) + "%" : "-";
+  $("m-bw").textContent = share(read, bandwidth);
+  $("m-mm").textContent = share(delta("llmkit_flops_total"), peak);
   const stepped = s.llmkit_steps_total > 0;
   $("m-bytes").textContent = stepped
     ? human(s.llmkit_step_weight_read_bytes, "B") + " + " + human(s.llmkit_step_kv_cache_read_bytes, "B")
