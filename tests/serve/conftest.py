@@ -88,6 +88,16 @@ class Stepper:
         self._allowed.release()
 
 
+def prometheus_samples(text: bytes) -> dict[str, float]:
+    """/metrics' text format read line by line: each sample's name as written (labels and all) -> its value."""
+    samples = {}
+    for line in text.decode().splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
 def wait_for(condition: Any, timeout: float = 60.0, what: str = "the condition") -> None:
     """Wait until condition() holds (checking every 10 ms): for state another thread reaches, never for time."""
     deadline = time.monotonic() + timeout

@@ -28,7 +28,7 @@ import pytest
 
 from llmkit.serve.server import free_port
 
-from .conftest import _SPEC
+from .conftest import _SPEC, prometheus_samples
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="the browser tests need selenium (pip install selenium)")
 from selenium.webdriver.chrome.service import Service  # noqa: E402
@@ -83,12 +83,7 @@ class Served:
 
     def metrics(self, key: str | None = None) -> dict[str, float]:
         """/metrics, parsed: sample name (with its labels) -> value."""
-        samples = {}
-        for line in self.get("/metrics", key).decode().splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                samples[name] = float(value)
-        return samples
+        return prometheus_samples(self.get("/metrics", key))
 
     def stop(self) -> None:
         self.process.terminate()

@@ -12,6 +12,8 @@ import pytest
 from llmkit.serve.engine import EngineConfig
 from llmkit.serve.server import ServeOptions, Server
 
+from .conftest import prometheus_samples
+
 openai = pytest.importorskip("openai")
 
 
@@ -27,15 +29,6 @@ def _get(url: str, key: str | None = None) -> tuple[int, dict[str, str], bytes]:
             return r.status, dict(r.headers), r.read()
     except urllib.error.HTTPError as e:
         return e.code, dict(e.headers), e.read()
-
-
-def _prometheus(text: bytes) -> dict[str, float]:
-    samples = {}
-    for line in text.decode().splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
 
 
 def test_the_page_and_its_files_come_from_the_package_with_a_strict_policy(tiny):
@@ -70,7 +63,7 @@ def test_metrics_json_says_what_metrics_says_and_lists_the_steps(tiny):
         status, _, body = _get(server.url + "/metrics.json", "scrape")
         assert status == 200
         snapshot = json.loads(body)
-        text = _prometheus(_get(server.url + "/metrics", "scrape")[2])
+        text = prometheus_samples(_get(server.url + "/metrics", "scrape")[2])
         # (the engine is idle: the two reads see the same counts; the _created stamps are equal too)
         assert snapshot["samples"] == pytest.approx(text)
         assert snapshot["samples"]["llmkit_generated_tokens_total"] == 15
