@@ -33,7 +33,7 @@ git log -1 --format='commit %h %cs' 2>/dev/null | tee -a "$OUT/gpu.txt"
 
 status=0
 echo "== CUDA tests (the paged-attention kernel compiled for the card, CUDA graphs, the engine on the GPU runner)"
-timeout 200 python3 -m pytest -q -p no:cacheprovider -n 8 --durations=5 tests/test_cuda.py tests/kernels \
+timeout 200 python3 -m pytest -q -p no:cacheprovider -n 8 --durations=5 tests/test_cuda.py tests/kernel_tests \
     tests/train/test_cuda_finetune.py 2>&1 | tee "$OUT/tests.log" | tail -40
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 

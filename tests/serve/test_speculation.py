@@ -453,7 +453,7 @@ def test_a_draft_model_must_share_the_vocabulary():
 def test_a_draft_model_on_the_gpu_runner_gives_the_plain_output(monkeypatch):
     """The GPU's runner as the engine's and as the draft's: drafts verified as rows of 1 + k queries in the step's
     packed forward; the greedy output is the plain engine's on the same runner, and the model drafting for itself
-    keeps every draft. (Its attention here is the kernel's reference, which tests/kernels and test_model_runner
+    keeps every draft. (Its attention here is the kernel's reference, which tests/kernel_tests and test_model_runner
     check the kernel against: interpreted, the speculator's cost measurements take minutes.)"""
     import llmkit.serve.engine as engine_module
 

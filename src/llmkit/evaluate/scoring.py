@@ -12,7 +12,7 @@ does not depend on what follows it. So the pairs are grouped by context:
     hidden states at the continuation's positions ──► norm and output head, a bounded number of rows at a time
 
 lm-evaluation-harness's `hf` model instead runs every context + continuation through the model and the output head at
-every position; the numbers are the same (tests/evaluate/test_harness.py), and an n-choice question costs one context
+every position; the numbers are the same (tests/evaluation/test_harness.py), and an n-choice question costs one context
 instead of n, with the head (49,152 rows for SmolLM2) applied to the continuation's tokens only.
 
 Windows, as lm-evaluation-harness makes them: a pair longer than max_length + 1 tokens loses tokens at the left of

@@ -15,7 +15,7 @@ test split of `llmkit prepare bible:de-en` (held out by a hash of the German ver
 BLEU there, and the translation and fine-tuning recipes train on the train split only).
 
 Deterministic: inputs in a fixed order and one seeded random.Random per task, so the files are byte-identical each
-time they are written (tests/evaluate checks it). `write_tasks(folder)` writes them; `tasks_folder()` is the copy the
+time they are written (tests/evaluation checks it). `write_tasks(folder)` writes them; `tasks_folder()` is the copy the
 evaluation command uses, written under the user's cache on first use.
 """
 
