@@ -10,6 +10,7 @@ generation.py.
     llmkit convert CHECKPOINT OUT.gguf --to gguf [--quant q4_k_m|q8_0|...]   a file llama.cpp loads
     llmkit imatrix CHECKPOINT TEXT OUT.gguf   an importance matrix (for quantize / convert --imatrix FILE)
     llmkit prepare chat FILE.jsonl --tokenizer CHECKPOINT   conversations for chat fine-tuning
+    llmkit prepare preferences FILE.jsonl --checkpoint CHECKPOINT   pairs of answers for DPO / IPO / SimPO
     llmkit merge RUN OUT                    fold a LoRA run's adapters into its base checkpoint
     llmkit graft-mtp CHECKPOINT OUT --data DIR   a drafting MTP module taught on the model's own text
     llmkit distill-draft CHECKPOINT OUT --data DIR   a draft model made of a few of its blocks, distilled likewise

@@ -39,6 +39,23 @@ class PairOptions:
     tgt_field: str = "target"
 
 
+@dataclass(frozen=True)
+class PreferenceOptions:
+    """Preference pairs, for DPO, IPO and SimPO.
+
+    checkpoint: the checkpoint to fine-tune: its tokenizer and chat template read the pairs, and its log-probabilities
+        of every answer are the reference DPO and IPO compare with (computed once, stored with the data).
+    quantized: compute the reference with a GGUF file's quantized weights (for QLoRA, lora.quantized).
+    max_tokens: leave out pairs with a prompt and answer longer than this many tokens (training never cuts them).
+    skip_reference: no reference log-probabilities (SimPO needs none).
+    """
+
+    checkpoint: str | None = None
+    quantized: bool = False
+    max_tokens: int = 2048
+    skip_reference: bool = False
+
+
 def prepare(
     source: str = "shakespeare",
     conversations: str | None = None,
@@ -49,31 +66,40 @@ def prepare(
     overwrite: bool = False,
     text_corpus: TextOptions = TextOptions(),
     sentence_pairs: PairOptions = PairOptions(),
+    preference_pairs: PreferenceOptions = PreferenceOptions(),
 ) -> int:
     """Turn a corpus into a tokenizer and memory-mapped token arrays with a deterministic split: a text corpus for
-    language models, sentence pairs for translation, or conversations for chat fine-tuning.
+    language models, sentence pairs for translation, conversations for chat fine-tuning, or pairs of answers for
+    preference optimisation.
 
     source: 'shakespeare' (the default corpus), a text file, a folder of text files or a .jsonl file; for translation
         'bible:SRC-TGT' (e.g. bible:de-en, the default parallel corpus) or, with --parallel, a .tsv / .jsonl file;
-        'chat' for conversations (the file follows; needs --tokenizer CHECKPOINT for its chat template); 'tasks' for
+        'chat' for conversations (the file follows; needs --tokenizer CHECKPOINT for its chat template);
+        'preferences' for pairs of answers (the file follows; needs --checkpoint CHECKPOINT); 'tasks' for
         llmkit's offline evaluation tasks (lm-evaluation-harness YAML and JSONL: `llmkit eval --include-path OUT`).
     conversations: with 'chat': a .jsonl file with one {"messages": [{"role": ..., "content": ...}, ...]} per line;
-        the loss of fine-tuning counts only the assistant's tokens.
+        the loss of fine-tuning counts only the assistant's tokens. With 'preferences': a .jsonl file with one
+        {"prompt": ..., "chosen": ..., "rejected": ...} per line (three strings, or lists of messages).
     out: the folder to write (default runs/data/shakespeare, runs/data/bible-SRC-TGT for the Bible, runs/data/chat
-        for conversations, runs/tasks for tasks); built beside it and renamed into place when complete. Never a
-        checkpoint or a run.
+        for conversations, runs/data/preferences for pairs of answers, runs/tasks for tasks); built beside it and
+        renamed into place when complete. Never a checkpoint or a run.
     vocab_size: size of the byte-level BPE vocabulary to train (default 4096; 8000 for sentence pairs).
     val_fraction: language models: the share of every document, at its end, kept for validation (0.1);
-        sentence pairs: the share of pairs, chosen by a hash of the source sentence (0.01); conversations: the
-        share of lines, chosen by a hash of the line (0.05).
+        sentence pairs: the share of pairs, chosen by a hash of the source sentence (0.01); conversations and
+        preference pairs: the share of lines, chosen by a hash of the line (0.05).
     overwrite: replace an existing data folder at OUT (never the corpus itself).
     """
     if source == "chat":
         prepare_conversations(conversations, out, val_fraction, text_corpus, overwrite)
+    elif source == "preferences":
+        prepare_preference_pairs(conversations, out, val_fraction, preference_pairs, overwrite)
     elif source == "tasks":
         prepare_tasks(out, overwrite)
     elif conversations is not None:
-        raise InputError(f"a second argument ({conversations!r}) is only for 'llmkit prepare chat FILE.jsonl'")
+        raise InputError(
+            f"a second argument ({conversations!r}) is only for 'llmkit prepare chat FILE.jsonl' or "
+            "'llmkit prepare preferences FILE.jsonl'"
+        )
     elif sentence_pairs.parallel or source == "bible" or source.startswith("bible:"):
         prepare_pairs(source, out, vocab_size, val_fraction, sentence_pairs, overwrite)
     else:
@@ -116,6 +142,41 @@ def prepare_conversations(
         f"prepared {conversations} -> {target}: train {s['train']['examples']:,} conversations "
         f"({s['train']['tokens']:,} tokens, {s['train']['target_tokens']:,} of them the assistant's), "
         f"val {s['val']['examples']:,}; longest {max(v['longest'] for v in s.values()):,} tokens, "
+        f"{meta['seconds']:.1f} s"
+    )
+
+
+def prepare_preference_pairs(
+    file: str | None, out: str | None, val_fraction: float | None, options: PreferenceOptions, overwrite: bool
+) -> None:
+    """Prepare a .jsonl file of preference pairs with a checkpoint and print what it came to."""
+    from llmkit.data.preferences import prepare_preferences
+
+    usage = "llmkit prepare preferences FILE.jsonl --checkpoint CHECKPOINT"
+    if file is None:
+        raise InputError(f"llmkit prepare preferences needs the .jsonl file of pairs: {usage}")
+    if options.checkpoint is None:
+        raise InputError(
+            f"llmkit prepare preferences needs --checkpoint: its tokenizer reads the pairs and its log-probabilities "
+            f"are the reference ({usage})"
+        )
+    target = out or "runs/data/preferences"
+    meta = prepare_preferences(
+        file,
+        target,
+        checkpoint=options.checkpoint,
+        quantized=options.quantized,
+        reference=not options.skip_reference,
+        max_tokens=options.max_tokens,
+        val_fraction=0.05 if val_fraction is None else val_fraction,
+        overwrite=overwrite,
+    )
+    s = meta["splits"]
+    left = f", {meta['left_out']:,} left out (longer than {meta['max_tokens']:,} tokens)" if meta["left_out"] else ""
+    reference = "with" if meta["reference"] else "without"
+    print(
+        f"prepared {file} -> {target}: train {s['train']['pairs']:,} pairs, val {s['val']['pairs']:,}{left}; "
+        f"longest {max(v['longest'] for v in s.values()):,} tokens; {reference} the reference's log-probabilities, "
         f"{meta['seconds']:.1f} s"
     )
 

@@ -197,14 +197,16 @@ class ChatSplit:
 class ChatData:
     """A prepared chat folder, memory-mapped."""
 
+    format = FORMAT
+
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.dir = Path(path)
         meta_path = self.dir / META
         if not meta_path.is_file():
             raise InputError(f"{self.dir} has no {META}: run `llmkit prepare chat FILE.jsonl --tokenizer CKPT`")
         self.meta = json.loads(meta_path.read_text())
-        if self.meta.get("format") != FORMAT:
-            raise InputError(f"{self.dir} does not hold chat examples (format {self.meta.get('format')!r})")
+        if self.meta.get("format") != self.format:
+            raise InputError(f"{self.dir} holds {self.meta.get('format')!r} data, not {self.format!r}")
         self.vocab_size = int(self.meta["vocab_size"])
         self.pad_id = int(self.meta["eot_id"])
         dtype = np.dtype(self.meta["dtype"])

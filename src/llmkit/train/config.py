@@ -177,6 +177,9 @@ class LossConfig(ConfigBase):
     distill_temperature: float = 1.0
     unroll: int = 3  # a grafted drafter on its model's own text: the chain depth it trains for (drafting.py)
     feature_weight: float = 1.0  # the same: the weight of its smooth-L1 to the model's next state
+    preference: str = "dpo"  # preference pairs: dpo, ipo or simpo (train/preference.py)
+    preference_beta: float = 0.1  # DPO's beta (the reward's scale), IPO's tau, SimPO's beta
+    preference_gamma: float = 0.5  # SimPO's target margin gamma
 
     def validate(self) -> None:
         self.require(0 <= self.label_smoothing < 1, "label_smoothing", "must be in [0, 1)")
@@ -186,6 +189,8 @@ class LossConfig(ConfigBase):
         self.require(self.distill_temperature > 0, "distill_temperature", "must be > 0")
         self.at_least(1, "unroll")
         self.at_least(0, "feature_weight")
+        self.require(self.preference in ("dpo", "ipo", "simpo"), "preference", "must be 'dpo', 'ipo' or 'simpo'")
+        self.require(self.preference_beta > 0, "preference_beta", "must be > 0")
 
 
 @dataclass(frozen=True)

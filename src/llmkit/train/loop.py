@@ -40,7 +40,7 @@ from llmkit.train.budget import FIT_MARGIN, FIT_SHARE, FIT_SKIP, FIT_WINDOW, Tim
 from llmkit.train.config import TrainConfig
 from llmkit.train.control import StopSignal, resolve_precision
 from llmkit.train.memory import check_fits
-from llmkit.train.metrics import MetricsLog, bits_per_char
+from llmkit.train.metrics import MetricsLog
 from llmkit.train.optim import build_optimizer
 from llmkit.train.parallel import (
     agree,
@@ -233,21 +233,18 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, full: bool = False) -> dict[str, float]:
-        """Loss per target token on the validation split (a fixed subset of train.eval_tokens unless `full`)."""
+        """The task's metrics on the validation split (a fixed subset of train.eval_tokens unless `full`): for
+        language models the loss per target token, perplexity and bits per character."""
         self.model.eval()
-        total = torch.zeros(2, dtype=torch.float64, device=self.rt.device)
+        names = self.task.eval_terms
+        total = torch.zeros(len(names), dtype=torch.float64, device=self.rt.device)
         for args in self.task.eval_batches(full):
             with self.precision.autocast():
                 out = self.wrapped(*args, evaluate=True)
-            total += torch.stack([out["nll"].double(), out["count"].double()])
+            total += torch.stack([out[name].double() for name in names])
         self.model.train()
         all_reduce_sum(total, self.rt)
-        loss = float(total[0] / total[1])
-        return {
-            "val_loss": loss,
-            "val_ppl": math.exp(min(loss, 50.0)),
-            "val_bpc": bits_per_char(loss, self.task.chars_per_token),
-        }
+        return self.task.summarize(dict(zip(names, total.tolist(), strict=True)))
 
     def plot_title(self) -> str:
         params = sum(p.numel() for p in self.model.parameters())
@@ -323,9 +320,7 @@ class Trainer:
                     self.metrics.log({"step": step, "tokens": self.state.tokens, **last_eval})
                     self.metrics.plot(self.plot_title())
                     if self.rt.main and t.progress:
-                        bar.write(
-                            f"step {step}: val loss {last_eval['val_loss']:.4f} bits/char {last_eval['val_bpc']:.4f}"
-                        )
+                        bar.write(f"step {step}: {describe(last_eval)}")
                 if step % t.save_every == 0 or last:
                     saved = self.save() or saved
                 bar.update(1)
@@ -367,6 +362,12 @@ class Trainer:
                 self.metrics.close()
         finally:
             teardown(self.rt, finished)
+
+
+def describe(metrics: dict[str, float]) -> str:
+    """An evaluation's metrics in a line: "val loss 1.2345 bits/char 1.7810"."""
+    shown = [(k.removeprefix("val_").replace("_", " ").replace("bpc", "bits/char"), v) for k, v in metrics.items()]
+    return "val " + " ".join(f"{name} {v:.4f}" for name, v in shown if name != "ppl")
 
 
 def check_run_folder(cfg: TrainConfig) -> None:

@@ -10,16 +10,20 @@ task; where the model comes from is source.py's, what of it trains strategy.py's
                         count from length buckets; teacher forcing behind the start token <s>
     OwnTextTask         a model's own text (own_text.py): its drafter learns the model's recorded top-k
                         distributions (drafting.py)
+    PreferenceTask      pairs of answers, one preferred (data/preferences.py): DPO, IPO or SimPO (preference.py)
+                        against the reference log-probabilities prepared with the data
 
 A task builds the module the loop calls: its forward returns a dict of scalars, "loss" (to backpropagate) and the
 task's `terms` (to log), plus statistics its hooks read (summed over micro-steps); with evaluate=True it returns the
-summed evaluation loss "nll" and the token "count". Wrapping the model in one module keeps DDP and FSDP to one
+summed evaluation loss "nll" and the token "count" (a task's `eval_terms`, summed over batches and processes, which
+its `summarize` turns into the logged metrics). Wrapping the model in one module keeps DDP and FSDP to one
 forward call per micro-batch. `build_task` picks the task from the data folder.
 """
 
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +36,7 @@ from llmkit.analysis import analyze
 from llmkit.config import ModelConfig
 from llmkit.data.bitexts import ParallelData, is_parallel
 from llmkit.data.chat import ChatData, ChatSplit, is_chat, pack, row_arrays
+from llmkit.data.preferences import PreferenceData, fingerprint, is_preferences
 from llmkit.layers.attention import DeepSeekSparseAttention
 from llmkit.layers.extras import Extras, IndexerMode
 from llmkit.models import DecoderLM, EncoderDecoder, RNNConfig, RNNSeq2Seq
@@ -44,9 +49,11 @@ from llmkit.train.distill import distillation_kl
 from llmkit.train.drafting import TERMS as DRAFTING_TERMS
 from llmkit.train.drafting import DraftDistilling, MTPDrafting
 from llmkit.train.hooks import Hook, IndexerWarmUp, RouterBiasUpdate, router_bias_layers
+from llmkit.train.metrics import bits_per_char
 from llmkit.train.own_text import META as OWN_TEXT_META
 from llmkit.train.own_text import is_own_text, read_meta, read_own_text
 from llmkit.train.parallel import Runtime
+from llmkit.train.preference import Pairs, PreferenceLoss, answer_logps, preference_loss
 from llmkit.train.source import Model, TrainingError, load_teacher
 
 TERMS = ("loss", "ce", "aux", "mtp", "indexer")
@@ -109,14 +116,28 @@ class Task(abc.ABC):
     def eval_batches(self, full: bool) -> Iterator[tuple[Tensor, ...]]:
         """The evaluation batches of this process (all of the split when `full`)."""
 
+    eval_terms: tuple[str, ...] = ("nll", "count")  # what the module returns with evaluate=True, summed
+
+    def summarize(self, sums: dict[str, float]) -> dict[str, float]:
+        """The evaluation's metrics from the sums of eval_terms: loss per token, perplexity, bits per character."""
+        loss = sums["nll"] / sums["count"]
+        return {
+            "val_loss": loss,
+            "val_ppl": math.exp(min(loss, 50.0)),
+            "val_bpc": bits_per_char(loss, self.chars_per_token),
+        }
+
 
 def build_task(cfg: TrainConfig, rt: Runtime) -> Task:
     """The task the data folder calls for: sentence pairs train a translation model, a token stream or
-    conversations a language model, a model's own text its drafter."""
+    conversations a language model, preference pairs a language model's preferences, a model's own text its
+    drafter."""
     if is_parallel(cfg.data.dir):
         return TranslationTask(cfg, rt)
     if is_own_text(cfg.data.dir):
         return OwnTextTask(cfg, rt)
+    if is_preferences(cfg.data.dir):
+        return PreferenceTask(cfg, rt)
     return ChatTask(cfg, rt) if is_chat(cfg.data.dir) else LanguageModelTask(cfg, rt)
 
 
@@ -476,3 +497,151 @@ class OwnTextTask(Task):
     @property
     def chars_per_token(self) -> float:
         return float(read_meta(self.cfg.data.dir, self.held_split)["chars_per_token"])
+
+
+PREFERENCE_TERMS = ("loss", "reward_margin", "reward_accuracy", "reward_chosen", "reward_rejected")
+
+
+class PreferenceModule(nn.Module):
+    """A decoder-only model learning preferences; forward(inputs, targets, reference) -> the preference loss and its
+    metrics (train/preference.py). Rows alternate: 2k holds pair k's chosen answer, 2k + 1 its rejected one; targets
+    are the answer's tokens (-100 elsewhere); reference (pairs, 2) the reference model's summed log-probabilities of
+    them (empty for SimPO). With evaluate=True: the loss and metrics summed over the pairs, and their count."""
+
+    def __init__(self, model: DecoderLM, kind: PreferenceLoss, beta: float, gamma: float) -> None:
+        super().__init__()
+        self.model, self.kind, self.beta, self.gamma = model, kind, beta, gamma
+
+    def forward(self, inputs: Tensor, targets: Tensor, reference: Tensor, evaluate: bool = False) -> dict[str, Tensor]:
+        logps, counts = answer_logps(self.model(inputs), targets)
+        policy = Pairs(logps[0::2], logps[1::2], counts[0::2], counts[1::2])
+        ref = None
+        if reference.numel():
+            ref = Pairs(reference[:, 0], reference[:, 1], policy.chosen_tokens, policy.rejected_tokens)
+        out = preference_loss(self.kind, policy, ref, self.beta, self.gamma)
+        if not evaluate:
+            return out
+        pairs = logps.new_tensor(float(len(policy.chosen)))
+        return {"loss": out["loss"] * pairs, "reward_accuracy": out["reward_accuracy"] * pairs,
+                "reward_margin": out["reward_margin"] * pairs, "pairs": pairs}  # fmt: skip
+
+
+class PreferenceTask(ChatTask):
+    """Preference optimisation on prepared pairs (llmkit.data.preferences): data.batch_size pairs a micro-batch, in
+    a shuffled order that changes every epoch, as a function of the step; each sequence in its own row, padded to
+    the longest of the batch (never cut: the reference scored it whole). DPO and IPO need the reference the data was
+    prepared with, so the run must start from that checkpoint; SimPO needs none."""
+
+    terms = PREFERENCE_TERMS
+    eval_terms = ("loss", "reward_accuracy", "reward_margin", "pairs")
+
+    def load_data(self, cfg: TrainConfig) -> None:
+        self.data = self.pairs = PreferenceData(cfg.data.dir)  # type: ignore[assignment]
+        self.chat = self.pairs
+        self._epoch_order: tuple[int, np.ndarray] | None = None
+        info = self.pairs.meta["splits"]
+        longest = max(v["longest"] for v in info.values())
+        if longest - 1 > cfg.data.seq_len:
+            raise TrainingError(
+                f"{cfg.data.dir} holds sequences of up to {longest} tokens: set data.seq_len to at least {longest - 1} "
+                "(pairs are never cut: the reference scored them whole), or prepare with a lower --max-tokens"
+            )
+        self.kind: PreferenceLoss = cfg.loss.preference  # type: ignore[assignment]
+        if self.kind != "simpo":
+            self.check_reference(cfg)
+
+    def check_reference(self, cfg: TrainConfig) -> None:
+        """DPO and IPO compare the policy with the model the data's reference log-probabilities came from: the run
+        must start from that very checkpoint (its files' fingerprint), loaded the same way (quantized or not)."""
+        from llmkit.runs import resolve_checkpoint
+
+        ref = self.pairs.meta.get("reference")
+        if ref is None:
+            raise TrainingError(
+                f"loss.preference={self.kind} needs the reference model's log-probabilities: prepare {cfg.data.dir} "
+                "with them (llmkit prepare preferences FILE --checkpoint CK), or use loss.preference=simpo"
+            )
+        checkpoint = cfg.model.get("checkpoint")
+        if checkpoint is None:
+            raise TrainingError(
+                f"loss.preference={self.kind} fine-tunes the model the reference was computed with: set "
+                f"model.checkpoint={ref['checkpoint']}"
+            )
+        path = resolve_checkpoint(str(checkpoint))
+        if fingerprint(path) != ref["fingerprint"]:
+            raise TrainingError(
+                f"{cfg.data.dir}'s reference log-probabilities were computed with {ref['checkpoint']}, whose files "
+                f"differ from model.checkpoint={checkpoint}: prepare the pairs again with --checkpoint {checkpoint}"
+            )
+        if bool(ref["quantized"]) != cfg.lora.quantized:
+            how = "quantized weights (--quantized)" if ref["quantized"] else "float weights"
+            raise TrainingError(
+                f"{cfg.data.dir}'s reference was computed with the checkpoint's {how}; set lora.quantized="
+                f"{str(bool(ref['quantized'])).lower()} or prepare the pairs again to match"
+            )
+
+    def attach(self, model: Model) -> nn.Module:
+        assert isinstance(model, DecoderLM)
+        c = self.cfg.loss
+        return PreferenceModule(model, self.kind, c.preference_beta, c.preference_gamma)
+
+    def hooks(self, model: Model) -> list[Hook]:
+        return []
+
+    def micro_batch(self) -> tuple[int, str, int, int]:
+        """Two sequences a pair, each up to seq_len tokens."""
+        d = self.cfg.data
+        return 2 * d.batch_size * d.seq_len, "data.batch_size", d.batch_size, 2 * d.seq_len
+
+    def forward_flops_per_token(self, config: ModelConfig | RNNConfig) -> float | None:
+        return None  # the padded rows' work is not the tokens read
+
+    def _pair_batch(self, split: str, pairs: np.ndarray) -> tuple[tuple[Tensor, ...], int]:
+        data = self.pairs.split(split)
+        rows = [[2 * int(k) + side] for k in pairs for side in (0, 1)]
+        width = max(int(data.lengths()[row[0]]) - 1 for row in rows)
+        x, y, seg = row_arrays(data, rows, width, self.pairs.pad_id)
+        reference = self.pairs.reference.get(split) if self.kind != "simpo" else None
+        ref = np.asarray(reference[pairs], dtype=np.float32) if reference is not None else np.zeros((0, 2), np.float32)
+        tensors = tuple(torch.from_numpy(a).to(self.rt.device, non_blocking=True) for a in (x, y, ref))
+        return tensors, int((seg >= 0).sum())
+
+    def batch(self, step: int, micro: int) -> tuple[tuple[Tensor, ...], int]:
+        """(inputs, targets, reference) of this process's pairs for (step, micro-step), and the tokens they hold."""
+        B = self.cfg.data.batch_size
+        n = len(self.pairs.split("train")) // 2
+        first = ((step * self.cfg.train.grad_accum + micro) * self.rt.world + self.rt.rank) * B
+        picks = [self._order(epoch)[k] for epoch, k in (divmod(g, n) for g in range(first, first + B))]
+        return self._pair_batch("train", np.array(picks))
+
+    def _order(self, epoch: int) -> np.ndarray:
+        """The pairs' order in `epoch` (the last one asked for is kept)."""
+        if self._epoch_order is None or self._epoch_order[0] != epoch:
+            n = len(self.pairs.split("train")) // 2
+            self._epoch_order = epoch, np.random.default_rng([self.cfg.train.seed, epoch]).permutation(n)
+        return self._epoch_order[1]
+
+    def eval_batches(self, full: bool) -> Iterator[tuple[Tensor, ...]]:
+        """The validation pairs in order (all of them when `full`, else about train.eval_tokens' worth)."""
+        split = self.eval_split
+        n = len(self.pairs.split(split)) // 2
+        if not full:
+            per_pair = max(1, int(self.pairs.split(split).offsets[-1]) // max(n, 1))
+            n = min(n, max(1, self.cfg.train.eval_tokens // per_pair))
+        mine = np.arange(n)[self.rt.rank :: self.rt.world]
+        B = self.cfg.data.batch_size
+        for i in range(0, len(mine), B):
+            yield self._pair_batch(split, mine[i : i + B])[0]
+
+    def summarize(self, sums: dict[str, float]) -> dict[str, float]:
+        """The preference loss, reward accuracy and margin averaged over the evaluation pairs."""
+        pairs = max(sums["pairs"], 1.0)
+        return {
+            "val_loss": sums["loss"] / pairs,
+            "val_reward_accuracy": sums["reward_accuracy"] / pairs,
+            "val_reward_margin": sums["reward_margin"] / pairs,
+        }
+
+    @property
+    def chars_per_token(self) -> float:
+        return float("nan")  # the answers are scored as wholes, not per character
