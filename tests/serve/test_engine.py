@@ -386,3 +386,24 @@ def test_prompt_and_token_logprobs_are_the_models_own(name):
         )
     )
     _assert_pool_empty(engine)
+
+
+def test_in_the_batch_invariant_mode_a_text_scored_as_a_prompt_has_the_bits_it_was_generated_with():
+    """Sampled completions of prompts of different lengths, then the whole texts scored together as prompts
+    (prompt_logprobs, max_tokens 0): every generated token's log-probability is the same float. This is what makes
+    a rollout's log-probabilities the trainer's (llmkit.train.grpo)."""
+    from llmkit.serve.model_runner import InvariantRunner
+
+    model = _model("llama2-7b-tiny")
+    engine = _engine(model, batch_invariant=True)
+    if not isinstance(engine.runner, InvariantRunner):
+        pytest.skip("llmkit's C++ step is not available here")
+    prompts = _prompts(model, [3, 9, 20], prefix=4)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=1.0, n=2, seed=3))
+    texts = [prompts[k // 2] + out.token_ids for k, out in enumerate(outs)]
+    scored = engine.generate(texts, SamplingParams(max_tokens=0, prompt_logprobs=0))
+    for k, (out, score) in enumerate(zip(outs, scored, strict=True)):
+        assert score.prompt_logprobs is not None
+        start = len(prompts[k // 2])
+        again = [entry[0] for entry in score.prompt_logprobs[start:] if entry is not None]
+        assert again == out.logprobs, k

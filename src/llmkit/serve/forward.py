@@ -8,6 +8,7 @@ row by row (AttentionMask.ragged).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -62,9 +63,13 @@ def row_of(w: Work, table: list[int], drafts: tuple[int, ...] = ()) -> Row:
     return Row(tokens, w.start, table, prompt_count(w), drafts, w.seq.request.id, given, adapter)
 
 
-def prompt_logits(model: DecoderLM, hidden: list[Tensor], counts: list[int]) -> list[Tensor | None]:
-    """The logits (n, V) of each row's first n states (None where n is 0)."""
-    return [model.logits(model.norm(h[:n])) if n > 0 else None for h, n in zip(hidden, counts, strict=True)]
+def prompt_logits(
+    model: DecoderLM, hidden: list[Tensor], counts: list[int], head: Callable[[Tensor], Tensor] | None = None
+) -> list[Tensor | None]:
+    """The logits (n, V) of each row's first n states (None where n is 0), through `head` (final-normed states ->
+    logits; default the model's own)."""
+    head = head or model.logits
+    return [head(model.norm(h[:n])) if n > 0 else None for h, n in zip(hidden, counts, strict=True)]
 
 
 def run_rows(model: DecoderLM, cache: PagedCache, block_size: int, rows: list[Row]) -> Forward:

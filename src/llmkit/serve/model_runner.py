@@ -190,7 +190,10 @@ class NativeRunner(TorchRunner, TokenRunner):
         logits = self.native.logits(self.model.norm(torch.cat(wanted)), invariant=True)  # (rows wanted, V)
         out = logits.split([len(s) for s in wanted])
         per_row = [x if r.drafts else x[0] for r, x in zip(rows, out, strict=True)]
-        return Forward(hidden, per_row, prompt_logits(self.model, hidden, [r.prompt_n for r in rows]))
+        # a prompt's log-probabilities through the same row-invariant head: a text scored as a prompt gets the bits
+        # it gets when its tokens are generated
+        head = lambda x: self.native.logits(x, invariant=True)  # noqa: E731
+        return Forward(hidden, per_row, prompt_logits(self.model, hidden, [r.prompt_n for r in rows], head))
 
 
 class InvariantRunner(NativeRunner):
