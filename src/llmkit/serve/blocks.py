@@ -113,6 +113,15 @@ class BlockPool:
             self.by_digest[digest] = block
             self.digest_of[block] = digest
 
+    def forget_cached(self) -> None:
+        """Drop every cached prefix (the weights that computed them changed): idle cached blocks become fresh ones,
+        blocks in use keep their contents but are found by no digest."""
+        for block in self.idle:
+            self.fresh.append(block)
+        self.idle.clear()
+        self.by_digest.clear()
+        self.digest_of = [None] * self.n_blocks
+
     def cached(self) -> list[tuple[int, bytes]]:
         """Every block that holds a cached prefix, with its digest."""
         return [(block, digest) for digest, block in self.by_digest.items()]

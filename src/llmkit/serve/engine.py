@@ -227,6 +227,15 @@ class Engine:
                 seq.status, seq.finish_reason = Status.FINISHED, "abort"
                 self.drafter.forget(seq)
 
+    def weights_changed(self) -> None:
+        """The model's weights were changed in place (a training step, llmkit.train.grpo): the cached prefixes were
+        computed with the old ones and are dropped. Between requests only: a sequence in flight would mix the two."""
+        if self.has_work:
+            raise InputError("the weights cannot change while requests are in flight")
+        if self.store is not None:
+            raise InputError("an engine with prefix-cache tiers keeps its blocks: its weights cannot change")
+        self.pool.forget_cached()
+
     def embedding(self, prompt: list[int]) -> Embedding | OneForward:
         """The prompt's pooled embedding (embeddings.py) as work to advance a chunk at a time (Refused for a bad
         prompt, at once); on every rank of a model split across ranks, in one forward."""

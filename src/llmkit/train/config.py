@@ -16,6 +16,8 @@
                from a teacher checkpoint (a draft model for speculative decoding), a drafter's chain depth and
                feature weight on its model's own text
     lora:      fine-tuning through LoRA adapters (rank, alpha, dropout, target projections; QLoRA on a GGUF file)
+    rl:        reinforcement learning with GRPO (train/grpo.py): the prompts, the group size, the rewards, the
+               clipping, the KL term and the loss's normalisation
     translate: translation models only: the test-set decoding (beam size, length penalty) after training
 
 Every section is a validated dataclass; unknown keys and bad values are errors that name the key.
@@ -219,6 +221,42 @@ class LoRAConfig(ConfigBase):
 
 
 @dataclass(frozen=True)
+class RLConfig(ConfigBase):
+    """GRPO (train/grpo.py), on when `prompts` names a .jsonl file of {"prompt": text or messages, "answer": ...,
+    ...} lines: each step samples `group` completions of data.batch_size prompts with the serving engine, scores
+    them with `rewards` (train/rewards.py; names or module:function, summed with `reward_weights`) and the
+    optional `reward_model`, and takes `iterations` optimizer steps on them with the clipped policy loss."""
+
+    path: ClassVar[str] = "rl"
+    prompts: str | None = None
+    group: int = 8  # completions per prompt (GRPO's G)
+    max_new_tokens: int = 128
+    rewards: list[str] = field(default_factory=lambda: ["exact_answer"])
+    reward_weights: list[float] | None = None  # one per reward (default 1 each)
+    reward_model: str | None = None  # a Hugging Face sequence-classification checkpoint, its score added
+    clip: float = 0.2  # the ratio's clipping range below 1 (and above, unless clip_high)
+    clip_high: float | None = None  # DAPO's clip-higher: a wider range above 1
+    kl_beta: float = 0.0  # the KL penalty to the starting model (0: none, and no reference model in memory)
+    normalise: Literal["sequence", "token", "constant"] = "sequence"  # GRPO / DAPO / Dr. GRPO
+    scale_rewards: bool = True  # divide a group's advantages by its standard deviation (GRPO; Dr. GRPO: false)
+    iterations: int = 1  # optimizer steps on each batch of rollouts (GRPO's mu)
+    val_fraction: float = 0.1  # prompts held out (by a hash of the line) for evaluation, greedy
+    eval_prompts: int = 64  # the most held-out prompts an evaluation answers (all of them at the end of a run)
+    kv_memory: int = 1 << 30  # bytes for the engine's paged cache
+
+    def validate(self) -> None:
+        self.at_least(1, "group", "max_new_tokens", "iterations", "eval_prompts", "kv_memory")
+        self.require(self.group >= 2 or not self.prompts, "group", "must be >= 2 (advantages compare a group)")
+        self.require(bool(self.rewards) or self.reward_model is not None, "rewards", "give at least one reward")
+        weights_ok = self.reward_weights is None or len(self.reward_weights) == len(self.rewards)
+        self.require(weights_ok, "reward_weights", "must give one weight per reward")
+        self.require(0 < self.clip < 1, "clip", "must be in (0, 1)")
+        self.require(self.clip_high is None or self.clip_high > 0, "clip_high", "must be > 0")
+        self.require(self.kl_beta >= 0, "kl_beta", "must be >= 0")
+        self.require(0 <= self.val_fraction < 1, "val_fraction", "must be in [0, 1)")
+
+
+@dataclass(frozen=True)
 class TranslateConfig(ConfigBase):
     """How a translation run is scored after training: the test split decoded with beam search (the paper's beam
     4, length penalty 0.6), BLEU and chrF by sacreBLEU. test_pairs 0 scores the whole split."""
@@ -245,9 +283,14 @@ class TrainConfig(ConfigBase):
     train: TrainSection = field(default_factory=TrainSection)
     loss: LossConfig = field(default_factory=LossConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
     translate: TranslateConfig = field(default_factory=TranslateConfig)
 
     def validate(self) -> None:
+        if self.rl.prompts is not None and "checkpoint" not in self.model:
+            raise ConfigError("rl.prompts: reinforcement learning starts from a pretrained model: set model.checkpoint")
+        if self.rl.prompts is not None and self.train.parallel != "none":
+            raise ConfigError("rl.prompts: GRPO runs in one process (its engine shares the model's weights)")
         if self.lora.r and "checkpoint" not in self.model:
             raise ConfigError("lora: adapters fine-tune a pretrained model: set model.checkpoint (lora.r=0 trains all)")
         if self.lora.r and self.train.trainable is not None:

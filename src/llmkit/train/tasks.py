@@ -12,6 +12,8 @@ task; where the model comes from is source.py's, what of it trains strategy.py's
                         distributions (drafting.py)
     PreferenceTask      pairs of answers, one preferred (data/preferences.py): DPO, IPO or SimPO (preference.py)
                         against the reference log-probabilities prepared with the data
+    GRPOTask            prompts with checkable answers (rl.prompts): GRPO (grpo.py), completions sampled by the
+                        serving engine on the model being trained, scored by reward functions (rewards.py)
 
 A task builds the module the loop calls: its forward returns a dict of scalars, "loss" (to backpropagate) and the
 task's `terms` (to log), plus statistics its hooks read (summed over micro-steps); with evaluate=True it returns the
@@ -23,6 +25,7 @@ forward call per micro-batch. `build_task` picks the task from the data folder.
 from __future__ import annotations
 
 import abc
+import copy
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,6 +51,8 @@ from llmkit.train.data import TokenData, eval_offsets, train_batch, window_batch
 from llmkit.train.distill import distillation_kl
 from llmkit.train.drafting import TERMS as DRAFTING_TERMS
 from llmkit.train.drafting import DraftDistilling, MTPDrafting
+from llmkit.train.grpo import TERMS as GRPO_TERMS
+from llmkit.train.grpo import GRPOModule, Rollouts, Sampler, read_prompts, rollout_rows
 from llmkit.train.hooks import Hook, IndexerWarmUp, RouterBiasUpdate, router_bias_layers
 from llmkit.train.metrics import bits_per_char
 from llmkit.train.own_text import META as OWN_TEXT_META
@@ -131,7 +136,9 @@ class Task(abc.ABC):
 def build_task(cfg: TrainConfig, rt: Runtime) -> Task:
     """The task the data folder calls for: sentence pairs train a translation model, a token stream or
     conversations a language model, preference pairs a language model's preferences, a model's own text its
-    drafter."""
+    drafter; with rl.prompts, GRPO on those prompts."""
+    if cfg.rl.prompts is not None:
+        return GRPOTask(cfg, rt)
     if is_parallel(cfg.data.dir):
         return TranslationTask(cfg, rt)
     if is_own_text(cfg.data.dir):
@@ -645,3 +652,107 @@ class PreferenceTask(ChatTask):
     @property
     def chars_per_token(self) -> float:
         return float("nan")  # the answers are scored as wholes, not per character
+
+
+class GRPOTask(Task):
+    """GRPO on rl.prompts (train/grpo.py): each step's rollouts sampled by the serving engine on the model being
+    trained, data.batch_size prompts of rl.group completions, rl.iterations steps on each batch of rollouts, the
+    micro-batches (train.grad_accum) its slices. Prompts come in a shuffled order that changes every epoch and
+    rollouts are seeded by the step, so a resumed run samples what the uninterrupted one did (at a step where new
+    rollouts begin). Evaluation: greedy answers to the held-out prompts, their mean reward."""
+
+    terms = GRPO_TERMS
+
+    def __init__(self, cfg: TrainConfig, rt: Runtime) -> None:
+        from llmkit.data.prepare import load_tokenizer
+
+        super().__init__(cfg, rt)
+        rl = cfg.rl
+        assert rl.prompts is not None
+        if rt.world != 1:
+            raise TrainingError("rl.prompts: GRPO runs in one process (its engine shares the model's weights)")
+        n = cfg.data.batch_size * rl.group
+        if n % cfg.train.grad_accum:
+            raise TrainingError(f"train.grad_accum={cfg.train.grad_accum} must divide the step's {n} completions "
+                                f"(data.batch_size={cfg.data.batch_size} x rl.group={rl.group})")  # fmt: skip
+        self.tokenizer = load_tokenizer(cfg.model["checkpoint"])
+        self.examples = read_prompts(rl.prompts, self.tokenizer, rl.val_fraction)
+        names = [*rl.rewards, *(["reward_model"] if rl.reward_model else [])]
+        self.eval_terms = ("reward", "count", *(f"reward_{name}" for name in names))
+        self.sampler: Sampler | None = None
+        self._rollouts: tuple[int, Rollouts] | None = None  # (the step they were sampled at, the rollouts)
+        self._epoch_order: tuple[int, np.ndarray] | None = None
+        self._stepped: int | None = None  # the last step whose batch was made (the weights changed after it)
+
+    @property
+    def vocab_size(self) -> int:
+        assert self.tokenizer is not None
+        return self.tokenizer.vocab_size
+
+    def check_model(self, config: ModelConfig | RNNConfig) -> None:
+        if not isinstance(config, ModelConfig) or config.is_encoder_decoder:
+            raise TrainingError("rl.prompts: GRPO trains decoder-only language models")
+
+    def attach(self, model: Model) -> nn.Module:
+        assert isinstance(model, DecoderLM) and self.tokenizer is not None
+        reference = None
+        if self.cfg.rl.kl_beta:  # the model as it starts, frozen (before a resumed run's weights are restored)
+            reference = copy.deepcopy(model).eval().requires_grad_(False)
+        self.sampler = Sampler(model, self.tokenizer, self.examples, self.cfg.rl)
+        return GRPOModule(model, self.sampler, self.cfg.rl, reference)
+
+    def micro_batch(self) -> tuple[int, str, int, int]:
+        """A micro-batch's completions, each up to the longest prompt and rl.max_new_tokens."""
+        rl, d = self.cfg.rl, self.cfg.data
+        per = max(len(e.ids) for e in self.examples["train"]) + rl.max_new_tokens
+        rows = d.batch_size * rl.group // self.cfg.train.grad_accum
+        return rows * per, "data.batch_size", d.batch_size, per * rl.group // self.cfg.train.grad_accum
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if self._epoch_order is None or self._epoch_order[0] != epoch:
+            n = len(self.examples["train"])
+            self._epoch_order = epoch, np.random.default_rng([self.cfg.train.seed, epoch]).permutation(n)
+        return self._epoch_order[1]
+
+    def batch(self, step: int, micro: int) -> tuple[tuple[Tensor, ...], int]:
+        """(inputs, targets, old, scored, advantages, stats) of this micro-step's completions; new rollouts every
+        rl.iterations steps, scored by the engine under the current weights at each step's first micro-step."""
+        assert self.sampler is not None
+        rl, P = self.cfg.rl, self.cfg.data.batch_size
+        if micro == 0 and self._stepped is not None and self._stepped != step:
+            self.sampler.engine.weights_changed()  # an optimizer step came between
+        self._stepped = step
+        start = step - step % rl.iterations
+        if self._rollouts is None or self._rollouts[0] != start:
+            n = len(self.examples["train"])
+            picks = [int(self._order(e)[k]) for e, k in (divmod(start // rl.iterations * P + i, n) for i in range(P))]
+            seed = (self.cfg.train.seed * 1_000_003 + start) % 2**31
+            self._rollouts = start, self.sampler.rollouts(picks, seed)
+        rollouts = self._rollouts[1]
+        if micro == 0:
+            rollouts.scored = {step: self.sampler.score(rollouts.prompts, rollouts.completions)}
+        per = len(rollouts) // self.cfg.train.grad_accum
+        rows = list(range(micro * per, (micro + 1) * per))
+        pad = self.tokenizer.eos_id if self.tokenizer is not None and self.tokenizer.eos_id is not None else 0
+        inputs, targets, old, scored = rollout_rows(rollouts, rows, pad, rollouts.scored[step])
+        tokens = float(np.mean([len(c) for c in rollouts.completions]))
+        stats = torch.tensor([float(rollouts.rewards.mean()), float(rollouts.rewards.std()), tokens])
+        tensors = (inputs, targets, old, scored, rollouts.advantages[rows], stats)
+        real = sum(len(rollouts.prompts[i]) + len(rollouts.completions[i]) for i in rows)
+        return tuple(t.to(self.rt.device) for t in tensors), real
+
+    def eval_batches(self, full: bool) -> Iterator[tuple[Tensor, ...]]:
+        """The held-out prompts (the training ones where none are held out), all of them when `full`, else the
+        first rl.eval_prompts; one batch (the engine batches them)."""
+        split = "val" if self.examples["val"] else "train"
+        n = len(self.examples[split])
+        yield (torch.arange(n if full else min(n, self.cfg.rl.eval_prompts)),)
+
+    def summarize(self, sums: dict[str, float]) -> dict[str, float]:
+        """The mean reward of the greedy answers, in all and per reward function."""
+        count = max(sums["count"], 1.0)
+        return {f"val_{k}": v / count for k, v in sums.items() if k.startswith("reward")}
+
+    @property
+    def chars_per_token(self) -> float:
+        return float("nan")  # rewards, not text, are what the evaluation reads
