@@ -155,10 +155,10 @@ def check_not_input(path: Path, inputs: Sequence[str | os.PathLike[str] | None])
             continue
         how = _related(path, Path(given))
         if how is not None:
-            what = "also the input" if how == "is" else f"{how} {'the' if how == 'holds' else 'its'} input {given}"
-            raise OutputError(
-                f"{path} is {what}: a command never writes over what it reads; write the output elsewhere"
+            what = {"is": "is also the input", "is inside": f"is inside its input {given}"}.get(
+                how, f"holds the input {given}"
             )
+            raise OutputError(f"{path} {what}: a command never writes over what it reads; write the output elsewhere")
 
 
 @dataclass(frozen=True)
