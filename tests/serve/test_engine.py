@@ -407,3 +407,25 @@ def test_in_the_batch_invariant_mode_a_text_scored_as_a_prompt_has_the_bits_it_w
         start = len(prompts[k // 2])
         again = [entry[0] for entry in score.prompt_logprobs[start:] if entry is not None]
         assert again == out.logprobs, k
+
+
+def test_tempered_logprobs_are_those_of_the_distribution_sampled_from():
+    """With tempered_logprobs a sampled token's log-probability, and a prompt token's, is log-softmax of the logits
+    over the temperature (the model's own without it); settings that change the distribution otherwise are refused."""
+    model = _model("llama2-7b-tiny")
+    engine = _engine(model)
+    prompt = _prompts(model, [7])[0]
+    asked = SamplingParams(max_tokens=5, temperature=0.5, seed=2, prompt_logprobs=0, tempered_logprobs=True)
+    out = engine.generate([prompt], asked)[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out.token_ids]))[0].float()  # (L, V)
+    tempered, raw = torch.log_softmax(logits / 0.5, -1), torch.log_softmax(logits, -1)
+    for j, (token, value) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        assert value == pytest.approx(tempered[len(prompt) - 1 + j, token].item(), abs=1e-4)
+        assert abs(value - raw[len(prompt) - 1 + j, token].item()) > 1e-3
+    assert out.prompt_logprobs is not None
+    for i, entry in enumerate(out.prompt_logprobs[1:], start=1):
+        assert entry is not None and entry[0] == pytest.approx(tempered[i - 1, prompt[i]].item(), abs=1e-4)
+    for bad in ({"temperature": 0.0}, {"top_p": 0.9}, {"top_k": 5}, {"presence_penalty": 0.5}):
+        with pytest.raises(InputError, match="tempered_logprobs"):
+            SamplingParams(tempered_logprobs=True, **bad)

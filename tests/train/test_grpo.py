@@ -146,7 +146,8 @@ def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_the_engines_rollout_log_probabilities_are_the_trainers_to_the_bit(checkpoint, prompts):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_engines_rollout_log_probabilities_are_the_trainers_to_the_bit(checkpoint, prompts, temperature):
     """Rollouts of different lengths (some end on their own, some run out of tokens), sampled in one batch: the
     log-probabilities the trainer's loss sees (the engine's scores of the finished texts, all together) are the
     floats the engine sampled them with, so the first ratio is exactly 1; PyTorch's forward, which gives the
@@ -156,7 +157,7 @@ def test_the_engines_rollout_log_probabilities_are_the_trainers_to_the_bit(check
     head = model.embed.weight if model.head is None else model.head.weight
     with torch.no_grad():  # an end token likely at some positions, unlikely at others: completions of many lengths
         head[tok.eos_id] *= 30
-    rl = RLConfig(prompts=str(prompts), group=4, max_new_tokens=12, rewards=[VOWELS])
+    rl = RLConfig(prompts=str(prompts), group=4, max_new_tokens=12, rewards=[VOWELS], temperature=temperature)
     sampler = Sampler(model, tok, read_prompts(str(prompts), tok, 0.0), rl)
     if not isinstance(sampler.engine.runner, InvariantRunner):
         pytest.skip("llmkit's C++ step is not available here")
@@ -175,7 +176,7 @@ def test_the_engines_rollout_log_probabilities_are_the_trainers_to_the_bit(check
     engine_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     # the same loss on PyTorch's log-probabilities alone: the same gradient (the ratio is 1 either way, to 1e-5)
-    torch_logps = token_logps(model(inputs), targets)
+    torch_logps = token_logps(model(inputs) / temperature, targets)
     policy_loss(torch_logps, torch_logps.detach(), rollouts.advantages, targets != -100)["loss"].backward()
     for a, p in zip(engine_grads, model.parameters(), strict=True):
         torch.testing.assert_close(a, p.grad, rtol=1e-4, atol=1e-6)
@@ -187,7 +188,7 @@ def test_the_engines_rollout_log_probabilities_are_the_trainers_to_the_bit(check
     sampler.engine.weights_changed()
     moved = sampler.score(rollouts.prompts, rollouts.completions)
     with torch.no_grad():
-        expected = token_logps(model(inputs), targets)
+        expected = token_logps(model(inputs) / temperature, targets)
     mask = targets != -100
     assert (expected[mask] - torch.tensor([v for row in moved for v in row])).abs().max() < 1e-4
     again = sampler.rollouts([0, 5, 9, 14], seed=12)
@@ -265,3 +266,14 @@ def test_a_reward_model_scores_the_prompt_and_completion(tmp_path):
             expected = model(**hf_tok("or " + completion, return_tensors="pt")).logits[0, 0].item()
         assert scorer(Completion("or ", completion, 3, "stop"), {}) == pytest.approx(expected, abs=1e-6)
     assert len({scorer(Completion("or ", c, 3, "stop"), {}) for c in ("to be", "not to be")}) == 2
+
+
+def test_iterations_reuse_each_batch_of_rollouts(checkpoint, prompts, tmp_path):
+    """rl.iterations=2: every second step trains again on the rollouts before it (the same rewards), their
+    log-probabilities scored again under the moved weights, so the ratio leaves 1 (here the updates are large enough
+    for some tokens to be clipped)."""
+    train(_config(checkpoint, prompts, tmp_path / "run", steps=6, rl={"iterations": 2}, optim={"lr": 3e-2}))
+    rewards = losses(tmp_path / "run", "reward")
+    assert rewards[0::2] == rewards[1::2] and rewards[0] != rewards[2]
+    clipped = losses(tmp_path / "run", "clip_fraction")
+    assert all(c == 0.0 for c in clipped[0::2]) and any(c > 0.0 for c in clipped[1::2])

@@ -183,6 +183,8 @@ class Engine:
                 raise Refused("a thinking budget needs a chat template with thinking blocks", "reasoning_budget")
             if params.constraint is not None:
                 raise Refused("a thinking budget and a structured output cannot both hold", "reasoning_budget")
+        if params.tempered_logprobs and self.config.draft_tokens:
+            raise Refused("tempered log-probabilities are not computed for verified drafts", "tempered_logprobs")
         if params.constraint is not None:
             if self.grammars is None:
                 raise Refused("structured outputs need the model's tokenizer, and this model has none", "constraint")

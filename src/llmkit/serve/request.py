@@ -49,10 +49,11 @@ class SamplingParams:
     completions of the same prompt. seed: makes sampling repeatable.
 
     Log-probabilities are the model's own (log-softmax of its logits, before logit_bias, penalties, temperature
-    and filters: what evaluation compares). Every generated token's is reported; top_logprobs adds that many most
-    likely alternatives to each; prompt_logprobs (None: not computed) reports each prompt token's (the first's is
-    None) with that many alternatives, computing the whole prompt (no prefix-cache hits). max_tokens 0 computes the
-    prompt and generates nothing.
+    and filters: what evaluation compares), or with tempered_logprobs those of the distribution sampled from
+    (log-softmax of the logits over the temperature; nothing else may change it). Every generated token's is
+    reported; top_logprobs adds that many most likely alternatives to each; prompt_logprobs (None: not computed)
+    reports each prompt token's (the first's is None) with that many alternatives, computing the whole prompt (no
+    prefix-cache hits). max_tokens 0 computes the prompt and generates nothing.
 
     constraint: what the generated text must be (a JSON schema, a regex, one of some choices, a grammar; see
     serve/structured.py); the sequence stops once the text is complete. priority: lower values are admitted first
@@ -80,6 +81,9 @@ class SamplingParams:
     reasoning_budget: int | None = None
     reasoning: Reasoning | None = None  # how the reply's thinking block is found, for reasoning_budget
     adapter: str | None = None  # the LoRA adapter the request chose (serve/adapters.py); None: the base model
+    # the log-probabilities (generated tokens' and the prompt's) of the distribution sampled from, log-softmax of the
+    # logits over the temperature, instead of the model's own: the policy of reinforcement learning (train/grpo.py)
+    tempered_logprobs: bool = False
 
     def __post_init__(self) -> None:
         self.sampling  # validates the shared settings  # noqa: B018
@@ -104,6 +108,14 @@ class SamplingParams:
             raise InputError(f"priority={self.priority} must be a 32-bit signed integer")
         if self.reasoning_budget is not None and self.reasoning_budget < 1:
             raise InputError(f"reasoning_budget={self.reasoning_budget} must be >= 1")
+        if self.tempered_logprobs:
+            filters = (self.top_k or 0) > 0 or self.top_p not in (None, 1.0) or self.min_p not in (None, 0.0)
+            changed = self.logit_bias or self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+            if self.temperature <= 0 or filters or changed or self.constraint is not None:
+                raise InputError(
+                    "tempered_logprobs: the sampled distribution is the logits over the temperature only when the "
+                    "temperature is above 0 and nothing else (filters, penalties, bias, a constraint) changes it"
+                )
 
     @property
     def sampling(self) -> Sampling:

@@ -5,7 +5,8 @@ its own settings and its own random generator, so a request's seed gives the sam
 batch. A row with a structured-output constraint (serve/structured.py) chooses among the tokens its grammar allows:
 the others' logits are -inf before penalties, temperature and filters. The log-probability reported for a token is
 the model's own (log-softmax of the raw logits), before the grammar, temperature and filters, which is what makes
-outputs comparable across settings.
+outputs comparable across settings; a request with tempered_logprobs gets those of the logits over its temperature
+(the distribution it samples from, for reinforcement learning).
 
 Rows are isolated: a row whose settings leave no valid distribution (which llmkit.generate.sampling is written
 never to produce, but a sampler is the one place where one client's numbers meet the batch) is reported as failed
@@ -21,7 +22,7 @@ import torch
 from torch import Tensor
 
 from llmkit.generate.sampling import distribution, draw
-from llmkit.serve.request import Sequence, Top
+from llmkit.serve.request import SamplingParams, Sequence, Top
 from llmkit.serve.scheduler import Work
 from llmkit.serve.structured import mask_logits
 
@@ -53,11 +54,17 @@ def record_prompt_logprobs(rows: list[Work], logits: list[Tensor | None]) -> Non
         if record is None or k is None or x is None:
             continue
         n = x.shape[0]
-        logprobs = torch.log_softmax(x.float(), dim=-1)  # (n, V)
+        logprobs = torch.log_softmax(tempered(x.float(), w.seq.request.params), dim=-1)  # (n, V)
         targets = torch.tensor(w.seq.tokens[w.start + 1 : w.start + 1 + n], device=logprobs.device)
         values = logprobs.gather(1, targets[:, None])[:, 0].tolist()
         for i, (value, top) in enumerate(zip(values, top_logprobs(logprobs, k), strict=True)):
             record[w.start + 1 + i] = (value, top)
+
+
+def tempered(logits: Tensor, params: SamplingParams) -> Tensor:
+    """A request's logits over its temperature when it asked for the log-probabilities of the distribution it samples
+    from (tempered_logprobs), else as they are: one division, the same for a token generated and scored."""
+    return logits / params.temperature if params.tempered_logprobs else logits
 
 
 def penalize_presence(logits: Tensor, generated: list[int], presence: float, frequency: float) -> Tensor:
@@ -100,6 +107,9 @@ def sample(logits: Tensor, seqs: list[Sequence], allowed: np.ndarray | None = No
     allowed (B, V) bool: the tokens each row may take (its grammar's, serve/structured.py), or None for all."""
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)  # (B, V)
+    if any(seq.request.params.tempered_logprobs for seq in seqs):
+        scaled = torch.stack([tempered(x, seq.request.params) for x, seq in zip(logits, seqs, strict=True)])
+        logprobs = torch.log_softmax(scaled, dim=-1)
     if allowed is not None:
         logits = mask_logits(logits, allowed)
     chosen = logits.argmax(dim=-1)  # (B,): right for greedy rows without penalties

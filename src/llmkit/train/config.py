@@ -231,6 +231,7 @@ class RLConfig(ConfigBase):
     prompts: str | None = None
     group: int = 8  # completions per prompt (GRPO's G)
     max_new_tokens: int = 128
+    temperature: float = 1.0  # the rollouts' sampling temperature: the policy is the model's logits over it
     rewards: list[str] = field(default_factory=lambda: ["exact_answer"])
     reward_weights: list[float] | None = None  # one per reward (default 1 each)
     reward_model: str | None = None  # a Hugging Face sequence-classification checkpoint, its score added
@@ -254,6 +255,7 @@ class RLConfig(ConfigBase):
         self.require(self.clip_high is None or self.clip_high > 0, "clip_high", "must be > 0")
         self.require(self.kl_beta >= 0, "kl_beta", "must be >= 0")
         self.require(0 <= self.val_fraction < 1, "val_fraction", "must be in [0, 1)")
+        self.require(self.temperature > 0, "temperature", "must be > 0 (the policy samples)")
 
 
 @dataclass(frozen=True)

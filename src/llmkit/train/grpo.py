@@ -8,6 +8,8 @@ One step of the loop (GRPOTask in tasks.py) with P = data.batch_size prompts and
                   own parameters (its C++ step reads the model's tensors in place, nothing is copied), so after an
                   optimizer step the next rollouts come from the new weights at no cost; the engine's cached
                   prefixes are dropped then (Engine.weights_changed)
+                  at rl.temperature: the policy pi is the model's logits over the temperature (as TRL's GRPOTrainer
+                  and vLLM's processed log-probabilities have it), and the engine reports those log-probabilities
     rewards       each completion's reward (rewards.py), the weighted sum of the named functions
     advantages    within each group: A_i = (r_i - mean(r)) / std(r) (GRPO, eq. 3's outcome supervision), or without
                   the division (Dr. GRPO: Liu et al. 2025, "Understanding R1-Zero-Like Training", which shows the
@@ -29,7 +31,9 @@ pi(o_t) is what the same engine computes for the finished texts under the curren
 prompt: prompt_logprobs). In the engine's batch-invariant mode (the C++ step, the default on CPUs where the model
 lowers to it) a token's bits do not depend on the batch, the chunking or whether the token was generated or given,
 so at the first iteration ratio = 1 exactly, not 1 +- 1e-5: the policy ratio is not biased by two programs computing
-the same model differently (the issue torchtitan's RL work fixed for vLLM). The gradient comes from the PyTorch
+the same model differently (the issue torchtitan's RL work fixed for vLLM). At the first iteration the values are the
+rollout's own (scoring the texts again gives the same bits, which tests/train/test_grpo.py checks); later ones
+(rl.iterations > 1) score the texts under the updated weights. The gradient comes from the PyTorch
 forward of the same model, added as (logp_torch - logp_torch.detach()), which is exactly zero in value: the loss
 sees the engine's numbers and differentiates PyTorch's. The two agree to ~1e-5 (logged as logp_gap). A model that
 does not lower to the C++ step (LoRA's hooks, bf16, a GPU without --batch-invariant) samples through PyTorch; the
@@ -124,6 +128,17 @@ def token_logps(logits: Tensor, targets: Tensor) -> Tensor:
     return picked * (targets != -100)
 
 
+def completion_logps(model: DecoderLM, inputs: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:
+    """token_logps of the model's logits over `temperature`, with the output head applied at the targets' positions
+    only: a completion's prompt (most of its tokens, in short answers) goes through the blocks but not the head,
+    whose V columns cost as much as several blocks."""
+    h = model.run(inputs, model.step_for(inputs, None, None, None))
+    mask = targets != -100
+    logits = model.logits(model.norm(h[mask])).float() / temperature  # (M, V)
+    picked = torch.log_softmax(logits, dim=-1).gather(-1, targets[mask].unsqueeze(-1)).squeeze(-1)
+    return torch.zeros(targets.shape, dtype=picked.dtype, device=picked.device).masked_scatter(mask, picked)
+
+
 # ---- prompts and rollouts
 
 
@@ -208,6 +223,9 @@ class Sampler:
             self.rewards.append(("reward_model", RewardModel(rl.reward_model), 1.0))
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Any]:
+        """The engine's completions under the weights as they are now: the prefixes it cached in an earlier call
+        may be from before an optimizer step, so they are dropped first."""
+        self.engine.weights_changed()
         was_training = self.model.training
         self.model.eval()
         try:
@@ -232,11 +250,12 @@ class Sampler:
         return sum((w * by_reward[name] for name, _, w in self.rewards), torch.zeros(()))
 
     def rollouts(self, indices: list[int], seed: int) -> Rollouts:
-        """G sampled completions of each training example in `indices` (temperature 1: the policy itself), their
-        rewards and group advantages."""
+        """G sampled completions of each training example in `indices` at rl.temperature (the policy: the logits
+        over it), with the log-probabilities of what was sampled from, their rewards and group advantages."""
         G = self.rl.group
         prompts = [self.examples["train"][k].ids for k in indices]
-        params = SamplingParams(max_tokens=self.rl.max_new_tokens, temperature=1.0, n=G, seed=seed)
+        params = SamplingParams(max_tokens=self.rl.max_new_tokens, temperature=self.rl.temperature, n=G, seed=seed,
+                                tempered_logprobs=True)  # fmt: skip
         outs = self._generate(prompts, params)
         examples = [k for k in indices for _ in range(G)]
         by_reward = self.rewards_of("train", examples, outs)
@@ -256,7 +275,9 @@ class Sampler:
         """The engine's log-probability of every completion token under the current weights: each text scored as a
         prompt (prompt_logprobs), all together."""
         texts = [p + c for p, c in zip(prompts, completions, strict=True)]
-        outs = self._generate(texts, SamplingParams(max_tokens=0, prompt_logprobs=0))
+        tempered = SamplingParams(max_tokens=0, prompt_logprobs=0, temperature=self.rl.temperature,
+                                  tempered_logprobs=True)  # fmt: skip
+        outs = self._generate(texts, tempered)
         scores = []
         for p, out in zip(prompts, outs, strict=True):
             assert out.prompt_logprobs is not None
@@ -315,12 +336,12 @@ class GRPOModule(nn.Module):
         inputs, targets, old, scored, advantages, stats = batch
         mask = targets != -100
         with torch.autocast(inputs.device.type, enabled=False):  # fp32: the engine's log-probabilities are
-            torch_logps = token_logps(self.model(inputs), targets)
+            torch_logps = completion_logps(self.model, inputs, targets, self.rl.temperature)
         logps = scored + (torch_logps - torch_logps.detach())  # the engine's values, PyTorch's gradient
         ref = None
         if self._reference:
             with torch.no_grad():
-                ref = token_logps(self._reference[0](inputs), targets)
+                ref = completion_logps(self._reference[0], inputs, targets, self.rl.temperature)
         rl = self.rl
         out = policy_loss(logps, old, advantages, mask, clip=rl.clip, clip_high=rl.clip_high, kl_beta=rl.kl_beta,
                           ref_logps=ref, normalise=rl.normalise, max_tokens=rl.max_new_tokens)  # fmt: skip

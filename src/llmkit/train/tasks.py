@@ -682,7 +682,6 @@ class GRPOTask(Task):
         self.sampler: Sampler | None = None
         self._rollouts: tuple[int, Rollouts] | None = None  # (the step they were sampled at, the rollouts)
         self._epoch_order: tuple[int, np.ndarray] | None = None
-        self._stepped: int | None = None  # the last step whose batch was made (the weights changed after it)
 
     @property
     def vocab_size(self) -> int:
@@ -716,12 +715,9 @@ class GRPOTask(Task):
 
     def batch(self, step: int, micro: int) -> tuple[tuple[Tensor, ...], int]:
         """(inputs, targets, old, scored, advantages, stats) of this micro-step's completions; new rollouts every
-        rl.iterations steps, scored by the engine under the current weights at each step's first micro-step."""
+        rl.iterations steps, scored again by the engine under the current weights at the later ones."""
         assert self.sampler is not None
         rl, P = self.cfg.rl, self.cfg.data.batch_size
-        if micro == 0 and self._stepped is not None and self._stepped != step:
-            self.sampler.engine.weights_changed()  # an optimizer step came between
-        self._stepped = step
         start = step - step % rl.iterations
         if self._rollouts is None or self._rollouts[0] != start:
             n = len(self.examples["train"])
@@ -729,12 +725,12 @@ class GRPOTask(Task):
             seed = (self.cfg.train.seed * 1_000_003 + start) % 2**31
             self._rollouts = start, self.sampler.rollouts(picks, seed)
         rollouts = self._rollouts[1]
-        if micro == 0:
+        if micro == 0 and step != start:  # the weights moved since the rollouts: the engine scores them again
             rollouts.scored = {step: self.sampler.score(rollouts.prompts, rollouts.completions)}
         per = len(rollouts) // self.cfg.train.grad_accum
         rows = list(range(micro * per, (micro + 1) * per))
         pad = self.tokenizer.eos_id if self.tokenizer is not None and self.tokenizer.eos_id is not None else 0
-        inputs, targets, old, scored = rollout_rows(rollouts, rows, pad, rollouts.scored[step])
+        inputs, targets, old, scored = rollout_rows(rollouts, rows, pad, rollouts.scored.get(step))
         tokens = float(np.mean([len(c) for c in rollouts.completions]))
         stats = torch.tensor([float(rollouts.rewards.mean()), float(rollouts.rewards.std()), tokens])
         tensors = (inputs, targets, old, scored, rollouts.advantages[rows], stats)
