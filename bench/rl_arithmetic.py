@@ -221,6 +221,8 @@ def main() -> None:
     ap.add_argument("--dpo-minutes", type=float, default=8.0, help="DPO's training time (0: no DPO)")
     ap.add_argument("--dpo-prompts", type=int, default=192, help="training problems the model answers for DPO")
     ap.add_argument("--test", type=int, default=150, help="held-out problems")
+    ap.add_argument("--only", choices=["grpo", "dpo"], default=None,
+                    help="run one part (dpo: on an earlier run's data and results in --out)")  # fmt: skip
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -229,10 +231,25 @@ def main() -> None:
     gguf = smollm2_gguf()
     out = Path(args.out)
     results: dict[str, Any] = {"checkpoint": str(gguf), "threads": torch.get_num_threads()}
-    results["data"] = write_data(out, load_tokenizer(gguf), args.test)
-    results["before"] = evaluate(gguf, out / "tasks", out / "eval-before")
-    print(f"before: {results['before']}", flush=True)
+    if args.only == "dpo":  # the rest of an earlier run's results, with its data
+        results = json.loads((out / "results.json").read_text())
+    else:
+        results["data"] = write_data(out, load_tokenizer(gguf), args.test)
+        results["before"] = evaluate(gguf, out / "tasks", out / "eval-before")
+        print(f"before: {results['before']}", flush=True)
+        (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    if args.only != "dpo":
+        grpo(gguf, out, args, results)
+    if args.dpo_minutes > 0 and args.only != "grpo":
+        dpo(gguf, out, args, results)
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return
+    table(results)
 
+
+def grpo(gguf: Path, out: Path, args: argparse.Namespace, results: dict[str, Any]) -> None:
     run = train_run(grpo_config(gguf, out, args.minutes, args.steps, args.lr), out / "grpo")
     rows = run.pop("rows")
     steps = [r for r in rows if "reward" in r]
@@ -245,44 +262,45 @@ def main() -> None:
         **evaluate(out / "grpo", out / "tasks", out / "eval-grpo"),
     }
     print(f"grpo: {results['grpo']}", flush=True)
-
-    if args.dpo_minutes > 0:
-        results["dpo_pairs"] = self_ranked_pairs(gguf, json.loads((out / "train_problems.json").read_text()),
-                                                 args.dpo_prompts, out)  # fmt: skip
-        print(f"pairs: {results['dpo_pairs']}", flush=True)
-        subprocess.run([sys.executable, "-m", "llmkit", "prepare", "preferences", str(out / "pairs.jsonl"),
-                        "--checkpoint", str(gguf), "--out", str(out / "prefs"), "--overwrite"], check=True)  # fmt: skip
-        config = {
-            "model": {"checkpoint": str(gguf)},
-            "data": {"dir": str(out / "prefs"), "seq_len": 128, "batch_size": 8},
-            "optim": {"lr": 5e-6, "weight_decay": 0.0},
-            "loss": {"preference": "dpo", "preference_beta": 0.1},
-            "schedule": {"kind": "constant", "warmup_steps": 3},
-            "train": {
-                "steps": 1000,
-                "time_limit": args.dpo_minutes * 60,
-                "eval_every": 10_000,
-                "save_every": 10_000,
-                "log_every": 5,
-                "keep_last": 1,
-                "progress": False,
-                "precision": "fp32",
-                "out": str(out / "dpo"),
-            },
-        }
-        run = train_run(config, out / "dpo")
-        rows = run.pop("rows")
-        last = [r for r in rows if "reward_accuracy" in r][-1]
-        held = [r for r in rows if "val_reward_accuracy" in r]
-        results["dpo"] = {**run, "reward_accuracy": round(last["reward_accuracy"], 3),
-                          "val_reward_accuracy": round(held[-1]["val_reward_accuracy"], 3) if held else None,
-                          **evaluate(out / "dpo", out / "tasks", out / "eval-dpo")}  # fmt: skip
-        print(f"dpo: {results['dpo']}", flush=True)
-
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    if args.json:
-        print(json.dumps(results, indent=2))
-        return
+
+
+def dpo(gguf: Path, out: Path, args: argparse.Namespace, results: dict[str, Any]) -> None:
+    """Pairs of the model's own answers, DPO on them, the same evaluation."""
+    results["dpo_pairs"] = self_ranked_pairs(gguf, json.loads((out / "train_problems.json").read_text()),
+                                             args.dpo_prompts, out)  # fmt: skip
+    print(f"pairs: {results['dpo_pairs']}", flush=True)
+    subprocess.run([sys.executable, "-m", "llmkit", "prepare", "preferences", str(out / "pairs.jsonl"),
+                    "--checkpoint", str(gguf), "--out", str(out / "prefs"), "--overwrite"], check=True)  # fmt: skip
+    config = {
+        "model": {"checkpoint": str(gguf)},
+        "data": {"dir": str(out / "prefs"), "seq_len": 128, "batch_size": 8},
+        "optim": {"lr": 5e-6, "weight_decay": 0.0},
+        "loss": {"preference": "dpo", "preference_beta": 0.1},
+        "schedule": {"kind": "constant", "warmup_steps": 3},
+        "train": {
+            "steps": 1000,
+            "time_limit": args.dpo_minutes * 60,
+            "eval_every": 10_000,
+            "save_every": 10_000,
+            "log_every": 5,
+            "keep_last": 1,
+            "progress": False,
+            "precision": "fp32",
+            "out": str(out / "dpo"),
+        },
+    }
+    run = train_run(config, out / "dpo")
+    rows = run.pop("rows")
+    last = [r for r in rows if "reward_accuracy" in r][-1]
+    held = [r for r in rows if "val_reward_accuracy" in r]
+    results["dpo"] = {**run, "reward_accuracy": round(last["reward_accuracy"], 3),
+                      "val_reward_accuracy": round(held[-1]["val_reward_accuracy"], 3) if held else None,
+                      **evaluate(out / "dpo", out / "tasks", out / "eval-dpo")}  # fmt: skip
+    print(f"dpo: {results['dpo']}", flush=True)
+
+
+def table(results: dict[str, Any]) -> None:
     n = results["data"]["test_problems"]
     print(f"\n{n} held-out sums, greedy, exact match on the last number (llmkit eval); fp32 on this CPU")
     print("| model | accuracy | steps | train time | tokens | peak memory |")

@@ -429,3 +429,14 @@ def test_tempered_logprobs_are_those_of_the_distribution_sampled_from():
     for bad in ({"temperature": 0.0}, {"top_p": 0.9}, {"top_k": 5}, {"presence_penalty": 0.5}):
         with pytest.raises(InputError, match="tempered_logprobs"):
             SamplingParams(tempered_logprobs=True, **bad)
+
+
+def test_generate_takes_more_prompts_than_the_queue_holds():
+    """Engine.generate admits prompts as the queue has room (it raised QueueFull past max_queue sequences): ten
+    prompts of two greedy completions each through a queue of four, in order, each what it gets alone."""
+    model = _model("llama2-7b-tiny")
+    prompts = _prompts(model, [3, 5, 8, 4, 6, 9, 2, 7, 5, 3])
+    engine = _engine(model, max_queue=4)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, n=2))
+    assert [o.token_ids for o in outs] == [_reference(model, p, 4) for p in prompts for _ in range(2)]
+    _assert_pool_empty(engine)

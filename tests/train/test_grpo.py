@@ -277,3 +277,11 @@ def test_iterations_reuse_each_batch_of_rollouts(checkpoint, prompts, tmp_path):
     assert rewards[0::2] == rewards[1::2] and rewards[0] != rewards[2]
     clipped = losses(tmp_path / "run", "clip_fraction")
     assert all(c == 0.0 for c in clipped[0::2]) and any(c > 0.0 for c in clipped[1::2])
+
+
+def test_grpo_with_lora_trains_the_adapters(checkpoint, prompts, tmp_path):
+    """LoRA's hooks keep the model off the C++ step, so the engine samples through PyTorch (the log-probabilities
+    are still the engine's own); only the adapters train and are saved."""
+    result = train(_config(checkpoint, prompts, tmp_path / "run", steps=3, lora={"r": 4, "alpha": 8}))
+    assert result.checkpoint is not None and (result.checkpoint / "adapter_model.safetensors").is_file()
+    assert len(losses(tmp_path / "run", "reward")) == 3

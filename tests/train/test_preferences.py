@@ -210,3 +210,22 @@ def test_prepare_preferences_on_the_command_line(checkpoint, tmp_path, capsys):
     assert "train 5 pairs" in capsys.readouterr().out
     assert main(args) == 2
     assert "--checkpoint" in capsys.readouterr().err
+
+
+def test_qlora_dpo_on_a_quantized_checkpoint(checkpoint, tmp_path):
+    """The reference of an int8 checkpoint is its quantized model's; QLoRA (lora.quantized) starts there, at log 2,
+    and learns; a run that would load it as float weights is refused."""
+    from llmkit.interop.checkpoint import save_llmkit
+    from llmkit.quant import quantize
+
+    loaded = load_model(checkpoint, dtype=torch.float32)
+    save_llmkit(quantize(loaded.model, "int8"), tmp_path / "q", tokenizer=loaded.tokenizer)
+    source = write(tmp_path / "p.jsonl", [text_pair(k) for k in range(24)])
+    meta = prepare_preferences(source, tmp_path / "d", checkpoint=tmp_path / "q", val_fraction=0.2, progress=False)
+    assert meta["reference"]["quantized"] is True
+    lora = {"r": 4, "alpha": 8, "quantized": True}
+    train(run_config(tmp_path / "d", tmp_path / "q", tmp_path / "run", steps=12, lora=lora, optim={"lr": 1e-2}))
+    assert losses(tmp_path / "run")[0] == pytest.approx(math.log(2), abs=1e-3)
+    assert losses(tmp_path / "run", "reward_margin")[-1] > 0.1
+    with pytest.raises(TrainingError, match=r"lora\.quantized=true"):
+        train(run_config(tmp_path / "d", tmp_path / "q", tmp_path / "r2", lora={"r": 4, "alpha": 8}))

@@ -23,8 +23,9 @@ sequences of a pair only as far as the tokenizer keeps them so, which is why eac
                                                  the checkpoint's path and fingerprint (training checks that it
                                                  starts from the same weights)
 
-The reference is the checkpoint as training loads it: float weights (a GGUF file dequantized), or with `quantized`
-a GGUF file's quantized weights (the frozen base of QLoRA, lora.quantized).
+The reference is the checkpoint as training loads it: float weights (a GGUF file dequantized), or quantized ones (an
+llmkit quantized checkpoint, or a GGUF file's with `quantized`): the frozen base of QLoRA (lora.quantized), which the
+run checks.
 """
 
 from __future__ import annotations
@@ -177,6 +178,7 @@ def prepare_preferences(
 
     from llmkit.interop.load import load_model
     from llmkit.models import DecoderLM
+    from llmkit.quant import quantized_spec
     from llmkit.runs import resolve_checkpoint
 
     if not 0.0 <= val_fraction < 1.0:
@@ -195,6 +197,7 @@ def prepare_preferences(
         raise ConfigError(f"{ckpt} has no tokenizer to read the pairs with")
     if not isinstance(model, DecoderLM):
         raise ConfigError(f"{ckpt} is not a decoder-only language model")
+    held_quantized = quantized_spec(model) is not None  # what training must load it as: lora.quantized or not
     parts: dict[str, dict[str, list[Any]]] = {s: {"ids": [], "targets": []} for s in ("train", "val")}
     too_long = 0
     with path.open(encoding="utf-8") as f:
@@ -263,7 +266,7 @@ def prepare_preferences(
             "max_tokens": max_tokens,
             "left_out": too_long,
             "reference": (
-                {"checkpoint": str(Path(ckpt).resolve()), "fingerprint": fingerprint(ckpt), "quantized": quantized}
+                {"checkpoint": str(Path(ckpt).resolve()), "fingerprint": fingerprint(ckpt), "quantized": held_quantized}
                 if reference
                 else None
             ),

@@ -366,16 +366,26 @@ class Engine:
 
     def generate(self, prompts: Iterable[list[int]], params: SamplingParams) -> list[Completion]:
         """Run the prompts to completion together (continuous batching inside); one Completion per sequence, in
-        the order of the prompts (and of n within each)."""
-        ids = [self.add(list(p), params) for p in prompts]
-        keys = [(i, k) for i in ids for k in range(params.n)]
-        deltas: dict[tuple[str, int], list[Delta]] = {key: [] for key in keys}
-        pending = set(keys)
-        while pending:
+        the order of the prompts (and of n within each). Every prompt is checked first; they join the queue as it
+        has room (a Python caller may pass more than config.max_queue)."""
+        todo = [list(p) for p in prompts]
+        for prompt in todo:
+            self.check(prompt, params)
+        ids: list[str] = []
+        deltas: dict[tuple[str, int], list[Delta]] = {}
+        pending: set[tuple[str, int]] = set()
+        while len(ids) < len(todo) or pending:
+            while len(ids) < len(todo) and (
+                not pending or len(self.scheduler.waiting) + params.n <= self.config.max_queue
+            ):
+                ids.append(self.admit(todo[len(ids)], params))
+                keys = [(ids[-1], k) for k in range(params.n)]
+                deltas.update({key: [] for key in keys})
+                pending.update(keys)
             for d in self.step():
                 key = (d.request_id, d.index)
                 if key in deltas:  # (not another caller's request)
                     deltas[key].append(d)
                     if d.finish_reason is not None:
                         pending.discard(key)
-        return [Completion.of(deltas[key]) for key in keys]
+        return [Completion.of(deltas[(i, k)]) for i in ids for k in range(params.n)]
