@@ -6,10 +6,10 @@ transformers' `generate` (what TRL's GRPOTrainer samples with when vLLM is not u
 SmolLM2-135M-Instruct in fp32 (the GGUF file dequantized, as GRPO trains it; transformers reads the same weights
 converted), the worked example's chat prompts (bench/rl_arithmetic.py), --group samples of each at temperature 0.7,
 exactly --new tokens each (the end token ignored, so every contender makes the same tokens). The engine runs as
-GRPO runs it (Sampler: n = group, the group's prompt computed once, the batch-invariant C++ step, tempered
-log-probabilities); `generate` gets the prompts repeated group times as one left-padded batch (its C++ step);
-transformers the same batch with do_sample. The contenders take turns for --rounds rounds (medians), with the
-machine's memory bandwidth and fp32 matmul peak measured in the same run.
+GRPO runs it (Sampler.rollouts: the prompts computed once into the prefix cache, then n = group completions of
+each, the batch-invariant C++ step, tempered log-probabilities); `generate` gets the prompts repeated group times
+as one left-padded batch (its C++ step); transformers the same batch with do_sample. The contenders take turns for
+--rounds rounds (medians), with the machine's memory bandwidth and fp32 matmul peak measured in the same run.
 """
 
 from __future__ import annotations
@@ -56,8 +56,11 @@ def main() -> None:
     repeated = [p for p in prompts for _ in range(G)]
 
     def through_engine() -> int:
-        engine.weights_changed()  # as GRPO's sampler does before each call: no prefix kept from the last round
+        # as GRPO's sampler does (llmkit.train.grpo.Sampler.rollouts): no prefix kept from the last round (the
+        # weights would have changed), each prompt computed once into the prefix cache, then its group
+        engine.weights_changed()
         with torch.no_grad():
+            engine.generate(prompts, SamplingParams(max_tokens=0))
             outs = engine.generate(prompts, params)
         return sum(len(o.token_ids) for o in outs)
 

@@ -222,10 +222,11 @@ class Sampler:
         if rl.reward_model is not None:
             self.rewards.append(("reward_model", RewardModel(rl.reward_model), 1.0))
 
-    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Any]:
+    def _generate(self, prompts: list[list[int]], params: SamplingParams, fresh: bool = True) -> list[Any]:
         """The engine's completions under the weights as they are now: the prefixes it cached in an earlier call
-        may be from before an optimizer step, so they are dropped first."""
-        self.engine.weights_changed()
+        may be from before an optimizer step, so they are dropped first (unless not `fresh`: the same weights)."""
+        if fresh:
+            self.engine.weights_changed()
         was_training = self.model.training
         self.model.eval()
         try:
@@ -256,7 +257,10 @@ class Sampler:
         prompts = [self.examples["train"][k].ids for k in indices]
         params = SamplingParams(max_tokens=self.rl.max_new_tokens, temperature=self.rl.temperature, n=G, seed=seed,
                                 tempered_logprobs=True)  # fmt: skip
-        outs = self._generate(prompts, params)
+        # each prompt computed once, into the prefix cache, before its G completions (scheduled together, each
+        # would compute the prompt itself: G times the prompt's work)
+        self._generate(prompts, SamplingParams(max_tokens=0))
+        outs = self._generate(prompts, params, fresh=False)
         examples = [k for k in indices for _ in range(G)]
         by_reward = self.rewards_of("train", examples, outs)
         rewards = self.total(by_reward).to(torch.float32)
