@@ -137,7 +137,7 @@ def reference_logps(
 ) -> np.ndarray:
     """The summed log-probability of every sequence's target tokens under `model`, in fp32 (float64 (sequences,)):
     sequences sorted by length and batched up to `batch_tokens` padded tokens, one a row, as training reads them."""
-    from llmkit.train.preference import answer_logps
+    from llmkit.models.loss import answer_logps
 
     lengths = split.lengths()
     order = np.argsort(lengths, kind="stable")[::-1]
@@ -157,6 +157,72 @@ def reference_logps(
     return out
 
 
+Parts = dict[str, dict[str, list[np.ndarray]]]  # split -> "ids" / "targets" -> one array a sequence
+
+
+def read_pairs(path: Path, tok: Tokenizer, max_tokens: int, val_fraction: float, progress: bool) -> tuple[Parts, int]:
+    """The encoded sequences of a .jsonl file of pairs by split (chosen then rejected, pair after pair), and how
+    many pairs were left out for being longer than `max_tokens`."""
+    from tqdm import tqdm
+
+    parts: Parts = {s: {"ids": [], "targets": []} for s in ("train", "val")}
+    too_long = 0
+    with path.open(encoding="utf-8") as f:
+        lines = f.readlines()
+    for n, line in enumerate(tqdm(lines, desc="encode pairs", unit="pair", disable=not progress), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        prompt, chosen, rejected = parse_pair(line, where)
+        if isinstance(prompt, list) and not tok.chat_template:
+            raise ConfigError(f"{where}: the tokenizer has no chat template to render conversational pairs with")
+        encoded = [encode_answer(tok, prompt, answer) for answer in (chosen, rejected)]
+        for side, (_, targets) in zip(SIDES, encoded, strict=True):
+            if not targets[1:].any():
+                raise InputError(f"{where}: the {side} answer has no tokens after the prompt's first")
+        if max(len(ids) for ids, _ in encoded) > max_tokens:
+            too_long += 1
+            continue
+        part = parts["val" if _in_val(line.strip(), val_fraction) else "train"]
+        for ids, targets in encoded:
+            part["ids"].append(ids)
+            part["targets"].append(targets)
+    if not parts["train"]["ids"]:
+        longer = f" ({too_long} longer than max_tokens={max_tokens})" if too_long else ""
+        raise InputError(f"{path} holds no training pairs{longer}")
+    return parts, too_long
+
+
+def write_split(
+    out_dir: Path, name: str, part: dict[str, list[np.ndarray]], dtype: Any, reference: tuple[Any, int, Any] | None
+) -> dict[str, Any]:
+    """One split's arrays in `out_dir` (and, with `reference` = (model, pad id, device), its reference
+    log-probabilities); returns its entry of meta.json."""
+    lengths = [len(x) for x in part["ids"]]
+    offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
+    ids = np.concatenate(part["ids"]) if lengths else np.zeros(0, np.int64)
+    targets = np.concatenate(part["targets"]) if lengths else np.zeros(0, np.uint8)
+    files = {kind: f"{name}_{kind}.bin" for kind in ("tokens", "targets", "offsets")}
+    write_array(ids.astype(dtype), out_dir / files["tokens"])
+    write_array(targets, out_dir / files["targets"])
+    write_array(offsets, out_dir / files["offsets"])
+    if reference is not None:
+        model, pad_id, device = reference
+        split = ChatSplit(ids, targets, offsets, 0)
+        logps = reference_logps(model, split, pad_id, device) if lengths else np.zeros(0)
+        files["reference"] = f"{name}_reference.bin"
+        write_array(logps.reshape(-1, 2), out_dir / files["reference"])
+    return {
+        "files": files,
+        "examples": len(lengths),
+        "pairs": len(lengths) // 2,
+        "tokens": int(offsets[-1]),
+        "target_tokens": int(targets.sum()),
+        "target_chars": 0,
+        "longest": max(lengths, default=0),
+    }
+
+
 def prepare_preferences(
     source: str | os.PathLike[str],
     out: str | os.PathLike[str],
@@ -174,8 +240,6 @@ def prepare_preferences(
     `reference`) its log-probabilities of every answer; returns the metadata written to meta.json. Pairs with a
     sequence longer than `max_tokens` are left out (and counted). `out` is built beside itself and renamed into
     place when complete (an existing data folder is replaced only with `overwrite`; never a checkpoint or an input)."""
-    from tqdm import tqdm
-
     from llmkit.interop.load import load_model
     from llmkit.models import DecoderLM
     from llmkit.quant import quantized_spec
@@ -198,62 +262,14 @@ def prepare_preferences(
     if not isinstance(model, DecoderLM):
         raise ConfigError(f"{ckpt} is not a decoder-only language model")
     held_quantized = quantized_spec(model) is not None  # what training must load it as: lora.quantized or not
-    parts: dict[str, dict[str, list[Any]]] = {s: {"ids": [], "targets": []} for s in ("train", "val")}
-    too_long = 0
-    with path.open(encoding="utf-8") as f:
-        lines = f.readlines()
-    for n, line in enumerate(tqdm(lines, desc="encode pairs", unit="pair", disable=not progress), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{n}"
-        prompt, chosen, rejected = parse_pair(line, where)
-        if isinstance(prompt, list) and not tok.chat_template:
-            raise ConfigError(f"{ckpt} has no chat template to render the conversational pairs with")
-        encoded = [encode_answer(tok, prompt, answer) for answer in (chosen, rejected)]
-        for side, (_, targets) in zip(SIDES, encoded, strict=True):
-            if not targets[1:].any():
-                raise InputError(f"{where}: the {side} answer has no tokens after the prompt's first")
-        if max(len(ids) for ids, _ in encoded) > max_tokens:
-            too_long += 1
-            continue
-        part = parts["val" if _in_val(line.strip(), val_fraction) else "train"]
-        for ids, targets in encoded:
-            part["ids"].append(ids)
-            part["targets"].append(targets)
-    if not parts["train"]["ids"]:
-        longer = f" ({too_long} longer than max_tokens={max_tokens})" if too_long else ""
-        raise InputError(f"{path} holds no training pairs{longer}")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    run_on = torch.device(device)
-    model = model.to(run_on)
+    parts, too_long = read_pairs(path, tok, max_tokens, val_fraction, progress)
+    run_on = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    scorer = (model.to(run_on), int(tok.eos_id or 0), run_on) if reference else None
     with building(output) as out_dir:
         tok.save(out_dir)
         dtype = token_dtype(tok.vocab_size)
-        splits: dict[str, Any] = {}
-        for name, part in parts.items():
-            lengths = [len(x) for x in part["ids"]]
-            offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
-            ids = np.concatenate(part["ids"]) if lengths else np.zeros(0, np.int64)
-            targets = np.concatenate(part["targets"]) if lengths else np.zeros(0, np.uint8)
-            files = {kind: f"{name}_{kind}.bin" for kind in ("tokens", "targets", "offsets")}
-            write_array(ids.astype(dtype), out_dir / files["tokens"])
-            write_array(targets, out_dir / files["targets"])
-            write_array(offsets, out_dir / files["offsets"])
-            if reference:
-                split = ChatSplit(ids, targets, offsets, 0)
-                logps = reference_logps(model, split, int(tok.eos_id or 0), run_on) if lengths else np.zeros(0)
-                files["reference"] = f"{name}_reference.bin"
-                write_array(logps.reshape(-1, 2), out_dir / files["reference"])
-            splits[name] = {
-                "files": files,
-                "examples": len(lengths),
-                "pairs": len(lengths) // 2,
-                "tokens": int(offsets[-1]),
-                "target_tokens": int(targets.sum()),
-                "target_chars": 0,
-                "longest": max(lengths, default=0),
-            }
+        splits = {name: write_split(out_dir, name, part, dtype, scorer) for name, part in parts.items()}
+        about = {"checkpoint": str(Path(ckpt).resolve()), "fingerprint": fingerprint(ckpt), "quantized": held_quantized}
         meta = {
             "format": FORMAT,
             "version": 1,
@@ -265,11 +281,7 @@ def prepare_preferences(
             "val_fraction": val_fraction,
             "max_tokens": max_tokens,
             "left_out": too_long,
-            "reference": (
-                {"checkpoint": str(Path(ckpt).resolve()), "fingerprint": fingerprint(ckpt), "quantized": held_quantized}
-                if reference
-                else None
-            ),
+            "reference": about if reference else None,
             "splits": splits,
         }
         (out_dir / META).write_text(json.dumps(meta, indent=2) + "\n")

@@ -78,6 +78,15 @@ def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int, label_smoo
     return total / (flat != ignore_index).sum().clamp(min=1)
 
 
+def answer_logps(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """Each row's summed log-probability of its target tokens (targets -100 do not count), in fp32, and how many
+    there are: logits (B, T, V), targets (B, T) -> (B,), (B,)."""
+    counted = targets != -100
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    picked = logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (picked * counted).sum(dim=-1), counted.sum(dim=-1)
+
+
 def distillation_kl(
     student: Tensor, teacher: Tensor, targets: Tensor, temperature: float = 1.0, ignore_index: int = -100
 ) -> Tensor:

@@ -30,9 +30,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
 from torch import Tensor
 from torch.nn import functional as F
+
+from llmkit.models.loss import answer_logps
+
+__all__ = ["Pairs", "PreferenceLoss", "answer_logps", "preference_loss"]
 
 PreferenceLoss = Literal["dpo", "ipo", "simpo"]
 
@@ -46,15 +49,6 @@ class Pairs:
     rejected: Tensor
     chosen_tokens: Tensor
     rejected_tokens: Tensor
-
-
-def answer_logps(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-    """Each row's summed log-probability of its target tokens (targets -100 do not count), in fp32, and how many
-    there are: logits (B, T, V), targets (B, T) -> (B,), (B,)."""
-    counted = targets != -100
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    picked = logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return (picked * counted).sum(dim=-1), counted.sum(dim=-1)
 
 
 def preference_loss(
