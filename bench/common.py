@@ -178,6 +178,23 @@ def smollm2_hf(directory: Path = RUNS) -> Path:
     return out
 
 
+def train_child(config: dict[str, Any], path: Path) -> tuple[float, float, list[dict[str, Any]]]:
+    """`llmkit train` on `config` (written to `path` as YAML) in a child process: its wall seconds, its own peak
+    resident memory in GiB, and the rows of its metrics.jsonl."""
+    import yaml
+
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    start = time.perf_counter()
+    child = subprocess.Popen([sys.executable, "-m", "llmkit", "train", str(path)])
+    _, status, usage = os.wait4(child.pid, 0)  # this child's own resource usage: its peak memory
+    seconds = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"llmkit train {path} failed (exit status {os.waitstatus_to_exitcode(status)})")
+    metrics = Path(config["train"]["out"]) / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return seconds, usage.ru_maxrss / 1024**2, rows  # ru_maxrss: KiB on Linux
+
+
 def llmkit_cli(*args: str) -> None:
     """`python -m llmkit ARGS` from the repository root; a failure stops the benchmark."""
     subprocess.run([sys.executable, "-m", "llmkit", *args], check=True, cwd=ROOT)

@@ -21,17 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from common import smollm2_gguf
+from common import smollm2_gguf, train_child
 
 PROMPT = "Translate to English: "
 
@@ -89,18 +86,8 @@ def bleu(hypotheses: list[str], references: list[str]) -> dict[str, float]:
 
 def train_run(config: dict[str, Any], out: Path) -> dict[str, Any]:
     """`llmkit train` on `config` in a child process: its wall time, peak resident memory and final losses."""
-    import yaml
-
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "config.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    start = time.perf_counter()
-    child = subprocess.Popen([sys.executable, "-m", "llmkit", "train", str(path)])
-    _, status, usage = os.wait4(child.pid, 0)  # this child's own resource usage: its peak memory
-    seconds = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"llmkit train {path} failed (exit status {os.waitstatus_to_exitcode(status)})")
-    rows = [json.loads(line) for line in (Path(config["train"]["out"]) / "metrics.jsonl").read_text().splitlines()]
+    seconds, peak, rows = train_child(config, out / "config.yaml")
     train_rows = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "val_loss" in r]
     return {
@@ -109,7 +96,7 @@ def train_run(config: dict[str, Any], out: Path) -> dict[str, Any]:
         "steps": train_rows[-1]["step"],
         "tokens": train_rows[-1]["tokens"],
         "tokens_per_s": round(train_rows[-1]["tokens"] / max(train_rows[-1]["time"], 1e-9), 1),
-        "peak_rss_gib": round(usage.ru_maxrss / 1024**2, 2),  # KiB on Linux
+        "peak_rss_gib": round(peak, 2),
         "val_loss_first": evals[0]["val_loss"] if evals else None,
         "val_loss": evals[-1]["val_loss"] if evals else None,
     }

@@ -25,8 +25,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import smollm2_gguf
+from common import smollm2_gguf, train_child
 
 MAX = 30  # operands from 1 to MAX
 PHRASES = ["What is {a} + {b}?", "Compute {a} + {b}.", "Add {a} and {b}.", "What do you get when you add {a} to {b}?"]
@@ -116,29 +116,18 @@ def evaluate(checkpoint: Path | str, tasks: Path, out: Path, limit: int | None =
 
 
 def train_run(config: dict[str, Any], out: Path) -> dict[str, Any]:
-    """`llmkit train` on `config` in a child process: its wall time, peak resident memory and its metrics."""
-    import shutil
-
-    import yaml
-
+    """`llmkit train` on `config` in a fresh run folder `out`, in a child process: its wall time, peak resident memory
+    and its metrics."""
     shutil.rmtree(out, ignore_errors=True)  # the example's own run folder: a fresh run each time
     out.mkdir(parents=True)
-    path = out.parent / f"{out.name}.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    start = time.perf_counter()
-    child = subprocess.Popen([sys.executable, "-m", "llmkit", "train", str(path)])
-    _, status, usage = os.wait4(child.pid, 0)  # this child's own resource usage: its peak memory
-    seconds = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"llmkit train {path} failed (exit status {os.waitstatus_to_exitcode(status)})")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    seconds, peak, rows = train_child(config, out.parent / f"{out.name}.yaml")
     steps = [r for r in rows if "loss" in r]
     return {
         "seconds": round(seconds, 1),
         "train_seconds": round(steps[-1]["time"], 1),
         "steps": steps[-1]["step"],
         "tokens": steps[-1]["tokens"],
-        "peak_rss_gib": round(usage.ru_maxrss / 1024**2, 2),  # KiB on Linux
+        "peak_rss_gib": round(peak, 2),
         "rows": rows,
     }
 

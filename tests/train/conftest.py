@@ -12,6 +12,10 @@ from llmkit.train.loop import Result, train
 from llmkit.train.own_text import OwnText, save_own_text
 from llmkit.train.source import InMemory
 
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 TEXT = (
     "ROMEO:\nBut, soft! what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n\n"
     "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?\nDeny thy father and refuse thy name.\n\n"
@@ -49,6 +53,11 @@ def tiny_config(data_dir: Path, out: Path, **sections: dict) -> dict:
             "out": str(out),
         },
     }
+    return with_sections(cfg, sections)
+
+
+def with_sections(cfg: dict, sections: dict) -> dict:
+    """A config dict with each of `sections`' settings put over its own (other settings of a section kept)."""
     for name, values in sections.items():
         cfg[name] = {**cfg.get(name, {}), **values}
     return cfg
@@ -93,4 +102,26 @@ def pretrain(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory, steps: i
     """A run of the tiny model trained `steps` steps on the tiny corpus, to start fine-tuning or grafting from."""
     out = tmp_path_factory.mktemp("pre") / "run"
     train(TrainConfig.from_dict(tiny_config(tiny_data, out, train={"steps": steps})))
+    return out
+
+
+@pytest.fixture(scope="session")
+def random_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tiny Llama with the byte-level tokenizer of tests/helpers.py and a chat template, as a Hugging Face
+    folder (the tests read it, never write into it)."""
+    import dataclasses
+
+    import torch
+    from helpers import tiny_tokenizer
+
+    import llmkit
+    from llmkit.interop.hf import save_hf
+
+    tok = tiny_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    cfg = dataclasses.replace(llmkit.get_preset("llama2-7b-tiny"), vocab_size=tok.vocab_size)
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("ckpt") / "model"
+    save_hf(llmkit.build_model(cfg), out)
+    tok.save(out)
     return out

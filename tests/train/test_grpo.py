@@ -4,7 +4,6 @@ whose reward rises on a trivially learnable reward in the training loop (and res
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import re
@@ -14,9 +13,7 @@ import pytest
 import torch
 from helpers import tiny_tokenizer
 
-import llmkit
 from llmkit.errors import ConfigError, InputError
-from llmkit.interop.hf import save_hf
 from llmkit.interop.load import load_model
 from llmkit.runs import latest_checkpoint
 from llmkit.serve.model_runner import InvariantRunner
@@ -34,7 +31,7 @@ from llmkit.train.grpo import (
 from llmkit.train.loop import train
 from llmkit.train.rewards import Completion, extract_answer, resolve_reward
 
-from .conftest import losses
+from .conftest import losses, with_sections
 
 # ---- the arithmetic, by hand
 
@@ -127,14 +124,8 @@ VOWELS = f"{__name__}:vowel_share"  # (the module as pytest imported it)
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tok = tiny_tokenizer()
-    cfg = dataclasses.replace(llmkit.get_preset("llama2-7b-tiny"), vocab_size=tok.vocab_size)
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("ckpt") / "model"
-    save_hf(llmkit.build_model(cfg), out)
-    tok.save(out)
-    return out
+def checkpoint(random_checkpoint: Path) -> Path:
+    return random_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -206,9 +197,7 @@ def _config(checkpoint: Path, prompts: Path, out: Path, steps: int, **sections: 
         "train": {"steps": steps, "log_every": 1, "eval_every": steps, "save_every": steps, "progress": False,
                   "out": str(out)},
     }  # fmt: skip
-    for name, values in sections.items():
-        cfg[name] = {**cfg.get(name, {}), **values}
-    return TrainConfig.from_dict(cfg)
+    return TrainConfig.from_dict(with_sections(cfg, sections))
 
 
 def test_a_tiny_models_reward_rises_in_the_training_loop(checkpoint, prompts, tmp_path):

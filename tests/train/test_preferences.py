@@ -4,7 +4,6 @@ full and LoRA, that learn a preference and refuse a reference from another check
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import re
@@ -13,9 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_tokenizer
 
-import llmkit
 from llmkit.data.preferences import PreferenceData, prepare_preferences
 from llmkit.errors import InputError
 from llmkit.interop.hf import save_hf
@@ -26,12 +23,8 @@ from llmkit.train.loop import train
 from llmkit.train.preference import answer_logps
 from llmkit.train.source import TrainingError
 
-from .conftest import losses
+from .conftest import losses, with_sections
 
-TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
 WORDS = ["to", "be", "or", "not", "that", "is", "the", "question"]
 
 
@@ -57,16 +50,8 @@ def write(path: Path, rows: list[dict]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random tiny model with a chat template, as a Hugging Face folder."""
-    tok = tiny_tokenizer()
-    tok.chat_template = TEMPLATE
-    cfg = dataclasses.replace(llmkit.get_preset("llama2-7b-tiny"), vocab_size=tok.vocab_size)
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("ckpt") / "model"
-    save_hf(llmkit.build_model(cfg), out)
-    tok.save(out)
-    return out
+def checkpoint(random_checkpoint: Path) -> Path:
+    return random_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +71,7 @@ def run_config(pairs: Path, checkpoint: Path, out: Path, steps: int = 16, **sect
         "train": {"steps": steps, "log_every": 1, "eval_every": steps, "save_every": steps, "progress": False,
                   "out": str(out)},
     }  # fmt: skip
-    for name, values in sections.items():
-        cfg[name] = {**cfg.get(name, {}), **values}
-    return TrainConfig.from_dict(cfg)
+    return TrainConfig.from_dict(with_sections(cfg, sections))
 
 
 def test_answers_are_the_targets_and_the_reference_is_the_checkpoints_own(pairs, checkpoint):

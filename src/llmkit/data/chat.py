@@ -56,14 +56,20 @@ def parse_line(line: str, where: str) -> list[dict[str, str]]:
     messages = obj.get("messages") if isinstance(obj, dict) else None
     if not isinstance(messages, list) or not messages:
         raise InputError(f'{where}: expected an object with a non-empty "messages" list')
-    for k, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise InputError(f'{where}: messages[{k}] must be an object with string "role" and "content"')
-        if m["role"] not in ROLES:
-            raise InputError(f"{where}: messages[{k}].role {m['role']!r} is not one of {', '.join(ROLES)}")
-    if not any(m["role"] == "assistant" for m in messages):
+    checked = check_messages(messages, where, "messages", ROLES)
+    if not any(m["role"] == "assistant" for m in checked):
         raise InputError(f"{where}: no assistant message, so nothing to learn from this conversation")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    return checked
+
+
+def check_messages(value: list[Any], where: str, field: str, roles: tuple[str, ...]) -> list[dict[str, str]]:
+    """A list of {role, content} messages, checked (string fields, a role of `roles`), with only those two keys."""
+    for k, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise InputError(f'{where}: {field}[{k}] must be an object with string "role" and "content"')
+        if m["role"] not in roles:
+            raise InputError(f"{where}: {field}[{k}].role {m['role']!r} is not one of {', '.join(roles)}")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
 def assistant_spans(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
@@ -145,39 +151,58 @@ def prepare_chat(
         raise InputError(f"{path} holds no training conversations")
     with building(output) as out_dir:
         tok.save(out_dir)
-        dtype = token_dtype(tok.vocab_size)
         splits: dict[str, Any] = {}
         for name, part in parts.items():
-            lengths = [len(x) for x in part["ids"]]
-            offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
-            ids = np.concatenate(part["ids"]) if lengths else np.zeros(0, np.int64)
-            targets = np.concatenate(part["targets"]) if lengths else np.zeros(0, np.uint8)
-            files = {kind: f"{name}_{kind}.bin" for kind in ("tokens", "targets", "offsets")}
-            write_array(ids.astype(dtype), out_dir / files["tokens"])
-            write_array(targets, out_dir / files["targets"])
-            write_array(offsets, out_dir / files["offsets"])
-            splits[name] = {
-                "files": files,
-                "examples": len(lengths),
-                "tokens": int(offsets[-1]),
-                "target_tokens": int(targets.sum()),
-                "target_chars": int(sum(part["chars"])),
-                "longest": max(lengths, default=0),
-            }
-        meta = {
-            "format": FORMAT,
-            "version": 1,
-            "source": str(source),
-            "tokenizer": "tokenizer.json",
-            "vocab_size": tok.vocab_size,
-            "eot_id": int(tok.eos_id if tok.eos_id is not None else 0),
-            "dtype": np.dtype(dtype).name,
-            "val_fraction": val_fraction,
-            "splits": splits,
-        }
+            split = write_split(out_dir, name, part["ids"], part["targets"], token_dtype(tok.vocab_size))
+            splits[name] = {**split.meta, "target_chars": int(sum(part["chars"]))}
+        meta = {**common_meta(FORMAT, source, tok, val_fraction), "splits": splits}
         (out_dir / META).write_text(json.dumps(meta, indent=2) + "\n")
     meta["seconds"] = time.time() - start
     return meta
+
+
+@dataclass(frozen=True)
+class Written:
+    """A split as write_split wrote it: its arrays and its entry of meta.json (file names and counts)."""
+
+    ids: np.ndarray
+    targets: np.ndarray
+    offsets: np.ndarray
+    meta: dict[str, Any]
+
+
+def write_split(out_dir: Path, name: str, ids: list[np.ndarray], targets: list[np.ndarray], dtype: Any) -> Written:
+    """One split's examples (token ids and target flags, an array each) as the chat layout's three arrays."""
+    lengths = [len(x) for x in ids]
+    offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
+    flat = np.concatenate(ids) if lengths else np.zeros(0, np.int64)
+    flags = np.concatenate(targets) if lengths else np.zeros(0, np.uint8)
+    files = {kind: f"{name}_{kind}.bin" for kind in ("tokens", "targets", "offsets")}
+    write_array(flat.astype(dtype), out_dir / files["tokens"])
+    write_array(flags, out_dir / files["targets"])
+    write_array(offsets, out_dir / files["offsets"])
+    meta = {
+        "files": files,
+        "examples": len(lengths),
+        "tokens": int(offsets[-1]),
+        "target_tokens": int(flags.sum()),
+        "longest": max(lengths, default=0),
+    }
+    return Written(flat, flags, offsets, meta)
+
+
+def common_meta(kind: str, source: object, tok: Tokenizer, val_fraction: float) -> dict[str, Any]:
+    """meta.json's fields shared by the chat layout's formats."""
+    return {
+        "format": kind,
+        "version": 1,
+        "source": str(source),
+        "tokenizer": "tokenizer.json",
+        "vocab_size": tok.vocab_size,
+        "eot_id": int(tok.eos_id if tok.eos_id is not None else 0),
+        "dtype": np.dtype(token_dtype(tok.vocab_size)).name,
+        "val_fraction": val_fraction,
+    }
 
 
 @dataclass(frozen=True)

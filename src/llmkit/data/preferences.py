@@ -40,7 +40,17 @@ import numpy as np
 import torch
 
 from llmkit.data.arrays import META, token_dtype, write_array
-from llmkit.data.chat import ROLES, ChatData, ChatSplit, _in_val, assistant_spans, row_arrays
+from llmkit.data.chat import (
+    ROLES,
+    ChatData,
+    ChatSplit,
+    _in_val,
+    assistant_spans,
+    check_messages,
+    common_meta,
+    row_arrays,
+    write_split,
+)
 from llmkit.errors import ConfigError, InputError
 from llmkit.outputs import building, claim
 from llmkit.tokenizer import Tokenizer
@@ -60,12 +70,7 @@ def is_preferences(path: str | os.PathLike[str]) -> bool:
 def _messages(value: object, where: str, field: str, roles: tuple[str, ...]) -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
         raise InputError(f"{where}: {field!r} must be a non-empty list of messages (or, for all three, a string)")
-    for k, m in enumerate(value):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise InputError(f'{where}: {field}[{k}] must be an object with string "role" and "content"')
-        if m["role"] not in roles:
-            raise InputError(f"{where}: {field}[{k}].role {m['role']!r} is not one of {', '.join(roles)}")
-    return [{"role": m["role"], "content": m["content"]} for m in value]
+    return check_messages(value, where, field, roles)
 
 
 def parse_pair(line: str, where: str) -> tuple[Prompt, Prompt, Prompt]:
@@ -193,34 +198,20 @@ def read_pairs(path: Path, tok: Tokenizer, max_tokens: int, val_fraction: float,
     return parts, too_long
 
 
-def write_split(
-    out_dir: Path, name: str, part: dict[str, list[np.ndarray]], dtype: Any, reference: tuple[Any, int, Any] | None
+def write_pairs(
+    out_dir: Path, name: str, part: dict[str, list[np.ndarray]], tok: Tokenizer, reference: tuple[Any, Any] | None
 ) -> dict[str, Any]:
-    """One split's arrays in `out_dir` (and, with `reference` = (model, pad id, device), its reference
-    log-probabilities); returns its entry of meta.json."""
-    lengths = [len(x) for x in part["ids"]]
-    offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
-    ids = np.concatenate(part["ids"]) if lengths else np.zeros(0, np.int64)
-    targets = np.concatenate(part["targets"]) if lengths else np.zeros(0, np.uint8)
-    files = {kind: f"{name}_{kind}.bin" for kind in ("tokens", "targets", "offsets")}
-    write_array(ids.astype(dtype), out_dir / files["tokens"])
-    write_array(targets, out_dir / files["targets"])
-    write_array(offsets, out_dir / files["offsets"])
+    """One split's arrays in `out_dir` (chat.py's layout) and, with `reference` = (model, device), its reference
+    log-probabilities; returns its entry of meta.json."""
+    written = write_split(out_dir, name, part["ids"], part["targets"], token_dtype(tok.vocab_size))
+    files = dict(written.meta["files"])
     if reference is not None:
-        model, pad_id, device = reference
-        split = ChatSplit(ids, targets, offsets, 0)
-        logps = reference_logps(model, split, pad_id, device) if lengths else np.zeros(0)
+        model, device = reference
+        split = ChatSplit(written.ids, written.targets, written.offsets, 0)
+        logps = reference_logps(model, split, int(tok.eos_id or 0), device) if len(split) else np.zeros(0)
         files["reference"] = f"{name}_reference.bin"
         write_array(logps.reshape(-1, 2), out_dir / files["reference"])
-    return {
-        "files": files,
-        "examples": len(lengths),
-        "pairs": len(lengths) // 2,
-        "tokens": int(offsets[-1]),
-        "target_tokens": int(targets.sum()),
-        "target_chars": 0,
-        "longest": max(lengths, default=0),
-    }
+    return {**written.meta, "files": files, "pairs": written.meta["examples"] // 2, "target_chars": 0}
 
 
 def prepare_preferences(
@@ -264,21 +255,13 @@ def prepare_preferences(
     held_quantized = quantized_spec(model) is not None  # what training must load it as: lora.quantized or not
     parts, too_long = read_pairs(path, tok, max_tokens, val_fraction, progress)
     run_on = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
-    scorer = (model.to(run_on), int(tok.eos_id or 0), run_on) if reference else None
+    scorer = (model.to(run_on), run_on) if reference else None
     with building(output) as out_dir:
         tok.save(out_dir)
-        dtype = token_dtype(tok.vocab_size)
-        splits = {name: write_split(out_dir, name, part, dtype, scorer) for name, part in parts.items()}
+        splits = {name: write_pairs(out_dir, name, part, tok, scorer) for name, part in parts.items()}
         about = {"checkpoint": str(Path(ckpt).resolve()), "fingerprint": fingerprint(ckpt), "quantized": held_quantized}
         meta = {
-            "format": FORMAT,
-            "version": 1,
-            "source": str(source),
-            "tokenizer": "tokenizer.json",
-            "vocab_size": tok.vocab_size,
-            "eot_id": int(tok.eos_id if tok.eos_id is not None else 0),
-            "dtype": np.dtype(dtype).name,
-            "val_fraction": val_fraction,
+            **common_meta(FORMAT, source, tok, val_fraction),
             "max_tokens": max_tokens,
             "left_out": too_long,
             "reference": about if reference else None,
