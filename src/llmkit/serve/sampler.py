@@ -106,10 +106,10 @@ def sample(logits: Tensor, seqs: list[Sequence], allowed: np.ndarray | None = No
     """logits (B, V), one row per sequence -> the next token of each and its log-probability under the model.
     allowed (B, V) bool: the tokens each row may take (its grammar's, serve/structured.py), or None for all."""
     logits = logits.float()
-    logprobs = torch.log_softmax(logits, dim=-1)  # (B, V)
+    scaled = logits  # what the reported log-probabilities are of: rows with tempered_logprobs over their temperature
     if any(seq.request.params.tempered_logprobs for seq in seqs):
         scaled = torch.stack([tempered(x, seq.request.params) for x, seq in zip(logits, seqs, strict=True)])
-        logprobs = torch.log_softmax(scaled, dim=-1)
+    logprobs = torch.log_softmax(scaled, dim=-1)  # (B, V)
     if allowed is not None:
         logits = mask_logits(logits, allowed)
     chosen = logits.argmax(dim=-1)  # (B,): right for greedy rows without penalties

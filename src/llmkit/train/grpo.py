@@ -195,7 +195,7 @@ class Rollouts:
     rewards: Tensor
     by_reward: dict[str, Tensor]
     advantages: Tensor
-    scored: dict[int, list[list[float]]] = field(default_factory=dict)  # iteration -> the engine's scores
+    scored: dict[int, list[list[float]]] = field(default_factory=dict)  # step -> the engine's scores then
 
     def __len__(self) -> int:
         return len(self.examples)

@@ -133,6 +133,20 @@ class Task(abc.ABC):
         }
 
 
+class EpochOrder:
+    """A fresh shuffled order of n items every epoch, a function of (seed, epoch) alone (resume stays exact); the
+    last epoch asked for is kept."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.seed = n, seed
+        self._last: tuple[int, np.ndarray] | None = None
+
+    def __call__(self, epoch: int) -> np.ndarray:
+        if self._last is None or self._last[0] != epoch:
+            self._last = epoch, np.random.default_rng([self.seed, epoch]).permutation(self.n)
+        return self._last[1]
+
+
 def build_task(cfg: TrainConfig, rt: Runtime) -> Task:
     """The task the data folder calls for: sentence pairs train a translation model, a token stream or
     conversations a language model, preference pairs a language model's preferences, a model's own text its
@@ -545,7 +559,7 @@ class PreferenceTask(ChatTask):
     def load_data(self, cfg: TrainConfig) -> None:
         self.data = self.pairs = PreferenceData(cfg.data.dir)  # type: ignore[assignment]
         self.chat = self.pairs
-        self._epoch_order: tuple[int, np.ndarray] | None = None
+        self._order = EpochOrder(len(self.pairs.split("train")) // 2, cfg.train.seed)
         info = self.pairs.meta["splits"]
         longest = max(v["longest"] for v in info.values())
         if longest - 1 > cfg.data.seq_len:
@@ -621,13 +635,6 @@ class PreferenceTask(ChatTask):
         picks = [self._order(epoch)[k] for epoch, k in (divmod(g, n) for g in range(first, first + B))]
         return self._pair_batch("train", np.array(picks))
 
-    def _order(self, epoch: int) -> np.ndarray:
-        """The pairs' order in `epoch` (the last one asked for is kept)."""
-        if self._epoch_order is None or self._epoch_order[0] != epoch:
-            n = len(self.pairs.split("train")) // 2
-            self._epoch_order = epoch, np.random.default_rng([self.cfg.train.seed, epoch]).permutation(n)
-        return self._epoch_order[1]
-
     def eval_batches(self, full: bool) -> Iterator[tuple[Tensor, ...]]:
         """The validation pairs in order (all of them when `full`, else about train.eval_tokens' worth)."""
         split = self.eval_split
@@ -681,7 +688,7 @@ class GRPOTask(Task):
         self.eval_terms = ("reward", "count", *(f"reward_{name}" for name in names))
         self.sampler: Sampler | None = None
         self._rollouts: tuple[int, Rollouts] | None = None  # (the step they were sampled at, the rollouts)
-        self._epoch_order: tuple[int, np.ndarray] | None = None
+        self._order = EpochOrder(len(self.examples["train"]), cfg.train.seed)
 
     @property
     def vocab_size(self) -> int:
@@ -706,12 +713,6 @@ class GRPOTask(Task):
         per = max(len(e.ids) for e in self.examples["train"]) + rl.max_new_tokens
         rows = d.batch_size * rl.group // self.cfg.train.grad_accum
         return rows * per, "data.batch_size", d.batch_size, per * rl.group // self.cfg.train.grad_accum
-
-    def _order(self, epoch: int) -> np.ndarray:
-        if self._epoch_order is None or self._epoch_order[0] != epoch:
-            n = len(self.examples["train"])
-            self._epoch_order = epoch, np.random.default_rng([self.cfg.train.seed, epoch]).permutation(n)
-        return self._epoch_order[1]
 
     def batch(self, step: int, micro: int) -> tuple[tuple[Tensor, ...], int]:
         """(inputs, targets, old, scored, advantages, stats) of this micro-step's completions; new rollouts every
