@@ -15,6 +15,9 @@ from its state dict through llmkit's key map):
   fraction of the measured bf16 peak (2 x parameters x tokens + the causal attention's products);
 - the serving engine at concurrency 1, 16 and 64 (512-token prompts, --new tokens each, all sent at once): output
   tokens/s and time to first token p50 / p95;
+- the quantized KV caches (--kv-dtypes, int8 and fp8 by default; fp8 on a GPU only): decoding 32 requests of 1,024-token
+  prompts with the cache in one-byte codes against the model's bf16 cache, output tokens/s after the first token and
+  the blocks the same memory holds, each as a ratio to bf16's;
 - on a GPU, the batch-invariant mode's cost (`--batch-invariant`: llmkit.kernels.invariant's products and norms,
   attention without key splits): decoding at batch 1 and serving 16 512-token prompts, as a fraction of the
   default mode's figures above.
@@ -97,12 +100,16 @@ def limits(device: str) -> dict[str, float]:
             "read_gbs": memory_bandwidth(device, seconds=0.5) / 1e9}  # fmt: skip
 
 
-def engine_for(pair: Pair, max_batch: int, invariant: bool = False) -> Any:
+def engine_for(pair: Pair, max_batch: int, invariant: bool = False, kv_dtype: str | None = None) -> Any:
     from llmkit.serve.engine import Engine, EngineConfig
 
     free = torch.cuda.mem_get_info()[0] if pair.ours.device.type == "cuda" else 1 << 30
     config = EngineConfig(
-        kv_memory=min(int(free * 0.5), 40 << 30), max_batch=max_batch, step_tokens=4096, batch_invariant=invariant
+        kv_memory=min(int(free * 0.5), 40 << 30),
+        max_batch=max_batch,
+        step_tokens=4096,
+        batch_invariant=invariant,
+        kv_dtype=kv_dtype,
     )
     return Engine(pair.ours, None, config)
 
@@ -197,6 +204,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--new", type=int, default=128, help="tokens generated per request")
     ap.add_argument("--hf-batches", default="1", help="batches of the transformers comparison (each compiles)")
+    ap.add_argument("--kv-dtypes", default="int8,fp8", help="quantized KV caches to compare with bf16's ('': none)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     device, dtype = args.device, torch.bfloat16
@@ -246,6 +254,9 @@ def main() -> None:
                   "ttft_p50": r["ttft_p50"], "ttft_p95": r["ttft_p95"]})  # fmt: skip
             served[concurrency] = r["tok_s"]
             release(engine)
+        if args.kv_dtypes:
+            for row in kv_dtype_rows(pair, args.kv_dtypes.split(","), args.new, device):
+                emit({"part": "kv cache", "shape": shape, **row})
         if device == "cuda":  # the batch-invariant mode's cost: decoding alone, and serving 16 512-token prompts
             for concurrency, prompt_len, before in ((1, 32, decoded[1]), (16, 512, served[16])):
                 engine = engine_for(pair, max(concurrency, 8), invariant=True)
@@ -264,6 +275,31 @@ def main() -> None:
                   "transformers_tok_s": theirs, "ratio": decoded[batch] / theirs})  # fmt: skip
         del pair
         release(None)
+
+
+def kv_dtype_rows(pair: Pair, kv_dtypes: list[str], new: int, device: str) -> list[dict[str, Any]]:
+    """Decoding 32 requests of 1,024-token prompts with the cache in the model's bf16 and in each of `kv_dtypes`, the
+    same prompts: output tokens/s after the first token and the pool's blocks, the quantized ones as ratios to bf16's
+    (a GPU without fp8 refuses fp8: its row says why)."""
+    prompts = [torch.randint(0, pair.shape["vocab"], (1024,)).tolist() for _ in range(32)]
+    rows: list[dict[str, Any]] = []
+    base: dict[str, float] = {}
+    for kv_dtype in [None, *kv_dtypes]:
+        try:
+            engine = engine_for(pair, 32, kv_dtype=kv_dtype)
+        except Exception as e:  # (an fp8 cache on a GPU before compute capability 8.9)
+            rows.append({"kv_dtype": kv_dtype, "refused": str(e)})
+            continue
+        run_engine(engine, prompts[:2], 8, device)  # warm-up: compiles the kernels, captures the graphs
+        r = run_engine(engine, prompts, new, device)
+        blocks = engine.pool.n_blocks
+        release(engine)
+        if kv_dtype is None:
+            base = {"tok_s": r["decode_tok_s"], "blocks": blocks}
+        tok_s = r["decode_tok_s"]
+        rows.append({"kv_dtype": kv_dtype or "bf16", "decode_tok_s": tok_s, "step_ms": r["step_ms"],
+                     "of_bf16": tok_s / base["tok_s"], "blocks_of_bf16": blocks / base["blocks"]})  # fmt: skip
+    return rows
 
 
 def release(engine: Any) -> None:

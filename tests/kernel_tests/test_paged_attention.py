@@ -127,6 +127,32 @@ def test_half_precision_pools() -> None:
     torch.testing.assert_close(kernel, reference, atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("codes", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_quantized_pools(codes: torch.dtype, dtype: torch.dtype) -> None:
+    """--kv-dtype int8 / fp8: codes read in the queries' dtype, each key's scale on its scores and each value's on
+    its probability, against the reference's codes times scales, in one pass and in runs, with a window and a cap;
+    tokens' scales spread over four orders of magnitude, so a scale applied to the wrong key would show."""
+    from llmkit.layers.attention.cache import quantize_kv
+
+    starts, lens, bs = [70, 0, 33, 5], [1, 45, 2, 1], 4
+    n_blocks = sum(-(-(s + n) // bs) for s, n in zip(starts, lens, strict=True)) + 5
+    spread = 10 ** torch.empty(2, n_blocks, bs, 1).uniform_(-2, 2)
+    (k, k_scale), (v, v_scale) = (quantize_kv(torch.randn(2, n_blocks, bs, 16) * spread, codes) for _ in range(2))
+    k, k_scale, v, v_scale = (t.to(DEVICE) for t in (k, k_scale, v, v_scale))
+    rows = scattered_rows(starts, lens, bs, n_blocks)
+    q = torch.randn(sum(lens), 4, 16, device=DEVICE, dtype=dtype) / 10
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-3}
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
+    for extra in [{}, {"window": 9, "softcap": 30.0}]:
+        want = paged_attention_reference(q, k, v, rows, 0.25, **extra, **scales)  # type: ignore[arg-type]
+        assert want.sub(paged_attention_reference(q, k.float(), v.float(), rows, 0.25, **extra)).abs().max() > 0.1  # type: ignore[arg-type]
+        for chunks in (1, 3):
+            got = paged_attention(q, k, v, rows, 0.25, chunks=chunks, **extra, **scales)  # type: ignore[arg-type]
+            assert got.dtype == dtype
+            torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
 def test_bounds_wider_than_the_rows() -> None:
     """A captured step's grid is sized by fixed bounds: the programs past a row's queries and keys change nothing."""
     kernel, reference = run_both(4, 2, [5, 17], [1, 1], spare=6, chunks=4)
@@ -176,6 +202,10 @@ def test_bad_arguments_are_refused() -> None:
         paged_attention(torch.zeros(1, 3, 16, device=DEVICE), k, k, rows, 1.0)
     with pytest.raises(InputError, match="power of two"):
         paged_attention(torch.zeros(1, 4, 16, device=DEVICE), k, k, rows, 1.0, tile_rows=24)
+    scale = torch.ones(2, 1, 4, device=DEVICE)
+    with pytest.raises(InputError, match="both k_scale and v_scale"):
+        paged_attention(torch.zeros(1, 4, 16, device=DEVICE), k.to(torch.int8), k.to(torch.int8), rows, 1.0,
+                        k_scale=scale)  # fmt: skip
 
 
 def test_key_runs_fill_the_gpu_only_where_the_rows_do_not() -> None:

@@ -41,7 +41,7 @@ def dims(cfg):
     return heads, kv, hd, attn_params
 
 
-@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+@pytest.mark.parametrize("kv_dtype", [None, "int8", "fp8"])
 def test_a_dense_model_s_step_cost_equals_a_count_from_its_configuration(kv_dtype):
     model, cache = build("llama2-7b-tiny", kv_dtype)
     cfg = model.cfg
@@ -52,7 +52,7 @@ def test_a_dense_model_s_step_cost_equals_a_count_from_its_configuration(kv_dtyp
     flops = 2 * (len(QUERIES) * cfg.n_layers * per_layer + LOGITS * head) + cfg.n_layers * 2 * heads * 2 * hd * pairs
     # every parameter is read but the input embedding table (a lookup; the head is its own matrix here)
     weights = 4 * sum(p.numel() for n, p in model.named_parameters() if not n.startswith("embed."))
-    per_token = 2 * kv * (hd * 4 if kv_dtype is None else hd + 4)  # a key and a value: fp32, or int8 codes + a scale
+    per_token = 2 * kv * (hd * 4 if kv_dtype is None else hd + 4)  # a key and a value: fp32, or byte codes + a scale
     cost = StepCosts(model, cache).of(ROWS)
     assert (cost.decode_rows, cost.prompt_tokens, cost.drafts) == (1, 9, 2)
     assert cost.flops == flops

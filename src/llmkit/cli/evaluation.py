@@ -51,9 +51,9 @@ class PerplexityOptions:
     stride: tokens between window starts (default: half the window): each token is scored with at least
         window - stride tokens before it.
     max_tokens: score only the text's first N tokens.
-    kv_dtype: auto (the model's dtype) or int8: keep the model's keys and values as `llmkit serve --kv-dtype int8`
+    kv_dtype: auto (the model's dtype), int8 or fp8: keep the model's keys and values as `llmkit serve --kv-dtype`
         does; without --reference, the reference is the same model with its own cache (loaded once), so the KL
-        and top-1 agreement are what the int8 cache costs.
+        and top-1 agreement are what that cache costs.
     """
 
     perplexity: str | None = None
@@ -62,7 +62,7 @@ class PerplexityOptions:
     window: int = 1024
     stride: int | None = None
     max_tokens: int | None = None
-    kv_dtype: Literal["auto", "int8"] = "auto"
+    kv_dtype: Literal["auto", "int8", "fp8"] = "auto"
 
 
 def eval_(

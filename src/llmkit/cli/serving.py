@@ -76,9 +76,10 @@ class EngineOptions:
       (repeatable). Its rows keep the C++ decode step and the batch-invariant mode; not with speculation.
     max_adapters: adapters resident at most (default: as many as --adapter gives); with an API key, more are
       loaded at run time through POST /v1/load_lora_adapter, the least recently used idle one unloaded.
-    kv_dtype: auto (the model's dtype) or int8: keys and values as int8 codes with a scale per token and kv head,
-      about 3.8x the sequences in the same --kv-memory for a small loss (docs/serving.md measures it). Grouped-query
-      models on the CPU (the C++ step reads the codes); not with --mtp or --draft.
+    kv_dtype: auto (the model's dtype), int8 or fp8: keys and values as one-byte codes with a scale per token and
+      kv head, about 3.8x the sequences of fp32 (1.9x of bf16) in the same --kv-memory for a small loss
+      (docs/serving.md measures it). Grouped-query models; int8 on the CPU (the C++ step reads the codes) and GPUs,
+      fp8 on GPUs of compute capability 8.9 or later (Ada, Hopper); not with --mtp or --draft.
     log_steps: a file to which every step appends a JSON line (its decoding rows, prompt tokens and drafts, seconds,
       the bytes of weights and KV cache it read, its FLOPs, and their fractions of the memory bandwidth and matmul
       peak measured at start-up).
@@ -97,7 +98,7 @@ class EngineOptions:
     prefix_cache_disk: str = "16GiB"
     adapter: list[str] | None = None
     max_adapters: int = 0
-    kv_dtype: Literal["auto", "int8"] = "auto"
+    kv_dtype: Literal["auto", "int8", "fp8"] = "auto"
     log_steps: str | None = None
 
 
@@ -270,7 +271,7 @@ def _announce(server: Any, name: str, model: Any, mtp: int, draft: str | None, s
         f"llmkit serve: {name} ({parameter_count(model) / 1e6:.1f}M parameters{split}, {describe(model)}, "
         f"computing in {str(e.dtype).removeprefix('torch.')} on {e.device}); "
         f"KV cache {e.pool.n_blocks} blocks x {e.pool.block_size} tokens = {e.cache.nbytes / 2**20:.0f} MiB"
-        f"{' of int8 keys and values' if e.cache.kv_dtype == 'int8' else ''}, "
+        f"{f' of {e.cache.kv_dtype} keys and values' if e.cache.kv_dtype else ''}, "
         f"{e.capacity_sequences:.1f} sequences of the full {e.max_len}-token context, "
         f"{e.sequences_of(min(2048, e.max_len))} of {min(2048, e.max_len)} tokens; steps through "
         f"{e.runner.kind}; {invariant}; "

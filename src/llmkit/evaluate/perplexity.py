@@ -12,9 +12,9 @@ Per token: -log p (nats); perplexity = exp(mean), bits per byte = sum / ln 2 / t
 across tokenizers). Against a reference with the same vocabulary, per token KL(reference || model) =
 sum_v p_ref(v) (log p_ref(v) - log p_model(v)), and whether the two most likely tokens agree; reported as
 llama.cpp's `llama-perplexity --kl-divergence` reports them (mean, median, high percentiles, maximum, top-1
-agreement) with the change in perplexity. With kv_dtype "int8" the model's keys and values are kept as the serving
-engine's --kv-dtype int8 keeps them (Int8KVCache), so that the divergence from the same model with its own cache is
-what the int8 cache costs.
+agreement) with the change in perplexity. With kv_dtype "int8" or "fp8" the model's keys and values are kept as the
+serving engine's --kv-dtype keeps them (QuantizedKVCache), so that the divergence from the same model with its own
+cache is what that cache costs.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from torch import Tensor
 
 from llmkit.errors import InputError
 from llmkit.generate.step import DecodeStep, choose_step
-from llmkit.layers.attention.cache import Int8KVCache, KVCache
+from llmkit.layers.attention.cache import KV_CODES, KVCache, QuantizedKVCache
 from llmkit.models import DecoderLM
 from llmkit.models.cache import Cache
 from llmkit.tokenizer import Tokenizer
@@ -58,15 +58,16 @@ def spans(n: int, window: int, stride: int) -> list[tuple[int, int, int]]:
 
 def new_cache(model: DecoderLM, length: int, kv_dtype: str | None = None) -> Cache:
     """A cache for one sequence of `length` tokens, its keys and values in the model's dtype or, with kv_dtype
-    "int8", as int8 codes and scales (grouped-query attention only)."""
+    "int8" or "fp8", as those codes and scales (grouped-query attention only)."""
     cache = model.new_cache(1, length)
     if kv_dtype is None:
         return cache
-    if kv_dtype != "int8":
-        raise InputError(f"kv_dtype must be 'int8' or None (the model's dtype), not {kv_dtype!r}")
+    if kv_dtype not in KV_CODES:
+        raise InputError(f"kv_dtype must be one of {', '.join(KV_CODES)} or None (the model's dtype), not {kv_dtype!r}")
     if not all(type(c) is KVCache for c in cache.layers):
-        raise InputError("an int8 KV cache is for grouped-query attention; this model's layers cache otherwise")
-    cache.layers = [Int8KVCache.like(c) for c in cast(list[KVCache], cache.layers)]
+        raise InputError(f"an {kv_dtype} KV cache is for grouped-query attention; this model's layers cache otherwise")
+    codes = KV_CODES[kv_dtype][0]
+    cache.layers = [QuantizedKVCache.like(c, codes) for c in cast(list[KVCache], cache.layers)]
     return cache
 
 

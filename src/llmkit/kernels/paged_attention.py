@@ -17,6 +17,10 @@ h // G, G = H / K. Scores are scaled, then soft-capped (Gemma 2: cap * tanh(s / 
 With `select` (N, n) a query sees only the positions listed for it (DeepSeek's sparse attention: its indexer's top-k
 keys; -1 pads a list), still causally: each such query is a tile of its own in the kernel.
 
+A quantized pool (the serving engine's --kv-dtype int8 or fp8) holds codes k, v (int8 or float8_e4m3fn) with a scale
+per (kv head, block, slot) in k_scale, v_scale (K, NB, bs): the key or value is its codes times its scale
+(llmkit.layers.attention.cache.quantize_kv), computed in the queries' dtype.
+
 A row's keys may be reduced in `chunks` runs (flash-decoding: a long context's keys spread over more programs, then
 the runs' partial softmaxes combined). The runs are cut by the row's own length, so a query's result does not
 depend on the other rows of its step: what the batch-invariant mode needs, with a fixed `chunks` and tile.
@@ -46,10 +50,12 @@ def paged_attention_reference(
     window: int | None = None,
     k_rope: Tensor | None = None,
     select: Tensor | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
     """The definition: each row's keys gathered through its table, then softmax(q k^T) v in fp32.
     q (N, H, Dq), k (K, NB, bs, D), v (K, NB, bs, Dv), k_rope (K, NB, bs, dr) or None (Dq = D + dr), select (N, n)
-    or None -> (N, H, Dv)."""
+    or None, a quantized pool's scales k_scale, v_scale (K, NB, bs) or None -> (N, H, Dv)."""
     N, H, _ = q.shape
     K, _, bs, _ = k.shape
     out = q.new_zeros(N, H, v.shape[-1])
@@ -57,12 +63,15 @@ def paged_attention_reference(
         S = s0 + n
         pos = torch.arange(S, device=q.device)
         page = rows.table[b, pos // bs].long()  # (S,)
-        keys = k[:, page, pos % bs]  # (K, S, D)
+        keys = k[:, page, pos % bs].float()  # (K, S, D)
         if k_rope is not None:
-            keys = torch.cat((keys, k_rope[:, page, pos % bs]), dim=-1)  # (K, S, D + dr)
+            keys = torch.cat((keys, k_rope[:, page, pos % bs].float()), dim=-1)  # (K, S, D + dr)
         values = v[:, page, pos % bs].float()  # (K, S, Dv)
+        if k_scale is not None and v_scale is not None:  # codes times their scales
+            keys = keys * k_scale[:, page, pos % bs, None]
+            values = values * v_scale[:, page, pos % bs, None]
         qb = q[q0 : q0 + n].float().view(n, K, H // K, -1)  # (T, K, G, Dq)
-        scores = torch.einsum("tkgd,ksd->tkgs", qb, keys.float()) * scale  # (T, K, G, S)
+        scores = torch.einsum("tkgd,ksd->tkgs", qb, keys) * scale  # (T, K, G, S)
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
         qpos = (s0 + torch.arange(n, device=q.device))[:, None]  # (T, 1)
@@ -90,6 +99,8 @@ def paged_attention(
     chunks: int = 1,
     tile_rows: int | None = None,
     select: Tensor | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
     """Attention over the paged pools in place (the Triton kernel): the same arguments and result as
     paged_attention_reference. `chunks`: reduce each row's keys in that many runs, combined after (1: one pass; a
@@ -102,9 +113,11 @@ def paged_attention(
         raise InputError(f"tile_rows must be a power of two from 16, not {tile_rows}")
     if q.shape[1] % k.shape[0]:
         raise InputError(f"{q.shape[1]} query heads cannot share {k.shape[0]} kv heads evenly")
+    if (k_scale is None) != (v_scale is None) or (k_scale is not None and k_rope is not None):
+        raise InputError("a quantized pool gives both k_scale and v_scale, for grouped-query keys (no k_rope)")
     from llmkit.kernels.triton_paged import launch
 
-    return launch(q, k, v, rows, scale, softcap, window, k_rope, chunks, tile_rows, select)
+    return launch(q, k, v, rows, scale, softcap, window, k_rope, chunks, tile_rows, select, k_scale, v_scale)
 
 
 def chunks_for(rows: int, kv_heads: int, max_keys: int, programs: int = 264) -> int:

@@ -16,6 +16,11 @@ change with the keys, and a row's bits do not change with its neighbours. Progra
 once, and empty chunks write an empty partial (m = -inf, l = 0), so a grid sized by fixed bounds (a captured CUDA
 graph's) is correct for any rows inside them.
 
+A quantized pool (--kv-dtype int8 or fp8) holds one-byte codes and a scale per (kv head, block, slot). The codes are
+converted to the queries' dtype as they are loaded, and the scales applied where they cost least: a key's scale
+multiplies its column of scores, a value's scale the probability that weighs it (not the softmax's sum), so no tile
+is ever dequantized in full.
+
 Under TRITON_INTERPRET=1 the same code runs on CPU tensors (numpy underneath): the tests check it against the
 reference there, in fp32 and fp16 (the interpreter's bf16 products are wrong as of Triton 3.9: the GPU check covers
 bf16).
@@ -37,15 +42,17 @@ BLOCK_N = 32  # key positions per inner step
 
 @triton.jit
 def _attend_tile(
-    q_ptr, k_ptr, r_ptr, v_ptr, out_ptr, ml_ptr, sel_ptr,
+    q_ptr, k_ptr, r_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, ml_ptr, sel_ptr,
     table_ptr, q_start_ptr, q_len_ptr, start_ptr, scale, softcap, window, group, n_chunks, block_size, first_key,
     n_select,
     s_qn, s_qh, s_kh, s_kb, s_ks, s_rh, s_rb, s_rs, s_vh, s_vb, s_vs,  # strides: q; the pools (head, block, slot)
+    s_xh, s_xb, s_xs,  # the scales' strides (head, block, slot), a quantized pool's
     s_on, s_oh, s_oc, s_mn, s_mh, s_tb, s_sn,  # out (query, head, chunk), m and l (query, head), table, selection
     D: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr, SELECT: tl.constexpr, PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr, SELECT: tl.constexpr, SCALED: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     row, tile = tl.program_id(0), tl.program_id(1)
     kv_head = (tl.program_id(2) // n_chunks).to(tl.int64)  # (a pool past 2^31 elements: 64-bit offsets)
@@ -88,22 +95,21 @@ def _attend_tile(
             pos = n0 + tl.arange(0, BLOCK_N)
             inside = (pos >= lo) & (pos < hi)
         page = tl.load(table_ptr + row * s_tb + pos // block_size, mask=inside, other=0).to(tl.int64)
+        x_slot = kv_head * s_xh + page * s_xb + (pos % block_size) * s_xs  # (N,) the keys' scales, when SCALED
         # the key tile's scores (M, N) in fp32
         s = _scores(
             q, q_rope, k_ptr + kv_head * s_kh + page * s_kb + (pos % block_size) * s_ks,
-            r_ptr + kv_head * s_rh + page * s_rb + (pos % block_size) * s_rs, inside, pos, q_pos, scale, softcap,
-            window, D, DR, BLOCK_D, BLOCK_DR, SOFTCAP, WINDOW, PRECISION,
+            r_ptr + kv_head * s_rh + page * s_rb + (pos % block_size) * s_rs, ks_ptr + x_slot, inside, pos, q_pos,
+            scale, softcap, window, D, DR, BLOCK_D, BLOCK_DR, SOFTCAP, WINDOW, SCALED, PRECISION,
         )  # fmt: skip
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays empty
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
         l = l * alpha + tl.sum(p, axis=1)
-        v_slot = page * s_vb + (pos % block_size) * s_vs
-        v = tl.load(
-            v_ptr + kv_head * s_vh + v_slot[:, None] + dv[None, :], mask=inside[:, None] & (dv[None, :] < DV), other=0.0
-        )  # fmt: skip  (N, DV)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        v_at = v_ptr + kv_head * s_vh + page * s_vb + (pos % block_size) * s_vs
+        pv = _weighted_values(p, v_at, vs_ptr + x_slot, inside, q.dtype, DV, BLOCK_DV, SCALED, PRECISION)
+        acc = acc * alpha[:, None] + pv
         m = m_new
 
     keep = live[:, None] & (dv[None, :] < DV)
@@ -136,16 +142,20 @@ def _key_range(
 
 @triton.jit
 def _scores(
-    q, q_rope, k_at, r_at, inside, pos, q_pos, scale, softcap, window,
+    q, q_rope, k_at, r_at, x_at, inside, pos, q_pos, scale, softcap, window,
     D: tl.constexpr, DR: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr,
-    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, SCALED: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One key tile's scores (M, N) in fp32: q . k (plus the rope parts' product), scaled, soft-capped, and -inf where
-    a query does not see the key. k_at, r_at (N,): where each key's first element lies (in the key pool, the rope
-    pool)."""
+    a query does not see the key. k_at, r_at, x_at (N,): where each key's first element lies (in the key pool, the
+    rope pool) and, when SCALED, its scale (a quantized pool's codes are read in the queries' dtype)."""
     d = tl.arange(0, BLOCK_D)
     k = tl.load(k_at[None, :] + d[:, None], mask=inside[None, :] & (d[:, None] < D), other=0.0)  # (D, N)
-    s = tl.dot(q.to(k.dtype), k, input_precision=PRECISION)
+    if SCALED:
+        s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION)
+        s = s * tl.load(x_at, mask=inside, other=0.0)[None, :]
+    else:
+        s = tl.dot(q.to(k.dtype), k, input_precision=PRECISION)
     if DR > 0:
         dr = tl.arange(0, BLOCK_DR)
         kr = tl.load(r_at[None, :] + dr[:, None], mask=inside[None, :] & (dr[:, None] < DR), other=0.0)  # (DR, N)
@@ -157,6 +167,22 @@ def _scores(
     if WINDOW:
         seen = seen & (q_pos[:, None] - pos[None, :] < window)
     return tl.where(seen, s, float("-inf"))
+
+
+@triton.jit
+def _weighted_values(
+    p, v_at, x_at, inside, dtype: tl.constexpr,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, SCALED: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """p (M, N) times the key tile's values (N, DV), in fp32. v_at, x_at (N,): where each value's first element lies
+    and, when SCALED, its scale: then the codes are read in `dtype` (the queries') and each value's scale multiplies
+    the probability that weighs it."""
+    dv = tl.arange(0, BLOCK_DV)
+    v = tl.load(v_at[:, None] + dv[None, :], mask=inside[:, None] & (dv[None, :] < DV), other=0.0)  # (N, DV)
+    if SCALED:
+        v = v.to(dtype)
+        p = p * tl.load(x_at, mask=inside, other=0.0)[None, :]
+    return tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
 
 
 @triton.jit
@@ -215,6 +241,18 @@ def _options(
     return {"num_warps": warps, "num_stages": int(max(1, min(3, (budget - fixed) // per_stage)))}
 
 
+def _scales(
+    k_scale: Tensor | None, v_scale: Tensor | None, k_rope: Tensor | None, unused: Tensor
+) -> tuple[Tensor, Tensor, tuple[int, ...]]:
+    """A quantized pool's scales (K, NB, bs) and their strides, or, for a pool without them, `unused` in their place
+    and zero strides."""
+    if k_scale is None or v_scale is None:
+        assert k_scale is None and v_scale is None, "a quantized pool has both scales"
+        return unused, unused, (0, 0, 0)
+    assert k_rope is None and k_scale.stride() == v_scale.stride(), "scales (K, NB, bs) of one layout"
+    return k_scale, v_scale, k_scale.stride()
+
+
 def launch(
     q: Tensor,
     k: Tensor,
@@ -227,9 +265,11 @@ def launch(
     chunks: int,
     tile_rows: int | None = None,
     select: Tensor | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
-    """paged_attention's kernel launch: q (N, H, D + dr), k (K, NB, bs, D), v (K, NB, bs, Dv), select (N, n) or None
-    -> (N, H, Dv)."""
+    """paged_attention's kernel launch: q (N, H, D + dr), k (K, NB, bs, D), v (K, NB, bs, Dv), select (N, n) or None,
+    a quantized pool's scales k_scale, v_scale (K, NB, bs) or None -> (N, H, Dv)."""
     N, H, Dq = q.shape
     K, _, bs, D = k.shape
     DV = v.shape[-1]
@@ -256,12 +296,14 @@ def launch(
         ml = out  # unused
         dest, s_o = out, (out.stride(0), out.stride(1), 0)
     rope = k if k_rope is None else k_rope
+    scaled = k_scale is not None
+    k_scale, v_scale, s_x = _scales(k_scale, v_scale, k_rope, rows.q_len)
     BLOCK_D, BLOCK_DR, BLOCK_DV = _pow2(D), _pow2(max(DR, 1)), _pow2(DV)
     dims = (BLOCK_D, BLOCK_DR, BLOCK_DV)
     launch_options = _options(q.device, BLOCK_M * BLOCK_G, dims, q.element_size(), chunks > 1)
     grid = (rows.table.shape[0], triton.cdiv(rows.max_q_len, BLOCK_M), K * chunks)
     _attend_tile[grid](
-        q, k, rope, v, dest, ml, sel,
+        q, k, rope, v, k_scale, v_scale, dest, ml, sel,
         rows.table, rows.q_start, rows.q_len, rows.start,
         scale, softcap or 0.0, window or 0, group, chunks, bs, rows.first_key,
         select.shape[1] if select is not None else 0,
@@ -269,6 +311,7 @@ def launch(
         k.stride(0), k.stride(1), k.stride(2),
         rope.stride(0), rope.stride(1), rope.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
+        *s_x,
         *s_o,
         ml.stride(0) if chunks > 1 else 0, ml.stride(1) if chunks > 1 else 0,
         rows.table.stride(0), sel.stride(0),
@@ -276,7 +319,10 @@ def launch(
         BLOCK_D=BLOCK_D, BLOCK_DR=BLOCK_DR, BLOCK_DV=BLOCK_DV,
         BLOCK_M=BLOCK_M, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N,
         SOFTCAP=softcap is not None, WINDOW=window is not None, SPLIT=chunks > 1, SELECT=select is not None,
-        PRECISION="ieee" if k.dtype == torch.float32 else "tf32",  # fp32 pools exactly; tf32 is only for fp32 inputs
+        SCALED=scaled,
+        # fp32 products exactly (tf32 applies only to fp32 inputs): the products are in the pool's dtype, or the
+        # queries' where the pool holds codes
+        PRECISION="ieee" if (q.dtype if scaled else k.dtype) == torch.float32 else "tf32",
         **launch_options,
     )  # fmt: skip
     if chunks > 1:

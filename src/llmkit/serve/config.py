@@ -30,9 +30,10 @@ class EngineConfig:
     tier); disk_cache: bytes the directory's blocks may take (serve/tiers.py);
     max_adapters: with n > 0, requests may choose a LoRA adapter (serve/adapters.py), n of them resident at most;
     their decoding rows keep the C++ step (its low-rank products per row), the base model's rows run as they would;
-    kv_dtype: "int8" keeps the cache's keys and values as int8 codes with a scale per token and kv head (serve/paged.py;
-    grouped-query models on the CPU): about 3.8x the sequences of an fp32 cache in the same kv_memory, at a small
-    cost in quality (docs/serving.md gives it); None: the model's dtype;
+    kv_dtype: "int8" or "fp8" keeps the cache's keys and values as one-byte codes with a scale per token and kv head
+    (serve/paged.py; grouped-query models; fp8 where the GPU's paged-attention kernel reads it): about 3.8x the
+    sequences of an fp32 cache in the same kv_memory, at a small cost in quality (docs/serving.md gives it); None:
+    the model's dtype;
     log_steps: a file to which each step appends a JSON line: its rows, seconds, the bytes of weights and cache it
     read and its FLOPs, and their fractions of the machine's limits when measured (serve/telemetry.py)."""
 
@@ -73,10 +74,12 @@ class EngineConfig:
             raise InputError("host_cache and disk_cache are byte counts >= 0")
         if self.tiered and not self.prefix_caching:
             raise InputError("prefix-cache tiers (host_cache, cache_dir) need prefix caching on")
-        if self.kv_dtype not in (None, "int8"):
-            raise InputError(f"kv_dtype={self.kv_dtype!r} must be 'int8' or None (the model's dtype)")
+        if self.kv_dtype not in (None, "int8", "fp8"):
+            raise InputError(f"kv_dtype={self.kv_dtype!r} must be 'int8', 'fp8' or None (the model's dtype)")
         if self.kv_dtype is not None and self.draft_tokens and not self.ngram:
-            raise InputError("an int8 KV cache is not shared with an MTP module or a draft model: use --ngram drafts")
+            raise InputError(
+                f"an {self.kv_dtype} KV cache is not shared with an MTP module or a draft model: use --ngram drafts"
+            )
         if self.ngram and not self.draft_tokens:
             raise InputError("ngram drafting needs draft_tokens >= 1 (how many drafts a sequence may get a step)")
 

@@ -222,20 +222,25 @@ def model_runner(
     takes them and Triton is installed, batch-invariant when `invariant` is True. Else the backend
     `resolve` decides (llmkit.generate.backend: the C++ step, batch-invariant unless `invariant` is False, where the
     model lowers to it), where the C++ step also reads the pools (fp32 or int8 caches); else PyTorch, where
-    `invariant` must not be True; a model split across ranks (`lockstep`) runs in PyTorch on every rank."""
+    `invariant` must not be True; a model split across ranks (`lockstep`) runs in PyTorch on every rank. An fp8
+    cache is read by the kernels only, on a GPU that converts fp8 (compute capability 8.9 or later)."""
     if lockstep is not None:
         if invariant:
             raise InputError("a model split across ranks is served without the batch-invariant mode")
         return LockstepRunner(model, cache, block_size, lockstep)
-    if model.device.type == "cuda":
-        if attends_in_place(model) and triton_usable(model.device):
-            return KernelRunner(model, cache, block_size, invariant=bool(invariant))
-        if invariant:
-            raise InputError(
-                "on a GPU the batch-invariant mode runs on llmkit's Triton kernels, which need Triton installed"
-            )
-    if cache.kv_dtype is not None and model.device.type != "cpu":
-        raise InputError(f"a {cache.kv_dtype} KV cache is kept on the CPU paths (on a GPU, the model's dtype)")
+    kernels = model.device.type == "cuda" and attends_in_place(model) and triton_usable(model.device)
+    if cache.kv_dtype == "fp8" and not (kernels and torch.cuda.get_device_capability(model.device) >= (8, 9)):
+        raise InputError(
+            "an fp8 KV cache is read by llmkit's paged-attention kernels on a GPU of compute capability 8.9 or later "
+            "(Ada, Hopper) with Triton installed; elsewhere --kv-dtype int8 takes the same memory (on a CPU the C++ "
+            "step reads it in place)"
+        )
+    if kernels:
+        return KernelRunner(model, cache, block_size, invariant=bool(invariant))
+    if invariant and model.device.type == "cuda":
+        raise InputError(
+            "on a GPU the batch-invariant mode runs on llmkit's Triton kernels, which need Triton installed"
+        )
     backend = resolve(model, invariant=invariant)
     pools = cache.grouped_query()
     with torch.no_grad():

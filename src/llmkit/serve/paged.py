@@ -7,9 +7,10 @@ that let an unchanged attention layer write its new keys into the blocks and rea
 
 Each pool starts as its attention variant's own `new_cache(batch=N, max_len=block_size)`, so a variant's per-token
 layout is written down once, and MLA's 576-element latent takes 576 elements per token here too: more blocks, so
-more concurrent sequences, in the same memory. With kv_dtype "int8" a grouped-query pool holds int8 codes and a
-scale per (token, kv head) (k_scale, v_scale (K, N, bs); llmkit.layers.attention.cache.quantize_int8): 3.8x the
-blocks of an fp32 pool at D = 64, which the C++ step reads in place and the PyTorch paths dequantize as they gather.
+more concurrent sequences, in the same memory. With kv_dtype "int8" or "fp8" a grouped-query pool holds one-byte
+codes and a scale per (token, kv head) (k_scale, v_scale (K, N, bs); llmkit.layers.attention.cache.quantize_kv):
+3.8x the blocks of an fp32 pool at D = 64, which the C++ step (int8) and the paged-attention kernel (both) read in
+place and the PyTorch paths dequantize as they gather.
 
 A step's view gathers each row's blocks into one contiguous (B, .., S, ..) tensor of S = blocks x block_size slots
 and writes the new tokens at (physical block, offset); the attention mask hides the slots a row has not filled.
@@ -31,14 +32,15 @@ from llmkit.errors import InputError
 from llmkit.kernels.paged_attention import PagedRows
 from llmkit.layers.attention import SelfAttention
 from llmkit.layers.attention.cache import (
+    KV_CODES,
     GroupedInPlace,
     IndexQueries,
     KVCache,
     LatentCache,
     LayerCache,
     SelectedInPlace,
-    dequantize_int8,
-    quantize_int8,
+    dequantize_kv,
+    quantize_kv,
 )
 from llmkit.models.decoder import DecoderLM
 
@@ -69,7 +71,7 @@ class Pages:
 class KVPool:
     """A grouped-query layer's blocks: k (K, N, bs, D), v (K, N, bs, Dv). Heads come first, unlike KVCache's
     (batch, K, S, D): a step's gather of whole blocks then lays each kv head's rows out contiguously (see _rows).
-    An int8 pool's k and v are codes, with a scale each in k_scale, v_scale (K, N, bs)."""
+    A quantized pool's k and v are codes (int8 or fp8), with a scale each in k_scale, v_scale (K, N, bs)."""
 
     k: Tensor
     v: Tensor
@@ -77,14 +79,14 @@ class KVPool:
     v_scale: Tensor | None = None
 
     @classmethod
-    def of(cls, cache: KVCache, int8: bool = False) -> KVPool:
-        """The pool whose blocks are the rows of `cache` (batch = N blocks, max_len = block size); `int8`: of
-        int8 codes and scales instead of cache's dtype."""
+    def of(cls, cache: KVCache, codes: torch.dtype | None = None) -> KVPool:
+        """The pool whose blocks are the rows of `cache` (batch = N blocks, max_len = block size); with `codes`
+        (torch.int8 or torch.float8_e4m3fn), of those codes and their scales instead of cache's dtype."""
         k, v = cache.k.transpose(0, 1).contiguous(), cache.v.transpose(0, 1).contiguous()
-        if not int8:
+        if codes is None:
             return cls(k, v)
         scales = torch.zeros(k.shape[:3], device=k.device)
-        return cls(k.to(torch.int8), v.to(torch.int8), scales, scales.clone())
+        return cls(k.to(codes), v.to(codes), scales, scales.clone())
 
     @property
     def nbytes(self) -> int:
@@ -92,7 +94,7 @@ class KVPool:
 
     @property
     def scales(self) -> tuple[Tensor, Tensor] | None:
-        """An int8 pool's key and value scales (K, N, bs); None for a pool of the model's dtype."""
+        """A quantized pool's key and value scales (K, N, bs); None for a pool of the model's dtype."""
         return (self.k_scale, self.v_scale) if self.k_scale is not None and self.v_scale is not None else None
 
     @property
@@ -107,7 +109,7 @@ class KVPool:
             self.v[:, block, offset] = v.to(self.v.dtype)
             return
         for codes, scales, x in zip((self.k, self.v), self.scales, (k, v), strict=True):
-            codes[:, block, offset], scales[:, block, offset] = quantize_int8(x)
+            codes[:, block, offset], scales[:, block, offset] = quantize_kv(x, codes.dtype)
 
     def rows(self, table: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Each row's slots (B, K, nb * bs, D) and (B, K, nb * bs, Dv) through block table (B, nb), in `dtype`."""
@@ -115,8 +117,8 @@ class KVPool:
             return _rows(self.k, table), _rows(self.v, table)
         k_scale, v_scale = self.scales
         return (
-            dequantize_int8(_rows(self.k, table), _rows(k_scale[..., None], table)[..., 0], dtype),
-            dequantize_int8(_rows(self.v, table), _rows(v_scale[..., None], table)[..., 0], dtype),
+            dequantize_kv(_rows(self.k, table), _rows(k_scale[..., None], table)[..., 0], dtype),
+            dequantize_kv(_rows(self.v, table), _rows(v_scale[..., None], table)[..., 0], dtype),
         )
 
 
@@ -217,10 +219,13 @@ class KernelKV(GroupedInPlace):
         """q (B, T, H, D), k (B, T, K, D), v (B, T, K, Dv), B T = n packed row after row -> (B, T, H, Dv)."""
         B, T, H, D = q.shape
         pool, at = self.store, self.at
-        assert pool.scales is None, "the paged-attention kernels read fp32, bf16 or fp16 pools"
-        pool.k[:, at.block, at.offset] = k.reshape(B * T, -1, D).transpose(0, 1).to(pool.k.dtype)  # (K, n, D)
-        pool.v[:, at.block, at.offset] = v.reshape(B * T, -1, v.shape[-1]).transpose(0, 1).to(pool.v.dtype)
-        out = self.attention(q.reshape(B * T, H, D).to(pool.k.dtype), pool.k, pool.v, at.rows, scale, softcap, window)
+        pool.write(at.block, at.offset, k.flatten(0, 1).transpose(0, 1), v.flatten(0, 1).transpose(0, 1))  # (K, n, D)
+        q = q.reshape(B * T, H, D)
+        if pool.scales is None:  # the queries in the pool's dtype
+            out = self.attention(q.to(pool.k.dtype), pool.k, pool.v, at.rows, scale, softcap, window)
+        else:  # a quantized pool's codes, read in the queries' dtype
+            k_scale, v_scale = pool.scales
+            out = self.attention(q, pool.k, pool.v, at.rows, scale, softcap, window, k_scale=k_scale, v_scale=v_scale)
         return out.view(B, T, H, -1).to(q.dtype)
 
 
@@ -281,19 +286,19 @@ class PagedCache:
     ) -> None:
         if kv_dtype not in KV_DTYPES:
             raise InputError(f"kv_dtype must be one of {', '.join(map(str, KV_DTYPES))}, not {kv_dtype!r}")
-        int8 = kv_dtype == "int8"
-        if int8 and not all(isinstance(_attention(b).new_cache(1, 1, torch.device("meta")), KVCache)
-                            for b in model.blocks):  # fmt: skip
+        codes = KV_CODES[kv_dtype][0] if kv_dtype is not None else None
+        if codes is not None and not all(isinstance(_attention(b).new_cache(1, 1, torch.device("meta")), KVCache)
+                                         for b in model.blocks):  # fmt: skip
             raise InputError(
-                "an int8 KV cache is for grouped-query attention (MHA, GQA, MQA); latent attention's cache (MLA, "
-                "DSA) is kept in the model's dtype"
+                f"an {kv_dtype} KV cache is for grouped-query attention (MHA, GQA, MQA); latent attention's cache "
+                "(MLA, DSA) is kept in the model's dtype"
             )
         self.n_blocks, self.block_size, self.kv_dtype = n_blocks, block_size, kv_dtype
         # `scratch`: one block more, never handed out, that the padding rows of a captured step write to
         self.scratch = n_blocks if scratch else None
         total = n_blocks + int(scratch)
         self.layers: list[Pool] = [
-            _pool(_attention(b).new_cache(total, block_size, device, dtype), int8) for b in model.blocks
+            _pool(_attention(b).new_cache(total, block_size, device, dtype), codes) for b in model.blocks
         ]
 
     @staticmethod
@@ -354,11 +359,11 @@ class PagedCache:
 
 
 # what a pool's keys and values may be kept as (None: the model's dtype)
-KV_DTYPES = (None, "int8")
+KV_DTYPES = (None, *KV_CODES)
 
 
-def _pool(cache: LayerCache, int8: bool) -> Pool:
-    return KVPool.of(cache, int8) if isinstance(cache, KVCache) else LatentPool.of(cache)
+def _pool(cache: LayerCache, codes: torch.dtype | None) -> Pool:
+    return KVPool.of(cache, codes) if isinstance(cache, KVCache) else LatentPool.of(cache)
 
 
 def _attention(block: torch.nn.Module) -> SelfAttention:

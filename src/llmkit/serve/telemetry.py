@@ -11,7 +11,7 @@ drafts) by the weights, and its attention multiplies each of those queries by th
                    choices are not recorded: an estimate, exact when every expert is reached)
     KV bytes       for each row, every cached key and value its last query attends to (a sliding window's layers at
                    most their window, a sparse one's top-k, plus its indexer's keys for all), at the pool's bytes a
-                   token (int8 codes and their scales with --kv-dtype int8)
+                   token (one-byte codes and their scales with --kv-dtype int8 or fp8)
     FLOPs          2 x the multiplied weights for each token (the output head only where logits are wanted: a row's
                    last token, each draft, each prompt token whose log-probabilities were asked for), plus attention's
                    2 x heads x (key + value widths) for each (query, key) pair it scores (latent attention: the

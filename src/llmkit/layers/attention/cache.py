@@ -12,10 +12,12 @@ while decoding, so a compiled decode step is compiled once, and no count of fill
 device. Which slots hold tokens, and which of them a query may see, is the attention mask's business (the cache's
 `SequenceState`, in llmkit.models.state).
 
-Int8KVCache keeps the keys and values of grouped-query attention as int8 codes with one fp32 scale per (token, kv
-head): a quarter of fp32's memory plus 4 bytes per D. It is the serving engine's --kv-dtype int8 (llmkit.serve.paged
-keeps its pools the same way, and the C++ decode step reads them) and `llmkit eval --kv-dtype int8`, which measures
-what it costs.
+QuantizedKVCache keeps the keys and values of grouped-query attention as one-byte codes with one fp32 scale per
+(token, kv head): a quarter of fp32's memory plus 4 bytes per D. The codes are int8 (KV_CODES["int8"]: a uniform grid
+of 255 steps of max |x| / 127) or fp8 (KV_CODES["fp8"]: E4M3 numbers, 3 bits of mantissa at every magnitude, scaled
+so that max |x| is 448, E4M3's largest). It is the serving engine's --kv-dtype int8 / fp8 (llmkit.serve.paged keeps
+its pools the same way; the C++ decode step reads int8 pools, the GPU's paged-attention kernel both) and
+`llmkit eval --kv-dtype`, which measures what each costs.
 """
 
 from __future__ import annotations
@@ -69,47 +71,52 @@ class KVCache:
         self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
 
 
-def quantize_int8(x: Tensor) -> tuple[Tensor, Tensor]:
-    """x (..., D) -> codes (..., D) int8 and scales (...) fp32: symmetric, one scale per vector, scale = max |x| / 127
-    and codes round(x / scale) (ties to even; 0 for a vector of zeros). The C++ decode step's KVLayout::put computes
-    the same codes from the same fp32 values."""
+# the codes a cache's keys and values may be kept as, by name: their dtype and the largest code a scale maps max |x| to
+KV_CODES = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
+
+
+def quantize_kv(x: Tensor, codes: torch.dtype) -> tuple[Tensor, Tensor]:
+    """x (..., D) -> codes (..., D) of dtype `codes` (int8 or float8_e4m3fn) and scales (...) fp32: symmetric, one
+    scale per vector, scale = max |x| / largest code, codes x / scale rounded to the nearest code (ties to even; 0 for
+    a vector of zeros). For int8 the C++ decode step's KVLayout::put computes the same codes from the same values."""
+    top = {dtype: largest for dtype, largest in KV_CODES.values()}[codes]
     x = x.float()
-    scale = x.abs().amax(-1) / 127
-    codes = (x / torch.where(scale > 0, scale, 1.0).unsqueeze(-1)).round().clamp(-127, 127)
-    return codes.to(torch.int8), scale
+    scale = x.abs().amax(-1) / top
+    scaled = (x / torch.where(scale > 0, scale, 1.0).unsqueeze(-1)).clamp(-top, top)
+    return (scaled.round() if codes == torch.int8 else scaled).to(codes), scale
 
 
-def dequantize_int8(codes: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-    """quantize_int8's codes (..., D) and scales (...) -> values (..., D) in `dtype`."""
+def dequantize_kv(codes: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """quantize_kv's codes (..., D) and scales (...) -> values (..., D) in `dtype`."""
     return (codes.float() * scale.unsqueeze(-1)).to(dtype)
 
 
-class Int8KVCache(KVCache):
-    """KVCache's keys and values as int8 codes k, v (B, K, S_max, D) with scales k_scale, v_scale (B, K, S_max)
-    (quantize_int8). `update` returns every slot dequantized into the new keys' dtype: attention reads the keys and
-    values the cache kept, its own token's too."""
+class QuantizedKVCache(KVCache):
+    """KVCache's keys and values as codes k, v (B, K, S_max, D) of dtype `codes` with scales k_scale, v_scale
+    (B, K, S_max) (quantize_kv). `update` returns every slot dequantized into the new keys' dtype: attention reads the
+    keys and values the cache kept, its own token's too."""
 
     def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, v_head_dim: int,
-                 device: torch.device | None = None) -> None:  # fmt: skip
-        super().__init__(batch, n_kv_heads, max_len, head_dim, v_head_dim, device, torch.int8)
+                 codes: torch.dtype, device: torch.device | None = None) -> None:  # fmt: skip
+        super().__init__(batch, n_kv_heads, max_len, head_dim, v_head_dim, device, codes)
         self.k_scale = torch.zeros(batch, n_kv_heads, max_len, device=device)
         self.v_scale = torch.zeros(batch, n_kv_heads, max_len, device=device)
 
     @classmethod
-    def like(cls, cache: KVCache) -> Int8KVCache:
-        """An empty int8 cache of `cache`'s shape and device."""
+    def like(cls, cache: KVCache, codes: torch.dtype) -> QuantizedKVCache:
+        """An empty cache of `codes` of `cache`'s shape and device."""
         B, K, S, D = cache.k.shape
-        return cls(B, K, S, D, cache.v.shape[-1], cache.k.device)
+        return cls(B, K, S, D, cache.v.shape[-1], codes, cache.k.device)
 
     def update(self, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         for codes, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-            c, s = quantize_int8(x)
-            codes.index_copy_(2, slots, c)
+            c, s = quantize_kv(x, codes.dtype)
+            codes.view(torch.uint8).index_copy_(2, slots, c.view(torch.uint8))  # (as bytes: PyTorch has no fp8 copy)
             scales.index_copy_(2, slots, s)
-        return dequantize_int8(self.k, self.k_scale, k.dtype), dequantize_int8(self.v, self.v_scale, v.dtype)
+        return dequantize_kv(self.k, self.k_scale, k.dtype), dequantize_kv(self.v, self.v_scale, v.dtype)
 
-    def first(self, n: int) -> Int8KVCache:
-        view = Int8KVCache.__new__(Int8KVCache)
+    def first(self, n: int) -> QuantizedKVCache:
+        view = QuantizedKVCache.__new__(QuantizedKVCache)
         view.k, view.v = self.k[:, :, :n], self.v[:, :, :n]
         view.k_scale, view.v_scale = self.k_scale[:, :, :n], self.v_scale[:, :, :n]
         return view
