@@ -57,6 +57,20 @@ def test_fp8_codes_keep_three_bits_of_mantissa_at_every_magnitude():
     assert not torch.equal(codes, quantize_kv(x, torch.int8)[0].to(torch.float8_e4m3fn))  # not int8's grid
 
 
+@pytest.mark.parametrize("codes", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_a_contiguous_quantized_cache_writes_reorders_and_views_its_slots(codes):
+    cache = QuantizedKVCache(2, 3, 8, 16, 12, codes)
+    k, v = torch.randn(2, 3, 3, 16), torch.randn(2, 3, 3, 12)
+    slots = torch.tensor([1, 4, 6])
+    keys, values = cache.update(slots, k, v)
+    for got, x in ((keys, k), (values, v)):
+        assert torch.equal(got[:, :, slots], dequantize_kv(*quantize_kv(x, codes), torch.float32))
+        assert not got[:, :, [0, 2, 3, 5, 7]].any()  # the other slots stay empty
+    cache.reorder(torch.tensor([1, 0]))
+    assert torch.equal(cache.first(5).k[0, :, 4].float(), quantize_kv(k[1, :, 1], codes)[0].float())
+    assert torch.equal(cache.first(5).v_scale[1, :, 1], quantize_kv(v[0, :, 0], codes)[1])
+
+
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 def test_a_quantized_cache_takes_about_a_quarter_of_the_memory(kv_dtype):
     model = _tiny()

@@ -63,10 +63,10 @@ def paged_attention_reference(
         S = s0 + n
         pos = torch.arange(S, device=q.device)
         page = rows.table[b, pos // bs].long()  # (S,)
-        keys = k[:, page, pos % bs].float()  # (K, S, D)
+        keys = _at(k, page, pos % bs).float()  # (K, S, D)
         if k_rope is not None:
             keys = torch.cat((keys, k_rope[:, page, pos % bs].float()), dim=-1)  # (K, S, D + dr)
-        values = v[:, page, pos % bs].float()  # (K, S, Dv)
+        values = _at(v, page, pos % bs).float()  # (K, S, Dv)
         if k_scale is not None and v_scale is not None:  # codes times their scales
             keys = keys * k_scale[:, page, pos % bs, None]
             values = values * v_scale[:, page, pos % bs, None]
@@ -85,6 +85,13 @@ def paged_attention_reference(
         weights = weights.masked_fill(~visible.any(-1)[:, None, None, None], 0.0)  # a query seeing nothing: zeros
         out[q0 : q0 + n] = torch.einsum("tkgs,ksd->tkgd", weights, values).reshape(n, H, -1).to(out.dtype)
     return out
+
+
+def _at(pool: Tensor, page: Tensor, slot: Tensor) -> Tensor:
+    """pool[:, page, slot], a pool of one-byte codes indexed as bytes (PyTorch indexes fp8 on few devices)."""
+    if pool.element_size() != 1:
+        return pool[:, page, slot]
+    return pool.view(torch.uint8)[:, page, slot].view(pool.dtype)
 
 
 def paged_attention(

@@ -109,7 +109,8 @@ class KVPool:
             self.v[:, block, offset] = v.to(self.v.dtype)
             return
         for codes, scales, x in zip((self.k, self.v), self.scales, (k, v), strict=True):
-            codes[:, block, offset], scales[:, block, offset] = quantize_kv(x, codes.dtype)
+            c, scales[:, block, offset] = quantize_kv(x, codes.dtype)
+            codes.view(torch.uint8)[:, block, offset] = c.view(torch.uint8)  # (bytes: PyTorch seldom indexes fp8)
 
     def rows(self, table: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Each row's slots (B, K, nb * bs, D) and (B, K, nb * bs, Dv) through block table (B, nb), in `dtype`."""
@@ -117,8 +118,8 @@ class KVPool:
             return _rows(self.k, table), _rows(self.v, table)
         k_scale, v_scale = self.scales
         return (
-            dequantize_kv(_rows(self.k, table), _rows(k_scale[..., None], table)[..., 0], dtype),
-            dequantize_kv(_rows(self.v, table), _rows(v_scale[..., None], table)[..., 0], dtype),
+            dequantize_kv(_code_rows(self.k, table), _rows(k_scale[..., None], table)[..., 0], dtype),
+            dequantize_kv(_code_rows(self.v, table), _rows(v_scale[..., None], table)[..., 0], dtype),
         )
 
 
@@ -189,6 +190,11 @@ def _rows(pool: Tensor, table: Tensor) -> Tensor:
     B, nb = table.shape
     K, _, bs, D = pool.shape
     return pool.index_select(1, table.reshape(-1)).view(K, B, nb * bs, D).transpose(0, 1)
+
+
+def _code_rows(pool: Tensor, table: Tensor) -> Tensor:
+    """_rows of a pool of one-byte codes, gathered as bytes (PyTorch's index_select takes fp8 on few devices)."""
+    return _rows(pool.view(torch.uint8), table).view(pool.dtype)
 
 
 def _latent_rows(pool: Tensor, table: Tensor) -> Tensor:

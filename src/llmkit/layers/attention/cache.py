@@ -126,7 +126,7 @@ class QuantizedKVCache(KVCache):
         return _nbytes(self.k, self.v, self.k_scale, self.v_scale)
 
     def reorder(self, index: Tensor) -> None:
-        super().reorder(index)
+        self.k, self.v = (c.view(torch.uint8).index_select(0, index).view(c.dtype) for c in (self.k, self.v))
         self.k_scale, self.v_scale = self.k_scale.index_select(0, index), self.v_scale.index_select(0, index)
 
 
