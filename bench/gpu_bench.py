@@ -100,12 +100,18 @@ def limits(device: str) -> dict[str, float]:
             "read_gbs": memory_bandwidth(device, seconds=0.5) / 1e9}  # fmt: skip
 
 
-def engine_for(pair: Pair, max_batch: int, invariant: bool = False, kv_dtype: str | None = None) -> Any:
+def engine_for(
+    pair: Pair, max_batch: int, invariant: bool = False, kv_dtype: str | None = None, kv_memory: int | None = None
+) -> Any:
+    """The serving engine over `pair`'s model, its cache `kv_memory` bytes (default: half the free memory, 40 GiB at
+    most)."""
     from llmkit.serve.engine import Engine, EngineConfig
 
-    free = torch.cuda.mem_get_info()[0] if pair.ours.device.type == "cuda" else 1 << 30
+    if kv_memory is None:
+        free = torch.cuda.mem_get_info()[0] if pair.ours.device.type == "cuda" else 1 << 30
+        kv_memory = min(int(free * 0.5), 40 << 30)
     config = EngineConfig(
-        kv_memory=min(int(free * 0.5), 40 << 30),
+        kv_memory=kv_memory,
         max_batch=max_batch,
         step_tokens=4096,
         batch_invariant=invariant,
@@ -236,7 +242,8 @@ def main() -> None:
                    "step_ms": r["step_ms"], "of_bandwidth": (1 / step_s) / ceiling if step_s else 0.0}  # fmt: skip
             emit(row)
             decoded[batch] = r["decode_tok_s"]
-            release(engine)
+            del engine
+            release()
         for T in (512, 2048):
             p = prefill(pair, T, device)
             peak = lim["bf16_tflops"] * 1e12
@@ -253,7 +260,8 @@ def main() -> None:
             emit({"part": "serve", "shape": shape, "concurrency": concurrency, "tok_s": r["tok_s"],
                   "ttft_p50": r["ttft_p50"], "ttft_p95": r["ttft_p95"]})  # fmt: skip
             served[concurrency] = r["tok_s"]
-            release(engine)
+            del engine
+            release()
         if args.kv_dtypes:
             for row in kv_dtype_rows(pair, args.kv_dtypes.split(","), args.new, device):
                 emit({"part": "kv cache", "shape": shape, **row})
@@ -267,33 +275,37 @@ def main() -> None:
                 emit({"part": "batch-invariant", "shape": shape, "concurrency": concurrency,
                       "prompt": prompt_len, "tok_s": tok_s, "of_default": tok_s / before,
                       "ttft_p50": r["ttft_p50"]})  # fmt: skip
-                release(engine)
+                del engine
+                release()
         # last, as it compiles for minutes: a run cut short by its time limit loses only these rows
         for batch in (int(b) for b in args.hf_batches.split(",") if b):
             theirs = hf_decode(pair, batch, 32, args.new, device)
             emit({"part": "decode vs transformers", "shape": shape, "batch": batch, "llmkit_tok_s": decoded[batch],
                   "transformers_tok_s": theirs, "ratio": decoded[batch] / theirs})  # fmt: skip
         del pair
-        release(None)
+        release()
 
 
 def kv_dtype_rows(pair: Pair, kv_dtypes: list[str], new: int, device: str) -> list[dict[str, Any]]:
     """Decoding 32 requests of 1,024-token prompts with the cache in the model's bf16 and in each of `kv_dtypes`, the
-    same prompts: output tokens/s after the first token and the pool's blocks, the quantized ones as ratios to bf16's
-    (a GPU without fp8 refuses fp8: its row says why)."""
+    same prompts and the same bytes of cache: output tokens/s after the first token and the pool's blocks, the
+    quantized ones as ratios to bf16's (a GPU without fp8 refuses fp8: its row says why)."""
     prompts = [torch.randint(0, pair.shape["vocab"], (1024,)).tolist() for _ in range(32)]
+    free = torch.cuda.mem_get_info()[0] if device == "cuda" else 1 << 30
+    kv_memory = min(int(free * 0.3), 16 << 30)  # the same for each cache: its blocks count what the codes save
     rows: list[dict[str, Any]] = []
     base: dict[str, float] = {}
     for kv_dtype in [None, *kv_dtypes]:
         try:
-            engine = engine_for(pair, 32, kv_dtype=kv_dtype)
+            engine = engine_for(pair, 32, kv_dtype=kv_dtype, kv_memory=kv_memory)
         except Exception as e:  # (an fp8 cache on a GPU before compute capability 8.9)
             rows.append({"kv_dtype": kv_dtype, "refused": str(e)})
             continue
-        run_engine(engine, prompts[:2], 8, device)  # warm-up: compiles the kernels, captures the graphs
+        run_engine(engine, prompts, 4, device)  # warm-up as timed: compiles the kernels, captures the graphs
         r = run_engine(engine, prompts, new, device)
         blocks = engine.pool.n_blocks
-        release(engine)
+        del engine
+        release()
         if kv_dtype is None:
             base = {"tok_s": r["decode_tok_s"], "blocks": blocks}
         tok_s = r["decode_tok_s"]
@@ -302,9 +314,9 @@ def kv_dtype_rows(pair: Pair, kv_dtypes: list[str], new: int, device: str) -> li
     return rows
 
 
-def release(engine: Any) -> None:
-    """Let an engine's cache and graphs go before the next part sizes its own from the free memory."""
-    del engine
+def release() -> None:
+    """Let the engines no name holds (their caches and graphs) go before the next part sizes its own from the free
+    memory."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

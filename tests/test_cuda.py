@@ -37,6 +37,12 @@ def pair(name: str, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module
     return cpu, gpu
 
 
+def needs_fp8() -> None:
+    """Skip on a GPU without fp8 conversions (NVIDIA before compute capability 8.9, or not NVIDIA)."""
+    if torch.version.hip is not None or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs an NVIDIA GPU of compute capability 8.9 or later")
+
+
 @pytest.mark.parametrize("name", TINY)
 def test_gpu_forward_equals_cpu(name):
     cpu, gpu = pair(name)
@@ -187,6 +193,8 @@ def test_gpu_paged_attention_kernel_reads_quantized_pools(dtype, codes):
     from llmkit.kernels.paged_attention import PagedRows, paged_attention, paged_attention_reference
     from llmkit.layers.attention.cache import quantize_kv
 
+    if codes == torch.float8_e4m3fn:
+        needs_fp8()
     torch.manual_seed(0)
     dev = torch.device("cuda")
     rows = PagedRows.of(torch.randperm(64)[:48].view(4, 12), [5, 0, 40, 17], [1, 30, 1, 8], dev)
@@ -211,6 +219,8 @@ def test_gpu_serving_engine_with_a_quantized_cache(kv_dtype, monkeypatch):
     from llmkit.serve.paged import PagedCache
     from llmkit.serve.request import SamplingParams
 
+    if kv_dtype == "fp8":
+        needs_fp8()
     _, gpu = pair("llama2-7b-tiny")
     prompts = [[7, 8, 9, 10, 11, 12, 13, 14, *p] for p in PROMPTS]
     per_block = PagedCache.bytes_per_block(gpu, 4, torch.float32, kv_dtype)

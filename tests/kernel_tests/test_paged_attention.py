@@ -153,6 +153,25 @@ def test_quantized_pools(codes: torch.dtype, dtype: torch.dtype) -> None:
             torch.testing.assert_close(got.float(), want.float(), **tol)
 
 
+@pytest.mark.parametrize("codes", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_quantized_pools_in_half_precision_over_a_long_context(codes: torch.dtype) -> None:
+    """fp16 queries over 4,096 keys of small values with peaked attention: a value's scale (max |v| / 448 for fp8)
+    times a small unnormalised probability falls below fp16's normal numbers, so the scales go on the values (codes
+    times scale in fp32, then fp16), never on the probabilities: the output is the reference's to fp16's precision,
+    as a pool of fp16 values would give it (measured: 2e-2 of the output with the scales on the probabilities)."""
+    from llmkit.layers.attention.cache import quantize_kv
+
+    bs, n = 16, 4096
+    (k, k_scale), (v, v_scale) = (quantize_kv(torch.randn(1, n // bs, bs, 64) * m, codes) for m in (0.3, 0.001))
+    k, k_scale, v, v_scale = (t.to(DEVICE) for t in (k, k_scale, v, v_scale))
+    rows = PagedRows.of(torch.randperm(n // bs)[None], [n - 1], [1], DEVICE)
+    q = (torch.randn(1, 2, 64, device=DEVICE) * 10).half()
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
+    want = paged_attention_reference(q.float(), k, v, rows, 0.125, **scales)  # type: ignore[arg-type]
+    got = paged_attention(q, k, v, rows, 0.125, **scales).float()  # type: ignore[arg-type]
+    assert (got - want).norm() < 3e-3 * want.norm(), ((got - want).norm() / want.norm()).item()
+
+
 def test_bounds_wider_than_the_rows() -> None:
     """A captured step's grid is sized by fixed bounds: the programs past a row's queries and keys change nothing."""
     kernel, reference = run_both(4, 2, [5, 17], [1, 1], spare=6, chunks=4)

@@ -155,7 +155,7 @@ def test_prefix_tier_blocks_carry_the_scales(kv_dtype):
     cache = PagedCache(model, 4, BS, model.device, torch.float32, kv_dtype=kv_dtype)
     for pool in cache.grouped_query() or []:
         for t in (pool.k, pool.v):
-            t.copy_((torch.randn(t.shape) * 100).to(t.dtype))
+            t.copy_((torch.randn(t.shape) * 100).clamp(-127, 127).to(t.dtype))  # (past E4M3's 448 a cast is NaN)
         for t in (pool.k_scale, pool.v_scale):
             t.copy_(torch.rand(t.shape))
     data = cache.read_block(1)
@@ -254,7 +254,7 @@ def _text(tok, tokens: int = 1536) -> str:
     return first_tokens(tok, read_text("shakespeare"), tokens)
 
 
-@pytest.mark.parametrize(("kv_dtype", "kl", "top1"), [("int8", 0.004, 0.96), ("fp8", 0.012, 0.93)])
+@pytest.mark.parametrize(("kv_dtype", "kl", "top1"), [("int8", 0.004, 0.95), ("fp8", 0.012, 0.92)])
 def test_smollm2_quantized_cache_kl_and_top1_within_the_stated_bounds(smollm2, kv_dtype, kl, top1):
     """KL(fp32 cache || quantized cache) per token on 1,536 tokens of Shakespeare in windows of 512, the same model
     (its Q4_1 weights dequantized): measured int8 0.0007 nats with 98.4% top-1 agreement, fp8 0.0048 with 96.6%

@@ -17,9 +17,9 @@ once, and empty chunks write an empty partial (m = -inf, l = 0), so a grid sized
 graph's) is correct for any rows inside them.
 
 A quantized pool (--kv-dtype int8 or fp8) holds one-byte codes and a scale per (kv head, block, slot). The codes are
-converted to the queries' dtype as they are loaded, and the scales applied where they cost least: a key's scale
-multiplies its column of scores, a value's scale the probability that weighs it (not the softmax's sum), so no tile
-is ever dequantized in full.
+converted as they are loaded: a key's scale multiplies its column of scores (the codes, exact in the queries' dtype,
+times the query), a value's codes are multiplied by their scale in fp32 and rounded to the queries' dtype. Nothing is
+dequantized in memory: a tile's values exist in the model's dtype only in registers.
 
 Under TRITON_INTERPRET=1 the same code runs on CPU tensors (numpy underneath): the tests check it against the
 reference there, in fp32 and fp16 (the interpreter's bf16 products are wrong as of Triton 3.9: the GPU check covers
@@ -175,13 +175,13 @@ def _weighted_values(
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, SCALED: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """p (M, N) times the key tile's values (N, DV), in fp32. v_at, x_at (N,): where each value's first element lies
-    and, when SCALED, its scale: then the codes are read in `dtype` (the queries') and each value's scale multiplies
-    the probability that weighs it."""
+    and, when SCALED, its scale: then each value is its codes times its scale, in fp32, rounded to `dtype` (the
+    queries'). (Not the scale on the probabilities: in fp16 a small scale times a small probability falls below the
+    normal numbers.)"""
     dv = tl.arange(0, BLOCK_DV)
     v = tl.load(v_at[:, None] + dv[None, :], mask=inside[:, None] & (dv[None, :] < DV), other=0.0)  # (N, DV)
     if SCALED:
-        v = v.to(dtype)
-        p = p * tl.load(x_at, mask=inside, other=0.0)[None, :]
+        v = (v.to(tl.float32) * tl.load(x_at, mask=inside, other=0.0)[:, None]).to(dtype)
     return tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
 
 

@@ -47,7 +47,7 @@ using namespace llmkit::step;
 // index * D of k (index * Dv of v). Either a contiguous cache, k (B, KH, S, D), or a paged pool, k (KH, N, bs, D)
 // with a block table (B, nb) of each row's physical blocks (llmkit/serve/paged.py's heads-first layout). The
 // entries are fp32, or int8 codes with one fp32 scale an entry (k8, ks: (.., D) and (..) of the same layout), the
-// codes round(x / scale) with scale = max |x| / 127 (llmkit/layers/attention/cache.py's quantize_int8, which the
+// codes round(x / scale) with scale = max |x| / 127 (llmkit/layers/attention/cache.py's quantize_kv, which the
 // PyTorch paths write with: a key gets the same codes from either).
 struct KVLayout {
   float* k = nullptr;

@@ -229,11 +229,11 @@ def model_runner(
             raise InputError("a model split across ranks is served without the batch-invariant mode")
         return LockstepRunner(model, cache, block_size, lockstep)
     kernels = model.device.type == "cuda" and attends_in_place(model) and triton_usable(model.device)
-    if cache.kv_dtype == "fp8" and not (kernels and torch.cuda.get_device_capability(model.device) >= (8, 9)):
+    if cache.kv_dtype == "fp8" and not (kernels and _converts_fp8(model.device)):
         raise InputError(
-            "an fp8 KV cache is read by llmkit's paged-attention kernels on a GPU of compute capability 8.9 or later "
-            "(Ada, Hopper) with Triton installed; elsewhere --kv-dtype int8 takes the same memory (on a CPU the C++ "
-            "step reads it in place)"
+            "an fp8 KV cache is read by llmkit's paged-attention kernels on an NVIDIA GPU of compute capability 8.9 or "
+            "later (Ada, Hopper) with Triton installed; elsewhere --kv-dtype int8 takes the same memory (on a CPU the "
+            "C++ step reads it in place)"
         )
     if kernels:
         return KernelRunner(model, cache, block_size, invariant=bool(invariant))
@@ -252,6 +252,11 @@ def model_runner(
             "the batch-invariant mode runs tokens through llmkit's C++ decode step, which reads fp32 caches"
         )
     return TorchRunner(model, cache, block_size)
+
+
+def _converts_fp8(device: torch.device) -> bool:
+    """Whether Triton converts fp8 E4M3 on `device`: NVIDIA from compute capability 8.9 (ROCm's numbering differs)."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def attends_in_place(model: DecoderLM) -> bool:

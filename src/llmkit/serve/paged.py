@@ -37,7 +37,6 @@ from llmkit.layers.attention.cache import (
     IndexQueries,
     KVCache,
     LatentCache,
-    LayerCache,
     SelectedInPlace,
     dequantize_kv,
     quantize_kv,
@@ -79,14 +78,20 @@ class KVPool:
     v_scale: Tensor | None = None
 
     @classmethod
-    def of(cls, cache: KVCache, codes: torch.dtype | None = None) -> KVPool:
-        """The pool whose blocks are the rows of `cache` (batch = N blocks, max_len = block size); with `codes`
-        (torch.int8 or torch.float8_e4m3fn), of those codes and their scales instead of cache's dtype."""
-        k, v = cache.k.transpose(0, 1).contiguous(), cache.v.transpose(0, 1).contiguous()
+    def of(cls, cache: KVCache) -> KVPool:
+        """The pool whose blocks are the rows of `cache` (batch = N blocks, max_len = block size)."""
+        return cls(cache.k.transpose(0, 1).contiguous(), cache.v.transpose(0, 1).contiguous())
+
+    @classmethod
+    def empty(cls, like: KVCache, device: torch.device, codes: torch.dtype | None = None) -> KVPool:
+        """An empty pool of `like`'s shape (batch = N blocks, max_len = block size; `like` may be on the meta
+        device: only its shapes and dtype are read), allocated once on `device`: in like's dtype or, with `codes`
+        (torch.int8 or torch.float8_e4m3fn), of those codes (zero bytes: +0) and their scales."""
+        N, K, bs, D = like.k.shape
         if codes is None:
-            return cls(k, v)
-        scales = torch.zeros(k.shape[:3], device=k.device)
-        return cls(k.to(codes), v.to(codes), scales, scales.clone())
+            return cls(*(torch.zeros(K, N, bs, d, device=device, dtype=like.k.dtype) for d in (D, like.v.shape[-1])))
+        k, v = (torch.zeros(K, N, bs, d, device=device, dtype=torch.uint8).view(codes) for d in (D, like.v.shape[-1]))
+        return cls(k, v, torch.zeros(K, N, bs, device=device), torch.zeros(K, N, bs, device=device))
 
     @property
     def nbytes(self) -> int:
@@ -303,9 +308,7 @@ class PagedCache:
         # `scratch`: one block more, never handed out, that the padding rows of a captured step write to
         self.scratch = n_blocks if scratch else None
         total = n_blocks + int(scratch)
-        self.layers: list[Pool] = [
-            _pool(_attention(b).new_cache(total, block_size, device, dtype), codes) for b in model.blocks
-        ]
+        self.layers: list[Pool] = [_pool(_attention(b), total, block_size, device, dtype, codes) for b in model.blocks]
 
     @staticmethod
     def bytes_per_block(model: DecoderLM, block_size: int, dtype: torch.dtype, kv_dtype: str | None = None) -> int:
@@ -368,8 +371,21 @@ class PagedCache:
 KV_DTYPES = (None, *KV_CODES)
 
 
-def _pool(cache: LayerCache, codes: torch.dtype | None) -> Pool:
-    return KVPool.of(cache, codes) if isinstance(cache, KVCache) else LatentPool.of(cache)
+def _pool(
+    attention: SelfAttention,
+    n: int,
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    codes: torch.dtype | None,
+) -> Pool:
+    """One layer's pool of n blocks: a grouped-query one allocated in its own layout at once (no cache in the
+    model's dtype and a copy of it first: an int8 pool of an fp32 model briefly took nine times its bytes), a
+    latent one as its cache."""
+    shape = attention.new_cache(n, block_size, torch.device("meta"), dtype)
+    if isinstance(shape, KVCache):
+        return KVPool.empty(shape, device, codes)
+    return LatentPool.of(cast(LatentCache, attention.new_cache(n, block_size, device, dtype)))
 
 
 def _attention(block: torch.nn.Module) -> SelfAttention:
