@@ -73,13 +73,14 @@ class KVCache:
 
 # the codes a cache's keys and values may be kept as, by name: their dtype and the largest code a scale maps max |x| to
 KV_CODES = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
+_LARGEST = dict(KV_CODES.values())  # codes' dtype -> the largest code
 
 
 def quantize_kv(x: Tensor, codes: torch.dtype) -> tuple[Tensor, Tensor]:
     """x (..., D) -> codes (..., D) of dtype `codes` (int8 or float8_e4m3fn) and scales (...) fp32: symmetric, one
     scale per vector, scale = max |x| / largest code, codes x / scale rounded to the nearest code (ties to even; 0 for
     a vector of zeros). For int8 the C++ decode step's KVLayout::put computes the same codes from the same values."""
-    top = {dtype: largest for dtype, largest in KV_CODES.values()}[codes]
+    top = _LARGEST[codes]
     x = x.float()
     scale = x.abs().amax(-1) / top
     scaled = (x / torch.where(scale > 0, scale, 1.0).unsqueeze(-1)).clamp(-top, top)
